@@ -1,0 +1,81 @@
+"""The `mla_dcp` torch.compile backend: our graph rewrites, then Inductor with our pass manager.
+
+Found by Dynamo through the `torch_dynamo_backends` entry point, so `torch.compile(m, backend="mla_dcp")`
+works without importing this package. `mode=` takes Inductor's modes ("reduce-overhead" turns on
+CUDA-graph trees); `options=` takes our keys (BACKEND_OPTIONS) and any `torch._inductor.config` key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from . import ops  # noqa: F401  (registers torch.ops.mla / torch.ops.dsa)
+from .passes.manager import PassManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOptions:
+    """Our own `options=` keys."""
+
+    rewrite_attention: bool = True  # rewrite HF MLA attention into absorbed mla.decode / mla.dcp_decode
+    dsa_dual_graph: bool = True  # DSA: dense (k-only) and sparse graphs selected by a Dynamo guard
+
+
+BACKEND_OPTIONS = tuple(f.name for f in dataclasses.fields(BackendOptions))
+
+
+def _inductor_config_keys() -> set[str]:
+    return set(torch._inductor.config.get_config_copy().keys())
+
+
+def parse_options(options: dict[str, Any] | None) -> tuple[BackendOptions, dict[str, Any]]:
+    """Split `options` into our keys and Inductor config patches; unknown keys raise ValueError."""
+    ours, inductor = {}, {}
+    inductor_keys = _inductor_config_keys()
+    for key, value in (options or {}).items():
+        if key in BACKEND_OPTIONS:
+            ours[key] = value
+        elif key in inductor_keys:
+            inductor[key] = value
+        else:
+            raise ValueError(
+                f"options: unknown key {key!r}. Valid keys: {', '.join(BACKEND_OPTIONS)}, "
+                f"or any torch._inductor.config key (e.g. 'triton.cudagraphs', 'max_autotune')")
+    return BackendOptions(**ours), inductor
+
+
+def mode_config(mode: str | None) -> dict[str, Any]:
+    modes = torch._inductor.list_mode_options()
+    if mode is None:
+        return {}
+    if mode not in modes:
+        raise ValueError(f"mode: unknown mode {mode!r}; valid: {', '.join(modes)}")
+    return dict(modes[mode])
+
+
+def build_pass_manager(opts: BackendOptions) -> PassManager:
+    """Post-grad passes for Inductor (graph-level rewrites run on the Dynamo graph, see `rewrite_graph`)."""
+    return PassManager()
+
+
+def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, opts: BackendOptions) -> torch.fx.GraphModule:
+    """Rewrites on the Dynamo graph, where attention still has one form on every device."""
+    return gm
+
+
+def mla_dcp(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None,
+            options: dict[str, Any] | None = None):
+    """torch.compile backend: `torch.compile(model, backend="mla_dcp", mode=..., options=...)`."""
+    from torch._inductor.compile_fx import compile_fx
+
+    opts, inductor_patches = parse_options(options)
+    patches = {**mode_config(mode), **inductor_patches,
+               "post_grad_custom_pre_pass": build_pass_manager(opts)}
+    gm = rewrite_graph(gm, example_inputs, opts)
+    return compile_fx(gm, example_inputs, config_patches=patches)

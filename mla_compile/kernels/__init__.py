@@ -1,0 +1,1 @@
+"""GPU kernels (Triton) and the optional FlashInfer adapter. `dispatch` is what the ops' CUDA impls call."""

@@ -1,0 +1,67 @@
+"""DCP ownership math — the ONE place it lives.
+
+Token t of a request is owned by rank ``t % n`` at local position ``t // n`` (token-cyclic sharding).
+Rank r therefore holds ``L // n + (r < L % n)`` of a request's L tokens; the ranks' counts sum to L, and a
+decode step's new token (position L-1) grows exactly rank ``(L-1) % n``. A rank may own nothing (n > L).
+Every path (ops, caches, passes, tests) derives local lengths and write slots from these functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check_group(dcp_size: int, dcp_rank: int) -> None:
+    if not (isinstance(dcp_size, int) and dcp_size >= 1):
+        raise ValueError(f"dcp_size: must be an int >= 1, got {dcp_size!r}")
+    if not (isinstance(dcp_rank, int) and 0 <= dcp_rank < dcp_size):
+        raise ValueError(f"dcp_rank: must be in [0, dcp_size={dcp_size}), got {dcp_rank!r}")
+
+
+def owner_rank(position, dcp_size: int):
+    """Rank owning global token `position` (int or tensor)."""
+    return position % dcp_size
+
+
+def local_position(position, dcp_size: int):
+    """Position of global token `position` inside its owner's shard."""
+    return position // dcp_size
+
+
+def local_lens(seq_lens, dcp_size: int, dcp_rank: int):
+    """Tokens of each request held by `dcp_rank`: L // n + (rank < L % n). Works on ints and tensors
+    (keeps the tensor's dtype and device; no host sync)."""
+    _check_group(dcp_size, dcp_rank)
+    if isinstance(seq_lens, torch.Tensor):
+        return (seq_lens // dcp_size + (seq_lens % dcp_size > dcp_rank).to(seq_lens.dtype)).to(seq_lens.dtype)
+    return seq_lens // dcp_size + int(dcp_rank < seq_lens % dcp_size)
+
+
+def local_capacity(max_len: int, dcp_size: int) -> int:
+    """Tokens of one request a rank must be able to hold: ceil(max_len / n)."""
+    _check_group(dcp_size, 0)
+    return -(-max_len // dcp_size)
+
+
+def local_token_positions(seq_len: int, dcp_size: int, dcp_rank: int) -> torch.Tensor:
+    """Global positions, in local order, of the tokens `dcp_rank` owns of a request of length seq_len."""
+    _check_group(dcp_size, dcp_rank)
+    return torch.arange(dcp_rank, max(seq_len, dcp_rank), dcp_size)  # empty when the rank owns nothing
+
+
+def owner_slots(block_table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor, page_size: int,
+                dcp_size: int = 1, dcp_rank: int = 0) -> torch.Tensor:
+    """Write slots for new tokens: the physical slot in this rank's shard, or -1 if another rank owns it.
+
+    block_table int32 [B, MP] holds THIS rank's pages; req_indices [T] says which request each token
+    belongs to; positions [T] are GLOBAL token positions. Returns int64 [T] for `mla::cache_write`.
+    """
+    _check_group(dcp_size, dcp_rank)
+    if page_size <= 0:
+        raise ValueError(f"page_size: must be positive, got {page_size}")
+    positions = positions.long()
+    local = local_position(positions, dcp_size)
+    page = block_table.long()[req_indices.long(), (local // page_size).clamp(max=block_table.shape[1] - 1)]
+    slots = page * page_size + local % page_size
+    mine = owner_rank(positions, dcp_size) == dcp_rank
+    return torch.where(mine, slots, torch.full_like(slots, -1))

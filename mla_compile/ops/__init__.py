@@ -1,0 +1,8 @@
+"""The op registry: importing this module registers every `torch.ops.mla.*` / `torch.ops.dsa.*` op."""
+
+from .attention import decode, sparse_decode
+from .cache import cache_write
+from .dsa import indexer_topk, k_only_indices
+from .merge import merge_states
+
+__all__ = ["decode", "sparse_decode", "cache_write", "indexer_topk", "k_only_indices", "merge_states"]

@@ -1,0 +1,98 @@
+"""Input validation shared by every op implementation (fake, CPU, CUDA).
+
+Two levels:
+  * metadata checks (shape / dtype / device) run everywhere, including the fake impl, so a bad call fails
+    at trace time with the same message it gives eagerly;
+  * data checks (index ranges, lengths) read tensor values, so they run only where that costs no device
+    sync: on CPU always, on CUDA only when ``MLA_COMPILE_CHECK_DATA=1`` (debugging).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def fail(name: str, msg: str):
+    raise ValueError(f"{name}: {msg}")
+
+
+def check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        fail(name, msg)
+
+
+def check_tensor(t, name: str, ndim: int, dtypes=None) -> None:
+    check(isinstance(t, torch.Tensor), name, f"expected a Tensor, got {type(t).__name__}")
+    check(t.dim() == ndim, name, f"expected {ndim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None:
+        dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+        check(t.dtype in dtypes, name, f"expected dtype in {dtypes}, got {t.dtype}")
+
+
+def check_dim(t: torch.Tensor, name: str, dim: int, size, what: str) -> None:
+    check(t.shape[dim] == size, name, f"dim {dim} is {t.shape[dim]} but must equal {what} ({size})")
+
+
+def check_same_device(named: dict) -> None:
+    devices = {n: t.device for n, t in named.items()}
+    first_name, first = next(iter(devices.items()))
+    for n, d in devices.items():
+        check(d == first, n, f"is on {d} but {first_name} is on {first} (all inputs must share a device)")
+
+
+def data_checks_enabled(device: torch.device) -> bool:
+    if device.type == "cpu":
+        return True
+    return os.environ.get("MLA_COMPILE_CHECK_DATA", "0") == "1"
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return _is_fake(t) or t.device.type == "meta"
+
+
+def check_paged_cache(ckv_cache, kpe_cache, R: int, P: int) -> tuple[int, int]:
+    """Latent cache pair [NP, PS, R] / [NP, PS, P]; returns (num_pages, page_size)."""
+    check_tensor(ckv_cache, "ckv_cache", 3, FLOAT_DTYPES)
+    check_tensor(kpe_cache, "kpe_cache", 3, FLOAT_DTYPES)
+    check_dim(ckv_cache, "ckv_cache", 2, R, "q_nope.shape[-1] (kv_lora_rank R)")
+    check_dim(kpe_cache, "kpe_cache", 2, P, "q_pe.shape[-1] (rope dim P)")
+    check(kpe_cache.shape[:2] == ckv_cache.shape[:2], "kpe_cache",
+          f"pages/page size {tuple(kpe_cache.shape[:2])} differ from ckv_cache {tuple(ckv_cache.shape[:2])}")
+    check(ckv_cache.shape[1] > 0, "ckv_cache", "page size must be positive")
+    return ckv_cache.shape[0], ckv_cache.shape[1]
+
+
+def check_block_table(block_table, seq_lens, B: int) -> None:
+    check_tensor(block_table, "block_table", 2, torch.int32)
+    check_tensor(seq_lens, "seq_lens", 1, torch.int32)
+    check_dim(block_table, "block_table", 0, B, "the batch size")
+    check_dim(seq_lens, "seq_lens", 0, B, "the batch size")
+
+
+def check_block_table_data(block_table, seq_lens, num_pages: int, page_size: int) -> None:
+    """Values: lengths in [0, capacity]; pages a request uses index real pages."""
+    if is_fake(seq_lens) or not data_checks_enabled(seq_lens.device):
+        return
+    capacity = block_table.shape[1] * page_size
+    if seq_lens.numel():
+        lo, hi = int(seq_lens.min()), int(seq_lens.max())
+        check(lo >= 0, "seq_lens", f"lengths must be >= 0, got {lo}")
+        check(hi <= capacity, "seq_lens",
+              f"length {hi} exceeds the block table's capacity {capacity} (= {block_table.shape[1]} pages x {page_size})")
+    pages_used = (seq_lens.long() + page_size - 1) // page_size
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages_used[:, None]
+    if used.any():
+        vals = block_table[used]
+        lo, hi = int(vals.min()), int(vals.max())
+        check(lo >= 0 and hi < num_pages, "block_table",
+              f"page index out of range [0, {num_pages}): saw {lo if lo < 0 else hi}")
+
+
+def check_scale(sm_scale, name: str = "sm_scale") -> None:
+    check(isinstance(sm_scale, (float, int)) and sm_scale == sm_scale, name, f"expected a finite float, got {sm_scale!r}")

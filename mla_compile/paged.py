@@ -1,0 +1,80 @@
+"""Paged latent cache construction: block tables and filling pages from per-request tokens.
+
+Used by the demo, the tests and the benchmarks so that every one of them lays caches out the same way,
+and DCP shards are always made through `layout` (never by hand).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import layout
+
+
+@dataclasses.dataclass
+class PagedBatch:
+    """A batch of requests in a paged latent cache (one rank's view when DCP-sharded)."""
+
+    ckv_cache: torch.Tensor  # [NP, PS, R]
+    kpe_cache: torch.Tensor  # [NP, PS, P]
+    block_table: torch.Tensor  # int32 [B, MP]
+    seq_lens: torch.Tensor  # int32 [B], lengths held in THIS cache (local lengths on a DCP rank)
+
+    @property
+    def page_size(self) -> int:
+        return self.ckv_cache.shape[1]
+
+
+def make_block_table(seq_lens: list[int], page_size: int, max_pages: int | None = None, *, shuffle: bool = True,
+                     spare_pages: int = 0, generator: torch.Generator | None = None,
+                     device="cpu") -> tuple[torch.Tensor, int]:
+    """Give each request ceil(len / PS) distinct pages (shuffled across the pool, like a real allocator).
+
+    Returns (block_table int32 [B, max_pages], num_pages). Unused entries point at page 0 (never read).
+    """
+    need = [-(-n // page_size) for n in seq_lens]
+    max_pages = max(max_pages or 0, max(need, default=0), 1)
+    num_pages = sum(need) + spare_pages + 1
+    pool = torch.randperm(num_pages, generator=generator) if shuffle else torch.arange(num_pages)
+    table = torch.zeros(len(seq_lens), max_pages, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(need):  # per request, not per token
+        table[b, :n] = pool[start:start + n].to(torch.int32)
+        start += n
+    return table.to(device), num_pages
+
+
+def fill_paged(ckv: list[torch.Tensor], kpe: list[torch.Tensor], page_size: int, *, max_pages: int | None = None,
+               shuffle: bool = True, spare_pages: int = 0, generator: torch.Generator | None = None) -> PagedBatch:
+    """Lay out request b's tokens ckv[b] [L_b, R] / kpe[b] [L_b, P] in a fresh paged cache.
+
+    Unused cache slots hold NaN so a kernel that reads outside the valid tokens is caught by tests.
+    """
+    lens = [x.shape[0] for x in ckv]
+    device, dtype = ckv[0].device, ckv[0].dtype
+    table, num_pages = make_block_table(lens, page_size, max_pages, shuffle=shuffle, spare_pages=spare_pages,
+                                        generator=generator, device=device)
+    R, P = ckv[0].shape[1], kpe[0].shape[1]
+    ckv_cache = torch.full((num_pages, page_size, R), float("nan"), dtype=dtype, device=device)
+    kpe_cache = torch.full((num_pages, page_size, P), float("nan"), dtype=dtype, device=device)
+    if sum(lens):
+        req = torch.cat([torch.full((n,), b) for b, n in enumerate(lens)]).to(device)
+        pos = torch.cat([torch.arange(n) for n in lens]).to(device)
+        slots = layout.owner_slots(table, req, pos, page_size)
+        torch.ops.mla.cache_write(ckv_cache, kpe_cache, torch.cat(ckv), torch.cat(kpe), slots)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    return PagedBatch(ckv_cache, kpe_cache, table, seq_lens)
+
+
+def shard_tokens(tokens: list[torch.Tensor], dcp_size: int, dcp_rank: int) -> list[torch.Tensor]:
+    """This rank's tokens of each request, in local order (token t -> rank t % n, local position t // n)."""
+    return [x[layout.local_token_positions(x.shape[0], dcp_size, dcp_rank).to(x.device)] for x in tokens]
+
+
+def fill_sharded(ckv: list[torch.Tensor], kpe: list[torch.Tensor], page_size: int, dcp_size: int, dcp_rank: int,
+                 **kwargs) -> PagedBatch:
+    """One DCP rank's paged cache of the given (global) requests."""
+    return fill_paged(shard_tokens(ckv, dcp_size, dcp_rank), shard_tokens(kpe, dcp_size, dcp_rank), page_size,
+                      **kwargs)
