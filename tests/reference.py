@@ -90,3 +90,77 @@ def ref_k_only(block_table, seq_lens, page_size, topk):
         s = request_slots(block_table, page_size, b, int(seq_lens[b]))
         rows.append(s + [-1] * (topk - len(s)))
     return torch.tensor(rows, dtype=torch.int32).reshape(block_table.shape[0], topk)
+
+
+# ------------------------------------------------------------------------------------------ test inputs
+# A paged cache built by hand, one token at a time (independent of mla_compile.paged / mla::cache_write).
+
+def build_paged(lens, page_size, dims, dtype=torch.float32, *, generator=None, shuffle=True, extra_pages=0,
+                extra_cols=0, garbage_unused=True):
+    """Requests of the given lengths laid out in fresh paged caches, one cache per entry of `dims`.
+
+    Returns (tokens, caches, block_table, seq_lens, num_pages): tokens[c][b] is request b's [L_b, dims[c]]
+    tokens of cache c; caches[c] is [NP, PS, dims[c]] with NaN in every unused slot; block_table int32
+    [B, max_pages + extra_cols] with pages taken from a (shuffled) pool. Block-table entries past a request's
+    last page hold garbage (out-of-range page numbers, -1) when `garbage_unused`: ops must never read them.
+    """
+    g = generator
+    need = [-(-n // page_size) for n in lens]
+    num_pages = sum(need) + extra_pages + 1
+    pool = torch.randperm(num_pages, generator=g).tolist() if shuffle else list(range(num_pages))
+    cols = max(need + [1]) + extra_cols
+    rows, start = [], 0
+    for b, n in enumerate(need):
+        row = pool[start:start + n]
+        start += n
+        for j in range(n, cols):
+            row.append((num_pages + 3 + j) if (garbage_unused and j % 2 == 0) else (-1 if garbage_unused else 0))
+        rows.append(row)
+    block_table = torch.tensor(rows, dtype=torch.int32).reshape(len(lens), cols)
+    caches, tokens = [], []
+    for d in dims:
+        cache = torch.full((num_pages, page_size, d), math.nan, dtype=dtype)
+        toks = []
+        for b, n in enumerate(lens):
+            x = torch.randn(n, d, generator=g).to(dtype)
+            for t in range(n):
+                cache[int(block_table[b, t // page_size]), t % page_size] = x[t]
+            toks.append(x)
+        caches.append(cache)
+        tokens.append(toks)
+    seq_lens = torch.tensor(list(lens), dtype=torch.int32)
+    return tokens, caches, block_table, seq_lens, num_pages
+
+
+def ref_cache_write(ckv_cache, kpe_cache, ckv, kpe, slots):
+    """Copies of the caches with token i written at flat slot slots[i] (skipped when -1)."""
+    c, k = ckv_cache.clone(), kpe_cache.clone()
+    PS = c.shape[1]
+    for i in range(slots.shape[0]):
+        s = int(slots[i])
+        if s == -1:
+            continue
+        c[s // PS, s % PS] = ckv[i]
+        k[s // PS, s % PS] = kpe[i]
+    return c, k
+
+
+def ref_topk_scores(q, weights, k_cache, block_table, seq_lens, sm_scale, topk, b):
+    """Request b: (slot -> score dict, the top-min(topk, L) scores sorted descending)."""
+    slots, scores = ref_indexer_scores(q, weights, k_cache, block_table, seq_lens, sm_scale, b)
+    by_slot = {s: float(v) for s, v in zip(slots, scores)}
+    top = sorted(by_slot.values(), reverse=True)[:topk]
+    return by_slot, top
+
+
+def rel_err(a, ref, floor=1e-6):
+    """max |a - ref| / max |ref| over the whole tensor (denominator floored at `floor`); float64.
+
+    Positions where ref is -inf must be -inf in `a` too (checked by the caller); they are excluded here.
+    """
+    a, ref = a.double(), ref.double()
+    fin = torch.isfinite(ref)
+    if not bool(fin.any()):
+        return 0.0
+    diff = (a[fin] - ref[fin]).abs().max().item()
+    return diff / max(ref[fin].abs().max().item(), floor)

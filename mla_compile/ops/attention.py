@@ -76,7 +76,7 @@ def attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale):
     lse = torch.logsumexp(scores, dim=-1)  # -inf for rows with no valid slot
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
     out = torch.einsum("bht,btr->bhr", probs, ckv)
-    return out.to(q_nope.dtype), lse
+    return out.to(q_nope.dtype).contiguous(), lse.contiguous()
 
 
 # --------------------------------------------------------------------------------------------- mla::decode
@@ -108,7 +108,8 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
 def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
     check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
     B, H, _ = q_nope.shape
-    return torch.empty_like(q_nope), q_nope.new_empty((B, H), dtype=torch.float32)
+    # contiguous, like the real impls (not empty_like: q_nope is often a transposed view after absorption)
+    return q_nope.new_empty(q_nope.shape), q_nope.new_empty((B, H), dtype=torch.float32)
 
 
 @decode.register_kernel("cuda")
@@ -143,7 +144,8 @@ def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
 def _(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
     check_sparse_args(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
     B, H, _ = q_nope.shape
-    return torch.empty_like(q_nope), q_nope.new_empty((B, H), dtype=torch.float32)
+    # contiguous, like the real impls (not empty_like: q_nope is often a transposed view after absorption)
+    return q_nope.new_empty(q_nope.shape), q_nope.new_empty((B, H), dtype=torch.float32)
 
 
 @sparse_decode.register_kernel("cuda")

@@ -31,7 +31,7 @@ def merge_states_reference(outs: torch.Tensor, lses: torch.Tensor):
     w = w / torch.where(total > 0, total, 1.0)
     # where() rather than w * out: a foreign kernel's empty row may hold NaN, and 0 * NaN = NaN
     parts = torch.where(ok[..., None], outs.float() * w[..., None], 0.0)
-    return parts.sum(dim=0).to(outs.dtype), lse
+    return parts.sum(dim=0).to(outs.dtype).contiguous(), lse.contiguous()
 
 
 @torch.library.custom_op(

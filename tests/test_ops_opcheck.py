@@ -1,0 +1,101 @@
+"""`torch.library.opcheck` (schema, fake impl, autograd registration, AOT dispatch) for every op.
+
+Shapes: page size 1 and 64, H 1/16/128, R/P 512/64 and small, rows with seq_len 0, shuffled block tables
+(with garbage in the unused block-table entries), and a transposed (non-contiguous) q_nope as produced by
+weight absorption. B and lengths stay small: opcheck runs every op several times per call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_compile  # noqa: F401
+import reference as ref
+
+# (page_size, H, R, P, lens)
+SHAPES = [
+    (1, 1, 16, 8, [3, 0]),
+    (64, 16, 512, 64, [70, 0, 5]),
+    (64, 128, 512, 64, [0, 9]),
+    (1, 16, 8, 4, [0, 0]),
+    (3, 2, 5, 3, [7, 1, 0, 4]),
+]
+IDS = [f"ps{s[0]}-H{s[1]}-R{s[2]}-P{s[3]}-lens{'_'.join(map(str, s[4]))}" for s in SHAPES]
+
+
+def opcheck(op, args):
+    torch.library.opcheck(op, args)
+
+
+def paged(lens, PS, R, P, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    _, (c, k), bt, sl, _ = ref.build_paged(lens, PS, (R, P), dtype, generator=g, shuffle=True, extra_cols=1)
+    return g, c, k, bt, sl
+
+
+@pytest.mark.parametrize("transposed_q", [False, True])
+@pytest.mark.parametrize("PS,H,R,P,lens", SHAPES, ids=IDS)
+def test_opcheck_decode(PS, H, R, P, lens, transposed_q):
+    g, c, k, bt, sl = paged(lens, PS, R, P)
+    B = len(lens)
+    q_nope = torch.randn(H, B, R, generator=g).transpose(0, 1) if transposed_q else torch.randn(B, H, R, generator=g)
+    q_pe = torch.randn(B, H, P, generator=g)
+    opcheck(torch.ops.mla.decode.default, (q_nope, q_pe, c, k, bt, sl, (R + P) ** -0.5))
+
+
+@pytest.mark.parametrize("PS,H,R,P,lens", SHAPES, ids=IDS)
+def test_opcheck_sparse_decode(PS, H, R, P, lens):
+    g, c, k, bt, sl = paged(lens, PS, R, P, seed=1)
+    B = len(lens)
+    K = 6
+    rows = []
+    for b in range(B):
+        s = ref.request_slots(bt, PS, b, int(sl[b]))[:K]
+        rows.append((s + [-1] * K)[:K][::-1])  # valid slots out of order, -1 first
+    idx = torch.tensor(rows, dtype=torch.int32)
+    q_nope, q_pe = torch.randn(B, H, R, generator=g), torch.randn(B, H, P, generator=g)
+    opcheck(torch.ops.mla.sparse_decode.default, (q_nope, q_pe, c, k, idx, 0.1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,B,H,R", [(1, 2, 1, 512), (2, 1, 16, 512), (3, 2, 128, 8), (8, 1, 2, 4)])
+def test_opcheck_merge_states(N, B, H, R, dtype):
+    g = torch.Generator().manual_seed(N)
+    outs = torch.randn(N, B, H, R, generator=g).to(dtype)
+    lses = torch.randn(N, B, H, generator=g)
+    lses[0, 0, 0] = float("-inf")  # an empty part
+    if N > 1:
+        lses[1, 0, 0] = float("nan")
+        outs[1, 0, 0] = float("nan")
+    opcheck(torch.ops.mla.merge_states.default, (outs, lses))
+
+
+@pytest.mark.parametrize("PS,R,P,T", [(1, 16, 8, 5), (64, 512, 64, 7), (3, 5, 3, 0)])
+def test_opcheck_cache_write(PS, R, P, T):
+    g = torch.Generator().manual_seed(PS)
+    NP = 3 + T  # enough slots for T distinct targets
+    c, k = torch.zeros(NP, PS, R), torch.zeros(NP, PS, P)
+    slots = torch.randperm(NP * PS, generator=g)[:T]
+    if T:
+        slots[0] = -1
+    opcheck(torch.ops.mla.cache_write.default,
+            (c, k, torch.randn(T, R, generator=g), torch.randn(T, P, generator=g), slots))
+
+
+@pytest.mark.parametrize("PS,Hi,Di,topk,lens", [(1, 1, 16, 4, [9, 0]), (64, 64, 128, 32, [70, 0, 3]),
+                                                 (64, 4, 8, 2048, [5]), (3, 2, 5, 1, [0, 0, 4])])
+def test_opcheck_indexer_topk(PS, Hi, Di, topk, lens):
+    g = torch.Generator().manual_seed(PS + topk)
+    _, (kc,), bt, sl, _ = ref.build_paged(lens, PS, (Di,), generator=g, shuffle=True, extra_cols=1)
+    B = len(lens)
+    q, w = torch.randn(B, Hi, Di, generator=g), torch.randn(B, Hi, generator=g)
+    opcheck(torch.ops.dsa.indexer_topk.default, (q, w, kc, bt, sl, topk, Di ** -0.5))
+
+
+@pytest.mark.parametrize("PS,topk,lens", [(1, 4, [4, 0]), (64, 2048, [100, 0, 2048]), (3, 9, [0, 0, 9]),
+                                          (64, 1, [1])])
+def test_opcheck_k_only_indices(PS, topk, lens):
+    g = torch.Generator().manual_seed(PS + topk)
+    _, _, bt, sl, _ = ref.build_paged(lens, PS, (1,), generator=g, shuffle=True, extra_cols=1)
+    opcheck(torch.ops.dsa.k_only_indices.default, (bt, sl, PS, topk))
