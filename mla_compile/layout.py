@@ -61,7 +61,21 @@ def owner_slots(block_table: torch.Tensor, req_indices: torch.Tensor, positions:
         raise ValueError(f"page_size: must be positive, got {page_size}")
     positions = positions.long()
     local = local_position(positions, dcp_size)
-    page = block_table.long()[req_indices.long(), (local // page_size).clamp(max=block_table.shape[1] - 1)]
-    slots = page * page_size + local % page_size
     mine = owner_rank(positions, dcp_size) == dcp_rank
-    return torch.where(mine, slots, torch.full_like(slots, -1))
+    fits = local < block_table.shape[1] * page_size
+    # An owned token past the block table's capacity has no slot: an error where checking costs no device
+    # sync (CPU, eager); elsewhere it is skipped (-1) rather than written into some other token's slot.
+    if not torch.compiler.is_compiling() and _data_checks(positions) and bool((mine & ~fits).any()):
+        bad = int(positions[mine & ~fits][0])
+        raise ValueError(f"positions: token {bad} (local position {bad // dcp_size} on rank {dcp_rank}) is past the "
+                         f"block table's capacity of {block_table.shape[1]} pages x {page_size}")
+    page = block_table.long()[req_indices.long(), (local // page_size).clamp(min=0, max=max(block_table.shape[1] - 1, 0))] \
+        if block_table.shape[1] else torch.zeros_like(local)
+    slots = page * page_size + local % page_size
+    return torch.where(mine & fits, slots, torch.full_like(slots, -1))
+
+
+def _data_checks(t: torch.Tensor) -> bool:
+    from .ops._checks import data_checks_enabled, is_fake
+
+    return not is_fake(t) and data_checks_enabled(t.device)

@@ -38,10 +38,13 @@ def check_dim(t: torch.Tensor, name: str, dim: int, size, what: str) -> None:
 
 
 def check_same_device(named: dict) -> None:
+    """Name the odd one out: the first argument not on the most common device (ties: the first arg's)."""
     devices = {n: t.device for n, t in named.items()}
-    first_name, first = next(iter(devices.items()))
+    values = list(devices.values())
+    common = max(values, key=lambda d: (values.count(d), -values.index(d)))
+    common_name = next(n for n, d in devices.items() if d == common)
     for n, d in devices.items():
-        check(d == first, n, f"is on {d} but {first_name} is on {first} (all inputs must share a device)")
+        check(d == common, n, f"is on {d} but {common_name} is on {common} (all inputs must share a device)")
 
 
 def data_checks_enabled(device: torch.device) -> bool:

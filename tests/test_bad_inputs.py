@@ -1,0 +1,192 @@
+"""Bad inputs raise ValueError whose message starts with the offending argument's name.
+
+Metadata errors (dtype, dims, page size, device) are also raised by the fake impls, i.e. at trace time;
+data errors (index ranges, lengths) are checked eagerly on CPU. Mixed devices are simulated with "meta".
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import mla_compile  # noqa: F401
+import reference as ref
+
+B, H, R, P, PS, Hi, Di = 2, 3, 8, 4, 4, 2, 6
+LENS = [5, 0]
+
+
+def base():
+    g = torch.Generator().manual_seed(0)
+    _, (c, k, ki), bt, sl, num_pages = ref.build_paged(LENS, PS, (R, P, Di), generator=g, shuffle=True,
+                                                       extra_cols=1, garbage_unused=False)
+    return dict(
+        decode=dict(q_nope=torch.randn(B, H, R), q_pe=torch.randn(B, H, P), ckv_cache=c, kpe_cache=k,
+                    block_table=bt, seq_lens=sl, sm_scale=0.5),
+        sparse_decode=dict(q_nope=torch.randn(B, H, R), q_pe=torch.randn(B, H, P), ckv_cache=c, kpe_cache=k,
+                           indices=torch.tensor([[0, -1, 3], [-1, -1, -1]], dtype=torch.int32), sm_scale=0.5),
+        merge_states=dict(outs=torch.randn(2, B, H, R), lses=torch.randn(2, B, H)),
+        cache_write=dict(ckv_cache=c.clone(), kpe_cache=k.clone(), ckv=torch.randn(3, R), kpe=torch.randn(3, P),
+                         slots=torch.tensor([0, -1, 5])),
+        indexer_topk=dict(q=torch.randn(B, Hi, Di), weights=torch.randn(B, Hi), k_cache=ki, block_table=bt,
+                          seq_lens=sl, topk=4, sm_scale=0.5),
+        k_only_indices=dict(block_table=bt, seq_lens=sl, page_size=PS, topk=8),
+    ), num_pages
+
+
+OPS = dict(decode=torch.ops.mla.decode, sparse_decode=torch.ops.mla.sparse_decode,
+           merge_states=torch.ops.mla.merge_states, cache_write=torch.ops.mla.cache_write,
+           indexer_topk=torch.ops.dsa.indexer_topk, k_only_indices=torch.ops.dsa.k_only_indices)
+
+BASE, NUM_PAGES = base()
+CAP = BASE["decode"]["block_table"].shape[1] * PS  # block table capacity
+
+
+def f32(*s):
+    return torch.randn(*s)
+
+
+def with_entry(t, idx, v):
+    t = t.clone()
+    t[idx] = v
+    return t
+
+
+def used_page(bt):  # (row, col) of a page request 0 uses
+    return (0, 0)
+
+
+BT, SL = BASE["decode"]["block_table"], BASE["decode"]["seq_lens"]
+BAD_BT_HI = with_entry(BT, used_page(BT), NUM_PAGES)
+BAD_BT_LO = with_entry(BT, used_page(BT), -1)
+META = torch.device("meta")
+
+# (op, {arg: bad value}, expected name, metadata-only?)  metadata-only cases are also checked in fake mode
+CASES = [
+    # ---- decode: wrong dtype
+    ("decode", dict(q_nope=torch.randint(0, 3, (B, H, R))), "q_nope", True),
+    ("decode", dict(q_pe=f32(B, H, P).half()), "q_pe", True),
+    ("decode", dict(ckv_cache=BASE["decode"]["ckv_cache"].bfloat16()), "ckv_cache", True),
+    ("decode", dict(kpe_cache=BASE["decode"]["kpe_cache"].double()), "kpe_cache", True),
+    ("decode", dict(block_table=BT.long()), "block_table", True),
+    ("decode", dict(seq_lens=SL.long()), "seq_lens", True),
+    # ---- decode: mismatched dims
+    ("decode", dict(q_nope=f32(B, R)), "q_nope", True),
+    ("decode", dict(q_pe=f32(B + 1, H, P)), "q_pe", True),
+    ("decode", dict(q_pe=f32(B, H + 1, P)), "q_pe", True),
+    ("decode", dict(ckv_cache=f32(NUM_PAGES, PS, R + 1)), "ckv_cache", True),
+    ("decode", dict(kpe_cache=f32(NUM_PAGES, PS, P + 1)), "kpe_cache", True),
+    ("decode", dict(block_table=BT[:1]), "block_table", True),
+    ("decode", dict(block_table=BT[0]), "block_table", True),
+    ("decode", dict(seq_lens=SL[:1]), "seq_lens", True),
+    # ---- decode: page size / page count mismatch between the two caches
+    ("decode", dict(kpe_cache=f32(NUM_PAGES // 2, PS * 2, P)), "kpe_cache", True),
+    ("decode", dict(kpe_cache=f32(NUM_PAGES + 1, PS, P)), "kpe_cache", True),
+    # ---- decode: data
+    ("decode", dict(block_table=BAD_BT_HI), "block_table", False),
+    ("decode", dict(block_table=BAD_BT_LO), "block_table", False),
+    ("decode", dict(seq_lens=torch.tensor([CAP + 1, 0], dtype=torch.int32)), "seq_lens", False),
+    ("decode", dict(seq_lens=torch.tensor([-1, 0], dtype=torch.int32)), "seq_lens", False),
+    ("decode", dict(sm_scale=float("nan")), "sm_scale", True),
+    # ---- decode: mixed devices
+    ("decode", dict(block_table=BT.to(META)), "block_table", True),
+    ("decode", dict(q_nope=f32(B, H, R).to(META)), "q_nope", True),
+    ("decode", dict(ckv_cache=BASE["decode"]["ckv_cache"].to(META)), "ckv_cache", True),
+    # ---- sparse_decode
+    ("sparse_decode", dict(indices=torch.zeros(B, 3, dtype=torch.int64)), "indices", True),
+    ("sparse_decode", dict(indices=torch.zeros(B + 1, 3, dtype=torch.int32)), "indices", True),
+    ("sparse_decode", dict(indices=torch.zeros(B, dtype=torch.int32)), "indices", True),
+    ("sparse_decode", dict(q_pe=f32(B, H, P).bfloat16()), "q_pe", True),
+    ("sparse_decode", dict(kpe_cache=f32(NUM_PAGES, PS + 1, P)), "kpe_cache", True),
+    ("sparse_decode", dict(indices=torch.tensor([[NUM_PAGES * PS, 0, 0], [0, 0, 0]], dtype=torch.int32)),
+     "indices", False),
+    ("sparse_decode", dict(indices=torch.tensor([[-2, 0, 0], [0, 0, 0]], dtype=torch.int32)), "indices", False),
+    ("sparse_decode", dict(indices=torch.zeros(B, 3, dtype=torch.int32, device=META)), "indices", True),
+    # ---- merge_states
+    ("merge_states", dict(lses=torch.randn(2, B, H).double()), "lses", True),
+    ("merge_states", dict(lses=torch.randn(2, B, H).bfloat16()), "lses", True),
+    ("merge_states", dict(outs=torch.randint(0, 2, (2, B, H, R))), "outs", True),
+    ("merge_states", dict(lses=torch.randn(3, B, H)), "lses", True),
+    ("merge_states", dict(lses=torch.randn(2, B, H + 1)), "lses", True),
+    ("merge_states", dict(outs=f32(B, H, R), lses=torch.randn(B, H)), "outs", True),
+    ("merge_states", dict(outs=f32(0, B, H, R), lses=torch.randn(0, B, H)), "outs", True),
+    ("merge_states", dict(lses=torch.randn(2, B, H, device=META)), "lses", True),
+    # ---- cache_write
+    ("cache_write", dict(slots=torch.tensor([0, -1, 5], dtype=torch.int32)), "slots", True),
+    ("cache_write", dict(ckv=f32(3, R).bfloat16()), "ckv", True),
+    ("cache_write", dict(kpe=f32(3, P).half()), "kpe", True),
+    ("cache_write", dict(ckv=f32(3, R + 1)), "ckv", True),
+    ("cache_write", dict(kpe=f32(3, P + 1)), "kpe", True),
+    ("cache_write", dict(kpe=f32(2, P)), "kpe", True),
+    ("cache_write", dict(slots=torch.tensor([0, 1])), "slots", True),
+    ("cache_write", dict(kpe_cache=f32(NUM_PAGES, PS + 1, P)), "kpe_cache", True),
+    ("cache_write", dict(ckv_cache=f32(NUM_PAGES, R, PS).transpose(1, 2)), "ckv_cache", True),
+    ("cache_write", dict(slots=torch.tensor([0, -1, NUM_PAGES * PS])), "slots", False),
+    ("cache_write", dict(slots=torch.tensor([0, -2, 1])), "slots", False),
+    ("cache_write", dict(ckv=f32(3, R).to(META)), "ckv", True),
+    # ---- indexer_topk
+    ("indexer_topk", dict(topk=0), "topk", True),
+    ("indexer_topk", dict(topk=-3), "topk", True),
+    ("indexer_topk", dict(weights=torch.randn(B, Hi).half()), "weights", True),
+    ("indexer_topk", dict(weights=torch.randn(B, Hi + 1)), "weights", True),
+    ("indexer_topk", dict(q=torch.randint(0, 2, (B, Hi, Di))), "q", True),
+    ("indexer_topk", dict(k_cache=f32(NUM_PAGES, PS, Di + 1)), "k_cache", True),
+    ("indexer_topk", dict(k_cache=f32(NUM_PAGES, PS, Di).bfloat16()), "k_cache", True),
+    ("indexer_topk", dict(block_table=BT.long()), "block_table", True),
+    ("indexer_topk", dict(seq_lens=SL[:1]), "seq_lens", True),
+    ("indexer_topk", dict(block_table=BAD_BT_HI), "block_table", False),
+    ("indexer_topk", dict(seq_lens=torch.tensor([CAP + 1, 0], dtype=torch.int32)), "seq_lens", False),
+    ("indexer_topk", dict(seq_lens=torch.tensor([0, -4], dtype=torch.int32)), "seq_lens", False),
+    ("indexer_topk", dict(weights=torch.randn(B, Hi, device=META)), "weights", True),
+    # ---- k_only_indices
+    ("k_only_indices", dict(topk=0), "topk", True),
+    ("k_only_indices", dict(topk=-1), "topk", True),
+    ("k_only_indices", dict(page_size=0), "page_size", True),
+    ("k_only_indices", dict(block_table=BT.long()), "block_table", True),
+    ("k_only_indices", dict(seq_lens=SL[:1]), "seq_lens", True),
+    ("k_only_indices", dict(seq_lens=SL.long()), "seq_lens", True),
+    ("k_only_indices", dict(seq_lens=torch.tensor([9, 0], dtype=torch.int32)), "seq_lens", False),  # > topk 8
+    ("k_only_indices", dict(seq_lens=torch.tensor([-1, 0], dtype=torch.int32)), "seq_lens", False),
+    ("k_only_indices", dict(seq_lens=torch.tensor([CAP + 1, 0], dtype=torch.int32), topk=CAP + 1), "seq_lens",
+     False),
+    ("k_only_indices", dict(seq_lens=SL.to(META)), "seq_lens", True),
+]
+
+
+def call(op_name, bad):
+    args = dict(BASE[op_name])
+    args.update(bad)
+    return OPS[op_name](**args)
+
+
+@pytest.mark.parametrize("op_name,bad,name,meta", CASES,
+                         ids=[f"{c[0]}-{c[2]}-{i}" for i, c in enumerate(CASES)])
+def test_bad_input_raises_value_error_naming_the_argument(op_name, bad, name, meta):
+    with pytest.raises(ValueError, match=f"^{name}: "):
+        call(op_name, bad)
+
+
+@pytest.mark.parametrize("op_name,bad,name,meta", [c for c in CASES if c[3] and not any(
+    isinstance(v, torch.Tensor) and v.device.type == "meta" for v in c[1].values())],
+    ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_metadata_raises_in_fake_mode(op_name, bad, name, meta):
+    """Fake impls validate too, so a bad call fails at trace time with the same message."""
+    args = dict(BASE[op_name])
+    args.update(bad)
+    with FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            OPS[op_name](**fake)
+
+
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_base_inputs_are_valid(op_name):
+    """The cases above differ from a valid call only in the named argument."""
+    call(op_name, {})
+
+
+def test_unused_block_table_entries_are_not_checked():
+    """Entries past a request's last page are never read, so garbage there is fine."""
+    bt = with_entry(BT, (1, 0), 10**6)  # request 1 has length 0
+    torch.ops.mla.decode(**{**BASE["decode"], "block_table": bt})
