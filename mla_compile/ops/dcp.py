@@ -1,0 +1,199 @@
+"""`mla::dcp_decode`: decode context parallelism (DCP) over a token-cyclically sharded latent cache, and the
+owner-write helpers that fill such a cache.
+
+Data flow of one call on rank r of an n-rank group (DESIGN.md, "DCP layout"):
+
+    local_lens = layout.local_lens(seq_lens, n, r)             # GLOBAL lengths in, this shard's lengths
+    out, lse   = mla::decode(..., local_lens, ...)             # attention over this rank's tokens only
+    packed     = cat(out, lse bit-cast to out.dtype)  [B,H,R+k] # k = 4 / out.element_size() (2 for bf16)
+    gathered   = _c10d_functional.all_gather_into_tensor(packed) + wait_tensor   -> [n,B,H,R+k]
+    out, lse   = mla::merge_states(gathered[..., :R], gathered[..., R:] viewed as float32)
+
+Packing: ONE collective per layer (per-collective latency dominates at decode sizes: ~9 us for the whole
+(out, lse) of B=8, H=16 on NVLink). The float32 LSE is bit-cast into k extra columns of out's dtype rather
+than upcasting out: the all-gather only copies bytes, so the LSE arrives bit-exact, and a bf16 out is not
+doubled on the wire (R=512: 1028 bytes per head-row instead of 2052). vLLM's DCP all-to-all path packs the
+same way.
+
+Registration: `mla::dcp_decode` is a CompositeImplicitAutograd op (`torch.library.define` + `impl`).
+Eagerly it runs the steps above. Dynamo records it as ONE node (fullgraph, no break: it is an OpOverload
+whose meta comes from running the composite under fake tensors), and AOTAutograd decomposes it, so
+Inductor's graph holds `mla.decode` -> `cat` -> `_c10d_functional.all_gather_into_tensor` ->
+`_c10d_functional.wait_tensor` -> `mla.merge_states`: the collective is visible to Inductor (comm
+lowering, reordering) and, being an ordinary NCCL launch on the stream, is captured by CUDA graphs.
+`dcp_size == 1` is exactly `mla::decode` (no collective, no merge, no copy).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import layout
+from . import _checks as C
+from .attention import _check_cache_dtype, _check_q
+
+# ------------------------------------------------------------------------------------------------ schema
+torch.library.define(
+    "mla::dcp_decode",
+    "(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor block_table, Tensor seq_lens, "
+    "float sm_scale, int dcp_size, int dcp_rank, str group_name) -> (Tensor, Tensor)",
+)
+
+
+# ------------------------------------------------------------------------------------------------ validation
+def _resolve_group(group_name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(group_name)
+    except Exception as e:  # noqa: BLE001 - re-raised as the contract's ValueError
+        raise ValueError(f"group_name: no process group named {group_name!r} is registered on this process "
+                         f"(init torch.distributed and pass `group.group_name`): {e}") from None
+
+
+def check_group_args(dcp_size, dcp_rank, group_name) -> None:
+    """dcp_size / dcp_rank / group_name: ints in range, and (n > 1) a live group of that size and rank."""
+    C.check(isinstance(dcp_size, int) and not isinstance(dcp_size, bool) and dcp_size >= 1, "dcp_size",
+            f"must be an int >= 1, got {dcp_size!r}")
+    C.check(isinstance(dcp_rank, int) and not isinstance(dcp_rank, bool) and 0 <= dcp_rank < dcp_size, "dcp_rank",
+            f"must be an int in [0, dcp_size={dcp_size}), got {dcp_rank!r}")
+    C.check(isinstance(group_name, str), "group_name", f"must be a str, got {type(group_name).__name__}")
+    if dcp_size == 1:
+        return  # no collective: the name is not used (may be "")
+    C.check(len(group_name) > 0, "group_name", "must name a process group when dcp_size > 1")
+    import torch.distributed as dist
+
+    C.check(dist.is_available() and dist.is_initialized(), "group_name",
+            f"dcp_size={dcp_size} needs an initialized torch.distributed (see mla_compile.distributed.init_dcp)")
+    pg = _resolve_group(group_name)
+    C.check(pg.size() == dcp_size, "dcp_size", f"is {dcp_size} but process group {group_name!r} has {pg.size()} ranks")
+    C.check(pg.rank() == dcp_rank, "dcp_rank",
+            f"is {dcp_rank} but this process is rank {pg.rank()} of process group {group_name!r}")
+
+
+def check_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size, dcp_rank,
+                          group_name) -> None:
+    """Decode's checks with GLOBAL seq_lens (each rank's LOCAL lengths must fit its block table)."""
+    check_group_args(dcp_size, dcp_rank, group_name)
+    _check_q(q_nope, q_pe)
+    B, _, R = q_nope.shape
+    num_pages, page_size = C.check_paged_cache(ckv_cache, kpe_cache, R, q_pe.shape[2])
+    _check_cache_dtype(q_nope, ckv_cache, kpe_cache)
+    C.check_block_table(block_table, seq_lens, B)
+    C.check_scale(sm_scale)
+    C.check_same_device(dict(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv_cache, kpe_cache=kpe_cache,
+                             block_table=block_table, seq_lens=seq_lens))
+    if C.is_fake(seq_lens) or not C.data_checks_enabled(seq_lens.device) or not seq_lens.numel():
+        return
+    lo = int(seq_lens.min())
+    C.check(lo >= 0, "seq_lens", f"lengths must be >= 0, got {lo}")
+    capacity = block_table.shape[1] * page_size
+    local_max = int(layout.local_lens(seq_lens, dcp_size, dcp_rank).max())
+    C.check(local_max <= capacity, "seq_lens",
+            f"global length {int(seq_lens.max())} puts {local_max} tokens on dcp rank {dcp_rank} of {dcp_size}, "
+            f"more than its block table holds ({block_table.shape[1]} pages x {page_size} = {capacity})")
+
+
+# ------------------------------------------------------------------------------------------------ packing
+def pack_states(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """(out [B,H,R], lse float32 [B,H]) -> [B,H,R+k] in out's dtype; lse bit-cast into the last k columns."""
+    return torch.cat([out, lse.unsqueeze(-1).view(out.dtype)], dim=-1)
+
+
+def unpack_states(packed: torch.Tensor, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., R+k] -> (out [..., R] (a view), lse float32 [...]); the inverse of `pack_states`."""
+    return packed[..., :R], packed[..., R:].contiguous().view(torch.float32).squeeze(-1)
+
+
+def gather_states(out: torch.Tensor, lse: torch.Tensor, dcp_size: int, group_name: str):
+    """ONE all-gather of every rank's (out, lse): -> (outs [n,B,H,R], lses float32 [n,B,H]), rank order."""
+    B, H, R = out.shape
+    packed = pack_states(out, lse)
+    gathered = torch.ops._c10d_functional.all_gather_into_tensor(packed, dcp_size, group_name)
+    gathered = torch.ops._c10d_functional.wait_tensor(gathered)
+    return unpack_states(gathered.view(dcp_size, B, H, packed.shape[-1]), R)
+
+
+# ------------------------------------------------------------------------------------------------ the op
+@torch.library.impl("mla::dcp_decode", "CompositeImplicitAutograd")
+def dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size, dcp_rank,
+               group_name):
+    """Absorbed-MLA decode over a DCP-sharded latent cache; the merged result is identical on every rank.
+
+    Shapes as `mla::decode`, but `seq_lens` int32 [B] are GLOBAL lengths while ckv_cache / kpe_cache /
+    block_table hold THIS rank's shard (token t of a request lives on rank t % dcp_size at local position
+    t // dcp_size, see `mla_compile.layout`). `group_name` names the DCP process group
+    (`group.group_name`); its size must be dcp_size and this process's rank in it dcp_rank.
+    Returns out [B, H, R] (q's dtype) and lse float32 [B, H] over ALL ranks' tokens; a request with
+    length 0 gives (0, -inf). dcp_size 1 is `mla::decode` (group_name unused).
+    """
+    check_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size, dcp_rank,
+                          group_name)
+    if dcp_size == 1:
+        return torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+    local = layout.local_lens(seq_lens, dcp_size, dcp_rank)
+    out, lse = torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, local, sm_scale)
+    outs, lses = gather_states(out, lse, dcp_size, group_name)
+    return torch.ops.mla.merge_states(outs, lses)
+
+
+# ------------------------------------------------------------------------------------------------ owner writes
+def _check_write(block_table, page_size, dcp_size, dcp_rank):
+    C.check_tensor(block_table, "block_table", 2, torch.int32)
+    C.check(isinstance(page_size, int) and page_size > 0, "page_size", f"must be a positive int, got {page_size!r}")
+    C.check(isinstance(dcp_size, int) and dcp_size >= 1, "dcp_size", f"must be an int >= 1, got {dcp_size!r}")
+    C.check(isinstance(dcp_rank, int) and 0 <= dcp_rank < dcp_size, "dcp_rank",
+            f"must be an int in [0, dcp_size={dcp_size}), got {dcp_rank!r}")
+
+
+def write_slots(block_table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor, page_size: int,
+                dcp_size: int = 1, dcp_rank: int = 0) -> torch.Tensor:
+    """Owner write slots (int64 [T]) of T new tokens: request req_indices[i], GLOBAL position positions[i].
+
+    The physical slot in THIS rank's shard where rank dcp_rank owns the token, -1 where another rank does
+    (`mla::cache_write` skips -1). `layout.owner_slots` plus a capacity check: on CPU (or with
+    MLA_COMPILE_CHECK_DATA=1) an owned token beyond the rank's block table raises instead of being clamped
+    onto a wrong slot. No host sync on CUDA, so a decode step's write can live inside a CUDA graph.
+    """
+    _check_write(block_table, page_size, dcp_size, dcp_rank)
+    C.check(req_indices.dim() == 1 and positions.dim() == 1 and req_indices.shape == positions.shape, "positions",
+            f"req_indices {tuple(req_indices.shape)} and positions {tuple(positions.shape)} must be 1-D, same length")
+    if (not C.is_fake(positions) and C.data_checks_enabled(positions.device) and positions.numel()):
+        lo = int(positions.min())
+        C.check(lo >= 0, "positions", f"must be >= 0, saw {lo}")
+        mine = layout.owner_rank(positions.long(), dcp_size) == dcp_rank
+        if bool(mine.any()):
+            hi = int(layout.local_position(positions.long()[mine], dcp_size).max())
+            cap = block_table.shape[1] * page_size
+            C.check(hi < cap, "positions",
+                    f"local position {hi} on dcp rank {dcp_rank} exceeds its block table ({cap} token slots)")
+    return layout.owner_slots(block_table, req_indices, positions, page_size, dcp_size, dcp_rank)
+
+
+def decode_write_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, dcp_size: int = 1,
+                       dcp_rank: int = 0) -> torch.Tensor:
+    """Slots for a decode step's new token of every request: the token goes to GLOBAL position
+    seq_lens[b] (the length BEFORE the step), owned by rank seq_lens[b] % n. int64 [B], -1 off-owner."""
+    req = torch.arange(seq_lens.shape[0], device=seq_lens.device)
+    return write_slots(block_table, req, seq_lens, page_size, dcp_size, dcp_rank)
+
+
+def prefill_write_slots(block_table: torch.Tensor, req_index: int, start: int, length: int, page_size: int,
+                        dcp_size: int = 1, dcp_rank: int = 0) -> torch.Tensor:
+    """Slots for a prefill chunk: tokens start .. start+length-1 of request req_index. int64 [length]."""
+    C.check(isinstance(start, int) and start >= 0, "start", f"must be an int >= 0, got {start!r}")
+    C.check(isinstance(length, int) and length >= 0, "length", f"must be an int >= 0, got {length!r}")
+    device = block_table.device
+    positions = torch.arange(start, start + length, device=device)
+    return write_slots(block_table, torch.full_like(positions, req_index), positions, page_size, dcp_size, dcp_rank)
+
+
+def owner_cache_write(ckv_cache, kpe_cache, ckv, kpe, block_table, req_indices, positions, dcp_size: int = 1,
+                      dcp_rank: int = 0) -> None:
+    """Write T new tokens (ckv [T,R], kpe [T,P] at GLOBAL positions) into this rank's shard, in place.
+
+    Every rank calls it with the same tokens (pure DCP computes them replicated); only each token's owner
+    writes it (others get slot -1, skipped by `mla::cache_write`).
+    """
+    slots = write_slots(block_table, req_indices, positions, ckv_cache.shape[1], dcp_size, dcp_rank)
+    torch.ops.mla.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots)
