@@ -4,5 +4,6 @@ from .attention import decode, sparse_decode
 from .cache import cache_write
 from .dsa import indexer_topk, k_only_indices
 from .merge import merge_states
+from . import dcp  # noqa: F401,E402  (mla::dcp_decode + DCP owner-write helpers)
 
 __all__ = ["decode", "sparse_decode", "cache_write", "indexer_topk", "k_only_indices", "merge_states"]
