@@ -1,31 +1,59 @@
-"""CUDA entry points of the ops. Each picks a kernel backend; the ops have already validated the inputs."""
+"""CUDA entry points of the ops. Each picks a kernel backend; the ops have already validated the inputs.
+
+Registration: the ops stay `custom_op` + `register_kernel("cuda")` (not `triton_op` + `wrap_triton`). Each
+op is then one opaque extern node to Inductor, which is what a hand-tuned attention kernel wants (nothing
+to fuse across it), the impl may pick a backend at run time (Triton or FlashInfer, which is no Triton
+kernel and could not be traced by `triton_op`), and CUDA graphs capture the launches as they are since no
+impl syncs with the host.
+
+`mla::decode` backend: env MLA_COMPILE_DECODE_BACKEND = auto | triton | flashinfer. FlashInfer runs only
+eagerly (its plan() syncs; see flashinfer_mla.py); under CUDA-graph capture every choice uses Triton.
+`auto` is Triton: see `_AUTO_PREFERS_FLASHINFER` for the evidence.
+"""
 
 from __future__ import annotations
 
+import os
 
-def _missing(name):
-    raise NotImplementedError(f"mla_compile: no CUDA kernel for {name} yet (CPU tensors work)")
+from . import cache as _cache
+from . import decode as _decode
+from . import dsa as _dsa
+from . import flashinfer_mla as _fi
+from . import merge as _merge
+
+# benchmarks/RESULTS.md "Ops (issue 3)": set from the H200 measurements
+_AUTO_PREFERS_FLASHINFER = False
+
+
+def decode_backend(q_nope, ckv_cache) -> str:
+    choice = os.environ.get("MLA_COMPILE_DECODE_BACKEND", "auto").lower()
+    if choice not in ("auto", "triton", "flashinfer"):
+        raise ValueError(f"MLA_COMPILE_DECODE_BACKEND: expected auto, triton or flashinfer, got {choice!r}")
+    wants_fi = choice == "flashinfer" or (choice == "auto" and _AUTO_PREFERS_FLASHINFER)
+    return "flashinfer" if wants_fi and _fi.usable(q_nope, ckv_cache) else "triton"
 
 
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
-    _missing("mla::decode")
+    if decode_backend(q_nope, ckv_cache) == "flashinfer":
+        return _fi.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+    return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
 
 
 def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
-    _missing("mla::sparse_decode")
+    return _decode.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
 
 
 def merge_states(outs, lses):
-    _missing("mla::merge_states")
+    return _merge.merge_states(outs, lses)
 
 
 def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots):
-    _missing("mla::cache_write")
+    _cache.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots)
 
 
 def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
-    _missing("dsa::indexer_topk")
+    return _dsa.indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)
 
 
 def k_only_indices(block_table, seq_lens, page_size, topk):
-    _missing("dsa::k_only_indices")
+    return _dsa.k_only_indices(block_table, seq_lens, page_size, topk)

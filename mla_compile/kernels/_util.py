@@ -1,0 +1,31 @@
+"""Small helpers shared by the Triton kernels."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def block(n: int) -> int:
+    """Power-of-two tile side covering n, at least 16 (tl.dot needs >= 16 on every side)."""
+    return max(16, triton.next_power_of_2(max(n, 1)))
+
+
+def dot_mode(dtype: torch.dtype) -> dict:
+    """Constexprs for `mma`: fp32 inputs use exact (ieee) products rather than tf32. Triton 3.6's CPU
+    interpreter computes bf16 tl.dot wrongly (it multiplies the raw bits), so under TRITON_INTERPRET=1
+    bf16 operands are upcast to fp32 first; GPU code is unaffected."""
+    upcast = dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    return dict(DOT_PREC="ieee" if dtype == torch.float32 else "tf32", DOT_UPCAST=upcast)
+
+
+@triton.jit
+def mma(a, b, acc, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """acc + a @ b with fp32 accumulation."""
+    if DOT_UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PREC)

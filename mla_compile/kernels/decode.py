@@ -1,0 +1,192 @@
+"""Split-KV absorbed-MLA decode in Triton: `mla::decode` (paged) and `mla::sparse_decode` (index list).
+
+Stage 1: one program per (request, block of BLOCK_H heads, KV split). The latent tile [BLOCK_N, R] is
+loaded once and used by every head of the block for both products (q.ckv^T and p.ckv), which is what
+makes MLA decode cheap: all heads share one KV head. Each split writes its normalised partial out and
+its natural-log lse (-inf when the split holds no token).
+Stage 2: the fused merge kernel of `merge.py` over the split axis (the same math as `mla::merge_states`).
+With one split, stage 1 writes the final out/lse directly and stage 2 is skipped.
+
+No host sync: the number of splits depends only on shapes (batch, heads, block-table capacity, SM count);
+each program reads its request's length from device memory and computes its own token range, so a
+captured CUDA graph stays valid when seq_lens change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import block, dot_mode, mma
+from .merge import merge_into
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, Idx, O, L,
+                   scale_log2, H, R, P, PS, n_sparse,
+                   s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb, s_ib,
+                   s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
+                   NUM_SPLITS: tl.constexpr, SPARSE: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                   DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    mask_h = offs_h < H
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    mask_r = offs_r < R
+    mask_p = offs_p < P
+
+    if SPARSE:
+        n = n_sparse
+    else:
+        n = tl.load(Lens + b)
+    # split length rounded to whole tiles, so only the last tile of a split is partial
+    split_len = tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, n)
+
+    qn = tl.load(Qn + b * s_qnb + offs_h[:, None] * s_qnh + offs_r[None, :],
+                 mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+    qp = tl.load(Qp + b * s_qpb + offs_h[:, None] * s_qph + offs_p[None, :],
+                 mask=mask_h[:, None] & mask_p[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, base-2 units
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        offs_t = t0 + tl.arange(0, BLOCK_N)
+        mask_t = offs_t < end
+        if SPARSE:
+            slot = tl.load(Idx + b * s_ib + offs_t, mask=mask_t, other=-1)
+            mask_t = mask_t & (slot >= 0)
+            slot = tl.maximum(slot, 0)
+            page = (slot // PS).to(tl.int64)
+            off = slot % PS
+        else:
+            page = tl.load(Table + b * s_tb + offs_t // PS, mask=mask_t, other=0).to(tl.int64)
+            off = offs_t % PS
+        # masked loads never touch unused slots (which may hold NaN)
+        c = tl.load(Ckv + page[:, None] * s_cp + off[:, None] * s_cs + offs_r[None, :],
+                    mask=mask_t[:, None] & mask_r[None, :], other=0.0)
+        k = tl.load(Kpe + page[:, None] * s_kp + off[:, None] * s_ks + offs_p[None, :],
+                    mask=mask_t[:, None] & mask_p[None, :], other=0.0)
+        s = mma(qn, tl.trans(c), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_PREC, DOT_UPCAST)
+        s = mma(qp, tl.trans(k), s, DOT_PREC, DOT_UPCAST)
+        s = tl.where(mask_t[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of only -1 slots (sparse) stays NaN-free
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = mma(p.to(c.dtype), c, acc, DOT_PREC, DOT_UPCAST)
+        m_i = m_new
+
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_ptr = O + split.to(tl.int64) * s_on + b * s_ob + offs_h[:, None] * s_oh + offs_r[None, :]
+    tl.store(o_ptr, out, mask=mask_h[:, None] & mask_r[None, :])
+    tl.store(L + split * s_ln + b * s_lb + offs_h * s_lh, lse, mask=mask_h)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Stage-1 tiling and split policy. `ctas_per_sm` sets how many stage-1 programs the split count aims for."""
+
+    block_h: int = 16
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    ctas_per_sm: int = 2
+    max_splits: int = 128
+    min_split_tokens: int = 64
+
+
+def default_config(H: int, R: int) -> DecodeConfig:
+    if H >= 64 and R <= 512:
+        # many heads: a 64-row tile reaches Hopper's warpgroup MMA and reads each KV tile for 64 heads at once
+        return DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, ctas_per_sm=1)
+    return DecodeConfig()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter runs: a few splits exercise stage 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits(batch: int, heads: int, capacity: int, device: torch.device, cfg: DecodeConfig) -> int:
+    """Splits from shapes only: enough programs to fill the GPU, never splits shorter than min_split_tokens."""
+    programs = max(batch * triton.cdiv(heads, cfg.block_h), 1)
+    want = triton.cdiv(cfg.ctas_per_sm * _sm_count(device), programs)
+    by_len = triton.cdiv(max(capacity, 1), cfg.min_split_tokens)
+    return max(1, min(want, by_len, cfg.max_splits))
+
+
+def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, capacity,
+            cfg: DecodeConfig | None, splits: int | None):
+    B, H, R = q_nope.shape
+    P = q_pe.shape[2]
+    out = torch.empty_like(q_nope)
+    lse = torch.empty((B, H), dtype=torch.float32, device=q_nope.device)
+    if B * H == 0:
+        return out, lse
+    for t, name in ((q_nope, "q_nope"), (q_pe, "q_pe"), (ckv_cache, "ckv_cache"), (kpe_cache, "kpe_cache")):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: last dim must be contiguous for the Triton kernel, strides {t.stride()}")
+    cfg = cfg or default_config(H, R)
+    ns = splits or num_splits(B, H, capacity, q_nope.device, cfg)
+    if ns == 1:
+        o, l = out, lse
+        s_on = s_ln = 0
+    else:
+        o = torch.empty((ns, B, H, R), dtype=torch.float32, device=q_nope.device)
+        l = torch.empty((ns, B, H), dtype=torch.float32, device=q_nope.device)
+        s_on, s_ln = o.stride(0), l.stride(0)
+    sparse = indices is not None
+    table = indices if sparse else block_table
+    grid = (B, triton.cdiv(H, cfg.block_h), ns)
+    _stage1_kernel[grid](
+        q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens if not sparse else table, table, o, l,
+        sm_scale * _LOG2E, H, R, P, ckv_cache.shape[1], indices.shape[1] if sparse else 0,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
+        table.stride(0), table.stride(0),
+        s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
+        NUM_SPLITS=ns, SPARSE=sparse, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        BLOCK_R=block(R), BLOCK_P=block(P), **dot_mode(q_nope.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if ns > 1:
+        merge_into(o, l, out, lse)
+    return out, lse
+
+
+def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, *, cfg=None, splits=None):
+    """`mla::decode` on the GPU (or under TRITON_INTERPRET=1): (out [B, H, R] q dtype, lse float32 [B, H])."""
+    capacity = block_table.shape[1] * ckv_cache.shape[1]  # the longest a request can be: shape-only
+    return _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, None, sm_scale, capacity, cfg, splits)
+
+
+def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, *, cfg=None, splits=None):
+    """`mla::sparse_decode`: attention over the physical slots in indices [B, K] (-1 ignored)."""
+    return _attend(q_nope, q_pe, ckv_cache, kpe_cache, None, None, indices, sm_scale, indices.shape[1], cfg, splits)
+
+
+def flops(batch: int, heads: int, kv_len: int, R: int, P: int) -> float:
+    """Matrix FLOPs of one decode: q.[ckv|kpe]^T and p.ckv per head and token."""
+    return 2.0 * batch * heads * kv_len * (R + P + R)
+
+
+def kv_bytes(batch: int, kv_len: int, R: int, P: int, itemsize: int) -> float:
+    return float(batch) * kv_len * (R + P) * itemsize
+

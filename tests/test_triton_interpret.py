@@ -1,0 +1,242 @@
+"""The Triton kernels on the CPU under TRITON_INTERPRET=1, small shapes, against tests/reference.py (float64).
+
+TRITON_INTERPRET must be set before triton is imported, and other test modules import triton normally, so
+the checks run in ONE child process (this file run as a script) and each test reads its verdict.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHECKS = ["decode", "decode_fp32_odd_dims", "sparse_decode", "merge_states", "cache_write", "indexer_topk",
+          "k_only_indices"]
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VERDICT ")]
+    if not lines:
+        pytest.fail(f"interpreter child failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(lines[-1][len("VERDICT "):])
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_kernel_under_interpreter(verdicts, name):
+    assert verdicts.get(name) == "ok", verdicts.get(name, "not run")
+
+
+# ------------------------------------------------------------------------------------------ the child process
+def _rel(a, b):
+    import torch
+
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _check_attention(out, lse, ref_out, ref_lse, tol):
+    import torch
+
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "NaN in result"
+    assert _rel(out, ref_out) < tol, f"out rel err {_rel(out, ref_out):.2e}"
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin), "lse finiteness differs"
+    assert (lse == float("-inf")).eq(ref_lse == float("-inf")).all(), "empty rows must give lse -inf"
+    assert float((lse.double() - ref_lse)[fin].abs().sum()) < tol * 10 * max(int(fin.sum()), 1), "lse differs"
+    assert float(out[~fin].abs().sum()) == 0, "empty rows must give out 0"
+
+
+def _batch(lens, H, R, P, PS, dtype, gen):
+    import torch
+
+    from mla_compile import paged
+
+    ckv = [torch.randn(n, R, generator=gen).to(dtype) for n in lens]
+    kpe = [torch.randn(n, P, generator=gen).to(dtype) for n in lens]
+    batch = paged.fill_paged(ckv, kpe, PS, shuffle=True, spare_pages=2, generator=gen)  # unused slots: NaN
+    q_nope = torch.randn(len(lens), H, R, generator=gen).to(dtype)
+    q_pe = torch.randn(len(lens), H, P, generator=gen).to(dtype)
+    return batch, q_nope, q_pe
+
+
+def _check_decode(H, R, P, PS, dtype, lens, splits, tol):
+    import torch
+
+    import reference as ref
+    from mla_compile.kernels import decode as K
+
+    gen = torch.Generator().manual_seed(H * 7 + PS)
+    bt, qn, qp = _batch(lens, H, R, P, PS, dtype, gen)
+    scale = (R + P) ** -0.5
+    want = ref.ref_decode(qn, qp, bt.ckv_cache, bt.kpe_cache, bt.block_table, bt.seq_lens, scale)
+    for ns in splits:
+        cfg = K.DecodeConfig(block_h=16, block_n=16)
+        out, lse = K.decode(qn, qp, bt.ckv_cache, bt.kpe_cache, bt.block_table, bt.seq_lens, scale, cfg=cfg, splits=ns)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        _check_attention(out, lse, *want, tol)
+
+
+def check_decode():
+    import torch
+
+    # bf16, two head blocks (H=20 > BLOCK_H 16, masked tail), page sizes 1 and 16, a 0-length row, 1 and 3 splits
+    _check_decode(20, 32, 16, 16, torch.bfloat16, [37, 0, 5], [1, 3], 2e-2)
+    _check_decode(4, 32, 16, 1, torch.float16, [9, 3], [2], 5e-3)
+
+
+def check_decode_fp32_odd_dims():
+    import torch
+
+    _check_decode(3, 24, 8, 5, torch.float32, [11, 0, 20], [1, 4], 1e-5)  # R, P not powers of two, PS 5
+
+
+def check_sparse_decode():
+    import torch
+
+    import reference as ref
+    from mla_compile.kernels import decode as K
+
+    gen = torch.Generator().manual_seed(3)
+    bt, qn, qp = _batch([40, 30], 4, 32, 16, 8, torch.float32, gen)
+    # per request: a few of its own slots, -1 holes, and one row with no valid slot
+    idx = torch.full((2, 24), -1, dtype=torch.int32)
+    from mla_compile.ops.attention import token_slots
+
+    slots = token_slots(bt.block_table, 8, 40)
+    idx[0, ::2] = slots[0, torch.randperm(40, generator=gen)[:12]].int()
+    scale = 0.2
+    want = ref.ref_sparse_decode(qn, qp, bt.ckv_cache, bt.kpe_cache, idx, scale)
+    for ns in (1, 2):
+        out, lse = K.sparse_decode(qn, qp, bt.ckv_cache, bt.kpe_cache, idx, scale,
+                                   cfg=K.DecodeConfig(block_h=16, block_n=16), splits=ns)
+        _check_attention(out, lse, *want, 1e-5)
+
+
+def check_merge_states():
+    import torch
+
+    import reference as ref
+    from mla_compile.kernels import merge as K
+
+    gen = torch.Generator().manual_seed(5)
+    N, B, H, R = 5, 3, 2, 40
+    outs = torch.randn(N, B, H, R, generator=gen)
+    lses = torch.randn(N, B, H, generator=gen) * 3
+    lses[1, 0, 0], lses[2, 0, 0], lses[3, 0, 0] = float("-inf"), float("nan"), float("inf")
+    outs[1:4, 0, 0] = float("nan")  # parts that must weigh exactly 0
+    lses[:, 1, 1] = float("-inf")  # all empty
+    outs[:, 1, 1] = float("nan")
+    for dtype in (torch.float32, torch.bfloat16):
+        out, lse = K.merge_states(outs.to(dtype), lses)
+        want_o, want_l = ref.ref_merge(outs.to(dtype), lses)
+        _check_attention(out, lse, want_o, want_l, 1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def check_cache_write():
+    import torch
+
+    from mla_compile.kernels import cache as K
+
+    gen = torch.Generator().manual_seed(6)
+    ckv_cache = torch.randn(4, 3, 20, generator=gen)
+    kpe_cache = torch.randn(4, 3, 6, generator=gen)
+    ckv, kpe = torch.randn(5, 20, generator=gen), torch.randn(5, 6, generator=gen)
+    slots = torch.tensor([7, -1, 0, 11, -1], dtype=torch.int64)
+    want_c, want_k = ckv_cache.clone(), kpe_cache.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want_c.view(-1, 20)[s] = ckv[t]
+            want_k.view(-1, 6)[s] = kpe[t]
+    K.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots)
+    assert torch.equal(ckv_cache, want_c) and torch.equal(kpe_cache, want_k)
+
+
+def check_indexer_topk():
+    import torch
+
+    import reference as ref
+    from mla_compile.kernels import dsa as K
+
+    gen = torch.Generator().manual_seed(8)
+    B, Hi, Di, PS = 3, 4, 16, 4
+    lens = [13, 0, 6]
+    keys = [torch.randn(n, Di, generator=gen) for n in lens]
+    from mla_compile import paged
+
+    bt = paged.fill_paged(keys, keys, PS, shuffle=True, spare_pages=1, generator=gen)
+    q = torch.randn(B, Hi, Di, generator=gen)
+    w = torch.randn(B, Hi, generator=gen)
+    for topk in (4, 10):
+        got = K.indexer_topk(q, w, bt.ckv_cache, bt.block_table, bt.seq_lens, topk, 0.3)
+        assert got.shape == (B, topk) and got.dtype == torch.int32
+        for b in range(B):
+            slots, scores = ref.ref_indexer_scores(q, w, bt.ckv_cache, bt.block_table, bt.seq_lens, 0.3, b)
+            k = min(topk, len(slots))
+            picked = got[b, :k].tolist()
+            assert got[b, k:].eq(-1).all(), "entries beyond min(topk, len) must be -1"
+            assert len(set(picked)) == k and set(picked) <= set(slots), "picked slots must be the request's own"
+            mine = torch.tensor([float(scores[slots.index(s)]) for s in picked], dtype=torch.float64)
+            best = torch.sort(scores, descending=True).values[:k]
+            assert torch.allclose(mine, best, atol=1e-4), "picked tokens are not the top-k by score"
+
+
+def check_k_only_indices():
+    import torch
+
+    import reference as ref
+    from mla_compile import paged
+    from mla_compile.kernels import dsa as K
+
+    gen = torch.Generator().manual_seed(9)
+    table, _ = paged.make_block_table([5, 0, 12], 4, max_pages=4, generator=gen)
+    lens = torch.tensor([5, 0, 12], dtype=torch.int32)
+    for topk in (12, 20):
+        assert torch.equal(K.k_only_indices(table, lens, 4, topk), ref.ref_k_only(table, lens, 4, topk))
+
+
+def _patch_interpreter_for_numpy2():
+    """Triton 3.6's interpreter turns a scalar (stored as a 1-element array) into a loop bound with int(array),
+    which NumPy 2 rejects for 1-d arrays: `range(start, end)` with runtime bounds then fails. Use .item()."""
+    import triton.runtime.interpreter as interp
+
+    orig = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+
+
+def _child():
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    import traceback
+
+    _patch_interpreter_for_numpy2()
+
+    import torch
+
+    torch.set_num_threads(1)
+    verdict = {}
+    for name in CHECKS:
+        try:
+            globals()["check_" + name]()
+            verdict[name] = "ok"
+        except Exception:  # report every check, not just the first failure
+            verdict[name] = traceback.format_exc(limit=6)
+    print("VERDICT " + json.dumps(verdict), flush=True)
+
+
+if __name__ == "__main__":
+    _child()
