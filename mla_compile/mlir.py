@@ -217,11 +217,13 @@ def export_program(model_or_fn: Callable, example_args: tuple, example_kwargs: d
         if decompose:
             table = _torch_mlir()[3]() if is_available() else torch.export.default_decompositions()
             ep = ep.run_decompositions(table)
-    if rewrite:
-        pm = backend.build_pass_manager(opts)
-        if getattr(pm, "passes", None):
+        pm = backend.build_pass_manager(opts) if rewrite else None
+        if getattr(pm, "passes", None):  # the backend's ATen-level (post-grad) passes
             pm(ep.graph_module.graph)
             ep.graph_module.recompile()
+            # re-trace: a pass that inserted a mutating op (mla.cache_write) gets it functionalized and its
+            # mutation recorded in the graph signature, or torch-mlir would import a result-less op
+            ep = ep.run_decompositions({})
     return ep, arg_names
 
 
@@ -271,6 +273,30 @@ def normalize_mlir(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.splitlines()).strip() + "\n"
 
 
+_SSA_RE = re.compile(r"%[A-Za-z0-9_.$-]+")
+
+
+def summarize_mlir(text: str, keep=(r"torch\.operator", r"torch\.copy\.to_vtensor", r"torch\.overwrite\.tensor\.contents", r"func\.func",
+                                   r"^\s*return", r"^//")) -> str:
+    """The lines a reader (and a snapshot) cares about: argument comments, the signature, our ops, cache
+    overwrites and the return; SSA names renumbered by first appearance (%0, %1, ...) so the summary is stable
+    when unrelated ops upstream change, while still showing which value feeds which op."""
+    pat = re.compile("|".join(keep))
+    names: dict[str, str] = {}
+
+    def rename(m):
+        name = m.group(0)
+        if re.fullmatch(r"%arg\d+", name):
+            return name
+        base, _, sub = name.partition("#")
+        if base not in names:
+            names[base] = f"%{len(names)}"
+        return names[base] + (f"#{sub}" if sub else "")
+
+    out = [_SSA_RE.sub(rename, line) for line in normalize_mlir(text).splitlines() if pat.search(line)]
+    return "\n".join(out) + "\n"
+
+
 # ------------------------------------------------------------------------------------- built-in examples
 def example_op_step(batch: int = 2, heads: int = 4, kv_lora_rank: int = 8, rope_dim: int = 4,
                     page_size: int = 4, pages_per_req: int = 2, dtype: torch.dtype = torch.float32):
@@ -294,10 +320,12 @@ def example_op_step(batch: int = 2, heads: int = 4, kv_lora_rank: int = 8, rope_
     return decode_step, args
 
 
-def example_hf_step(*, attn_implementation: str = "sdpa", batch: int = 2, prefix: int = 5, seed: int = 0):
+def example_hf_step(*, attn_implementation: str = "sdpa", batch: int = 2, prefix: int = 5, max_cache_len: int = 8,
+                    seed: int = 0):
     """A one-layer HF DeepseekV3 decode step from a tiny config (random weights, nothing downloaded):
-    (model, args, kwargs) with a DynamicCache already holding `prefix` tokens."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache
+    (model, args, kwargs) with HF's own `StaticCache` already holding `prefix` tokens (the cache the pass
+    rewrites; its in-place update is exported as `torch.overwrite.tensor.contents`)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, StaticCache
 
     cfg = DeepseekV3Config(
         vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
@@ -308,11 +336,12 @@ def example_hf_step(*, attn_implementation: str = "sdpa", batch: int = 2, prefix
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(cfg).eval()
     g = torch.Generator().manual_seed(seed)
-    cache = DynamicCache(config=cfg)
+    cache = StaticCache(config=cfg, max_cache_len=max_cache_len)
     with torch.no_grad():
         model(torch.randint(0, cfg.vocab_size, (batch, prefix), generator=g), past_key_values=cache, use_cache=True)
     next_ids = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g)
-    return model, (next_ids,), {"past_key_values": cache, "use_cache": True}
+    return model, (next_ids,), {"past_key_values": cache, "use_cache": True,
+                                "cache_position": torch.tensor([prefix])}
 
 
 def main(argv: list[str] | None = None) -> int:
