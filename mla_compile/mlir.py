@@ -138,10 +138,9 @@ def _weight_names(model_or_fn) -> dict[int, str]:
 
 def _prepare_module(gm: torch.fx.GraphModule, inputs: list, weight_names: dict[int, str], weights: str,
                     positional: list[str]):
-    """Rename placeholders; with weights='constants', turn weight placeholders into module attributes (export
-    then lifts them as parameters/buffers, which torch-mlir imports as literals). Returns (module, user args,
-    argument names)."""
-    root = torch.nn.Module()
+    """Rename and order placeholders; with weights='constants', turn weight placeholders into attributes of
+    `gm` (export lifts them as parameters/buffers, which torch-mlir imports as literals). Returns (module,
+    user args, argument names)."""
     kept, used = [], set()  # (sort key, node, example value, display name) of the function arguments
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(inputs):
@@ -151,9 +150,9 @@ def _prepare_module(gm: torch.fx.GraphModule, inputs: list, weight_names: dict[i
         if fqn is not None and weights == "constants":
             attr = re.sub(r"\W", "_", fqn)
             if isinstance(value, torch.nn.Parameter):
-                root.register_parameter(attr, value)
+                gm.register_parameter(attr, value)
             else:
-                root.register_buffer(attr, value)
+                gm.register_buffer(attr, value)
             with gm.graph.inserting_before(node):
                 get = gm.graph.get_attr(attr)
             get.meta = dict(node.meta)
@@ -177,21 +176,9 @@ def _prepare_module(gm: torch.fx.GraphModule, inputs: list, weight_names: dict[i
             first_op.prepend(node)
     user_args = [v for _, _, v, _ in kept]
     arg_names = [n for _, _, _, n in kept]
-    for name, mod in gm.named_children():
-        root.add_module(name, mod)
-    for name, value in list(gm.__dict__.get("_parameters", {}).items()):
-        root.register_parameter(name, value)
-    for name, value in list(gm.__dict__.get("_buffers", {}).items()):
-        root.register_buffer(name, value)
-    for node in gm.graph.nodes:  # plain tensor attributes Dynamo stored on the graph module
-        if node.op == "get_attr" and not hasattr(root, node.target) and hasattr(gm, node.target):
-            value = getattr(gm, node.target)
-            if isinstance(value, torch.Tensor):
-                root.register_buffer(node.target, value)
-            else:
-                setattr(root, node.target, value)
     gm.graph.lint()
-    return torch.fx.GraphModule(root, gm.graph, class_name="DecodeStep"), user_args, arg_names
+    gm.recompile()
+    return gm, user_args, arg_names
 
 
 def export_program(model_or_fn: Callable, example_args: tuple, example_kwargs: dict | None = None, *,
