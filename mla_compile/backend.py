@@ -60,12 +60,22 @@ def mode_config(mode: str | None) -> dict[str, Any]:
 
 
 def build_pass_manager(opts: BackendOptions) -> PassManager:
-    """Post-grad passes for Inductor (graph-level rewrites run on the Dynamo graph, see `rewrite_graph`)."""
+    """Post-grad passes for Inductor (graph-level rewrites run on the Dynamo graph, see `rewrite_graph`).
+
+    The attention rewrite runs before AOTAutograd (`rewrite_graph`), so Inductor's FX graph cache keys on the
+    already-rewritten graph; this manager (empty today) only has to carry a uuid so the cache stays on."""
     return PassManager()
 
 
 def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, opts: BackendOptions) -> torch.fx.GraphModule:
-    """Rewrites on the Dynamo graph, where attention still has one form on every device."""
+    """Rewrites on the Dynamo graph, where attention still has one form on every device.
+
+    rewrite_attention: HF MLA decode attention -> absorbed `mla.decode` / `mla.dcp_decode`
+    (`passes/mla_attention.py`); sites it cannot prove equivalent are left unchanged and logged."""
+    if opts.rewrite_attention:
+        from .passes.mla_attention import rewrite_mla_attention
+
+        rewrite_mla_attention(gm, example_inputs)
     return gm
 
 

@@ -1,0 +1,1 @@
+"""Glue for model libraries (HF transformers)."""

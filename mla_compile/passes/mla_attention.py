@@ -1,0 +1,690 @@
+"""Rewrite HF MLA decode attention into absorbed `mla.decode` / `mla.dcp_decode` over the latent cache.
+
+Where it runs: on the Dynamo graph (torch IR, before AOTAutograd), through `backend.rewrite_graph`. There
+attention has ONE form on every device (`F.scaled_dot_product_attention`, or HF's eager
+matmul/softmax/matmul), while by Inductor's post-grad passes CPU has decomposed SDPA and CUDA has not.
+The FX graph cache keeps working: Inductor keys on the graph it receives, which is the rewritten one.
+
+What it matches (HF `DeepseekV3Attention` / `DeepseekV32Attention` / `GlmMoeDsaAttention`, transformers
+5.17 - 5.2x), one site per layer::
+
+    X   = linear(c, W_kv_b).view(B, L, H, nope + v).transpose(1, 2)      # c: latent [B,1,L,R]
+    k_nope, V = split(X, [nope, v], -1)
+    K   = new_empty(B, H, L, nope + P); K[..., :nope] = k_nope; K[..., nope:] = kpe.expand(-1, H, -1, -1)
+          (or K = cat([k_nope, kpe.expand(...)], -1))                     # kpe: rope latent [B,1,L,P]
+    out = sdpa(Q, K, V, attn_mask=M, scale=s)                            # or eager:
+    out = matmul(dropout(softmax(matmul(Q, K.transpose(2, 3)) * s + M, -1)), V)
+
+with Q [B, H, 1, nope + P] (decode: one query token). It is replaced by (W = W_kv_b.view(H, nope + v, R))::
+
+    q_abs    = Q[:, :, 0, :nope] @ W[:, :nope]                            # [B, H, R]  (W_UK absorbed)
+    lat, _   = mla.decode(q_abs, Q[:, :, 0, nope:], c, kpe, block_table, seq_lens, s)
+    out      = (lat @ W[:, nope:].T).unsqueeze(2)                         # [B, H, 1, v] (W_UV)
+
+so the per-step `kv_b_proj` over the whole cache disappears. Exact algebra: q.(W_UK c) = (W_UK^T q).c and
+softmax.(W_UV c) = W_UV (softmax.c).
+
+Masks: HF builds, for decode with a static cache, a boolean [B, 1, 1, L] mask (SDPA) or
+`where(mask, 0, finfo.min)` (eager), possibly `& ~index_mask` / `masked_fill(index_mask, min)` (DSA). The pass
+recovers the boolean `valid[B, L]` from that expression (an additive mask it cannot prove to be 0/-big is
+left alone) and turns it into a token-granular (page size 1) block table listing each row's valid tokens
+(cumsum + scatter: static shapes, no host sync, CUDA-graph safe) and `seq_lens = valid.sum(-1)`. This is
+exact for any boolean mask: causal, left padding, and the DSA top-k mask.
+
+Latent sources: a plain latent tensor (HF `StaticCache` [B, 1, L, R] buffers: flat token slots b*L + t), or
+the gather op of our caches in `mla_compile.integrations.hf`: the single-rank paged cache (slots through
+its block table) and the DCP-sharded cache (-> `mla.dcp_decode` over this rank's shard).
+
+Unmatched sites are left unchanged and logged (logger `mla_compile.passes.mla_attention`; enable with
+`TORCH_LOGS="+mla_compile.passes"`). Rewrites are counted in
+`torch._dynamo.utils.counters["mla_compile"]["mla_attention_rewritten"]`, skips in `..._not_rewritten`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger(__name__)
+
+COUNTER = "mla_attention_rewritten"
+SKIP_COUNTER = "mla_attention_not_rewritten"
+
+aten = torch.ops.aten
+
+_SDPA = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
+_LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
+_MATMUL = {torch.matmul, operator.matmul, torch.Tensor.matmul}
+_SOFTMAX = {torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax}
+_SPLIT = {torch.functional.split, torch.split, torch.Tensor.split}
+_CAT = {torch.cat, torch.concat, torch.concatenate}
+_WHERE = {torch.where}
+_DROPOUT = {torch.nn.functional.dropout}
+_BIG_NEGATIVE = -1e30  # additive mask values at or below this give exactly zero probability in fp32 softmax
+
+
+class NoMatch(Exception):
+    """A site that looks like attention but cannot be rewritten; the message says why."""
+
+
+# ------------------------------------------------------------------------------------------- node helpers
+def _is_fn(node, targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _is_method(node, *names) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_method" and node.target in names
+
+
+def _is_op(node, *names) -> bool:
+    """call_function / call_method of a Tensor op by name (torch.X, Tensor.X, aten.X)."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_method":
+        return node.target in names
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", None)
+        if isinstance(node.target, torch._ops.OpOverload):
+            name = node.target._opname
+        elif isinstance(node.target, torch._ops.OpOverloadPacket):
+            name = node.target._qualified_op_name.split("::")[-1]
+        return name in names
+    return False
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _val(node):
+    if not isinstance(node, fx.Node):
+        return node
+    v = node.meta.get("example_value", node.meta.get("val"))
+    if v is None:
+        raise NoMatch(f"node {node.name} has no example_value metadata")
+    return v
+
+
+def _shape(node) -> tuple:
+    v = _val(node)
+    if not isinstance(v, torch.Tensor):
+        raise NoMatch(f"node {node.name} is not a tensor")
+    shape = tuple(v.shape)
+    if not all(isinstance(s, int) for s in shape):
+        raise NoMatch(f"node {node.name} has symbolic shape {shape} (dynamic shapes are not rewritten)")
+    return shape
+
+
+def _dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _shape_args(node: fx.Node, start: int = 1) -> tuple:
+    args = node.args[start:]
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        args = tuple(args[0])
+    return tuple(args)
+
+
+# ------------------------------------------------------------------------------------------ match records
+@dataclasses.dataclass
+class LatentSource:
+    """Where the latent cache of a site comes from (how to hand it to mla.decode)."""
+
+    kind: str  # "tensor" | "paged" | "dcp"
+    ckv: fx.Node  # "tensor": [B,1,L,R] / [B,L,R]; "paged"/"dcp": [NP,PS,R] page pool
+    kpe: fx.Node
+    block_table: fx.Node | None = None  # "paged"/"dcp": int32 [B, MP]
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    group_name: str = ""
+
+
+@dataclasses.dataclass
+class Site:
+    out: fx.Node  # attention output [B, H, 1, v]
+    q: fx.Node  # [B, H, 1, nope + P]
+    weight: fx.Node  # kv_b_proj weight [H * (nope + v), R]
+    latent: fx.Node  # input of kv_b_proj
+    kpe: fx.Node  # rope latent before expand
+    mask: Any  # fx.Node or None
+    scale: float
+    nope: int
+    v_dim: int
+    rope: int
+    nope_offset: int  # where the nope part sits in Q / K's last dim (rope is the other part)
+    rope_offset: int
+    heads: int
+    nodes: set  # nodes that die with the rewrite
+    impl: str  # "sdpa" | "eager"
+
+
+# ----------------------------------------------------------------------------------------- the matcher
+def _match_expansion(k_nope: fx.Node, v: fx.Node, nodes: set):
+    """k_nope, V = split(linear(c, W).view(B, L, H, d).transpose(1, 2), [nope, v], -1)."""
+    for n, idx in ((k_nope, 0), (v, 1)):
+        if not (_is_fn(n, {operator.getitem}) and n.args[1] == idx):
+            raise NoMatch(f"{'K nope part' if idx == 0 else 'V'} ({n.name}) is not item {idx} of a split")
+    split = v.args[0]
+    if k_nope.args[0] is not split or not _is_op(split, "split"):
+        raise NoMatch("K nope part and V do not come from the same split")
+    sizes = _arg(split, 1, "split_size_or_sections")
+    if sizes is None:
+        sizes = _arg(split, 1, "split_size")
+    dim = _arg(split, 2, "dim", 0)
+    X = split.args[0]
+    xs = _shape(X)
+    if not (isinstance(sizes, (list, tuple)) and len(sizes) == 2 and _dim(dim, len(xs)) == len(xs) - 1):
+        raise NoMatch(f"split {split.name} is not a 2-way split of the last dim (sizes={sizes}, dim={dim})")
+    nope, v_dim = int(sizes[0]), int(sizes[1])
+    if not (_is_op(X, "transpose") and len(xs) == 4
+            and sorted(_dim(d, 4) for d in _shape_args(X)) == [1, 2]):
+        raise NoMatch(f"{X.name}: expected .transpose(1, 2) of the expanded kv")
+    view = X.args[0]
+    if not _is_op(view, "view", "reshape"):
+        raise NoMatch(f"{view.name}: expected a view of kv_b_proj's output")
+    lin = view.args[0]
+    if not _is_fn(lin, _LINEAR):
+        raise NoMatch(f"{lin.name}: expected kv_b_proj (linear) over the latent, got {lin.target}")
+    latent, weight = lin.args[0], _arg(lin, 1, "weight")
+    bias = _arg(lin, 2, "bias")
+    if bias is not None:
+        raise NoMatch("kv_b_proj has a bias")
+    ls, ws, vs, lins = _shape(latent), _shape(weight), _shape(view), _shape(lin)
+    B, H, L, d = xs
+    if not (len(ls) in (3, 4) and (len(ls) == 3 or ls[1] == 1) and ls[0] == B and ls[-2] == L):
+        raise NoMatch(f"latent {latent.name} has shape {ls}, expected [B, 1, L, R] with B={B}, L={L}")
+    R = ls[-1]
+    if vs != (B, L, H, d) or ws != (H * d, R) or d != nope + v_dim or lins[-1] != H * d:
+        raise NoMatch(f"kv_b_proj expansion shapes do not line up: view {vs}, weight {ws}, split {sizes}")
+    nodes.update({split, X, view, lin, k_nope, v})
+    return latent, weight, nope, v_dim, X
+
+
+def _match_rope_expand(n: fx.Node, B: int, H: int, L: int, nodes: set) -> fx.Node:
+    if not _is_op(n, "expand"):
+        raise NoMatch(f"{n.name}: expected the rope latent .expand(-1, H, -1, -1)")
+    src = n.args[0]
+    ss = _shape(src)
+    es = _shape(n)
+    if not (len(ss) == 4 and ss[0] == B and ss[1] == 1 and ss[2] == L and es == (B, H, L, ss[3])):
+        raise NoMatch(f"rope latent {src.name} {ss} expanded to {es}: expected [B, 1, L, P] -> [B, H, L, P]")
+    nodes.add(n)
+    return src
+
+
+def _match_key(K: fx.Node, attn_users: set, nodes: set):
+    """K = [k_nope | kpe.expand] (new_empty + two slice copies, or cat). Returns (k_nope, kpe_expand,
+    nope_offset, rope_offset)."""
+    parts = {}  # offset -> source node
+    ks = _shape(K)
+    if _is_fn(K, _CAT):
+        tensors = K.args[0]
+        dim = _arg(K, 1, "dim", 0)
+        if _dim(dim, len(ks)) != len(ks) - 1 or len(tensors) != 2:
+            raise NoMatch(f"{K.name}: K is a cat that is not 2 parts on the last dim")
+        off = 0
+        for t in tensors:
+            parts[off] = t
+            off += _shape(t)[-1]
+        nodes.add(K)
+    elif _is_op(K, "new_empty", "empty_like", "empty"):
+        for user in K.users:
+            if user in attn_users:
+                continue
+            if not (_is_fn(user, {operator.getitem}) and isinstance(user.args[1], tuple)
+                    and len(user.args[1]) == 2 and user.args[1][0] is Ellipsis
+                    and isinstance(user.args[1][1], slice) and user.args[1][1].step in (None, 1)):
+                raise NoMatch(f"K buffer {K.name} has an unexpected user {user.name} ({user.target})")
+            sl = user.args[1][1]
+            start = sl.start or 0
+            copies = list(user.users)
+            if len(copies) != 1 or not _is_op(copies[0], "copy_") or copies[0].args[0] is not user:
+                raise NoMatch(f"K slice {user.name} is not written by exactly one copy_")
+            src = copies[0].args[1]
+            stop = ks[-1] if sl.stop is None else sl.stop
+            if _shape(user)[-1] != stop - start or _shape(src) != _shape(user):
+                raise NoMatch(f"K slice {user.name} is written with a broadcast / mismatched copy")
+            if start in parts:
+                raise NoMatch(f"K buffer {K.name} written twice at offset {start}")
+            parts[start] = src
+            nodes.update({user, copies[0]})
+        nodes.add(K)
+    else:
+        raise NoMatch(f"K ({K.name}, {K.target}) is neither HF's new_empty+copy_ nor a cat")
+    if len(parts) != 2:
+        raise NoMatch(f"K is assembled from {len(parts)} parts, expected 2")
+    (o1, p1), (o2, p2) = sorted(parts.items(), key=lambda kv: kv[0])
+    if o1 != 0 or o2 != _shape(p1)[-1] or o2 + _shape(p2)[-1] != ks[-1]:
+        raise NoMatch("K parts do not tile its last dim")
+    if _is_op(p1, "expand"):
+        return p2, p1, o2, o1
+    return p1, p2, o1, o2
+
+
+def _mask_valid(mask) -> Callable:
+    """Prove the mask is boolean (or HF's additive 0 / finfo.min form) and return a builder that emits the
+    boolean `valid` (True = attend) from existing nodes. Raises NoMatch for anything else."""
+    if mask is None:
+        return lambda b: None
+    if not isinstance(mask, fx.Node):
+        raise NoMatch(f"attention mask is a constant {type(mask).__name__}")
+    v = _val(mask)
+    if v.dtype == torch.bool:
+        return lambda b: mask
+    if not v.dtype.is_floating_point:
+        raise NoMatch(f"attention mask has dtype {v.dtype}")
+    if _is_fn(mask, _WHERE) and len(mask.args) == 3:
+        cond, a, neg = mask.args
+        if _is_zero(a) and _is_big_negative(neg) and _val(cond).dtype == torch.bool:
+            return lambda b: cond
+    if _is_op(mask, "masked_fill") and len(mask.args) >= 3:
+        x, cond, neg = mask.args[0], mask.args[1], mask.args[2]
+        if _is_big_negative(neg) and isinstance(cond, fx.Node) and _val(cond).dtype == torch.bool:
+            inner = _mask_valid(x)
+
+            def build(b, inner=inner, cond=cond):
+                keep = b.call(aten.bitwise_not.default, cond)
+                base = inner(b)
+                return keep if base is None else b.call(aten.bitwise_and.Tensor, base, keep)
+
+            return build
+    raise NoMatch(f"attention mask {mask.name} is an additive float mask not provably 0 / -inf "
+                  f"(only HF's where(mask, 0, finfo.min) [+ masked_fill(.., min)] is understood)")
+
+
+def _is_zero(x) -> bool:
+    if isinstance(x, (int, float)):
+        return x == 0
+    if isinstance(x, fx.Node) and _is_op(x, "zeros", "zeros_like"):
+        return True
+    if isinstance(x, fx.Node) and _is_fn(x, {torch.tensor, torch.scalar_tensor}):
+        return x.args and x.args[0] == 0
+    return False
+
+
+def _is_big_negative(x) -> bool:
+    if isinstance(x, (int, float)):
+        return x <= _BIG_NEGATIVE
+    if isinstance(x, fx.Node) and _is_fn(x, {torch.tensor, torch.scalar_tensor, torch.full}):
+        val = x.args[-1] if _is_fn(x, {torch.full}) else (x.args[0] if x.args else None)
+        return isinstance(val, (int, float)) and val <= _BIG_NEGATIVE
+    return False
+
+
+def _strip(n, ops=("contiguous",)):
+    while _is_op(n, *ops):
+        n = n.args[0]
+    return n
+
+
+def _match_sdpa(node: fx.Node):
+    q, k, v = (_arg(node, i, nm) for i, nm in enumerate(("query", "key", "value")))
+    mask = _arg(node, 3, "attn_mask")
+    dropout = _arg(node, 4, "dropout_p", 0.0)
+    is_causal = _arg(node, 5, "is_causal", False)
+    scale = _arg(node, 6, "scale", None)
+    if node.kwargs.get("enable_gqa", False):
+        raise NoMatch("sdpa with enable_gqa")
+    if dropout != 0.0:
+        raise NoMatch(f"sdpa with dropout_p={dropout}")
+    if is_causal is not False:
+        raise NoMatch(f"sdpa with is_causal={is_causal} (HF passes an explicit mask for decode)")
+    if scale is None:
+        scale = _shape(q)[-1] ** -0.5
+    if not isinstance(scale, (int, float)):
+        raise NoMatch(f"sdpa scale is not a constant ({scale})")
+    return q, k, v, mask, float(scale), set(), {node}
+
+
+def _match_eager(node: fx.Node):
+    """out = matmul(dropout(softmax(matmul(Q, K.transpose(2, 3)) * s [+ M], -1).to(dt)), V)."""
+    p, v = node.args[0], node.args[1]
+    chain = {node}
+    while True:
+        if _is_op(p, "to", "type", "float"):
+            pass
+        elif _is_fn(p, _DROPOUT):
+            if _arg(p, 1, "p", 0.5) != 0.0 and _arg(p, 2, "training", True) is not False:
+                raise NoMatch("eager attention with active dropout")
+        else:
+            break
+        chain.add(p)
+        p = p.args[0]
+    if not _is_op(p, "softmax"):
+        return None
+    sm_dim = _arg(p, 1, "dim")
+    if sm_dim not in (-1, 3):
+        raise NoMatch(f"softmax over dim {sm_dim}")
+    chain.add(p)
+    s = p.args[0]
+    mask = None
+    if _is_op(s, "add", "__add__") or _is_fn(s, {operator.add}):
+        chain.add(s)
+        s, mask = s.args[0], s.args[1]
+    scale = 1.0
+    if _is_op(s, "mul", "__mul__") or _is_fn(s, {operator.mul}):
+        chain.add(s)
+        a, b = s.args
+        if isinstance(b, (int, float)):
+            scale, s = float(b), a
+        elif isinstance(a, (int, float)):
+            scale, s = float(a), b
+        else:
+            raise NoMatch("attention scores scaled by a tensor")
+    if not (_is_op(s, "matmul") or _is_fn(s, _MATMUL)):
+        raise NoMatch("softmax input is not (Q @ K^T) * scale [+ mask]")
+    chain.add(s)
+    q, kt = s.args[0], s.args[1]
+    if not (_is_op(kt, "transpose") and sorted(_dim(d, 4) for d in _shape_args(kt)) == [2, 3]):
+        raise NoMatch("scores are not Q @ K.transpose(2, 3)")
+    chain.add(kt)
+    return q, kt.args[0], v, mask, scale, {kt}, chain
+
+
+def match_site(node: fx.Node) -> Site | None:
+    """Return a Site if `node` is an attention output; None if it is not attention at all; NoMatch if it is
+    attention that cannot be rewritten."""
+    if _is_fn(node, _SDPA):
+        impl = "sdpa"
+        q, K, V, mask, scale, k_users, chain = _match_sdpa(node)
+    elif _is_fn(node, _MATMUL) or _is_op(node, "matmul"):
+        impl = "eager"
+        m = _match_eager(node)
+        if m is None:
+            return None
+        q, K, V, mask, scale, k_users, chain = m
+    else:
+        return None
+    qs = _shape(q)
+    if len(qs) != 4:
+        raise NoMatch(f"query has shape {qs}, expected [B, H, 1, D]")
+    B, H, Sq, Dq = qs
+    if Sq != 1:
+        raise NoMatch(f"query length {Sq} != 1 (prefill / multi-token steps are left to HF attention)")
+    nodes = set(chain)
+    attn_users = {node} | k_users
+    k_nope, kpe_e, nope_off, rope_off = _match_key(K, attn_users, nodes)
+    latent, weight, nope, v_dim, X = _match_expansion(k_nope, V, nodes)
+    _, H2, L, _ = _shape(X)
+    if H2 != H:
+        raise NoMatch(f"K has {H2} heads, Q has {H} (grouped heads are not supported)")
+    kpe = _match_rope_expand(kpe_e, B, H, L, nodes)
+    P = _shape(kpe)[-1]
+    if Dq != nope + P or _shape(K) != (B, H, L, nope + P) or _shape(V)[-1] != v_dim:
+        raise NoMatch(f"head dims do not line up: Q {qs}, K {_shape(K)}, nope {nope}, rope {P}")
+    lv, qv = _val(latent), _val(q)
+    if lv.dtype != qv.dtype or _val(kpe).dtype != qv.dtype or _val(weight).dtype != qv.dtype:
+        raise NoMatch(f"mixed dtypes: q {qv.dtype}, latent {lv.dtype}, kpe {_val(kpe).dtype}")
+    if mask is not None:
+        ms = _shape(mask)
+        if not (len(ms) == 4 and ms[0] in (1, B) and ms[1] == 1 and ms[2] == 1 and ms[3] == L):
+            raise NoMatch(f"mask shape {ms} is not [B|1, 1, 1, L={L}] (per-head masks are not supported)")
+    # every intermediate must die with the site: no other user outside it
+    for n in nodes:
+        if n is node:
+            continue
+        extra = [u for u in n.users if u not in nodes]
+        if extra:
+            raise NoMatch(f"intermediate {n.name} is also used by {', '.join(u.name for u in extra)}")
+    return Site(out=node, q=q, weight=weight, latent=latent, kpe=kpe, mask=mask, scale=scale, nope=nope,
+                v_dim=v_dim, rope=P, nope_offset=nope_off, rope_offset=rope_off, heads=H, nodes=nodes, impl=impl)
+
+
+# ------------------------------------------------------------------------------------------- the builder
+class Builder:
+    """Inserts call_function nodes before an anchor and fills their `example_value` under the graph's fake
+    mode (Inductor's pre-grad passes and our own matcher read it)."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node, fake_mode, meta_from: fx.Node):
+        self.graph, self.anchor, self.fake_mode = graph, anchor, fake_mode
+        self.meta = {k: meta_from.meta[k] for k in ("stack_trace", "nn_module_stack", "source_fn_stack")
+                     if k in meta_from.meta}
+
+    def call(self, target, *args, **kwargs) -> fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, tuple(args), dict(kwargs))
+        node.meta.update(self.meta)
+
+        def fake(a):
+            return _val(a) if isinstance(a, fx.Node) else a
+
+        fargs = fx.node.map_aggregate(args, fake)
+        fkwargs = fx.node.map_aggregate(kwargs, fake)
+        modes = [t.fake_mode for t in _flatten(fargs) + _flatten(fkwargs) if hasattr(t, "fake_mode")]
+        mode = modes[0] if modes else self.fake_mode
+        with mode:
+            node.meta["example_value"] = target(*fargs, **fkwargs)
+        return node
+
+    def item(self, node, i) -> fx.Node:
+        return self.call(operator.getitem, node, i)
+
+
+def _flatten(x) -> list:
+    return [t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def _fake_mode(graph: fx.Graph, example_inputs):
+    """The fake mode of the graph's `example_value`s (Dynamo's; not necessarily the ambient one)."""
+    for n in graph.nodes:
+        v = n.meta.get("example_value")
+        if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode"):
+            return v.fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+# ------------------------------------------------------------------------------------------ the emission
+def _valid_2d(b: Builder, site: Site, B: int, L: int, memo: dict):
+    """bool [B, L] valid-token mask (None: every token valid)."""
+    key = ("valid", site.mask)
+    if key in memo:
+        return memo[key]
+    m = _mask_valid(site.mask)(b)
+    if m is not None:
+        m = b.call(aten.expand.default, m, [B, 1, 1, L])
+        m = b.call(aten.reshape.default, m, [B, L])
+    memo[key] = m
+    return m
+
+
+def token_table(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compaction of a boolean [B, L] mask: (table int32 [B, L], counts int32 [B]) where table[b, :count]
+    lists the positions t with valid[b, t] (ascending). Static shapes, no host sync. Entries past the count
+    are 0 (never read)."""
+    B, L = valid.shape
+    counts = valid.sum(-1, dtype=torch.int32)
+    dest = torch.where(valid, valid.long().cumsum(-1) - 1, L)
+    src = torch.arange(L, device=valid.device, dtype=torch.int32).expand(B, L)
+    table = torch.zeros(B, L + 1, device=valid.device, dtype=torch.int32).scatter(1, dest, src)
+    return table[:, :L], counts
+
+
+def _emit_token_table(b: Builder, valid: fx.Node, B: int, L: int, device):
+    """(table int32 [B, L] of valid LOGICAL positions, counts int32 [B]) as aten nodes."""
+    counts = b.call(aten.sum.dim_IntList, valid, [-1], False, dtype=torch.int32)
+    cum = b.call(aten.cumsum.default, valid, -1, dtype=torch.int64)
+    pos = b.call(aten.sub.Tensor, cum, 1)
+    dest = b.call(aten.where.ScalarOther, valid, pos, L)
+    src = b.call(aten.arange.default, L, dtype=torch.int32, device=device)
+    src = b.call(aten.expand.default, src, [B, L])
+    zeros = b.call(aten.zeros.default, [B, L + 1], dtype=torch.int32, device=device)
+    table = b.call(aten.scatter.src, zeros, 1, dest, src)
+    table = b.call(aten.slice.Tensor, table, 1, 0, L)
+    return table, counts
+
+
+def _emit_slots(b: Builder, site: Site, src: LatentSource, B: int, L: int, memo: dict):
+    """(ckv [N, 1, R], kpe [N, 1, P], table int32 [B, T], seq_lens int32 [B], extra) for mla.decode: a page
+    size 1 view of the latent where table rows list the physical slots of each row's valid tokens."""
+    v0 = _val(site.q)
+    device = v0.device
+    R, P = _shape(site.latent)[-1], site.rope
+    key = ("slots", src.kind, src.block_table, site.mask, src.dcp_rank)
+    if key in memo:
+        table, seq_lens = memo[key]
+    else:
+        valid = _valid_2d(b, site, B, L, memo)
+        if src.kind == "dcp":
+            # this rank's local position j holds global token j * n + r; valid restricted to those
+            n, r = src.dcp_size, src.dcp_rank
+            cap = src_capacity = _shape(src.block_table)[1] * _shape(src.ckv)[1]
+            if valid is None:
+                valid = b.call(aten.full.default, [B, L], True, dtype=torch.bool, device=device)
+            need = cap * n
+            if need > L:  # pad to a multiple of n (positions >= L are never valid)
+                pad = b.call(aten.full.default, [B, need - L], False, dtype=torch.bool, device=device)
+                valid = b.call(aten.cat.default, [valid, pad], 1)
+            else:
+                valid = b.call(aten.slice.Tensor, valid, 1, 0, need)
+            valid = b.call(aten.reshape.default, valid, [B, src_capacity, n])
+            valid = b.call(aten.select.int, valid, 2, r)  # [B, cap] local validity
+            Lt = src_capacity
+        else:
+            Lt = L
+        if valid is None and src.kind != "dcp":
+            table = b.call(aten.arange.default, Lt, dtype=torch.int32, device=device)
+            table = b.call(aten.expand.default, table, [B, Lt])
+            seq_lens = b.call(aten.full.default, [B], Lt, dtype=torch.int32, device=device)
+        else:
+            table, seq_lens = _emit_token_table(b, valid, B, Lt, device)
+        # logical position -> physical slot of the flat (page size 1) view
+        if src.kind == "tensor":
+            base = b.call(aten.arange.start_step, 0, B * L, L, dtype=torch.int32, device=device)
+            base = b.call(aten.unsqueeze.default, base, 1)
+            table = b.call(aten.add.Tensor, table, base)
+        else:
+            PS = _shape(src.ckv)[1]
+            bt = src.block_table
+            page = b.call(aten.div.Tensor_mode, table, PS, rounding_mode="floor")
+            page = b.call(aten.gather.default, bt, 1, b.call(aten._to_copy.default, page, dtype=torch.int64))
+            off = b.call(aten.remainder.Scalar, table, PS)
+            table = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, page, PS), off)
+            table = b.call(aten._to_copy.default, table, dtype=torch.int32)
+        if src.kind == "dcp":  # dcp_decode derives local lengths from "global" ones: c * n has local length c
+            seq_lens = b.call(aten.mul.Tensor, seq_lens, src.dcp_size)
+        memo[key] = (table, seq_lens)
+    if src.kind == "tensor":
+        ckv = b.call(aten.reshape.default, src.ckv, [B * L, 1, R])
+        kpe = b.call(aten.reshape.default, src.kpe, [B * L, 1, P])
+    else:
+        ckv = b.call(aten.reshape.default, src.ckv, [-1, 1, R])
+        kpe = b.call(aten.reshape.default, src.kpe, [-1, 1, P])
+    return ckv, kpe, table, seq_lens
+
+
+def latent_source(site: Site) -> LatentSource:
+    """Identify where the latent comes from: our caches' gather op, or a plain tensor."""
+    from ..integrations import hf as hf_int
+
+    lat, kpe = site.latent, site.kpe
+    if (_is_fn(lat, {operator.getitem}) and _is_fn(kpe, {operator.getitem}) and lat.args[0] is kpe.args[0]
+            and lat.args[1] == 0 and kpe.args[1] == 1):
+        g = lat.args[0]
+        if _is_fn(g, hf_int.GATHER_OPS):
+            return hf_int.describe_gather(g, LatentSource)
+    if _is_fn(lat, {operator.getitem}) and _is_fn(lat.args[0], getattr(hf_int, "GATHER_OPS", set())):
+        raise NoMatch("latent and rope latent come from different cache gathers")
+    return LatentSource("tensor", lat, kpe)
+
+
+def rewrite_site(graph: fx.Graph, site: Site, fake_mode, memo: dict) -> None:
+    src = latent_source(site)
+    B, H, _, Dq = _shape(site.q)
+    L = _shape(site.latent)[-2]
+    nope, v_dim, P = site.nope, site.v_dim, site.rope
+    R = _shape(site.latent)[-1]
+    # insert right before the site's first node, after the latent has been written
+    first = min(site.nodes, key=_order(graph))
+    b = Builder(graph, first, fake_mode, site.out)
+    q = b.call(aten.select.int, site.q, 2, 0)  # [B, H, Dq]
+    q_nope = b.call(aten.slice.Tensor, q, 2, site.nope_offset, site.nope_offset + nope)
+    q_pe = b.call(aten.slice.Tensor, q, 2, site.rope_offset, site.rope_offset + P)
+    q_pe = b.call(aten.clone.default, q_pe, memory_format=torch.contiguous_format)
+    w = b.call(aten.reshape.default, site.weight, [H, nope + v_dim, R])
+    w_uk = b.call(aten.slice.Tensor, w, 1, 0, nope)  # [H, nope, R]
+    w_uv = b.call(aten.slice.Tensor, w, 1, nope, nope + v_dim)  # [H, v, R]
+    q_abs = b.call(aten.bmm.default, b.call(aten.transpose.int, q_nope, 0, 1), w_uk)  # [H, B, R]
+    q_abs = b.call(aten.transpose.int, q_abs, 0, 1)
+    q_abs = b.call(aten.clone.default, q_abs, memory_format=torch.contiguous_format)  # [B, H, R]
+    ckv, kpe, table, seq_lens = _emit_slots(b, site, src, B, L, memo)
+    if src.kind == "dcp":
+        res = b.call(torch.ops.mla.dcp_decode.default, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale,
+                     src.dcp_size, src.dcp_rank, src.group_name)
+    else:
+        res = b.call(torch.ops.mla.decode.default, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale)
+    lat = b.item(res, 0)  # [B, H, R]
+    out = b.call(aten.bmm.default, b.call(aten.transpose.int, lat, 0, 1),
+                 b.call(aten.transpose.int, w_uv, 1, 2))  # [H, B, v]
+    out = b.call(aten.transpose.int, out, 0, 1)
+    out = b.call(aten.unsqueeze.default, out, 2)  # [B, H, 1, v]
+    ov = _val(site.out)
+    if tuple(ov.shape) != (B, H, 1, v_dim) or ov.dtype != _val(out).dtype:
+        raise NoMatch(f"rewritten output {tuple(_val(out).shape)} differs from attention's {tuple(ov.shape)}")
+    site.out.replace_all_uses_with(out)
+    for n in sorted(site.nodes, key=_order(graph), reverse=True):
+        if not n.users:
+            graph.erase_node(n)
+
+
+def _order(graph: fx.Graph):
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    return lambda n: index[n]
+
+
+def _check_no_mutation_between(graph: fx.Graph, site: Site) -> None:
+    """The latent must not be mutated between kv_b_proj (where HF reads it) and the attention."""
+    order = _order(graph)
+    lo = min(order(n) for n in site.nodes)
+    hi = order(site.out)
+    watched = {site.latent, site.kpe}
+    for n in graph.nodes:
+        i = order(n)
+        if lo < i < hi and n.op in ("call_method", "call_function"):
+            name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+            if isinstance(name, str) and name.endswith("_") and not name.startswith("__") and n.args \
+                    and n.args[0] in watched:
+                raise NoMatch(f"latent is mutated by {n.name} between kv_b_proj and attention")
+
+
+# ----------------------------------------------------------------------------------------------- the pass
+def rewrite_mla_attention(gm: fx.GraphModule, example_inputs=None) -> int:
+    """Rewrite every matched decode site of `gm` (a Dynamo graph) in place; returns the number rewritten."""
+    graph = gm.graph
+    candidates = [n for n in graph.nodes if _is_fn(n, _SDPA) or _is_fn(n, _MATMUL) or _is_op(n, "matmul")]
+    fake_mode = None
+    memo: dict = {}
+    rewritten = 0
+    counters = torch._dynamo.utils.counters["mla_compile"]
+    for node in candidates:
+        if node.graph is not graph:  # erased by an earlier rewrite
+            continue
+        try:
+            site = match_site(node)
+            if site is None:
+                continue
+            _check_no_mutation_between(graph, site)
+            if fake_mode is None:
+                fake_mode = _fake_mode(graph, example_inputs)
+            rewrite_site(graph, site, fake_mode, memo)
+        except NoMatch as e:
+            counters[SKIP_COUNTER] += 1
+            log.info("mla_attention: not rewritten: attention at %s: %s", node.name, e)
+            continue
+        rewritten += 1
+        log.info("mla_attention: rewrote %s attention at %s (H=%d, R=%d, rope=%d) -> mla.decode",
+                 site.impl, node.name, site.heads, _shape(site.latent)[-1], site.rope)
+    if rewritten:
+        graph.lint()
+        gm.recompile()
+        counters[COUNTER] += rewritten
+    return rewritten
