@@ -41,6 +41,24 @@ def cache_write_results(text: str, cache_args: tuple[str, str]) -> str:
     return res
 
 
+def depends_on(text: str, value: str, source: str) -> bool:
+    """Whether SSA `value` is computed (transitively) from SSA `source` in the MLIR text."""
+    deps: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*(%[\w.-]+)(?::\d+)? = (.*)$", line)
+        if m:
+            deps[m.group(1)] = [v.split("#")[0] for v in re.findall(r"%[\w.-]+(?:#\d+)?", m.group(2))]
+    seen, todo = set(), [value.split("#")[0]]
+    while todo:
+        v = todo.pop()
+        if v == source.split("#")[0]:
+            return True
+        if v not in seen:
+            seen.add(v)
+            todo.extend(deps.get(v, []))
+    return False
+
+
 @needs_torch_mlir
 class TestOpStep(expecttest.TestCase):
     def test_snapshot(self):
@@ -172,3 +190,40 @@ class TestHFDecodeStep(expecttest.TestCase):
         assert torch._dynamo.utils.counters["mla_compile"][COUNTER] == 1
         assert text.count('torch.operator "torch.mla.decode"') == 1
         assert "overwrites %arg2 :" in text and "overwrites %arg3 :" in text
+        # mla.decode reads the latent cache AFTER this step's write (the new token is attended)
+        written = {m.group(2): m.group(1) for m in
+                   re.finditer(r"torch\.overwrite\.tensor\.contents (%[\w#]+) overwrites (%arg\d+)", text)}
+        dec = re.search(r'torch\.operator "torch\.mla\.decode"\((%[\w#.-]+), (%[\w#.-]+), (%[\w#.-]+), (%[\w#.-]+),', text)
+        assert depends_on(text, dec.group(3), written["%arg2"]), "decode must read the written latent cache"
+        assert depends_on(text, dec.group(4), written["%arg3"]), "decode must read the written rope cache"
+        assert depends_on(text, dec.group(1), "%arg10"), "q_nope is absorbed through kv_b_proj (W_UK)"
+        self.assertExpectedInline(mlir.summarize_mlir(text), """\
+// mla_compile.export_mlir: @main arguments
+//   %arg0 = input_ids
+//   %arg1 = past_key_values_layers_0_cumulative_length  (mutated in place)
+//   %arg2 = past_key_values_layers_0_keys  (mutated in place)
+//   %arg3 = past_key_values_layers_0_values  (mutated in place)
+//   %arg4 = model.embed_tokens.weight
+//   %arg5 = model.rotary_emb.inv_freq
+//   %arg6 = model.layers.0.input_layernorm.weight
+//   %arg7 = model.layers.0.self_attn.q_proj.weight
+//   %arg8 = model.layers.0.self_attn.kv_a_proj_with_mqa.weight
+//   %arg9 = model.layers.0.self_attn.kv_a_layernorm.weight
+//   %arg10 = model.layers.0.self_attn.kv_b_proj.weight
+//   %arg11 = model.layers.0.self_attn.o_proj.weight
+//   %arg12 = model.layers.0.post_attention_layernorm.weight
+//   %arg13 = model.layers.0.mlp.gate_proj.weight
+//   %arg14 = model.layers.0.mlp.up_proj.weight
+//   %arg15 = model.layers.0.mlp.down_proj.weight
+//   %arg16 = model.norm.weight
+//   %arg17 = lm_head.weight
+  func.func @main(%arg0: !torch.vtensor<[2,1],si64>, %arg1: !torch.tensor<[],si64>, %arg2: !torch.tensor<[2,1,8,16],f32>, %arg3: !torch.tensor<[2,1,8,8],f32>, %arg4: !torch.vtensor<[64,32],f32>, %arg5: !torch.vtensor<[4],f32>, %arg6: !torch.vtensor<[32],f32>, %arg7: !torch.vtensor<[32,32],f32>, %arg8: !torch.vtensor<[24,32],f32>, %arg9: !torch.vtensor<[16],f32>, %arg10: !torch.vtensor<[32,16],f32>, %arg11: !torch.vtensor<[32,16],f32>, %arg12: !torch.vtensor<[32],f32>, %arg13: !torch.vtensor<[64,32],f32>, %arg14: !torch.vtensor<[64,32],f32>, %arg15: !torch.vtensor<[32,64],f32>, %arg16: !torch.vtensor<[32],f32>, %arg17: !torch.vtensor<[64,32],f32>) -> !torch.vtensor<[2,1,64],f32> attributes {torch.assume_strict_symbolic_shapes} {
+    %0 = torch.copy.to_vtensor %arg1 : !torch.vtensor<[],si64>
+    %1 = torch.copy.to_vtensor %arg2 : !torch.vtensor<[2,1,8,16],f32>
+    %2 = torch.copy.to_vtensor %arg3 : !torch.vtensor<[2,1,8,8],f32>
+    torch.overwrite.tensor.contents %3 overwrites %arg1 : !torch.vtensor<[],si64>, !torch.tensor<[],si64>
+    torch.overwrite.tensor.contents %4 overwrites %arg2 : !torch.vtensor<[2,1,8,16],f32>, !torch.tensor<[2,1,8,16],f32>
+    torch.overwrite.tensor.contents %5 overwrites %arg3 : !torch.vtensor<[2,1,8,8],f32>, !torch.tensor<[2,1,8,8],f32>
+    %6:2 = torch.operator "torch.mla.decode"(%7, %8, %9, %10, %11, %12, %13) : (!torch.vtensor<[2,2,16],f32>, !torch.vtensor<[2,2,8],f32>, !torch.vtensor<[16,1,16],f32>, !torch.vtensor<[16,1,8],f32>, !torch.vtensor<[2,8],si32>, !torch.vtensor<[2],si32>, !torch.float) -> (!torch.vtensor<[2,2,16],f32>, !torch.vtensor<[2,2],f32>)
+    return %14 : !torch.vtensor<[2,1,64],f32>
+""")
