@@ -128,9 +128,17 @@ def _sm_count(device: torch.device) -> int:
 def num_splits(batch: int, heads: int, capacity: int, device: torch.device, cfg: DecodeConfig) -> int:
     """Splits from shapes only: enough programs to fill the GPU, never splits shorter than min_split_tokens."""
     programs = max(batch * triton.cdiv(heads, cfg.block_h), 1)
-    want = triton.cdiv(cfg.ctas_per_sm * _sm_count(device), programs)
-    by_len = triton.cdiv(max(capacity, 1), cfg.min_split_tokens)
-    return max(1, min(want, by_len, cfg.max_splits))
+    slots = cfg.ctas_per_sm * _sm_count(device)
+    want = triton.cdiv(slots, programs)
+    cap = max(1, min(triton.cdiv(max(capacity, 1), cfg.min_split_tokens), cfg.max_splits))
+    if want >= cap:
+        return cap
+
+    def wave_use(ns):  # fraction of the last wave's slots that hold work
+        return programs * ns / (triton.cdiv(programs * ns, slots) * slots)
+
+    # between want and 2*want splits, the one that leaves the least idle tail (the first on ties)
+    return max(range(want, min(2 * want, cap) + 1), key=lambda ns: wave_use(ns) - 1e-3 * ns)
 
 
 def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, capacity,

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The one script the GPU machine runs:  bash benchmarks/device.sh [stage ...]   (default: kernels bench)
+# Installs the wheels carried in .whl/ (run(carry=[".whl"])), records the environment, then runs each stage.
+# Logs and JSON go flat under $OUT (the device tool returns at most 8 files). Add a stage: define stage_NAME.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/.device_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+setup() {
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      || echo "wheel install failed" >&2
+    export PYTHONPATH=/tmp/site:$PWD
+  else
+    export PYTHONPATH=$PWD
+  fi
+  { nvidia-smi; python3 -c 'import sys, torch, triton; print(sys.version); print("torch", torch.__version__,
+    "cuda", torch.version.cuda, "gpus", torch.cuda.device_count()); print("triton", triton.__version__)'
+    python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' 2>&1 | tail -1; } >"$OUT/env.txt" 2>&1
+  cat "$OUT/env.txt"
+}
+
+stage_kernels() { python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/kernels.log"; }
+stage_bench() { python3 benchmarks/bench_ops.py "$OUT/bench_ops.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_ops.log"; }
+
+setup
+rc=0
+for stage in "${@:-kernels bench}"; do
+  for s in $stage; do
+    echo "=== stage $s ($(date +%T))"
+    "stage_$s" || rc=1
+  done
+done
+exit $rc

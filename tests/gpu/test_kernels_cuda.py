@@ -1,0 +1,284 @@
+"""Every op's CUDA path (Triton, and FlashInfer when it imports) against the float64 references, plus
+CUDA-graph capture and replay with changed lengths. Skipped without a CUDA device."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")]
+
+import mla_compile  # noqa: E402,F401  (registers the ops)
+import reference as ref  # noqa: E402
+from mla_compile import paged  # noqa: E402
+
+DEV = "cuda"
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+
+
+def _rel(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def assert_attention(out, lse, ref_out, ref_lse, dtype):
+    out, lse = out.cpu(), lse.cpu()
+    assert not out.isnan().any() and not lse.isnan().any(), "NaN in result"
+    tol = TOL[dtype]
+    assert _rel(out, ref_out) < tol, f"out rel err {_rel(out, ref_out):.2e} >= {tol}"
+    empty = ref_lse == -math.inf
+    assert torch.equal(lse == -math.inf, empty), "empty rows (and only they) must give lse -inf"
+    assert float(out[empty].abs().sum()) == 0, "empty rows must give out 0"
+    err = (lse.double() - ref_lse)[~empty].abs().max() if (~empty).any() else torch.tensor(0.0)
+    assert float(err) < 10 * tol, f"lse max err {float(err):.2e}"
+
+
+def make_batch(lens, H, R, P, PS, dtype, seed, max_pages=None):
+    g = torch.Generator().manual_seed(seed)
+    ckv = [torch.randn(n, R, generator=g).to(dtype).to(DEV) for n in lens]
+    kpe = [torch.randn(n, P, generator=g).to(dtype).to(DEV) for n in lens]
+    # shuffled pages; every unused slot holds NaN, so reading one poisons the result
+    b = paged.fill_paged(ckv, kpe, PS, shuffle=True, spare_pages=3, max_pages=max_pages, generator=g)
+    q_nope = torch.randn(len(lens), H, R, generator=g).to(dtype).to(DEV)
+    q_pe = torch.randn(len(lens), H, P, generator=g).to(dtype).to(DEV)
+    return b, q_nope, q_pe
+
+
+def ref_of(b, q_nope, q_pe, scale):
+    return ref.ref_decode(q_nope.cpu(), q_pe.cpu(), b.ckv_cache.cpu(), b.kpe_cache.cpu(), b.block_table.cpu(),
+                          b.seq_lens.cpu(), scale)
+
+
+# ------------------------------------------------------------------------------------------------ decode
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("PS", [1, 16, 64])
+@pytest.mark.parametrize("H", [16, 128])
+def test_decode(H, PS, dtype):
+    lens = [0, 1, 777, 64, 1500, 0, 33]
+    b, qn, qp = make_batch(lens, H, 512, 64, PS, dtype, seed=H + PS)
+    scale = 192 ** -0.5
+    want = ref_of(b, qn, qp, scale)
+    out, lse = torch.ops.mla.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, scale)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_attention(out, lse, *want, dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 64])
+def test_decode_forced_splits(splits):
+    from mla_compile.kernels import decode as K
+
+    b, qn, qp = make_batch([300, 0, 2, 1000], 16, 512, 64, 16, torch.bfloat16, seed=splits)
+    want = ref_of(b, qn, qp, 0.1)
+    out, lse = K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.1, splits=splits)
+    assert_attention(out, lse, *want, torch.bfloat16)
+
+
+@pytest.mark.parametrize("H,R,P,PS", [(5, 96, 32, 7), (1, 512, 64, 128), (40, 256, 64, 3)])
+def test_decode_other_dims_fp32(H, R, P, PS):
+    b, qn, qp = make_batch([50, 0, 200], H, R, P, PS, torch.float32, seed=R)
+    want = ref_of(b, qn, qp, 0.05)
+    out, lse = torch.ops.mla.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.05)
+    assert_attention(out, lse, *want, torch.float32)
+
+
+def test_decode_short_lens_large_capacity():
+    # the split count follows the table's capacity (128K) while the requests are short: most splits are empty
+    b, qn, qp = make_batch([5, 0, 130], 128, 512, 64, 64, torch.bfloat16, seed=11, max_pages=2048)
+    want = ref_of(b, qn, qp, 0.07)
+    out, lse = torch.ops.mla.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.07)
+    assert_attention(out, lse, *want, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------ sparse decode
+@pytest.mark.parametrize("H", [16, 128])
+def test_sparse_decode(H):
+    g = torch.Generator().manual_seed(H)
+    b, qn, qp = make_batch([600, 900, 10], H, 512, 64, 64, torch.bfloat16, seed=H)
+    from mla_compile.ops.attention import token_slots
+
+    slots = token_slots(b.block_table.cpu(), 64, 900)
+    K = 512
+    idx = torch.full((3, K), -1, dtype=torch.int32)
+    idx[0, :400] = slots[0, torch.randperm(600, generator=g)[:400]].int()
+    pick = slots[1, torch.randperm(900, generator=g)[:300]].int()
+    idx[1, torch.randperm(K, generator=g)[:300]] = pick  # -1 holes scattered between valid slots
+    # row 2: no valid slot -> (0, -inf)
+    idx = idx.to(DEV)
+    want = ref.ref_sparse_decode(qn.cpu(), qp.cpu(), b.ckv_cache.cpu(), b.kpe_cache.cpu(), idx.cpu(), 0.08)
+    out, lse = torch.ops.mla.sparse_decode(qn, qp, b.ckv_cache, b.kpe_cache, idx, 0.08)
+    assert_attention(out, lse, *want, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------- merge
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_states(dtype):
+    g = torch.Generator().manual_seed(1)
+    N, B, H, R = 8, 4, 16, 512
+    outs = torch.randn(N, B, H, R, generator=g)
+    lses = torch.randn(N, B, H, generator=g) * 4
+    lses[2, 0, :3] = torch.tensor([-math.inf, math.inf, math.nan])
+    outs[2, 0, :3] = math.nan  # a foreign kernel's empty rows: must weigh exactly 0
+    lses[:, 1, 5] = -math.inf
+    outs[:, 1, 5] = math.nan  # all empty -> (0, -inf)
+    outs = outs.to(dtype)
+    want = ref.ref_merge(outs, lses)
+    out, lse = torch.ops.mla.merge_states(outs.to(DEV), lses.to(DEV))
+    assert out.dtype == dtype
+    assert_attention(out, lse, *want, dtype)
+
+
+# ----------------------------------------------------------------------------------------------- cache_write
+def test_cache_write_matches_cpu():
+    g = torch.Generator().manual_seed(2)
+    ckv_c, kpe_c = torch.randn(10, 16, 512, generator=g).bfloat16(), torch.randn(10, 16, 64, generator=g).bfloat16()
+    ckv, kpe = torch.randn(40, 512, generator=g).bfloat16(), torch.randn(40, 64, generator=g).bfloat16()
+    slots = torch.randperm(160, generator=g)[:40]
+    slots[::3] = -1
+    gc, gk = ckv_c.to(DEV), kpe_c.to(DEV)
+    torch.ops.mla.cache_write(ckv_c, kpe_c, ckv, kpe, slots)
+    torch.ops.mla.cache_write(gc, gk, ckv.to(DEV), kpe.to(DEV), slots.to(DEV))
+    assert torch.equal(gc.cpu(), ckv_c) and torch.equal(gk.cpu(), kpe_c)
+
+
+# ------------------------------------------------------------------------------------------------------- DSA
+def make_index_batch(lens, Hi, Di, PS, seed):
+    g = torch.Generator().manual_seed(seed)
+    keys = [torch.randn(n, Di, generator=g).bfloat16().to(DEV) for n in lens]
+    b = paged.fill_paged(keys, keys, PS, shuffle=True, spare_pages=2, generator=g)
+    q = torch.randn(len(lens), Hi, Di, generator=g).bfloat16().to(DEV)
+    w = (torch.randn(len(lens), Hi, generator=g) * Hi ** -0.5).to(DEV)
+    return b, q, w
+
+
+def check_topk(got, q, w, b, topk, scale):
+    got = got.cpu()
+    for r in range(got.shape[0]):
+        slots, scores = ref.ref_indexer_scores(q.cpu(), w.cpu(), b.ckv_cache.cpu(), b.block_table.cpu(),
+                                               b.seq_lens.cpu(), scale, r)
+        k = min(topk, len(slots))
+        picked = got[r, :k].tolist()
+        assert got[r, k:].eq(-1).all()
+        assert len(set(picked)) == k and set(picked) <= set(slots)
+        pos = {s: i for i, s in enumerate(slots)}
+        mine = torch.sort(torch.tensor([float(scores[pos[s]]) for s in picked], dtype=torch.float64)).values
+        best = torch.sort(torch.sort(scores, descending=True).values[:k]).values
+        # bf16 inputs: near-ties may swap, so compare the picked scores, not the slots
+        assert torch.allclose(mine, best, atol=2e-2, rtol=1e-2), "picked tokens are not the top-k by score"
+
+
+@pytest.mark.parametrize("topk", [64, 2048])
+@pytest.mark.parametrize("PS", [1, 64])
+def test_indexer_topk(topk, PS):
+    b, q, w = make_index_batch([3000, 0, 100, 2048], 64, 128, PS, seed=topk + PS)
+    scale = 128 ** -0.5
+    got = torch.ops.dsa.indexer_topk(q, w, b.ckv_cache, b.block_table, b.seq_lens, topk, scale)
+    assert got.shape == (4, topk) and got.dtype == torch.int32
+    check_topk(got, q, w, b, topk, scale)
+
+
+def test_k_only_indices():
+    g = torch.Generator().manual_seed(4)
+    table, _ = paged.make_block_table([2048, 0, 7, 1000], 64, max_pages=40, generator=g)
+    lens = torch.tensor([2048, 0, 7, 1000], dtype=torch.int32)
+    got = torch.ops.dsa.k_only_indices(table.to(DEV), lens.to(DEV), 64, 2048)
+    assert torch.equal(got.cpu(), ref.ref_k_only(table, lens, 64, 2048))
+
+
+# ---------------------------------------------------------------------------------------------- CUDA graphs
+def capture(fn):
+    """Capture fn() in a CUDA graph (after a warm-up on a side stream); returns (graph, static outputs)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn()
+    return graph, outs
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_decode_cuda_graph_replay(backend, monkeypatch):
+    # flashinfer plans on the host, so under capture the op must fall back to Triton (and still be right)
+    monkeypatch.setenv("MLA_COMPILE_DECODE_BACKEND", backend)
+    full = [900, 400, 1200, 64]
+    b, qn, qp = make_batch(full, 128, 512, 64, 16, torch.bfloat16, seed=5)
+    lens = b.seq_lens.clone()
+    graph, (out, lse) = capture(lambda: torch.ops.mla.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table,
+                                                             lens, 0.1))
+    for new in ([900, 400, 1200, 64], [0, 1, 700, 64], [17, 0, 0, 3]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = ref.ref_decode(qn.cpu(), qp.cpu(), b.ckv_cache.cpu(), b.kpe_cache.cpu(), b.block_table.cpu(),
+                              lens.cpu(), 0.1)
+        assert_attention(out, lse, *want, torch.bfloat16)
+
+
+def test_sparse_merge_cache_dsa_cuda_graph_replay():
+    b, qn, qp = make_batch([500, 300], 16, 512, 64, 64, torch.bfloat16, seed=6)
+    idx = torch.full((2, 256), -1, dtype=torch.int32, device=DEV)
+    outs = torch.randn(4, 2, 16, 512, device=DEV)
+    lses = torch.randn(4, 2, 16, device=DEV)
+    new_c, new_k = torch.randn(3, 512, device=DEV).bfloat16(), torch.randn(3, 64, device=DEV).bfloat16()
+    slots = torch.full((3,), -1, dtype=torch.int64, device=DEV)
+    kq, kw = torch.randn(2, 64, 512, device=DEV).bfloat16(), torch.randn(2, 64, device=DEV)
+    lens = b.seq_lens.clone()
+
+    def step():
+        torch.ops.mla.cache_write(b.ckv_cache, b.kpe_cache, new_c, new_k, slots)
+        top = torch.ops.dsa.indexer_topk(kq, kw, b.ckv_cache, b.block_table, lens, 128, 0.05)
+        konly = torch.ops.dsa.k_only_indices(b.block_table, lens, 64, 512)
+        return (torch.ops.mla.sparse_decode(qn, qp, b.ckv_cache, b.kpe_cache, idx, 0.1),
+                torch.ops.mla.merge_states(outs, lses), top, konly)
+
+    graph, res = capture(step)
+    from mla_compile.ops.attention import token_slots
+
+    tok = token_slots(b.block_table.cpu(), 64, 500)
+    for r in range(3):
+        g = torch.Generator().manual_seed(r)
+        idx.fill_(-1)
+        idx[0, :100 * r] = tok[0, torch.randperm(500, generator=g)[:100 * r]].int().to(DEV)
+        outs.copy_(torch.randn(4, 2, 16, 512, generator=g))
+        lses.copy_(torch.randn(4, 2, 16, generator=g))
+        lens.copy_(torch.tensor([400 - 100 * r, 300 - 150 * r], dtype=torch.int32))
+        slots.copy_(torch.tensor([int(tok[0, 5 + r]), -1, int(tok[0, 7 + r])]))
+        graph.replay()
+        torch.cuda.synchronize()
+        (so, sl), (mo, ml), top, konly = res
+        want_c = b.ckv_cache.cpu().view(-1, 512)[tok[0, 5 + r]]
+        assert torch.equal(want_c, new_c.cpu()[0]), "cache_write did not replay with the new slots"
+        assert_attention(so, sl, *ref.ref_sparse_decode(qn.cpu(), qp.cpu(), b.ckv_cache.cpu(), b.kpe_cache.cpu(),
+                                                        idx.cpu(), 0.1), torch.bfloat16)
+        assert_attention(mo, ml, *ref.ref_merge(outs.cpu(), lses.cpu()), torch.float32)
+        # the indexer reads the cache as a 512-dim key head: fine for a replay check
+        b_idx = paged.PagedBatch(b.ckv_cache, b.kpe_cache, b.block_table, lens)
+        check_topk(top, kq, kw, b_idx, 128, 0.05)
+        assert torch.equal(konly.cpu(), ref.ref_k_only(b.block_table.cpu(), lens.cpu(), 64, 512))
+
+
+# ------------------------------------------------------------------------------------------------ FlashInfer
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed")
+@pytest.mark.parametrize("PS", [1, 64])
+@pytest.mark.parametrize("H", [16, 128])
+def test_flashinfer_matches_triton(H, PS, monkeypatch):
+    from mla_compile.kernels import dispatch, flashinfer_mla
+
+    assert flashinfer_mla.available()
+    b, qn, qp = make_batch([0, 1000, 37, 2000], H, 512, 64, PS, torch.bfloat16, seed=H * PS)
+    want = ref_of(b, qn, qp, 0.06)
+    args = (qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.06)
+    monkeypatch.setenv("MLA_COMPILE_DECODE_BACKEND", "flashinfer")
+    assert dispatch.decode_backend(qn, b.ckv_cache) == "flashinfer"
+    fi = torch.ops.mla.decode(*args)
+    monkeypatch.setenv("MLA_COMPILE_DECODE_BACKEND", "triton")
+    tr = torch.ops.mla.decode(*args)
+    assert_attention(*fi, *want, torch.bfloat16)
+    assert_attention(*tr, *want, torch.bfloat16)
