@@ -22,8 +22,11 @@ setup() {
   cat "$OUT/env.txt"
 }
 
-stage_kernels() { python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/kernels.log"; }
-stage_bench() { python3 benchmarks/bench_ops.py "$OUT/bench_ops.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_ops.log"; }
+# per-stage time limits (s) keep one slow stage from starving the next inside the device call's limit
+stage_kernels() { timeout "${T_KERNELS:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/kernels.log"; }
+stage_bench() {
+  timeout "${T_BENCH:-400}" python3 benchmarks/bench_ops.py "$OUT/bench_ops.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_ops.log"
+}
 
 setup
 rc=0
