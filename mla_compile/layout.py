@@ -33,7 +33,8 @@ def local_lens(seq_lens, dcp_size: int, dcp_rank: int):
     (keeps the tensor's dtype and device; no host sync)."""
     _check_group(dcp_size, dcp_rank)
     if isinstance(seq_lens, torch.Tensor):
-        return (seq_lens // dcp_size + (seq_lens % dcp_size > dcp_rank).to(seq_lens.dtype)).to(seq_lens.dtype)
+        # the same count as one expression, (L + n-1-r) // n: 2 kernels instead of 5 inside a CUDA graph
+        return (seq_lens + (dcp_size - 1 - dcp_rank)) // dcp_size
     return seq_lens // dcp_size + int(dcp_rank < seq_lens % dcp_size)
 
 
