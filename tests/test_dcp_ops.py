@@ -118,14 +118,15 @@ def test_validation_local_capacity_message(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------- packing
+@pytest.mark.parametrize("width", [6, 7])  # even R: lse read as a view of the buffer; odd R: copied out
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_pack_roundtrip_bit_exact(dtype):
-    out = torch.randn(3, 4, 6).to(dtype)
+def test_pack_roundtrip_bit_exact(dtype, width):
+    out = torch.randn(3, 4, width).to(dtype)
     lse = torch.tensor([[-math.inf, 0.0, 1e-30, 3.5], [math.inf, float("nan"), -7.25, 1e30], [1, 2, 3, 4]],
                        dtype=torch.float32)
     packed = dcp.pack_states(out, lse)
-    assert packed.dtype == dtype and packed.shape == (3, 4, 6 + 4 // out.element_size())
-    o2, l2 = dcp.unpack_states(packed, 6)
+    assert packed.dtype == dtype and packed.shape == (3, 4, width + 4 // out.element_size())
+    o2, l2 = dcp.unpack_states(packed, width)
     assert torch.equal(o2, out)
     assert torch.equal(l2.view(torch.int32), lse.view(torch.int32))  # bit-exact, NaN included
 

@@ -101,8 +101,15 @@ def pack_states(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_states(packed: torch.Tensor, R: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., R+k] -> (out [..., R] (a view), lse float32 [...]); the inverse of `pack_states`."""
-    return packed[..., :R], packed[..., R:].contiguous().view(torch.float32).squeeze(-1)
+    """[..., R+k] -> (out [..., R], lse float32 [...]); the inverse of `pack_states`. Both are views of
+    `packed` when the lse columns are 4-byte aligned (R even, the normal case), so no copy kernel runs."""
+    tail = packed[..., R:]
+    k = tail.shape[-1]
+    if k == 1 or (tail.storage_offset() % k == 0 and all(s % k == 0 for s in tail.stride()[:-1])):
+        lse = tail.view(torch.float32)
+    else:
+        lse = tail.contiguous().view(torch.float32)
+    return packed[..., :R], lse.squeeze(-1)
 
 
 def gather_states(out: torch.Tensor, lse: torch.Tensor, dcp_size: int, group_name: str):
