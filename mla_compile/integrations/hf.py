@@ -1,9 +1,164 @@
-"""Caches for HF transformers MLA models (placeholder: filled in below)."""
+"""Latent caches for HF transformers MLA models (DeepseekV3 / V3.2 / GLM-MoE-DSA), through HF's Cache API.
+
+HF's MLA attention stores the compressed latent through `past_key_values.update(kv_nope [B,1,T,R],
+k_rot [B,1,T,P], layer_idx)` and attends over whatever tensors `update` returns. HF's own `StaticCache` already
+works with the `mla_dcp` backend (its [B, 1, Lmax, R] buffers are viewed as a token-slot cache). The caches
+here keep the latent in OUR paged layout instead:
+
+* `MLAPagedCache(config, max_cache_len, page_size=64)`: single rank, pages [NP, PS, R] / [NP, PS, P] with a
+  per-request block table (what a serving engine allocates). Static shapes, static addresses: CUDA graphs ok.
+* `MLAPagedCache(..., dcp=group)`: DCP-sharded. One process per rank; rank r stores only the tokens it owns
+  (token t -> rank t % n at local position t // n, `mla_compile.layout`), so capacity grows n-fold.
+
+`update` writes the new tokens with `mla::cache_write` (owner slots only) and returns
+`mla_hf::gather_latent(...)`: the full latent [B, 1, Lmax, R] / [B, 1, Lmax, P] in token order (for DCP: the
+shards all-gathered and interleaved back). So in eager mode, or compiled without our backend, HF's attention
+runs unchanged over the full latent and gives HF's results. Compiled with `backend="mla_dcp"`, the pass
+(`mla_compile.passes.mla_attention`) sees gather -> kv_b_proj -> attention and replaces all of it with
+`mla.decode` (single rank) or `mla.dcp_decode` (sharded) over the pages: no gather, no expansion.
+
+DSA models (V3.2 / GLM-5) also call `update_indexer`; the layers inherit HF's `StaticIndexedLayer` for it.
+"""
 
 from __future__ import annotations
 
-GATHER_OPS: set = set()
+import torch
+
+from .. import layout, ops  # noqa: F401  (registers torch.ops.mla.*)
+
+try:  # transformers >= 5.17 (both the GPU machine's 5.17 and the latest have it)
+    from transformers.cache_utils import Cache, StaticIndexedLayer as _BaseLayer
+except ImportError:  # pragma: no cover - older transformers: no indexer cache
+    try:
+        from transformers.cache_utils import Cache, StaticLayer as _BaseLayer
+    except ImportError:
+        Cache = _BaseLayer = None
+
+
+# ---------------------------------------------------------------------------------- mla_hf::gather_latent
+def _token_slots(block_table: torch.Tensor, page_size: int, num_tokens: int) -> torch.Tensor:
+    t = torch.arange(num_tokens, device=block_table.device)
+    return block_table.long()[:, t // page_size] * page_size + t % page_size
+
+
+@torch.library.custom_op("mla_hf::gather_latent", mutates_args=(),
+                         schema="(Tensor ckv_cache, Tensor kpe_cache, Tensor block_table, int max_len, int dcp_size, "
+                                "int dcp_rank, str group_name) -> (Tensor, Tensor)")
+def gather_latent(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, group_name):
+    """The full latent of every request in token order: (ckv [B, 1, max_len, R], kpe [B, 1, max_len, P]).
+
+    ckv_cache [NP, PS, R] / kpe_cache [NP, PS, P] hold THIS rank's tokens through block_table int32 [B, MP]
+    (local token j at slot block_table[b, j // PS] * PS + j % PS). dcp_size > 1: all ranks' shards are
+    all-gathered (one collective) and global token t = j * n + r is taken from rank r. Slots never written
+    read as whatever the pages hold (zeros after allocation); HF's mask excludes them.
+    """
+    B, MP = block_table.shape
+    PS, R, P = ckv_cache.shape[1], ckv_cache.shape[2], kpe_cache.shape[2]
+    cap = MP * PS
+    slots = _token_slots(block_table, PS, cap)
+    local = torch.cat([ckv_cache.reshape(-1, R)[slots], kpe_cache.reshape(-1, P)[slots].to(ckv_cache.dtype)], -1)
+    if dcp_size > 1:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        group = _resolve_process_group(group_name)
+        gathered = local.new_empty((dcp_size,) + tuple(local.shape))
+        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
+        local = gathered.permute(1, 2, 0, 3).reshape(B, cap * dcp_size, R + P)  # [B, global t, R+P]
+    full = local[:, :max_len]
+    return (full[..., :R].unsqueeze(1).contiguous(), full[..., R:].to(kpe_cache.dtype).unsqueeze(1).contiguous())
+
+
+@gather_latent.register_fake
+def _(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, group_name):
+    B = block_table.shape[0]
+    return (ckv_cache.new_empty((B, 1, max_len, ckv_cache.shape[2])),
+            kpe_cache.new_empty((B, 1, max_len, kpe_cache.shape[2])))
+
+
+GATHER_OPS = {torch.ops.mla_hf.gather_latent.default, torch.ops.mla_hf.gather_latent}
 
 
 def describe_gather(node, LatentSource):
-    raise NotImplementedError
+    """The pass's view of a gather node: the pages, block table and DCP group behind the latent."""
+    args = list(node.args) + [None] * 7
+    names = ("ckv_cache", "kpe_cache", "block_table", "max_len", "dcp_size", "dcp_rank", "group_name")
+    a = {n: (node.kwargs[n] if n in node.kwargs else args[i]) for i, n in enumerate(names)}
+    n = int(a["dcp_size"])
+    return LatentSource("dcp" if n > 1 else "paged", a["ckv_cache"], a["kpe_cache"], a["block_table"],
+                        dcp_size=n, dcp_rank=int(a["dcp_rank"]), group_name=a["group_name"] or "")
+
+
+# ----------------------------------------------------------------------------------------------- caches
+if _BaseLayer is not None:
+
+    class MLAPagedLayer(_BaseLayer):
+        """One layer's latent cache in pages; `keys`/`values` alias the ckv/kpe page pools."""
+
+        def __init__(self, max_cache_len: int, page_size: int = 64, dcp_size: int = 1, dcp_rank: int = 0,
+                     group_name: str = "", shuffle_pages: bool = False, **kwargs):
+            super().__init__(max_cache_len=max_cache_len)
+            self.page_size, self.dcp_size, self.dcp_rank, self.group_name = page_size, dcp_size, dcp_rank, group_name
+            self.shuffle_pages = shuffle_pages
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.batch_size = key_states.shape[0]
+            self.num_heads = 1
+            self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
+            cap = layout.local_capacity(self.max_cache_len, self.dcp_size)
+            self.max_pages = -(-cap // self.page_size)
+            num_pages = self.batch_size * self.max_pages
+            order = torch.randperm(num_pages) if self.shuffle_pages else torch.arange(num_pages)
+            self.block_table = order.to(torch.int32).view(self.batch_size, self.max_pages).to(self.device)
+            self.keys = torch.zeros((num_pages, self.page_size, self.k_head_dim), dtype=self.dtype, device=self.device)
+            self.values = torch.zeros((num_pages, self.page_size, self.v_head_dim), dtype=self.dtype,
+                                      device=self.device)
+            self.cumulative_length = self.cumulative_length.to(self.device)
+            if not torch.compiler.is_compiling():
+                for t in (self.keys, self.values, self.block_table, self.cumulative_length):
+                    torch._dynamo.mark_static_address(t)
+            self.is_initialized = True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            """key_states: kv_nope [B, 1, T, R]; value_states: k_rot [B, 1, T, P] (HF MLA's latent pair)."""
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            B, _, T, R = key_states.shape
+            positions = torch.arange(T, device=self.device) + self.cumulative_length  # GLOBAL positions
+            self.cumulative_length.add_(T)
+            req = torch.arange(B, device=self.device).repeat_interleave(T)
+            slots = layout.owner_slots(self.block_table, req, positions.repeat(B), self.page_size,
+                                       self.dcp_size, self.dcp_rank)
+            torch.ops.mla.cache_write(self.keys, self.values, key_states.reshape(B * T, R),
+                                      value_states.reshape(B * T, value_states.shape[-1]), slots)
+            return torch.ops.mla_hf.gather_latent(self.keys, self.values, self.block_table, self.max_cache_len,
+                                                  self.dcp_size, self.dcp_rank, self.group_name)
+
+        def reset(self) -> None:
+            if self.is_initialized:
+                self.keys.zero_()
+                self.values.zero_()
+            self.cumulative_length.zero_()
+            if getattr(self, "is_indexer_initialized", False):
+                self.indexer_keys.zero_()
+                self.indexer_cumulative_length.zero_()
+
+    class MLAPagedCache(Cache):
+        """HF `Cache` keeping each layer's MLA latent in a paged (optionally DCP-sharded) cache.
+
+        config: the model config; max_cache_len: tokens per request (global); page_size: tokens per page;
+        dcp: None (single rank) or an object with `size`, `rank`, `group_name` (e.g.
+        `mla_compile.distributed.init_dcp()`), one process per rank, every rank running the same model on the
+        same inputs. Use it like HF's StaticCache: `model(ids, past_key_values=cache, ...)`.
+        """
+
+        def __init__(self, config, max_cache_len: int, *, page_size: int = 64, dcp=None,
+                     shuffle_pages: bool = False):
+            text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+            n = getattr(dcp, "size", 1) if dcp is not None else 1
+            kw = dict(page_size=page_size, dcp_size=n, dcp_rank=getattr(dcp, "rank", 0) if dcp is not None else 0,
+                      group_name=getattr(dcp, "group_name", "") if n > 1 else "", shuffle_pages=shuffle_pages)
+            layers = [MLAPagedLayer(max_cache_len=max_cache_len, **kw) for _ in range(text.num_hidden_layers)]
+            super().__init__(layers=layers)
+            self.dcp_size = n

@@ -603,9 +603,9 @@ def rewrite_site(graph: fx.Graph, site: Site, fake_mode, memo: dict) -> None:
     L = _shape(site.latent)[-2]
     nope, v_dim, P = site.nope, site.v_dim, site.rope
     R = _shape(site.latent)[-1]
-    # insert right before the site's first node, after the latent has been written
-    first = min(site.nodes, key=_order(graph))
-    b = Builder(graph, first, fake_mode, site.out)
+    # insert right before the attention: every input (q, weight, latent, mask) is defined by then, and
+    # _check_no_mutation_between has proven the latent still holds what kv_b_proj read
+    b = Builder(graph, site.out, fake_mode, site.out)
     q = b.call(aten.select.int, site.q, 2, 0)  # [B, H, Dq]
     q_nope = b.call(aten.slice.Tensor, q, 2, site.nope_offset, site.nope_offset + nope)
     q_pe = b.call(aten.slice.Tensor, q, 2, site.rope_offset, site.rope_offset + P)
@@ -634,6 +634,11 @@ def rewrite_site(graph: fx.Graph, site: Site, fake_mode, memo: dict) -> None:
     for n in sorted(site.nodes, key=_order(graph), reverse=True):
         if not n.users:
             graph.erase_node(n)
+    if src.kind != "tensor":  # the cache's gather (a collective for DCP) is dead now: drop it
+        gather = site.latent.args[0]
+        for n in (site.latent, site.kpe, gather):
+            if not n.users:
+                graph.erase_node(n)
 
 
 def _order(graph: fx.Graph):
