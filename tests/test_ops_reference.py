@@ -313,3 +313,29 @@ def test_k_only_fuzz(**kw):
 @given(**k_only_args)
 def test_k_only_fuzz_slow(**kw):
     run_k_only(**kw)
+
+
+def test_indexer_overflowing_scores_still_select_every_valid_token():
+    """A valid token whose score overflowed to +-inf must still be selected (it used to come back as -1)."""
+    q, kc = torch.full((1, 1, 8), 1e19), torch.full((1, 4, 8), 1e19)
+    bt, sl = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    for w in (1e10, -1e10):
+        got = torch.ops.dsa.indexer_topk(q, torch.tensor([[w]]), kc, bt, sl, 4, 1.0)
+        assert sorted(got[0, :3].tolist()) == [0, 1, 2] and got[0, 3] == -1
+    got = torch.ops.dsa.indexer_topk(q, torch.tensor([[1e10]]), kc, bt, sl, 2, 1.0)
+    assert len(set(got[0].tolist())) == 2 and all(0 <= s < 3 for s in got[0].tolist())
+
+
+@pytest.mark.parametrize("B,H", [(0, 3), (1, 0)])
+def test_empty_batch_or_heads(B, H):
+    c, k = torch.randn(2, 4, 8), torch.randn(2, 4, 2)
+    bt, sl = torch.zeros(B, 2, dtype=torch.int32), torch.full((B,), 3, dtype=torch.int32)
+    out, lse = torch.ops.mla.decode(torch.randn(B, H, 8), torch.randn(B, H, 2), c, k, bt, sl, 0.5)
+    assert out.shape == (B, H, 8) and lse.shape == (B, H)
+    out, lse = torch.ops.mla.sparse_decode(torch.randn(B, H, 8), torch.randn(B, H, 2), c, k,
+                                           torch.zeros(B, 4, dtype=torch.int32), 0.5)
+    assert out.shape == (B, H, 8) and lse.shape == (B, H)
+    out, lse = torch.ops.mla.merge_states(torch.randn(2, B, H, 8), torch.randn(2, B, H))
+    assert out.shape == (B, H, 8) and lse.shape == (B, H)
+    assert torch.ops.dsa.indexer_topk(torch.randn(B, H, 8), torch.randn(B, H), c, bt, sl, 4, 0.5).shape == (B, 4)
+    assert torch.ops.dsa.k_only_indices(bt, sl, 4, 4).shape == (B, 4)

@@ -81,9 +81,14 @@ def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
     """
     check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)
     score, slots = indexer_scores(q, weights, k_cache, block_table, seq_lens, sm_scale)
+    valid = torch.arange(score.shape[1], device=score.device)[None, :] < seq_lens.long()[:, None]
+    # Rank by a key where every valid token outranks every invalid one, even if its score overflowed to
+    # +-inf or is NaN (else such a token would tie with the padding and come back as -1).
+    big = torch.finfo(score.dtype).max
+    key = torch.where(valid, torch.nan_to_num(score, nan=-big, posinf=big, neginf=-big), float("-inf"))
     k = min(topk, score.shape[1])
-    vals, pos = torch.topk(score, k, dim=1)
-    picked = torch.where(torch.isfinite(vals), slots.gather(1, pos), -1)
+    _, pos = torch.topk(key, k, dim=1)
+    picked = torch.where(valid.gather(1, pos), slots.gather(1, pos), -1)
     return _pad_cols(picked, topk).to(torch.int32)
 
 
