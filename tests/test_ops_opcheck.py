@@ -99,3 +99,19 @@ def test_opcheck_k_only_indices(PS, topk, lens):
     g = torch.Generator().manual_seed(PS + topk)
     _, _, bt, sl, _ = ref.build_paged(lens, PS, (1,), generator=g, shuffle=True, extra_cols=1)
     opcheck(torch.ops.dsa.k_only_indices.default, (bt, sl, PS, topk))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_opcheck_low_precision_decode_and_sparse(dtype):
+    g, c, k, bt, sl = paged([70, 0], 64, 512, 64, dtype=dtype, seed=3)
+    q_nope, q_pe = torch.randn(2, 16, 512, generator=g).to(dtype), torch.randn(2, 16, 64, generator=g).to(dtype)
+    opcheck(torch.ops.mla.decode.default, (q_nope, q_pe, c, k, bt, sl, 576 ** -0.5))
+    idx = torch.tensor([ref.request_slots(bt, 64, 0, 5), [-1] * 5], dtype=torch.int32)
+    opcheck(torch.ops.mla.sparse_decode.default, (q_nope, q_pe, c, k, idx, 576 ** -0.5))
+
+
+def test_opcheck_merge_states_non_contiguous_parts():
+    """Parts gathered as [B, N, ...] and viewed as [N, B, ...]: outputs are contiguous in fake and real impls."""
+    outs = torch.randn(3, 2, 4, 16).transpose(0, 1)
+    lses = torch.randn(3, 2, 4).transpose(0, 1)
+    opcheck(torch.ops.mla.merge_states.default, (outs, lses))
