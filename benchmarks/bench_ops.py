@@ -30,11 +30,11 @@ DT = torch.bfloat16
 HEADS = (16, 128)
 BATCHES = (1, 8, 32, 128)
 LENS = (1024, 8192, 32768, 131072)
-SWEEP = {
-    16: [D.DecodeConfig(16, 32, 4, 2, 2), D.DecodeConfig(16, 64, 4, 2, 2), D.DecodeConfig(16, 32, 4, 3, 2),
-         D.DecodeConfig(16, 32, 4, 2, 4), D.DecodeConfig(16, 64, 8, 2, 2)],
-    128: [D.DecodeConfig(64, 32, 8, 2, 1), D.DecodeConfig(64, 64, 8, 1, 1), D.DecodeConfig(64, 32, 8, 3, 1),
-          D.DecodeConfig(32, 32, 4, 2, 2), D.DecodeConfig(16, 32, 4, 2, 2)],
+SWEEP = {  # DecodeConfig(block_h, block_n, num_warps, num_stages, ctas_per_sm[, max_splits])
+    16: [D.DecodeConfig(16, 32, 4, 2, 2), D.DecodeConfig(16, 16, 4, 3, 2), D.DecodeConfig(16, 16, 4, 4, 2),
+         D.DecodeConfig(16, 32, 4, 2, 3), D.DecodeConfig(16, 32, 2, 2, 2), D.DecodeConfig(16, 32, 4, 2, 2, 256)],
+    128: [D.DecodeConfig(64, 64, 8, 1, 1), D.DecodeConfig(64, 128, 8, 1, 1), D.DecodeConfig(64, 64, 8, 2, 1),
+          D.DecodeConfig(64, 32, 8, 1, 1), D.DecodeConfig(64, 64, 8, 1, 2)],
 }
 
 
@@ -53,7 +53,7 @@ def copy_bandwidth() -> float:
 
 
 def cfg_name(c: D.DecodeConfig) -> str:
-    return f"h{c.block_h}n{c.block_n}w{c.num_warps}s{c.num_stages}c{c.ctas_per_sm}"
+    return f"h{c.block_h}n{c.block_n}w{c.num_warps}s{c.num_stages}c{c.ctas_per_sm}m{c.max_splits}"
 
 
 def bench_decode(results, copy_bw, sweep, shapes):
@@ -108,6 +108,33 @@ def bench_decode(results, copy_bw, sweep, shapes):
     torch.cuda.empty_cache()
 
 
+def bench_host(results):
+    """Host time per eager call (launch overhead), small shape: what do_bench's eager numbers include."""
+    B, H, L = 1, 16, 1024
+    ckv = torch.randn(L // PS + 1, PS, R, dtype=DT, device="cuda")
+    kpe = torch.randn(L // PS + 1, PS, P, dtype=DT, device="cuda")
+    table = torch.arange(L // PS, dtype=torch.int32, device="cuda")[None]
+    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    qn, qp = torch.randn(B, H, R, dtype=DT, device="cuda"), torch.randn(B, H, P, dtype=DT, device="cuda")
+    fns = {"triton decode (2 kernels)": lambda: D.decode(qn, qp, ckv, kpe, table, lens, 0.1),
+           "triton decode, 1 split": lambda: D.decode(qn, qp, ckv, kpe, table, lens, 0.1, splits=1),
+           "torch.ops.mla.decode": lambda: torch.ops.mla.decode(qn, qp, ckv, kpe, table, lens, 0.1),
+           "4x torch.empty": lambda: [torch.empty(16, device="cuda") for _ in range(4)]}
+    if FI.available():
+        fi_run = FI.plan(qn, qp, ckv, table, lens, 0.1).raw
+        fns["flashinfer run"] = lambda: fi_run(qn, qp, ckv, kpe)
+    results["host_us"] = {}
+    for name, fn in fns.items():
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(300):
+            fn()
+        torch.cuda.synchronize()
+        results["host_us"][name] = (time.perf_counter() - t0) / 300 * 1e6
+    print(json.dumps(results["host_us"]), flush=True)
+
+
 def bench_merge(results):
     N, B, H = 8, 128, 128
     outs = torch.randn(N, B, H, R, dtype=DT, device="cuda")
@@ -156,6 +183,9 @@ def table(results) -> str:
                      f"{f('triton_graph_ms')} | {f('flashinfer_ms')} | {f('ratio', 1, '{:.2f}')} | "
                      f"{f('triton_bw_frac', 1, '{:.2f}')} | {f('flashinfer_bw_frac', 1, '{:.2f}')} | "
                      f"{f('triton_tflops', 1, '{:.0f}')} | {r.get('best_cfg', '-')} | {f('best_ms')} |")
+    if results.get("host_us"):
+        lines += ["", "host us per eager call (B=1 H=16 1K): "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in results["host_us"].items())]
     m = results.get("merge")
     if m:
         lines += ["", f"merge_states N={m['N']} B={m['B']} H={m['H']}: {m['merge_ms'] * 1e3:.1f} us"
@@ -179,6 +209,7 @@ def main(argv):
                    flashinfer=FI.available(), decode=[])
     results["copy_bw_TBps"] = copy_bandwidth() / 1e12
     bench_decode(results, results["copy_bw_TBps"] * 1e12, "--sweep" in argv, shapes)
+    bench_host(results)
     bench_merge(results)
     bench_dsa(results)
     results["wall_s"] = time.time() - t0

@@ -141,6 +141,13 @@ def check_merge_states():
         out, lse = K.merge_states(outs.to(dtype), lses)
         want_o, want_l = ref.ref_merge(outs.to(dtype), lses)
         _check_attention(out, lse, want_o, want_l, 1e-5 if dtype == torch.float32 else 1e-2)
+    # more parts than one tile holds: the two-pass path
+    outs = torch.randn(200, 1, 2, 8, generator=gen)
+    lses = torch.randn(200, 1, 2, generator=gen)
+    lses[::7] = float("nan")
+    outs[::7] = float("nan")
+    out, lse = K.merge_states(outs, lses)
+    _check_attention(out, lse, *ref.ref_merge(outs, lses), 1e-5)
 
 
 def check_cache_write():

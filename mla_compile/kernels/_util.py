@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -12,6 +13,13 @@ import triton.language as tl
 def block(n: int) -> int:
     """Power-of-two tile side covering n, at least 16 (tl.dot needs >= 16 on every side)."""
     return max(16, triton.next_power_of_2(max(n, 1)))
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter runs: small numbers keep split-KV and merge paths exercised
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def dot_mode(dtype: torch.dtype) -> dict:
