@@ -27,6 +27,24 @@ stage_kernels() { timeout "${T_KERNELS:-300}" python3 -m pytest -q -p no:cachepr
 stage_bench() {
   timeout "${T_BENCH:-400}" python3 benchmarks/bench_ops.py "$OUT/bench_ops.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_ops.log"
 }
+# DCP (issue 4): torchrun n = 1, 2, 4 (those that fit the GPUs here), then one merged dcp.json + dcp.md table.
+# DCP_NS picks the group sizes (default "1 2 4"), DCP_ARGS e.g. "--quick --no-compile", T_DCP limits each torchrun (s).
+# Merge dcp.json files of separate calls later: python benchmarks/dcp_gpu.py --summarize all.json a/dcp.json b/dcp.json
+stage_dcp() {
+  local ngpu n rc=0 runs=() tmp=/tmp/dcp_runs
+  ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  mkdir -p "$tmp"
+  for n in ${DCP_NS:-1 2 4}; do
+    [ "$n" -le "$ngpu" ] || continue
+    echo "--- dcp n=$n" | tee -a "$OUT/dcp.log"
+    timeout "${T_DCP:-240}" python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
+      benchmarks/dcp_gpu.py "$tmp/dcp_n$n.json" ${DCP_ARGS:-} 2>&1 | tee -a "$OUT/dcp.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "dcp n=$n FAILED" | tee -a "$OUT/dcp.log"; rc=1; }
+    [ -f "$tmp/dcp_n$n.json" ] && runs+=("$tmp/dcp_n$n.json")
+  done
+  python3 benchmarks/dcp_gpu.py --summarize "$OUT/dcp.json" "${runs[@]}" 2>&1 | tee -a "$OUT/dcp.log"
+  return $rc
+}
 
 setup
 rc=0
