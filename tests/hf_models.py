@@ -53,3 +53,69 @@ def _build(cls, cfg, seed, dtype):
             if p.dim() == 2:
                 p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
     return model
+
+
+def greedy(step, model, ids, attention_mask, cache, steps: int, *, prefill=None):
+    """Prefill `ids` [B, T] (through `prefill`, default `step`), then `steps` greedy decode steps through
+    `step` (the compiled or eager model). `attention_mask` [B, Lmax] is the 2D padding mask over the whole
+    static cache (fixed shape: one decode graph). Returns (tokens [B, steps], last-position logits
+    [B, steps, V])."""
+    B, T = ids.shape
+    prefill = prefill or step
+    toks, logits = [], []
+    with torch.no_grad():
+        out = prefill(ids, attention_mask=attention_mask[:, :T], past_key_values=cache,
+                      cache_position=torch.arange(T))
+        tok = out.logits[:, -1].argmax(-1)
+        for i in range(steps):
+            toks.append(tok)
+            out = step(tok[:, None], attention_mask=attention_mask, past_key_values=cache,
+                       cache_position=torch.tensor([T + i]))
+            logits.append(out.logits[:, -1].float())
+            tok = out.logits[:, -1].argmax(-1)
+    return torch.stack(toks, 1), torch.stack(logits, 1)
+
+
+def batch(B: int = 2, T: int = 5, L: int = 32, vocab: int = 128, pad: int = 2, seed: int = 1):
+    """Prompt ids [B, T] with row 1 left-padded by `pad`, and the [B, L] padding mask."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (B, T), generator=g)
+    mask = torch.ones(B, L, dtype=torch.long)
+    if B > 1 and pad:
+        ids[1, :pad] = 0
+        mask[1, :pad] = 0
+    return ids, mask
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def dcp_worker(rank: int, world: int, init_file: str, result_dir: str, impl: str, steps: int, L: int) -> None:
+    """One DCP rank (gloo, CPU): single-rank eager HF reference vs (a) eager HF over the sharded cache and
+    (b) torch.compile(backend="mla_dcp") over it. Writes its numbers to result_dir/rank{rank}.pt."""
+    import types
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        import mla_compile  # noqa: F401
+        from mla_compile.integrations.hf import MLAPagedCache
+        from transformers import StaticCache
+
+        dcp = types.SimpleNamespace(size=world, rank=rank, group_name=dist.group.WORLD.group_name)
+        model = deepseek_v3(attn_impl=impl, num_layers=1)
+        ids, mask = batch(L=L)
+        ref_t, ref_l = greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), steps)
+        e_t, e_l = greedy(model, model, ids, mask, MLAPagedCache(model.config, L, page_size=4, dcp=dcp), steps)
+        torch._dynamo.utils.counters.clear()
+        compiled = torch.compile(model, backend="mla_dcp", fullgraph=True)
+        c_t, c_l = greedy(compiled, model, ids, mask, MLAPagedCache(model.config, L, page_size=4, dcp=dcp), steps,
+                          prefill=model)
+        counters = dict(torch._dynamo.utils.counters["mla_compile"])
+        torch.save(dict(ref_t=ref_t, ref_l=ref_l, e_t=e_t, e_l=e_l, c_t=c_t, c_l=c_l, counters=counters),
+                   f"{result_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

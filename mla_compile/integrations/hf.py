@@ -58,12 +58,8 @@ def gather_latent(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank
     slots = _token_slots(block_table, PS, cap)
     local = torch.cat([ckv_cache.reshape(-1, R)[slots], kpe_cache.reshape(-1, P)[slots].to(ckv_cache.dtype)], -1)
     if dcp_size > 1:
-        import torch.distributed as dist
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        group = _resolve_process_group(group_name)
-        gathered = local.new_empty((dcp_size,) + tuple(local.shape))
-        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
+        gathered = torch.ops._c10d_functional.all_gather_into_tensor(local.contiguous(), dcp_size, group_name)
+        gathered = torch.ops._c10d_functional.wait_tensor(gathered).view(dcp_size, B, cap, R + P)
         local = gathered.permute(1, 2, 0, 3).reshape(B, cap * dcp_size, R + P)  # [B, global t, R+P]
     full = local[:, :max_len]
     return (full[..., :R].unsqueeze(1).contiguous(), full[..., R:].to(kpe_cache.dtype).unsqueeze(1).contiguous())

@@ -1,0 +1,146 @@
+"""The `mla_dcp` backend on unmodified HF MLA models: decode attention rewritten into absorbed MLA.
+
+Every test compares torch.compile(model, backend="mla_dcp") with eager HF (same weights, same static cache
+kind): greedy tokens equal, logits within 1e-4 relative (fp32), and the rewrite counter equals the number of
+attention layers. Tiny configs with the real MLA head dims (kv_lora 512, rope 64, nope 128, v 128); batch 2
+with row 1 left-padded (so the mask path is exercised); one decode graph compiled per test.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+import hf_models as M
+import mla_compile  # noqa: F401
+from mla_compile.passes import mla_attention
+
+transformers = pytest.importorskip("transformers")
+from transformers import StaticCache  # noqa: E402
+
+STEPS = 16
+TOL = 1e-4
+COUNTERS = torch._dynamo.utils.counters
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    COUNTERS.clear()
+    yield
+    torch._dynamo.reset()
+
+
+MODELS = {
+    # (builder kwargs, layers): every V3 variant axis is covered (q_lora on/off, rope_interleave on/off)
+    "v3-qlora-interleave": (M.deepseek_v3, dict(q_lora_rank=96, rope_interleave=True), 2),
+    "v3-noqlora-nointerleave": (M.deepseek_v3, dict(q_lora_rank=None, rope_interleave=False), 1),
+    "v32-topk8": (M.deepseek_v32, dict(index_topk=8), 1),  # DSA top-k smaller than the context: sparse mask
+    "glm-moe-dsa": (M.glm_moe_dsa, dict(), 1),
+}
+
+
+def _check(model, layers, cache_fn, *, compiled_prefill=False, L=32, options=None, expect_rewrites=None):
+    ids, mask = M.batch(L=L)
+    ref_t, ref_l = M.greedy(model, model, ids, mask, cache_fn(), STEPS)
+    compiled = torch.compile(model, backend="mla_dcp", fullgraph=True, options=options)
+    t, logits = M.greedy(compiled, model, ids, mask, cache_fn(), STEPS, prefill=compiled if compiled_prefill else model)
+    assert torch.equal(t, ref_t), f"tokens differ:\n{t}\n{ref_t}"
+    assert M.rel_err(logits, ref_l) < TOL
+    expect = layers if expect_rewrites is None else expect_rewrites
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == expect
+    return t
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_static_cache_decode_matches_eager(name, impl):
+    build, kwargs, layers = MODELS[name]
+    model = build(attn_impl=impl, num_layers=layers, **kwargs)
+    L = 32
+    compiled_prefill = name == "v3-qlora-interleave"  # prefill (q_len 5) compiled too: left to HF, not counted
+    _check(model, layers, lambda: StaticCache(config=model.config, max_cache_len=L), L=L,
+           compiled_prefill=compiled_prefill)
+    if compiled_prefill:
+        assert COUNTERS["mla_compile"][mla_attention.SKIP_COUNTER] == layers  # the prefill sites
+
+
+def test_paged_cache_single_rank():
+    from mla_compile.integrations.hf import MLAPagedCache
+
+    model = M.deepseek_v3(num_layers=1)
+    L = 40
+    ids, mask = M.batch(L=L)
+    # eager HF over the paged cache (gather path) is HF over a StaticCache, bit for bit
+    ref = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), STEPS)
+    paged = M.greedy(model, model, ids, mask, MLAPagedCache(model.config, L, page_size=8, shuffle_pages=True), STEPS)
+    assert torch.equal(paged[0], ref[0]) and torch.equal(paged[1], ref[1])
+    _check(model, 1, lambda: MLAPagedCache(model.config, L, page_size=8, shuffle_pages=True), L=L)
+
+
+def _slice_split_expand_kv(self, kv_nope, k_rot):
+    """A 'future transformers' expand_kv: slices instead of torch.split (same math, different graph)."""
+    B, _, L, _ = kv_nope.shape
+    kv = self.kv_b_proj(kv_nope).view(B, L, -1, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
+    k_nope, value = kv[..., : self.qk_nope_head_dim], kv[..., self.qk_nope_head_dim:]
+    key = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+    return key, value
+
+
+def test_unmatched_attention_is_left_alone_and_logged(monkeypatch, caplog):
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as mod
+
+    monkeypatch.setattr(mod.DeepseekV3Attention, "expand_kv", _slice_split_expand_kv)
+    model = M.deepseek_v3(num_layers=1)
+    L = 32
+    with caplog.at_level(logging.INFO, logger="mla_compile.passes.mla_attention"):
+        _check(model, 1, lambda: StaticCache(config=model.config, max_cache_len=L), L=L, expect_rewrites=0)
+    assert COUNTERS["mla_compile"][mla_attention.SKIP_COUNTER] >= 1
+    assert any("not rewritten" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_rewrite_attention_option_off():
+    model = M.deepseek_v3(num_layers=1)
+    L = 32
+    _check(model, 1, lambda: StaticCache(config=model.config, max_cache_len=L), L=L,
+           options={"rewrite_attention": False}, expect_rewrites=0)
+
+
+def test_fx_graph_cache_hits_on_rewritten_graph(tmp_path, monkeypatch):
+    """The rewrite runs before AOTAutograd; Inductor's FX graph cache must still store and hit."""
+    from torch._inductor.utils import fresh_cache
+
+    model = M.deepseek_v3(num_layers=1)
+    L = 32
+    ids, mask = M.batch(L=L)
+    with fresh_cache(dir=str(tmp_path)), torch._inductor.config.patch(fx_graph_cache=True):
+        for attempt in range(2):
+            torch._dynamo.reset()
+            cache = StaticCache(config=model.config, max_cache_len=L)
+            compiled = torch.compile(model, backend="mla_dcp", fullgraph=True)
+            M.greedy(compiled, model, ids, mask, cache, 2, prefill=model)
+    assert COUNTERS["inductor"]["fxgraph_cache_hit"] >= 1, dict(COUNTERS["inductor"])
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dcp_gloo_matches_single_rank_eager(world, tmp_path):
+    import torch.multiprocessing as mp
+
+    L, steps = 32, STEPS
+    mp.spawn(M.dcp_worker, args=(world, str(tmp_path / "init"), str(tmp_path), "sdpa", steps, L), nprocs=world,
+             join=True)
+    first = None
+    for r in range(world):
+        res = torch.load(tmp_path / f"rank{r}.pt")
+        # eager HF over the sharded cache (all-gathered shards) == single-rank HF
+        assert torch.equal(res["e_t"], res["ref_t"]) and M.rel_err(res["e_l"], res["ref_l"]) < TOL
+        # compiled: gather + attention -> mla.dcp_decode
+        assert torch.equal(res["c_t"], res["ref_t"]), (res["c_t"], res["ref_t"])
+        assert M.rel_err(res["c_l"], res["ref_l"]) < TOL
+        assert res["counters"].get(mla_attention.COUNTER) == 1
+        first = first if first is not None else res["c_l"]
+        assert torch.equal(res["c_l"], first)  # identical on every rank
