@@ -105,10 +105,10 @@ def unpack_states(packed: torch.Tensor, R: int) -> tuple[torch.Tensor, torch.Ten
     `packed` when the lse columns are 4-byte aligned (R even, the normal case), so no copy kernel runs."""
     tail = packed[..., R:]
     k = tail.shape[-1]
-    if k == 1 or (tail.storage_offset() % k == 0 and all(s % k == 0 for s in tail.stride()[:-1])):
-        lse = tail.view(torch.float32)
-    else:
-        lse = tail.contiguous().view(torch.float32)
+    # contiguous packed rows of R+k elements: the float32 view needs the offset R and the row stride R+k
+    # to be multiples of k elements, i.e. R % k == 0
+    aligned = k == 1 or (packed.is_contiguous() and R % k == 0)
+    lse = (tail if aligned else tail.contiguous()).view(torch.float32)
     return packed[..., :R], lse.squeeze(-1)
 
 
