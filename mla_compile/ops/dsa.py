@@ -77,9 +77,21 @@ def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
     Shapes: q [B, Hi, Di], weights float32 [B, Hi], k_cache [NP, PS, Di] (one shared key head),
     block_table int32 [B, MP], seq_lens int32 [B]; topk > 0.
     score(t) = sum_h weights[h] * relu(sm_scale * q[h] . k[t]) for t < seq_len.
-    Returns int32 [B, topk]: physical slots of the top min(topk, seq_len) tokens by descending score, then -1.
+    Returns int32 [B, topk]: physical slots of the top min(topk, seq_len) tokens, then -1.
+    Rows with seq_len > topk list them by descending score. Rows with seq_len <= topk select every token,
+    so they skip the logits and list their slots in token order (the k-only identity): one long request in
+    a batch does not make the short ones pay for the indexer.
     """
     check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)
+    page_size = k_cache.shape[1]
+    out = k_only_slots(block_table, seq_lens, page_size, topk)
+    rows = (seq_lens > topk).nonzero().squeeze(1)  # CPU: data-dependent selection is free here
+    if rows.numel():
+        out[rows] = _topk_by_score(q[rows], weights[rows], k_cache, block_table[rows], seq_lens[rows], topk, sm_scale)
+    return out
+
+
+def _topk_by_score(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
     score, slots = indexer_scores(q, weights, k_cache, block_table, seq_lens, sm_scale)
     valid = torch.arange(score.shape[1], device=score.device)[None, :] < seq_lens.long()[:, None]
     # Rank by a key where every valid token outranks every invalid one, even if its score overflowed to
@@ -120,6 +132,11 @@ def k_only_indices(block_table, seq_lens, page_size, topk):
     `dsa::indexer_topk` selects when seq_len <= topk.
     """
     check_k_only_args(block_table, seq_lens, page_size, topk)
+    return k_only_slots(block_table, seq_lens, page_size, topk)
+
+
+def k_only_slots(block_table, seq_lens, page_size, topk):
+    """Slots of tokens 0..min(seq_len, topk)-1 in order, then -1: int32 [B, topk]."""
     width = min(topk, block_table.shape[1] * page_size)
     slots = token_slots(block_table, page_size, width)
     valid = torch.arange(width, device=seq_lens.device)[None, :] < seq_lens.long()[:, None]
