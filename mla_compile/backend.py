@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 class BackendOptions:
     """Our own `options=` keys."""
 
+    mode: str | None = None  # Inductor mode; torch.compile refuses mode= and options= together, so it fits here
     rewrite_attention: bool = True  # rewrite HF MLA attention into absorbed mla.decode / mla.dcp_decode
     dsa_dual_graph: bool = True  # DSA: dense (k-only) and sparse graphs selected by a Dynamo guard
 
@@ -85,7 +86,9 @@ def mla_dcp(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None
     from torch._inductor.compile_fx import compile_fx
 
     opts, inductor_patches = parse_options(options)
-    patches = {**mode_config(mode), **inductor_patches,
+    if mode is not None and opts.mode is not None and mode != opts.mode:
+        raise ValueError(f"options: 'mode' ({opts.mode!r}) contradicts mode= ({mode!r})")
+    patches = {**mode_config(mode or opts.mode), **inductor_patches,
                "post_grad_custom_pre_pass": build_pass_manager(opts)}
     gm = rewrite_graph(gm, example_inputs, opts)
     return compile_fx(gm, example_inputs, config_patches=patches)
