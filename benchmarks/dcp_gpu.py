@@ -6,21 +6,21 @@ usage (one process per GPU; N in 1, 2, 4):
                                                                             # files), print + write OUT.md table
   torchrun --nproc-per-node 2 benchmarks/dcp_gpu.py OUT.json --smoke         # tiny shapes; runs on CPU/gloo too
 
-Sections (rank 0 writes the JSON after each one, so a later crash keeps the earlier results):
+Sections, in this order (rank 0 writes the JSON after each one, so a later crash keeps the earlier results):
   correctness  random global lengths (0, < n, n, long), chunked prefill + 8 decode steps through owner writes
                (DCPCache); every step `mla::dcp_decode` vs single-GPU `mla::decode` over the unsharded cache on
                the same GPU, the float64 CPU reference at the ends, and bit-identical results on every rank.
   graph        a whole DCP decode step (owner write of the new token, seq_lens += 1, dcp_decode) captured in
                one torch.cuda.graph and replayed with new q / tokens; half-way the lengths are changed from
                outside (seq_lens.copy_) and replay continues: each replay checked against the reference.
-  compile      dcp_decode under torch.compile(backend="mla_dcp", fullgraph=True) and with
-               mode="reduce-overhead" (CUDA-graph trees) vs eager (skipped with --no-compile).
   bench        per-step attention time, bf16, R 512, P 64, page 64, kv_len 32K/128K, B 8/32, H 16/128:
                `local_ms`  mla::decode over this rank's shard alone (CUDA graph),
                `dcp_ms`    the full mla::dcp_decode (local decode + packed all-gather + merge; CUDA graph),
                `comm_merge_ms` the all-gather + merge alone, on this step's (out, lse);
                overhead_frac = (dcp - local) / dcp and comm_merge_frac = comm_merge / dcp. Each time is the
                max over ranks of the median of 5 measurements of 20 replays x 10 calls per graph.
+  compile      dcp_decode under torch.compile(backend="mla_dcp", fullgraph=True) and with
+               mode="reduce-overhead" (CUDA-graph trees) vs eager (skipped with --no-compile).
 Keep NCCL_NVLS_ENABLE=0 (set here by default): NVLink multicast stays off.
 """
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import statistics
 import sys
@@ -470,11 +469,11 @@ def main(argv):
     save()
     results["graph"] = section_graph(ctx)
     save()
-    if not a.no_compile:
-        results["compile"] = section_compile(ctx)
-        save()
     if not a.no_bench:
         results["bench"] = section_bench(ctx, a.quick)
+        save()
+    if not a.no_compile:  # last: the riskiest section (Inductor + NCCL + CUDA-graph trees) cannot cost the others
+        results["compile"] = section_compile(ctx)
         save()
     ok = results["correctness"]["ok"] and results["graph"].get("ok", True)
     results["ok"] = ok
