@@ -8,7 +8,7 @@ impl syncs with the host.
 
 `mla::decode` backend: env MLA_COMPILE_DECODE_BACKEND = auto | triton | flashinfer. FlashInfer runs only
 eagerly (its plan() syncs; see flashinfer_mla.py); under CUDA-graph capture every choice uses Triton.
-`auto` is Triton: see `_AUTO_PREFERS_FLASHINFER` for the evidence.
+`auto` = FlashInfer where usable (eager), else Triton: see `_AUTO_PREFERS_FLASHINFER` for the evidence.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from . import dsa as _dsa
 from . import flashinfer_mla as _fi
 from . import merge as _merge
 
-# benchmarks/RESULTS.md "Ops (issue 3)": set from the H200 measurements
-_AUTO_PREFERS_FLASHINFER = False
+# benchmarks/RESULTS.md "Ops (issue 3)", H200 2026-11-30: FlashInfer 0.5.3 (fa3) was 1.2-3.4x faster than our
+# Triton kernel at every kv_len >= 8K (H=16 and H=128), so eager calls use it when it imports.
+_AUTO_PREFERS_FLASHINFER = True
 
 
 def decode_backend(q_nope, ckv_cache) -> str:
