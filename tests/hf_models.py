@@ -61,7 +61,7 @@ def greedy(step, model, ids, attention_mask, cache, steps: int, *, prefill=None)
     static cache (fixed shape: one decode graph). Returns (tokens [B, steps], last-position logits
     [B, steps, V])."""
     B, T = ids.shape
-    prefill = prefill or step
+    prefill = step if prefill is None else prefill
     toks, logits = [], []
     with torch.no_grad():
         out = prefill(ids, attention_mask=attention_mask[:, :T], past_key_values=cache,
