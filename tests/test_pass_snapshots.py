@@ -1,0 +1,164 @@
+"""Snapshots of one HF DeepseekV3 layer's decode graph (sdpa, StaticCache) before and after the pass.
+
+A stable text form: the op nodes of the layer's attention (nodes whose module stack is `self_attn`), one
+line each from the latent cache write on, `%i = target(args) -> shape dtype`, with graph inputs / nodes
+outside that region as `%in`.
+Regenerate with `EXPECTTEST_ACCEPT=1 pytest tests/test_pass_snapshots.py`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import expecttest
+import torch
+import torch.fx as fx
+
+import hf_models as M
+import mla_compile  # noqa: F401
+from mla_compile.passes.mla_attention import rewrite_mla_attention
+
+
+def _target(n: fx.Node) -> str:
+    if n.op == "call_method":
+        return "." + n.target
+    t = n.target
+    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(t)
+    mod = getattr(t, "__module__", None) or ""
+    return f"{mod}.{getattr(t, '__name__', str(t))}".lstrip(".")
+
+
+def op_text(gm: fx.GraphModule) -> str:
+    region = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")
+              and any("self_attn" in str(v) for v in (n.meta.get("nn_module_stack") or {}).values())]
+    start = next((i for i, n in enumerate(region) if n.target == "index_copy_"), 0)
+    region = region[start:]  # from the cache write on: q / kv projections and rope are not the pass's business
+    index = {n: i for i, n in enumerate(region)}
+
+    def fmt(a):
+        if isinstance(a, fx.Node):
+            return f"%{index[a]}" if a in index else "%in"
+        if isinstance(a, (list, tuple)):
+            inner = ", ".join(fmt(x) for x in a)
+            return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+        if isinstance(a, float):
+            return f"{a:.6g}"
+        if isinstance(a, torch.dtype):
+            return str(a).replace("torch.", "")
+        return repr(a)
+
+    lines = []
+    for n in region:
+        args = [fmt(a) for a in n.args] + [f"{k}={fmt(v)}" for k, v in n.kwargs.items() if k != "device"]
+        v = n.meta.get("example_value")
+        meta = ""
+        if isinstance(v, torch.Tensor):
+            meta = f" -> {list(v.shape)} {str(v.dtype).replace('torch.', '')}"
+        elif isinstance(v, (tuple, list)):
+            meta = " -> (" + ", ".join(str(list(x.shape)) for x in v if isinstance(x, torch.Tensor)) + ")"
+        lines.append(f"%{index[n]} = {_target(n)}({', '.join(args)}){meta}")
+    return "\n".join(lines)
+
+
+def _decode_graphs():
+    from transformers import StaticCache
+
+    torch._dynamo.reset()
+    model = M.deepseek_v3(num_layers=1, attn_impl="sdpa")
+    L = 16
+    ids, mask = M.batch(L=L)
+    cache = StaticCache(config=model.config, max_cache_len=L)
+    seen = {}
+
+    def backend(gm, example_inputs):
+        before = copy.deepcopy(gm)
+        n = rewrite_mla_attention(gm, example_inputs)
+        seen["before"], seen["after"], seen["n"] = op_text(before), op_text(gm), n
+        return gm.forward
+
+    with torch.no_grad():
+        model(ids, attention_mask=mask[:, :5], past_key_values=cache)
+        torch.compile(model, backend=backend, fullgraph=True)(ids[:, :1], attention_mask=mask, past_key_values=cache)
+    torch._dynamo.reset()
+    return seen
+
+
+class TestPassSnapshots(expecttest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.graphs = _decode_graphs()
+
+    def test_rewrites_one_site(self):
+        self.assertEqual(self.graphs["n"], 1)
+
+    def test_before(self):
+        self.assertExpectedInline(self.graphs["before"], """\
+%0 = .index_copy_(%in, 2, %in, %in) -> [2, 1, 16, 512] float32
+%1 = .index_copy_(%in, 2, %in, %in) -> [2, 1, 16, 64] float32
+%2 = torch.cat((%in, %in), dim=-1) -> [2, 4, 1, 192] float32
+%3 = torch._C._nn.linear(%in, %in, None) -> [2, 1, 16, 1024] float32
+%4 = .view(%3, (2, 16, -1, 256)) -> [2, 16, 4, 256] float32
+%5 = .transpose(%4, 1, 2) -> [2, 4, 16, 256] float32
+%6 = torch.functional.split(%5, [128, 128], dim=-1) -> ([2, 4, 16, 128], [2, 4, 16, 128])
+%7 = _operator.getitem(%6, 0) -> [2, 4, 16, 128] float32
+%8 = _operator.getitem(%6, 1) -> [2, 4, 16, 128] float32
+%9 = .expand(%in, -1, 4, -1, -1) -> [2, 4, 16, 64] float32
+%10 = .new_empty(%5, 2, 4, 16, 192) -> [2, 4, 16, 192] float32
+%11 = _operator.getitem(%10, (Ellipsis, slice(None, 128, None))) -> [2, 4, 16, 128] float32
+%12 = .copy_(%11, %7) -> [2, 4, 16, 128] float32
+%13 = _operator.getitem(%10, (Ellipsis, slice(128, None, None))) -> [2, 4, 16, 64] float32
+%14 = .copy_(%13, %9) -> [2, 4, 16, 64] float32
+%15 = torch._C._nn.scaled_dot_product_attention(%2, %10, %8, attn_mask=%in, dropout_p=0, scale=0.0721688, is_causal=False) -> [2, 4, 1, 128] float32
+%16 = .reshape(%15, 2, -1, 1, 128) -> [2, 4, 1, 128] float32
+%17 = .transpose(%16, 1, 2) -> [2, 1, 4, 128] float32
+%18 = .contiguous(%17) -> [2, 1, 4, 128] float32
+%19 = .reshape(%18, 2, 1, -1) -> [2, 1, 512] float32
+%20 = .contiguous(%19) -> [2, 1, 512] float32
+%21 = torch._C._nn.linear(%20, %in, None) -> [2, 1, 64] float32""")
+
+    def test_after(self):
+        self.assertExpectedInline(self.graphs["after"], """\
+%0 = .index_copy_(%in, 2, %in, %in) -> [2, 1, 16, 512] float32
+%1 = .index_copy_(%in, 2, %in, %in) -> [2, 1, 16, 64] float32
+%2 = torch.cat((%in, %in), dim=-1) -> [2, 4, 1, 192] float32
+%3 = aten.select.int(%2, 2, 0) -> [2, 4, 192] float32
+%4 = aten.slice.Tensor(%3, 2, 0, 128) -> [2, 4, 128] float32
+%5 = aten.slice.Tensor(%3, 2, 128, 192) -> [2, 4, 64] float32
+%6 = aten.clone.default(%5, memory_format=torch.contiguous_format) -> [2, 4, 64] float32
+%7 = aten.reshape.default(%in, [4, 256, 512]) -> [4, 256, 512] float32
+%8 = aten.slice.Tensor(%7, 1, 0, 128) -> [4, 128, 512] float32
+%9 = aten.slice.Tensor(%7, 1, 128, 256) -> [4, 128, 512] float32
+%10 = aten.transpose.int(%4, 0, 1) -> [4, 2, 128] float32
+%11 = aten.bmm.default(%10, %8) -> [4, 2, 512] float32
+%12 = aten.transpose.int(%11, 0, 1) -> [2, 4, 512] float32
+%13 = aten.clone.default(%12, memory_format=torch.contiguous_format) -> [2, 4, 512] float32
+%14 = aten.expand.default(%in, [2, 1, 1, 16]) -> [2, 1, 1, 16] bool
+%15 = aten.reshape.default(%14, [2, 16]) -> [2, 16] bool
+%16 = aten.sum.dim_IntList(%15, [-1], False, dtype=int32) -> [2] int32
+%17 = aten.cumsum.default(%15, -1, dtype=int64) -> [2, 16] int64
+%18 = aten.sub.Tensor(%17, 1) -> [2, 16] int64
+%19 = aten.where.ScalarOther(%15, %18, 16) -> [2, 16] int64
+%20 = aten.arange.default(16, dtype=int32) -> [16] int32
+%21 = aten.expand.default(%20, [2, 16]) -> [2, 16] int32
+%22 = aten.zeros.default([2, 17], dtype=int32) -> [2, 17] int32
+%23 = aten.scatter.src(%22, 1, %19, %21) -> [2, 17] int32
+%24 = aten.slice.Tensor(%23, 1, 0, 16) -> [2, 16] int32
+%25 = aten.arange.start_step(0, 32, 16, dtype=int32) -> [2] int32
+%26 = aten.unsqueeze.default(%25, 1) -> [2, 1] int32
+%27 = aten.add.Tensor(%24, %26) -> [2, 16] int32
+%28 = aten.reshape.default(%in, [32, 1, 512]) -> [32, 1, 512] float32
+%29 = aten.reshape.default(%in, [32, 1, 64]) -> [32, 1, 64] float32
+%30 = mla.decode.default(%13, %6, %28, %29, %27, %16, 0.0721688) -> ([2, 4, 512], [2, 4])
+%31 = _operator.getitem(%30, 0) -> [2, 4, 512] float32
+%32 = aten.transpose.int(%31, 0, 1) -> [4, 2, 512] float32
+%33 = aten.transpose.int(%9, 1, 2) -> [4, 512, 128] float32
+%34 = aten.bmm.default(%32, %33) -> [4, 2, 128] float32
+%35 = aten.transpose.int(%34, 0, 1) -> [2, 4, 128] float32
+%36 = aten.unsqueeze.default(%35, 2) -> [2, 4, 1, 128] float32
+%37 = .reshape(%36, 2, -1, 1, 128) -> [2, 4, 1, 128] float32
+%38 = .transpose(%37, 1, 2) -> [2, 1, 4, 128] float32
+%39 = .contiguous(%38) -> [2, 1, 4, 128] float32
+%40 = .reshape(%39, 2, 1, -1) -> [2, 1, 512] float32
+%41 = .contiguous(%40) -> [2, 1, 512] float32
+%42 = torch._C._nn.linear(%41, %in, None) -> [2, 1, 64] float32""")
