@@ -46,6 +46,13 @@ stage_dcp() {
   return $rc
 }
 
+# DSA (issue 6): mixed-batch indexer + dual graphs under CUDA-graph trees, then dense vs sparse benchmark
+stage_dsa() {
+  timeout "${T_DSA_TEST:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_cudagraphs.py \
+    tests/test_dsa_mixed_batch.py 2>&1 | tee "$OUT/dsa.log"
+  timeout "${T_DSA_BENCH:-240}" python3 benchmarks/dsa_gpu.py "$OUT/dsa.json" 2>&1 | tee -a "$OUT/dsa.log"
+}
+
 setup
 rc=0
 for stage in "${@:-kernels bench}"; do

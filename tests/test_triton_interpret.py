@@ -195,7 +195,15 @@ def check_indexer_topk():
             assert len(set(picked)) == k and set(picked) <= set(slots), "picked slots must be the request's own"
             mine = torch.tensor([float(scores[slots.index(s)]) for s in picked], dtype=torch.float64)
             best = torch.sort(scores, descending=True).values[:k]
+            mine = torch.sort(mine, descending=True).values  # short rows come in token order
             assert torch.allclose(mine, best, atol=1e-4), "picked tokens are not the top-k by score"
+            if len(slots) <= topk:  # fits in topk: logits skipped, identity (token-order) slots
+                assert picked == ref.request_slots(bt.block_table, PS, b, len(slots)), "short row not identity"
+    # mixed batch: the short row's logits are skipped, so a NaN query cannot disturb it
+    q_poisoned = q.clone()
+    q_poisoned[2] = float("nan")
+    got = K.indexer_topk(q_poisoned, w, bt.ckv_cache, bt.block_table, bt.seq_lens, 10, 0.3)
+    assert got[2].tolist() == ref.request_slots(bt.block_table, PS, 2, 6) + [-1] * 4, "short row read its logits"
 
 
 def check_k_only_indices():

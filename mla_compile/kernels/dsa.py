@@ -1,7 +1,8 @@
 """DSA indexer ops in Triton: `dsa::indexer_topk` (logits kernel + torch.topk) and `dsa::k_only_indices`.
 
 Shapes only decide the work: the score row spans the block table's capacity (MP * PS), tokens at or beyond
-a request's length score -inf, and top-k entries with a non-finite score become -1. No host sync.
+a request's length score -inf, and top-k entries past the length become -1. Rows with seq_len <= topk skip
+their logits and take the k-only identity slots (no mixed-batch cliff). No host sync.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ from ._util import block, dot_mode, mma
 
 
 @triton.jit
-def _indexer_logits_kernel(Q, W, K, Table, Lens, Score, scale, Hi, Di, PS, T,
+def _indexer_logits_kernel(Q, W, K, Table, Lens, Score, scale, Hi, Di, PS, T, topk,
                            s_qb, s_qh, s_wb, s_kp, s_ks, s_tb, s_sb,
                            BLOCK_HI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
                            DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     n = tl.load(Lens + b)
-    mask_t = offs_t < n
+    # a row with n <= topk selects every token: its K reads are masked off (the caller gives it identity slots)
+    mask_t = (offs_t < n) & (n > topk)
     offs_h = tl.arange(0, BLOCK_HI)
     offs_d = tl.arange(0, BLOCK_D)
     mask_h = offs_h < Hi
@@ -35,6 +37,9 @@ def _indexer_logits_kernel(Q, W, K, Table, Lens, Score, scale, Hi, Di, PS, T,
     logits = mma(q, tl.trans(k), tl.zeros([BLOCK_HI, BLOCK_T], tl.float32), DOT_PREC, DOT_UPCAST)  # [Hi, T]
     logits = tl.maximum(logits * scale, 0.0)
     score = tl.sum(logits * w[:, None], 0)
+    # valid tokens must outrank padding even if their score overflowed or is NaN: keep them finite
+    big = 3.4028234663852886e38
+    score = tl.where(score != score, -big, tl.minimum(tl.maximum(score, -big), big))
     tl.store(Score + b * s_sb + offs_t, tl.where(mask_t, score, float("-inf")), mask=offs_t < T)
 
 
@@ -52,8 +57,9 @@ def _slots_of(block_table: torch.Tensor, pos: torch.Tensor, page_size: int) -> t
     return block_table.gather(1, (pos // page_size).to(torch.int64)).long() * page_size + pos % page_size
 
 
-def indexer_scores(q, weights, k_cache, block_table, seq_lens, sm_scale) -> torch.Tensor:
-    """float32 [B, MP * PS]: indexer score of every token position, -inf at and beyond the request's length."""
+def indexer_scores(q, weights, k_cache, block_table, seq_lens, sm_scale, topk) -> torch.Tensor:
+    """float32 [B, MP * PS]: indexer score of every token position, -inf at and beyond the request's length.
+    Rows with seq_len <= topk are all -inf: their logits are skipped."""
     B, Hi, Di = q.shape
     PS = k_cache.shape[1]
     T = block_table.shape[1] * PS
@@ -63,7 +69,7 @@ def indexer_scores(q, weights, k_cache, block_table, seq_lens, sm_scale) -> torc
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_t = 64
     grid = (B, triton.cdiv(T, block_t))
-    _indexer_logits_kernel[grid](q, weights, k_cache, block_table, seq_lens, score, sm_scale, Hi, Di, PS, T,
+    _indexer_logits_kernel[grid](q, weights, k_cache, block_table, seq_lens, score, sm_scale, Hi, Di, PS, T, topk,
                                  q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1),
                                  block_table.stride(0), score.stride(0),
                                  BLOCK_HI=block(Hi), BLOCK_D=block(Di), BLOCK_T=block_t, **dot_mode(q.dtype),
@@ -74,14 +80,16 @@ def indexer_scores(q, weights, k_cache, block_table, seq_lens, sm_scale) -> torc
 def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale) -> torch.Tensor:
     B = q.shape[0]
     PS = k_cache.shape[1]
-    score = indexer_scores(q, weights, k_cache, block_table, seq_lens, sm_scale)
+    score = indexer_scores(q, weights, k_cache, block_table, seq_lens, sm_scale, topk)
     k = min(topk, score.shape[1])
-    out = torch.full((B, topk), -1, dtype=torch.int32, device=q.device)
+    identity = k_only_indices(block_table, seq_lens, PS, topk)  # what rows with seq_len <= topk return
     if B == 0 or k == 0:
-        return out
-    vals, pos = torch.topk(score, k, dim=1)
-    out[:, :k] = torch.where(torch.isfinite(vals), _slots_of(block_table, pos, PS), -1).to(torch.int32)
-    return out
+        return identity
+    _, pos = torch.topk(score, k, dim=1)
+    out = torch.full((B, topk), -1, dtype=torch.int32, device=q.device)
+    # position validity, not score finiteness, decides -1 (valid scores are clamped finite in the kernel)
+    out[:, :k] = torch.where(pos < seq_lens[:, None], _slots_of(block_table, pos, PS), -1).to(torch.int32)
+    return torch.where((seq_lens <= topk)[:, None], identity, out)
 
 
 def k_only_indices(block_table, seq_lens, page_size, topk) -> torch.Tensor:
