@@ -55,6 +55,15 @@ def _check(model, layers, cache_fn, *, compiled_prefill=False, L=32, options=Non
     return t
 
 
+def _caches_latent(model) -> bool:
+    """transformers 5.17's V3.2 / GLM-DSA attention caches the EXPANDED K/V (`update` after `expand_kv`):
+    there is no latent cache to attend over, so the pass must leave it alone (and say so)."""
+    import inspect
+
+    src = inspect.getsource(type(model.model.layers[0].self_attn).forward)
+    return src.index("past_key_values.update(") < src.index("self.expand_kv(")
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_static_cache_decode_matches_eager(name, impl):
@@ -63,7 +72,7 @@ def test_static_cache_decode_matches_eager(name, impl):
     L = 32
     compiled_prefill = name == "v3-qlora-interleave"  # prefill (q_len 5) compiled too: left to HF, not counted
     _check(model, layers, lambda: StaticCache(config=model.config, max_cache_len=L), L=L,
-           compiled_prefill=compiled_prefill)
+           compiled_prefill=compiled_prefill, expect_rewrites=layers if _caches_latent(model) else 0)
     if compiled_prefill:
         assert COUNTERS["mla_compile"][mla_attention.SKIP_COUNTER] == layers  # the prefill sites
 
