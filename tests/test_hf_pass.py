@@ -153,3 +153,17 @@ def test_dcp_gloo_matches_single_rank_eager(world, tmp_path):
         assert res["counters"].get(mla_attention.COUNTER) == 1
         first = first if first is not None else res["c_l"]
         assert torch.equal(res["c_l"], first)  # identical on every rank
+
+
+def test_hf_generate_with_static_cache():
+    """What an HF user already has: generate(cache_implementation="static") with a compiled forward."""
+    model = M.deepseek_v3(num_layers=1)
+    ids, mask = M.batch(L=5)
+    kw = dict(attention_mask=mask, max_new_tokens=STEPS, do_sample=False, cache_implementation="static",
+              disable_compile=True)
+    ref = model.generate(ids, **kw)
+    model.forward = torch.compile(model.forward, backend="mla_dcp", fullgraph=True)
+    out = model.generate(ids, **kw)
+    assert torch.equal(out, ref)
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 1  # the decode graph; prefill is left to HF
+    assert COUNTERS["stats"]["unique_graphs"] == 2  # prefill + one decode graph for all steps
