@@ -427,6 +427,7 @@ def match_site(node: fx.Node) -> Site | None:
         ms = _shape(mask)
         if not (len(ms) == 4 and ms[0] in (1, B) and ms[1] == 1 and ms[2] == 1 and ms[3] == L):
             raise NoMatch(f"mask shape {ms} is not [B|1, 1, 1, L={L}] (per-head masks are not supported)")
+    _mask_valid(mask)  # raises NoMatch for a mask it cannot read (before anything is emitted)
     # every intermediate must die with the site: no other user outside it
     for n in nodes:
         if n is node:
@@ -445,12 +446,14 @@ class Builder:
 
     def __init__(self, graph: fx.Graph, anchor: fx.Node, fake_mode, meta_from: fx.Node):
         self.graph, self.anchor, self.fake_mode = graph, anchor, fake_mode
+        self.created: list[fx.Node] = []
         self.meta = {k: meta_from.meta[k] for k in ("stack_trace", "nn_module_stack", "source_fn_stack")
                      if k in meta_from.meta}
 
     def call(self, target, *args, **kwargs) -> fx.Node:
         with self.graph.inserting_before(self.anchor):
             node = self.graph.call_function(target, tuple(args), dict(kwargs))
+        self.created.append(node)
         node.meta.update(self.meta)
 
         def fake(a):
@@ -467,12 +470,19 @@ class Builder:
     def item(self, node, i) -> fx.Node:
         return self.call(operator.getitem, node, i)
 
+    def rollback(self) -> None:
+        """Erase every node this builder inserted (the site is then exactly as before)."""
+        for n in reversed(self.created):
+            if not getattr(n, "_erased", False):
+                self.graph.erase_node(n)
+        self.created.clear()
+
 
 def _flatten(x) -> list:
     return [t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
-def _fake_mode(graph: fx.Graph, example_inputs):
+def _fake_mode(graph: fx.Graph):
     """The fake mode of the graph's `example_value`s (Dynamo's; not necessarily the ambient one)."""
     for n in graph.nodes:
         v = n.meta.get("example_value")
@@ -537,7 +547,7 @@ def _emit_slots(b: Builder, site: Site, src: LatentSource, B: int, L: int, memo:
         if src.kind == "dcp":
             # this rank's local position j holds global token j * n + r; valid restricted to those
             n, r = src.dcp_size, src.dcp_rank
-            cap = src_capacity = _shape(src.block_table)[1] * _shape(src.ckv)[1]
+            cap = _shape(src.block_table)[1] * _shape(src.ckv)[1]  # local token capacity
             if valid is None:
                 valid = b.call(aten.full.default, [B, L], True, dtype=torch.bool, device=device)
             need = cap * n
@@ -546,9 +556,9 @@ def _emit_slots(b: Builder, site: Site, src: LatentSource, B: int, L: int, memo:
                 valid = b.call(aten.cat.default, [valid, pad], 1)
             else:
                 valid = b.call(aten.slice.Tensor, valid, 1, 0, need)
-            valid = b.call(aten.reshape.default, valid, [B, src_capacity, n])
+            valid = b.call(aten.reshape.default, valid, [B, cap, n])
             valid = b.call(aten.select.int, valid, 2, r)  # [B, cap] local validity
-            Lt = src_capacity
+            Lt = cap
         else:
             Lt = L
         if valid is None and src.kind != "dcp":
@@ -597,15 +607,11 @@ def latent_source(site: Site) -> LatentSource:
     return LatentSource("tensor", lat, kpe)
 
 
-def rewrite_site(graph: fx.Graph, site: Site, fake_mode, memo: dict) -> None:
-    src = latent_source(site)
-    B, H, _, Dq = _shape(site.q)
-    L = _shape(site.latent)[-2]
+def _emit(b: Builder, site: Site, src: LatentSource, memo: dict) -> fx.Node:
+    """The absorbed computation; returns the node replacing the attention output [B, H, 1, v]."""
+    B, H, _, _ = _shape(site.q)
+    L, R = _shape(site.latent)[-2:]
     nope, v_dim, P = site.nope, site.v_dim, site.rope
-    R = _shape(site.latent)[-1]
-    # insert right before the attention: every input (q, weight, latent, mask) is defined by then, and
-    # _check_no_mutation_between has proven the latent still holds what kv_b_proj read
-    b = Builder(graph, site.out, fake_mode, site.out)
     q = b.call(aten.select.int, site.q, 2, 0)  # [B, H, Dq]
     q_nope = b.call(aten.slice.Tensor, q, 2, site.nope_offset, site.nope_offset + nope)
     q_pe = b.call(aten.slice.Tensor, q, 2, site.rope_offset, site.rope_offset + P)
@@ -630,6 +636,21 @@ def rewrite_site(graph: fx.Graph, site: Site, fake_mode, memo: dict) -> None:
     ov = _val(site.out)
     if tuple(ov.shape) != (B, H, 1, v_dim) or ov.dtype != _val(out).dtype:
         raise NoMatch(f"rewritten output {tuple(_val(out).shape)} differs from attention's {tuple(ov.shape)}")
+    return out
+
+
+def rewrite_site(graph: fx.Graph, site: Site, src: LatentSource, fake_mode, memo: dict) -> None:
+    # insert right before the attention: every input (q, weight, latent, mask) is defined by then, and
+    # _check_no_mutation_between has proven the latent still holds what kv_b_proj read
+    b = Builder(graph, site.out, fake_mode, site.out)
+    saved_memo = dict(memo)
+    try:
+        out = _emit(b, site, src, memo)
+    except BaseException:
+        memo.clear()
+        memo.update(saved_memo)
+        b.rollback()
+        raise
     site.out.replace_all_uses_with(out)
     for n in sorted(site.nodes, key=_order(graph), reverse=True):
         if not n.users:
@@ -646,19 +667,31 @@ def _order(graph: fx.Graph):
     return lambda n: index[n]
 
 
-def _check_no_mutation_between(graph: fx.Graph, site: Site) -> None:
-    """The latent must not be mutated between kv_b_proj (where HF reads it) and the attention."""
+def _mutates(n: fx.Node, watched: set) -> bool:
+    """Does `n` write into one of `watched` in place (Tensor.foo_ method, or an op with a mutable schema)?"""
+    if n.op == "call_method":
+        return n.target.endswith("_") and not n.target.startswith("__") and bool(n.args) and n.args[0] in watched
+    if n.op == "call_function":
+        if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+            return any(a in watched for a in n.all_input_nodes)
+        name = getattr(n.target, "__name__", "")
+        return name.endswith("_") and not name.startswith("__") and bool(n.args) and n.args[0] in watched
+    return False
+
+
+def _check_no_mutation_between(graph: fx.Graph, site: Site, src: LatentSource) -> None:
+    """What the rewrite reads at the attention (latent tensors, or the cache pages behind a gather) must hold
+    what HF's expansion read: no in-place write to it in between."""
     order = _order(graph)
-    lo = min(order(n) for n in site.nodes)
-    hi = order(site.out)
+    starts = [order(n) for n in site.nodes]
     watched = {site.latent, site.kpe}
+    if src.kind != "tensor":
+        starts.append(order(site.latent.args[0]))
+        watched |= {src.ckv, src.kpe, src.block_table}
+    lo, hi = min(starts), order(site.out)
     for n in graph.nodes:
-        i = order(n)
-        if lo < i < hi and n.op in ("call_method", "call_function"):
-            name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-            if isinstance(name, str) and name.endswith("_") and not name.startswith("__") and n.args \
-                    and n.args[0] in watched:
-                raise NoMatch(f"latent is mutated by {n.name} between kv_b_proj and attention")
+        if lo < order(n) < hi and _mutates(n, watched):
+            raise NoMatch(f"the latent cache is written by {n.name} between its read and the attention")
 
 
 # ----------------------------------------------------------------------------------------------- the pass
@@ -671,23 +704,30 @@ def rewrite_mla_attention(gm: fx.GraphModule, example_inputs=None) -> int:
     rewritten = 0
     counters = torch._dynamo.utils.counters["mla_compile"]
     for node in candidates:
-        if node.graph is not graph:  # erased by an earlier rewrite
+        if getattr(node, "_erased", False):  # removed by an earlier rewrite
             continue
         try:
             site = match_site(node)
             if site is None:
                 continue
-            _check_no_mutation_between(graph, site)
+            src = latent_source(site)
+            _check_no_mutation_between(graph, site, src)
             if fake_mode is None:
-                fake_mode = _fake_mode(graph, example_inputs)
-            rewrite_site(graph, site, fake_mode, memo)
+                fake_mode = _fake_mode(graph)
+            rewrite_site(graph, site, src, fake_mode, memo)
         except NoMatch as e:
             counters[SKIP_COUNTER] += 1
             log.info("mla_attention: not rewritten: attention at %s: %s", node.name, e)
             continue
+        except Exception as e:  # noqa: BLE001 - a bug in the pass must not break the user's model
+            counters[SKIP_COUNTER] += 1
+            log.warning("mla_attention: not rewritten: attention at %s: internal error %s: %s (site left "
+                        "unchanged; please report)", node.name, type(e).__name__, e, exc_info=True)
+            continue
         rewritten += 1
-        log.info("mla_attention: rewrote %s attention at %s (H=%d, R=%d, rope=%d) -> mla.decode",
-                 site.impl, node.name, site.heads, _shape(site.latent)[-1], site.rope)
+        log.info("mla_attention: rewrote %s attention at %s (H=%d, R=%d, rope=%d, %s latent) -> %s",
+                 site.impl, node.name, site.heads, _shape(site.latent)[-1], site.rope, src.kind,
+                 "mla.dcp_decode" if src.kind == "dcp" else "mla.decode")
     if rewritten:
         graph.lint()
         gm.recompile()
