@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
 # The one script the GPU machine runs:  bash benchmarks/device.sh [stage ...]   (default: kernels bench)
+#   stages: kernels (GPU tests)  bench (op benchmark)  dcp  dsa  hf  compile  report
 # Installs the wheels carried in .whl/ (run(carry=[".whl"])), records the environment, then runs each stage.
-# Logs and JSON go flat under $OUT (the device tool returns at most 8 files). Add a stage: define stage_NAME.
+#
+# $OUT stays flat and small (the device tool returns at most 8 files). A full run
+#   bash benchmarks/device.sh kernels bench dcp dsa hf compile
+# leaves at most 7:  run.log (environment + every stage's output)  bench_ops.json  dcp.json  dsa.json  hf.json
+#                    compile.json  report.md (the generated RESULTS.md blocks, from the JSON files above)
+# Intermediate files (per-n DCP runs, the DCP markdown) stay in /tmp. Add a stage: define stage_NAME; it may
+# write at most one new file into $OUT, and must print to stdout (all output lands in run.log).
+# The report step runs after the stages unless NO_REPORT=1; KIND=<device kind> labels it. Locally, turn a
+# call's files into RESULTS.md tables + plots:  python -m benchmarks report <files_at> --kind ... --command ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/.device_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+ARGS="${*:-kernels bench}"
 
 setup() {
   if compgen -G ".whl/*.whl" >/dev/null; then
@@ -16,49 +26,74 @@ setup() {
   else
     export PYTHONPATH=$PWD
   fi
-  { nvidia-smi; python3 -c 'import sys, torch, triton; print(sys.version); print("torch", torch.__version__,
+  echo "=== environment ($(date -u +%FT%TZ)): bash benchmarks/device.sh $ARGS"
+  nvidia-smi
+  python3 -c 'import sys, torch, triton; print(sys.version); print("torch", torch.__version__,
     "cuda", torch.version.cuda, "gpus", torch.cuda.device_count()); print("triton", triton.__version__)'
-    python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' 2>&1 | tail -1; } >"$OUT/env.txt" 2>&1
-  cat "$OUT/env.txt"
+  python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' 2>&1 | tail -1
+  python3 -c 'import transformers; print("transformers", transformers.__version__)' 2>&1 | tail -1
 }
 
 # per-stage time limits (s) keep one slow stage from starving the next inside the device call's limit
-stage_kernels() { timeout "${T_KERNELS:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/kernels.log"; }
-stage_bench() {
-  timeout "${T_BENCH:-400}" python3 benchmarks/bench_ops.py "$OUT/bench_ops.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_ops.log"
-}
-# DCP (issue 4): torchrun n = 1, 2, 4 (those that fit the GPUs here), then one merged dcp.json + dcp.md table.
+stage_kernels() { timeout "${T_KERNELS:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu; }
+stage_bench() { timeout "${T_BENCH:-400}" python3 benchmarks/bench_ops.py "$OUT/bench_ops.json" ${BENCH_ARGS:-}; }
+
+# DCP (issue 4): torchrun n = 1, 2, 4 (those that fit the GPUs here), then one merged $OUT/dcp.json.
 # DCP_NS picks the group sizes (default "1 2 4"), DCP_ARGS e.g. "--quick --no-compile", T_DCP limits each torchrun (s).
 # Merge dcp.json files of separate calls later: python benchmarks/dcp_gpu.py --summarize all.json a/dcp.json b/dcp.json
 stage_dcp() {
   local ngpu n rc=0 runs=() tmp=/tmp/dcp_runs
   ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-  mkdir -p "$tmp"
+  rm -rf "$tmp" && mkdir -p "$tmp"
   for n in ${DCP_NS:-1 2 4}; do
-    [ "$n" -le "$ngpu" ] || continue
-    echo "--- dcp n=$n" | tee -a "$OUT/dcp.log"
+    [ "$n" -le "$ngpu" ] || { echo "--- dcp n=$n skipped: $ngpu GPU(s) here"; continue; }
+    echo "--- dcp n=$n"
     timeout "${T_DCP:-240}" python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
-      benchmarks/dcp_gpu.py "$tmp/dcp_n$n.json" ${DCP_ARGS:-} 2>&1 | tee -a "$OUT/dcp.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "dcp n=$n FAILED" | tee -a "$OUT/dcp.log"; rc=1; }
+      benchmarks/dcp_gpu.py "$tmp/dcp_n$n.json" ${DCP_ARGS:-} || { echo "dcp n=$n FAILED"; rc=1; }
     [ -f "$tmp/dcp_n$n.json" ] && runs+=("$tmp/dcp_n$n.json")
   done
-  python3 benchmarks/dcp_gpu.py --summarize "$OUT/dcp.json" "${runs[@]}" 2>&1 | tee -a "$OUT/dcp.log"
+  [ "${#runs[@]}" -gt 0 ] || return 1
+  python3 benchmarks/dcp_gpu.py --summarize "$tmp/dcp.json" "${runs[@]}" && cp "$tmp/dcp.json" "$OUT/dcp.json"
   return $rc
 }
 
 # DSA (issue 6): mixed-batch indexer + dual graphs under CUDA-graph trees, then dense vs sparse benchmark
 stage_dsa() {
+  local rc=0
   timeout "${T_DSA_TEST:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_cudagraphs.py \
-    tests/test_dsa_mixed_batch.py 2>&1 | tee "$OUT/dsa.log"
-  timeout "${T_DSA_BENCH:-240}" python3 benchmarks/dsa_gpu.py "$OUT/dsa.json" 2>&1 | tee -a "$OUT/dsa.log"
+    tests/test_dsa_mixed_batch.py || rc=1
+  timeout "${T_DSA_BENCH:-240}" python3 benchmarks/dsa_gpu.py "$OUT/dsa.json" || rc=1
+  return $rc
 }
 
-setup
-rc=0
-for stage in "${@:-kernels bench}"; do
-  for s in $stage; do
-    echo "=== stage $s ($(date +%T))"
-    "stage_$s" || rc=1
+# HF (issue 5): DeepseekV3 decode tokens/s, eager vs torch.compile default vs mla_dcp (HF_ARGS e.g. "--kv 4096")
+stage_hf() { timeout "${T_HF:-400}" python3 benchmarks/hf_decode.py "$OUT/hf.json" ${HF_ARGS:-}; }
+
+# compile (issue 7): compile time, graphs, cudagraph recordings, FX-graph-cache hits of a second process
+stage_compile() { timeout "${T_COMPILE:-300}" python3 benchmarks/compile_suite.py "$OUT/compile.json" ${COMPILE_ARGS:-}; }
+
+# report: the generated RESULTS.md blocks from this call's JSON files (plots are drawn locally from the same JSON)
+stage_report() {
+  compgen -G "$OUT/*.json" >/dev/null || { echo "report: no JSON in \$OUT"; return 0; }
+  python3 -m benchmarks report "$OUT" --md-out "$OUT/report.md" --no-plots --kind "${KIND:-unknown}" \
+    --date "$(date -u +%F)" --command "bash benchmarks/device.sh $ARGS"
+}
+
+main() {
+  setup
+  local rc=0 stage s reported=0
+  for stage in "${@:-kernels bench}"; do
+    for s in $stage; do
+      echo "=== stage $s ($(date +%T))"
+      [ "$s" = report ] && reported=1
+      if declare -F "stage_$s" >/dev/null; then "stage_$s" || { echo "=== stage $s FAILED"; rc=1; }
+      else echo "=== unknown stage $s"; rc=1; fi
+    done
   done
-done
-exit $rc
+  if [ "$reported" = 0 ] && [ "${NO_REPORT:-0}" != 1 ]; then echo "=== report ($(date +%T))"; stage_report || rc=1; fi
+  echo "=== files in \$OUT: $(ls "$OUT" | tr '\n' ' ')"
+  return $rc
+}
+
+main "$@" 2>&1 | tee -a "$OUT/run.log"
+exit "${PIPESTATUS[0]}"
