@@ -485,7 +485,7 @@ def env_line(dir_: Path) -> str:
         p = dir_ / name
         if p.exists():
             keep = [ln.strip() for ln in p.read_text(errors="replace").splitlines()[:200]
-                    if re.match(r"^(torch |triton |flashinfer )", ln.strip())]
+                    if re.match(r"^(torch |triton |flashinfer |transformers )", ln.strip())]
             if keep:
                 return "; ".join(dict.fromkeys(keep))
     return ""
