@@ -76,6 +76,20 @@ def greedy(step, model, ids, attention_mask, cache, steps: int, *, prefill=None)
     return torch.stack(toks, 1), torch.stack(logits, 1)
 
 
+def forced(step, model, ids, attention_mask, cache, tokens):
+    """Teacher-forced decode: prefill with `model`, then feed `tokens` [B, N] through `step`; logits [B, N, V].
+    (bf16 comparisons: HF eager rounds probabilities to bf16, so free-running greedy paths may part at near-ties.)"""
+    B, T = ids.shape
+    logits = []
+    with torch.no_grad():
+        model(ids, attention_mask=attention_mask[:, :T], past_key_values=cache, cache_position=torch.arange(T))
+        for i in range(tokens.shape[1]):
+            out = step(tokens[:, i:i + 1], attention_mask=attention_mask, past_key_values=cache,
+                       cache_position=torch.tensor([T + i]))
+            logits.append(out.logits[:, -1].float())
+    return torch.stack(logits, 1)
+
+
 def batch(B: int = 2, T: int = 5, L: int = 32, vocab: int = 128, pad: int = 2, seed: int = 1):
     """Prompt ids [B, T] with row 1 left-padded by `pad`, and the [B, L] padding mask."""
     g = torch.Generator().manual_seed(seed)

@@ -77,6 +77,20 @@ def test_static_cache_decode_matches_eager(name, impl):
         assert COUNTERS["mla_compile"][mla_attention.SKIP_COUNTER] == layers  # the prefill sites
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_bf16_decode_within_tolerance(impl):
+    """bf16: teacher-forced on eager HF's greedy tokens, every step's logits within 2e-2 relative."""
+    model = M.deepseek_v3(num_layers=2, attn_impl=impl, dtype=torch.bfloat16)
+    L = 32
+    ids, mask = M.batch(L=L)
+    ref_t, ref_l = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), STEPS)
+    compiled = torch.compile(model, backend="mla_dcp", fullgraph=True)
+    logits = M.forced(compiled, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), ref_t)
+    assert M.rel_err(logits, ref_l) < 2e-2
+    assert (logits.argmax(-1) == ref_l.argmax(-1)).float().mean() >= 0.9
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
+
+
 def test_paged_cache_single_rank():
     from mla_compile.integrations.hf import MLAPagedCache
 
