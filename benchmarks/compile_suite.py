@@ -74,8 +74,9 @@ def _run_dsa(device: str, mode: str | None, steps: int) -> dict:
     topk = 64
     start = (3, 10, topk - 12, 1)  # the longest request crosses topk after ~12 steps: both graphs compile
     torch.manual_seed(0)
-    layer = DSADecodeLayer(topk=topk).to(device).eval()
-    state = DecodeState(layer, list(start), max_len=max(start) + steps + 1)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the dtype the GPU kernels are tuned for
+    layer = DSADecodeLayer(topk=topk).to(device, dtype).eval()
+    state = DecodeState(layer, list(start), max_len=max(start) + steps + 1, dtype=dtype)
     for name in ("block_table", "ckv", "kpe", "index"):
         setattr(state, name, getattr(state, name).to(device))
         if device == "cuda":
@@ -86,14 +87,15 @@ def _run_dsa(device: str, mode: str | None, steps: int) -> dict:
     with torch.no_grad():
         for i in range(steps):
             seq_lens, slots, max_kv_len = state.step_inputs()
-            x = torch.randn(len(start), 256, device=device)
+            x = torch.randn(len(start), 256, device=device, dtype=dtype)
             args = (x, state.ckv, state.kpe, state.index, state.block_table, seq_lens.to(device),
                     slots.to(device), max_kv_len)
             _, dt = _timed(lambda: compiled(*args))
             times.append(dt)
             if crossing is None and max_kv_len > topk:
                 crossing = i
-    return dict(times=times, second_graph_step=crossing, config=dict(topk=topk, start_lens=list(start), steps=steps))
+    return dict(times=times, second_graph_step=crossing,
+                config=dict(topk=topk, start_lens=list(start), steps=steps, dtype=str(dtype)))
 
 
 def _run_hf(device: str, mode: str | None, steps: int) -> dict:
@@ -104,7 +106,8 @@ def _run_hf(device: str, mode: str | None, steps: int) -> dict:
     from transformers import StaticCache
 
     L = 8 + steps + 2
-    model = M.deepseek_v3(num_layers=2).to(device)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = M.deepseek_v3(num_layers=2, dtype=dtype).to(device)
     ids, mask = M.batch(L=L)
     ids, mask = ids.to(device), mask.to(device)
     cache = StaticCache(config=model.config, max_cache_len=L)
@@ -123,7 +126,7 @@ def _run_hf(device: str, mode: str | None, steps: int) -> dict:
             tok = out.logits[:, -1].argmax(-1)
     return dict(times=times, second_graph_step=None,
                 config=dict(model="DeepseekV3ForCausalLM", layers=2, hidden=64, heads=4, batch=ids.shape[0],
-                            prompt=T, max_cache_len=L, steps=steps))
+                            prompt=T, max_cache_len=L, steps=steps, dtype=str(dtype)))
 
 
 def worker(target: str, device: str, mode: str | None, steps: int) -> dict:
