@@ -118,6 +118,11 @@ if _BaseLayer is not None:
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
             """key_states: kv_nope [B, 1, T, R]; value_states: k_rot [B, 1, T, P] (HF MLA's latent pair)."""
+            if key_states.dim() != 4 or key_states.shape[1] != 1 or value_states.shape[1] != 1:
+                raise ValueError(
+                    f"key_states: MLAPagedCache stores the MLA latent ([B, 1, T, R] / [B, 1, T, P]) but got "
+                    f"{tuple(key_states.shape)} / {tuple(value_states.shape)}: this attention caches per-head K/V "
+                    f"(e.g. transformers 5.17's DeepseekV32 / GlmMoeDsa); use HF's StaticCache for it")
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             B, _, T, R = key_states.shape
