@@ -18,7 +18,8 @@ Reported per (H, kv_len, mode): ms/step (median of 3 timed runs of `--steps` ste
 tokens/s = batch / step time; speedup of mla over default. Correctness: the first `--check-steps` steps' logits
 of default and mla vs eager from the same filled cache, teacher-forced on eager's greedy tokens: max relative
 error (bf16 tolerance 2e-2: "ok") and the steps whose argmax agrees.
-Each case's result is written to the JSON as soon as it is done (a later OOM / crash keeps earlier ones).
+The JSON is rewritten after every mode (a later OOM / crash / timeout keeps what is done). A full run compiles
+8 graphs (2 per case); under a per-command time limit split it, e.g. `--heads 16` then `--heads 128`.
 """
 
 from __future__ import annotations
@@ -94,15 +95,15 @@ def rewind(cache, kv_len: int):
         layer.cumulative_length.fill_(kv_len)
 
 
-def run_case(H, kv_len, args, device, dtype, modes, log):
+def run_case(H, kv_len, args, device, dtype, modes, log, result, save):
     B = args.batch
     max_len = kv_len + args.steps * 3 + args.check_steps + 64
     model = build_model(H, args.layers, args.hidden, args.vocab, dtype, device, small=args.smoke)
     cache = filled_cache(model, B, kv_len, max_len, device)
     mask = torch.ones(B, max_len, dtype=torch.long, device=device)
     tok = torch.randint(1, args.vocab, (B, 1), device=device, generator=torch.Generator(device=device).manual_seed(2))
-    result = {"H": H, "kv_len": kv_len, "batch": B, "layers": args.layers, "hidden": args.hidden,
-              "dtype": str(dtype).replace("torch.", ""), "modes": {}}
+    result.update({"H": H, "kv_len": kv_len, "batch": B, "layers": args.layers, "hidden": args.hidden,
+                   "dtype": str(dtype).replace("torch.", ""), "modes": {}})
     snapshot = [(lay.keys.clone(), lay.values.clone()) for lay in cache.layers]
 
     def restore():
@@ -161,6 +162,7 @@ def run_case(H, kv_len, args, device, dtype, modes, log):
                 torch.cuda.empty_cache()
         result["modes"][mode] = entry
         log(f"H={H} kv={kv_len} {mode}: {json.dumps(entry)}")
+        save()  # after every mode: a timeout later keeps what is done
     m, d = result["modes"].get("mla", {}), result["modes"].get("default", {})
     if "ms_per_step" in m and "ms_per_step" in d:
         result["speedup_mla_vs_default"] = d["ms_per_step"] / m["ms_per_step"]
@@ -168,7 +170,7 @@ def run_case(H, kv_len, args, device, dtype, modes, log):
     if "ms_per_step" in m and "ms_per_step" in e:
         result["speedup_mla_vs_eager"] = e["ms_per_step"] / m["ms_per_step"]
     del model, cache, snapshot
-    return result
+    save()
 
 
 def sync(device):
@@ -210,11 +212,14 @@ def main(argv=None):
     def log(msg):
         print(msg, flush=True)
 
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
     for H in args.heads:
         for kv in args.kv:
-            report["cases"].append(run_case(H, kv, args, device, dtype, args.modes, log))
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=1)
+            report["cases"].append({})
+            run_case(H, kv, args, device, dtype, args.modes, log, report["cases"][-1], save)
     print(f"{'H':>4} {'kv':>6} " + " ".join(f"{m + ' tok/s':>14}" for m in args.modes) + "  mla/default")
     for c in report["cases"]:
         cols = [f"{c['modes'].get(m, {}).get('tokens_per_s', float('nan')):14.1f}" for m in args.modes]
