@@ -146,6 +146,7 @@ def test_fx_graph_cache_hits_on_rewritten_graph(tmp_path, monkeypatch):
             compiled = torch.compile(model, backend="mla_dcp", fullgraph=True)
             M.greedy(compiled, model, ids, mask, cache, 2, prefill=model)
     assert COUNTERS["inductor"]["fxgraph_cache_hit"] >= 1, dict(COUNTERS["inductor"])
+    assert COUNTERS["aot_autograd"]["autograd_cache_bypass"] == 0, dict(COUNTERS["aot_autograd"])
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
 
 
