@@ -74,9 +74,9 @@ def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, opts: BackendOptions
     rewrite_attention: HF MLA decode attention -> absorbed `mla.decode` / `mla.dcp_decode`
     (`passes/mla_attention.py`); sites it cannot prove equivalent are left unchanged and logged."""
     if opts.rewrite_attention:
-        from .passes.mla_attention import rewrite_mla_attention
+        from .passes.mla_attention import MLAAttentionPass
 
-        rewrite_mla_attention(gm, example_inputs)
+        MLAAttentionPass()(gm.graph)
     return gm
 
 

@@ -49,6 +49,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 log = logging.getLogger(__name__)
 
@@ -695,9 +696,12 @@ def _check_no_mutation_between(graph: fx.Graph, site: Site, src: LatentSource) -
 
 
 # ----------------------------------------------------------------------------------------------- the pass
-def rewrite_mla_attention(gm: fx.GraphModule, example_inputs=None) -> int:
-    """Rewrite every matched decode site of `gm` (a Dynamo graph) in place; returns the number rewritten."""
-    graph = gm.graph
+def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) -> int:
+    """Rewrite every matched decode site of `gm` (a Dynamo graph, or its fx.Graph) in place; returns the
+    number rewritten. `example_inputs` is accepted for the backend-hook signature (metadata comes from the
+    nodes' `example_value`)."""
+    graph = gm if isinstance(gm, fx.Graph) else gm.graph
+    gm = graph.owning_module
     candidates = [n for n in graph.nodes if _is_fn(n, _SDPA) or _is_fn(n, _MATMUL) or _is_op(n, "matmul")]
     fake_mode = None
     memo: dict = {}
@@ -730,6 +734,19 @@ def rewrite_mla_attention(gm: fx.GraphModule, example_inputs=None) -> int:
                  "mla.dcp_decode" if src.kind == "dcp" else "mla.decode")
     if rewritten:
         graph.lint()
-        gm.recompile()
+        if gm is not None:
+            gm.recompile()
         counters[COUNTER] += rewritten
     return rewritten
+
+
+class MLAAttentionPass(CustomGraphPass):
+    """The rewrite as a `CustomGraphPass` (uuid: hash of this file), for callers that hold a Dynamo-level
+    (torch IR) graph; `backend.rewrite_graph` runs it on the Dynamo graph before AOTAutograd. It does not
+    match ATen / post-grad graphs (there SDPA is decomposed on CPU and fused on CUDA)."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        rewrite_mla_attention(graph)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,))
