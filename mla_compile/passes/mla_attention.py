@@ -61,8 +61,6 @@ aten = torch.ops.aten
 _SDPA = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
 _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
 _MATMUL = {torch.matmul, operator.matmul, torch.Tensor.matmul}
-_SOFTMAX = {torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax}
-_SPLIT = {torch.functional.split, torch.split, torch.Tensor.split}
 _CAT = {torch.cat, torch.concat, torch.concatenate}
 _WHERE = {torch.where}
 _DROPOUT = {torch.nn.functional.dropout}
@@ -76,10 +74,6 @@ class NoMatch(Exception):
 # ------------------------------------------------------------------------------------------- node helpers
 def _is_fn(node, targets) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
-
-
-def _is_method(node, *names) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_method" and node.target in names
 
 
 def _is_op(node, *names) -> bool:
@@ -318,12 +312,6 @@ def _is_big_negative(x) -> bool:
         val = x.args[-1] if _is_fn(x, {torch.full}) else (x.args[0] if x.args else None)
         return isinstance(val, (int, float)) and val <= _BIG_NEGATIVE
     return False
-
-
-def _strip(n, ops=("contiguous",)):
-    while _is_op(n, *ops):
-        n = n.args[0]
-    return n
 
 
 def _match_sdpa(node: fx.Node):
