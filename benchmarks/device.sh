@@ -22,9 +22,16 @@ setup() {
   if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       || echo "wheel install failed" >&2
-    export PYTHONPATH=/tmp/site:$PWD
-  else
-    export PYTHONPATH=$PWD
+  fi
+  export PYTHONPATH=/tmp/site:$PWD
+  # register the package (the mla_dcp entry point) without touching the image's torch/triton
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || echo "editable install failed" >&2
+  if ! python3 -c 'import torch; assert "mla_dcp" in torch._dynamo.list_backends()' 2>/dev/null; then
+    echo "editable install did not register mla_dcp: writing its entry point by hand" >&2
+    local d=/tmp/site/mla_compile-0.1.0.dist-info
+    mkdir -p "$d"
+    printf 'Metadata-Version: 2.1\nName: mla-compile\nVersion: 0.1.0\n' >"$d/METADATA"
+    printf '[torch_dynamo_backends]\nmla_dcp = mla_compile.backend:mla_dcp\n' >"$d/entry_points.txt"
   fi
   echo "=== environment ($(date -u +%FT%TZ)): bash benchmarks/device.sh $ARGS"
   nvidia-smi
