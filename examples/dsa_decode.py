@@ -64,11 +64,12 @@ class DecodeState:
 
     def step_inputs(self):
         """Lengths after this step's token is appended, its slots, and the host-side max."""
-        pos = torch.tensor(self.lens)  # the new token's position
-        page = self.block_table[torch.arange(len(self.lens)), pos // self.page_size].long()
+        device = self.block_table.device
+        pos = torch.tensor(self.lens, device=device)  # the new token's position
+        page = self.block_table[torch.arange(len(self.lens), device=device), pos // self.page_size].long()
         slots = page * self.page_size + pos % self.page_size
         self.lens = [n + 1 for n in self.lens]
-        return torch.tensor(self.lens, dtype=torch.int32), slots, max(self.lens)
+        return torch.tensor(self.lens, dtype=torch.int32, device=device), slots, max(self.lens)
 
 
 def run(steps=120, start_lens=(3, 10, 40, 1), topk=64, backend="mla_dcp"):

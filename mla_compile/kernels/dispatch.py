@@ -8,7 +8,7 @@ impl syncs with the host.
 
 `mla::decode` backend: env MLA_COMPILE_DECODE_BACKEND = auto | triton | flashinfer. FlashInfer runs only
 eagerly (its plan() syncs; see flashinfer_mla.py); under CUDA-graph capture every choice uses Triton.
-`auto` = FlashInfer where usable (eager), else Triton: see `_AUTO_PREFERS_FLASHINFER` for the evidence.
+`auto` = Triton: see `_AUTO_PREFERS_FLASHINFER` for why.
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ from . import flashinfer_mla as _fi
 from . import merge as _merge
 
 # benchmarks/RESULTS.md "Ops (issue 3)", H200 2026-11-30: FlashInfer 0.5.3 (fa3) was 1.2-3.4x faster than our
-# Triton kernel at every kv_len >= 8K (H=16 and H=128), so eager calls use it when it imports.
-_AUTO_PREFERS_FLASHINFER = True
+# Triton kernel at every kv_len >= 8K (H=16 and H=128). But `auto` must be safe under torch.compile's CUDA-graph
+# trees: their warm-up runs the op eagerly inside the graph pool, and FlashInfer's cached wrapper/workspace
+# allocated there broke the pool check ("tensors in the cudagraph pool not tracked as outputs", H200 run 5).
+# So auto = Triton; MLA_COMPILE_DECODE_BACKEND=flashinfer is the faster choice for purely eager serving.
+_AUTO_PREFERS_FLASHINFER = False
 
 
 def decode_backend(q_nope, ckv_cache) -> str:
