@@ -91,4 +91,9 @@ def mla_dcp(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None
     patches = {**mode_config(mode or opts.mode), **inductor_patches,
                "post_grad_custom_pre_pass": build_pass_manager(opts)}
     gm = rewrite_graph(gm, example_inputs, opts)
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    # host-int bookkeeping (e.g. the DSA cache's max_kv_len += 1) stays out of the Inductor graph: no int input
+    from .passes.host_ints import split_host_outputs
+
+    gm, example_inputs, wrap = split_host_outputs(gm, example_inputs)
+    compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    return compiled if wrap is None else wrap(compiled)

@@ -18,6 +18,22 @@ runs unchanged over the full latent and gives HF's results. Compiled with `backe
 `mla.decode` (single rank) or `mla.dcp_decode` (sharded) over the pages: no gather, no expansion.
 
 DSA models (V3.2 / GLM-5) also call `update_indexer`; the layers inherit HF's `StaticIndexedLayer` for it.
+
+DSA dense / sparse graphs (`DSADenseMixin`, in `MLAPagedCache` and `DSAStaticCache` — HF's `StaticCache` plus
+this): the cache keeps a host-side Python int `max_kv_len` (the per-request kv length a one-token step will
+have: tokens cached + 1; it knows each step's token count S from the static shapes, no device sync). In
+`update_indexer` it compares `max_kv_len + S - 1 <= config.index_topk` in plain Python, so under torch.compile
+Dynamo guards on it (`max_kv_len <= topk` / `topk + 1 <= max_kv_len`) and keeps exactly two graphs. When the
+comparison holds every cached token is in the top-k, so while tracing the cache returns the indexer keys
+through the marker `mla_hf::all_selected`; the pass then drops the index mask and with it the indexer's
+logits and top-k (only the indexer key-cache write stays). Eagerly nothing changes (HF's result).
+
+The cache advances the int itself (`max_kv_len += S` after the step's last indexer layer), inside the
+compiled code. Dynamo makes that write a SymInt graph output (so the int becomes a graph input); the
+`mla_dcp` backend moves such host-int-only outputs out of the graph (`passes.host_ints`) before Inductor,
+so the compiled graph has no int input and CUDA-graph trees record each variant once. The int's Dynamo
+source (e.g. `L['past_key_values'].max_kv_len`) is marked dynamic from the start by a regex in
+`torch.compiler.config.dynamic_sources` (no value-specialized third graph).
 """
 
 from __future__ import annotations
@@ -85,6 +101,75 @@ def describe_gather(node, LatentSource):
                         dcp_size=n, dcp_rank=int(a["dcp_rank"]), group_name=a["group_name"] or "")
 
 
+# ------------------------------------------------------------------------ DSA: dense marker and host int
+@torch.library.custom_op("mla_hf::all_selected", mutates_args=(), schema="(Tensor keys, int topk) -> Tensor")
+def all_selected(keys, topk):
+    """The indexer keys, unchanged (a copy: custom ops cannot return aliases), carrying a promise: this graph
+    is guarded by "every request's kv_len <= topk", so the indexer's top-k selects every valid token.
+
+    Emitted by `DSADenseMixin.update_indexer` only while tracing (eager code never sees it). The pass
+    (`passes.dsa_indexer`) replaces HF's index mask downstream of it by "all selected", which leaves the
+    indexer's logits and top-k dead, and then removes the marker itself.
+    """
+    return keys.clone()
+
+
+@all_selected.register_fake
+def _(keys, topk):
+    return torch.empty_like(keys)
+
+
+ALL_SELECTED_OPS = {torch.ops.mla_hf.all_selected.default, torch.ops.mla_hf.all_selected}
+
+MAX_KV_LEN_ATTR = "max_kv_len"
+# regex over Dynamo source names (torch.compiler.config.dynamic_sources), whatever the entry point calls the
+# cache (L['past_key_values'], L['kwargs']['past_key_values'], ...); no ',' or ' ' allowed in it
+MAX_KV_LEN_SOURCE = r".*\." + MAX_KV_LEN_ATTR + "$"
+
+
+def _indexer_layers(text_config) -> list[int]:
+    """Layers that run their own indexer (GLM-DSA's "shared" layers reuse the previous one's top-k)."""
+    n = text_config.num_hidden_layers
+    types = getattr(text_config, "indexer_types", None)
+    if types:
+        return [i for i, t in enumerate(types) if t != "shared"]
+    return list(range(n))
+
+
+class DSADenseMixin:
+    """Host-side `max_kv_len` and the dense / sparse choice for DSA models (see the module docstring).
+
+    Mix in before an HF `Cache` whose layers implement `update_indexer`; call `_init_dsa(config)` after the
+    Cache's __init__. A cache used for a fresh batch must start empty (`reset()` sets the int back).
+    """
+
+    def _init_dsa(self, config) -> None:
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self.index_topk = getattr(text, "index_topk", None)
+        layers = _indexer_layers(text)
+        self._last_indexer_layer = layers[-1] if layers else -1
+        setattr(self, MAX_KV_LEN_ATTR, 1)  # kv length of a one-token step on the empty cache
+        if self.index_topk is not None:
+            from ..dsa import mark_max_kv_len_dynamic
+
+            mark_max_kv_len_dynamic(MAX_KV_LEN_SOURCE)
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        keys = super().update_indexer(indexer_key_states, layer_idx)
+        S = indexer_key_states.shape[1]
+        # every request's kv length after this step's write is <= max_kv_len + S - 1 (host int; a guard)
+        dense = self.index_topk is not None and getattr(self, MAX_KV_LEN_ATTR) + (S - 1) <= self.index_topk
+        if layer_idx == self._last_indexer_layer:  # after this step's last read
+            setattr(self, MAX_KV_LEN_ATTR, getattr(self, MAX_KV_LEN_ATTR) + S)
+        if dense and torch.compiler.is_compiling():
+            keys = torch.ops.mla_hf.all_selected(keys, self.index_topk)
+        return keys
+
+    def reset(self) -> None:
+        super().reset()
+        setattr(self, MAX_KV_LEN_ATTR, 1)
+
+
 # ----------------------------------------------------------------------------------------------- caches
 if _BaseLayer is not None:
 
@@ -145,7 +230,7 @@ if _BaseLayer is not None:
                 self.indexer_keys.zero_()
                 self.indexer_cumulative_length.zero_()
 
-    class MLAPagedCache(Cache):
+    class MLAPagedCache(DSADenseMixin, Cache):
         """HF `Cache` keeping each layer's MLA latent in a paged (optionally DCP-sharded) cache.
 
         config: the model config; max_cache_len: tokens per request (global); page_size: tokens per page;
@@ -163,3 +248,19 @@ if _BaseLayer is not None:
             layers = [MLAPagedLayer(max_cache_len=max_cache_len, **kw) for _ in range(text.num_hidden_layers)]
             super().__init__(layers=layers)
             self.dcp_size = n
+            self._init_dsa(config)
+
+    try:
+        from transformers import StaticCache as _StaticCache
+    except ImportError:  # pragma: no cover
+        _StaticCache = None
+
+    if _StaticCache is not None:
+
+        class DSAStaticCache(DSADenseMixin, _StaticCache):
+            """HF's `StaticCache` plus the DSA dense / sparse choice (host-side `max_kv_len`): a drop-in for
+            `StaticCache(config=..., max_cache_len=...)` with DeepseekV32 / GlmMoeDsa models."""
+
+            def __init__(self, config, max_cache_len: int, **kwargs):
+                super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
+                self._init_dsa(config)
