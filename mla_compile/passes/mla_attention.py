@@ -35,6 +35,10 @@ Latent sources: a plain latent tensor (HF `StaticCache` [B, 1, L, R] buffers: fl
 the gather op of our caches in `mla_compile.integrations.hf`: the single-rank paged cache (slots through
 its block table) and the DCP-sharded cache (-> `mla.dcp_decode` over this rank's shard).
 
+DSA dense graphs: before matching, `passes.dsa_indexer.drop_dense_indexer` replaces HF's index-masked mask by
+the plain one behind the cache's `mla_hf::all_selected` marker (the graph is guarded by kv_len <= topk), so the
+indexer's logits and top-k are dead and removed.
+
 Unmatched sites are left unchanged and logged (logger `mla_compile.passes.mla_attention`; enable with
 `TORCH_LOGS="+mla_compile.passes"`). Rewrites are counted in
 `torch._dynamo.utils.counters["mla_compile"]["mla_attention_rewritten"]`, skips in `..._not_rewritten`.
@@ -690,6 +694,9 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
     nodes' `example_value`)."""
     graph = gm if isinstance(gm, fx.Graph) else gm.graph
     gm = graph.owning_module
+    from .dsa_indexer import drop_dense_indexer
+
+    dropped = drop_dense_indexer(graph)  # DSA dense graph: HF's index mask is "all selected" -> A alone
     candidates = [n for n in graph.nodes if _is_fn(n, _SDPA) or _is_fn(n, _MATMUL) or _is_op(n, "matmul")]
     fake_mode = None
     memo: dict = {}
@@ -720,11 +727,12 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
         log.info("mla_attention: rewrote %s attention at %s (H=%d, R=%d, rope=%d, %s latent) -> %s",
                  site.impl, node.name, site.heads, _shape(site.latent)[-1], site.rope, src.kind,
                  "mla.dcp_decode" if src.kind == "dcp" else "mla.decode")
-    if rewritten:
+    if rewritten or dropped:
         graph.lint()
         if gm is not None:
             gm.recompile()
-        counters[COUNTER] += rewritten
+        if rewritten:
+            counters[COUNTER] += rewritten
     return rewritten
 
 
@@ -737,4 +745,6 @@ class MLAAttentionPass(CustomGraphPass):
         rewrite_mla_attention(graph)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,))
+        from . import dsa_indexer
+
+        return get_hash_for_files((__file__, dsa_indexer.__file__))
