@@ -1,15 +1,24 @@
 """The main job: `python -m mla_compile demo`.
 
-Today: a CPU walk-through of decode context parallelism — each request's latent KV is split token-cyclically
-over n simulated ranks, every rank decodes its shard, and `mla::merge_states` combines the partial states;
-the result must equal the unsplit decode. Exits non-zero on any mismatch.
+1. ops: a batch's latent KV split token-cyclically over n simulated ranks, decoded per rank and merged by
+   `mla::merge_states`, equals the unsplit `mla::decode`.
+2. DeepSeek-V3 (HF transformers, from config, random weights) decoding under `backend="mla_dcp"` with its
+   latent cache DCP-sharded over `--dcp` processes (gloo on CPU, NCCL on GPUs), against eager HF.
+3. DeepSeek-V3.2 (DSA) decoding across `index_topk`: the dense (k-only) graph, then the sparse one, chosen
+   by a Dynamo guard on the cache's host-side `max_kv_len`.
+
+Prints a report and exits non-zero on any mismatch.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
+import os
+import socket
 import sys
+import tempfile
 import time
 
 import torch
@@ -18,6 +27,7 @@ from . import ops  # noqa: F401
 from .paged import fill_paged, fill_sharded
 
 
+# ------------------------------------------------------------------------------------------ 1. simulated DCP
 def simulated_dcp(*, batch: int, heads: int, kv_lora_rank: int, rope_dim: int, page_size: int,
                   max_len: int, ranks: list[int], dtype: torch.dtype, seed: int) -> bool:
     g = torch.Generator().manual_seed(seed)
@@ -30,13 +40,10 @@ def simulated_dcp(*, batch: int, heads: int, kv_lora_rank: int, rope_dim: int, p
     scale = 1.0 / math.sqrt(128 + rope_dim)
 
     full = fill_paged(ckv, kpe, page_size, generator=g)
-    t0 = time.perf_counter()
     ref_out, ref_lse = torch.ops.mla.decode(q_nope, q_pe, full.ckv_cache, full.kpe_cache, full.block_table,
                                             full.seq_lens, scale)
-    t_full = time.perf_counter() - t0
-    print(f"requests: lens={lens}  heads={heads}  R={kv_lora_rank}  P={rope_dim}  page={page_size}  {dtype}")
-    print(f"unsplit decode: {t_full * 1e3:.1f} ms")
-    print(f"{'ranks':>5} {'tokens/rank (req 0)':>22} {'max|dout|':>10} {'max|dlse|':>10}  ok")
+    print(f"  requests: lens={lens}  heads={heads}  R={kv_lora_rank}  P={rope_dim}  page={page_size}  {dtype}")
+    print(f"  {'ranks':>5} {'tokens/rank (req 0)':>26} {'max|dout|':>10} {'max|dlse|':>10}  ok")
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     all_ok = True
     for n in ranks:
@@ -55,27 +62,180 @@ def simulated_dcp(*, batch: int, heads: int, kv_lora_rank: int, rope_dim: int, p
         ok = same_empty and d_out <= tol and d_lse <= tol
         all_ok &= ok
         per_rank = "/".join(str(-(-max(lens[0] - r, 0) // n)) for r in range(n))
-        print(f"{n:>5} {per_rank:>22} {d_out:>10.2e} {d_lse:>10.2e}  {'yes' if ok else 'NO'}")
+        print(f"  {n:>5} {per_rank:>26} {d_out:>10.2e} {d_lse:>10.2e}  {'yes' if ok else 'NO'}")
     return all_ok
+
+
+# ------------------------------------------------------------------------------------ 2./3. HF models, DCP
+class GuardLog(logging.Handler):
+    """Keeps Dynamo's guard lines that mention the DSA length int."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        for line in record.getMessage().splitlines():
+            if "max_kv_len" in line and ("<=" in line) and "LAMBDA_GUARD" in line:
+                self.lines.append(line.split("LAMBDA_GUARD:")[-1].split("#")[0].strip())
+
+
+def greedy(step, prefill, ids, mask, cache, steps, device):
+    """Prefill then `steps` greedy one-token steps; returns tokens [B, steps], logits [B, steps, V], s/step."""
+    T = ids.shape[1]
+    toks, logits, times = [], [], []
+    with torch.no_grad():
+        out = prefill(ids, attention_mask=mask[:, :T], past_key_values=cache,
+                      cache_position=torch.arange(T, device=device))
+        tok = out.logits[:, -1].argmax(-1)
+        for i in range(steps):
+            toks.append(tok)
+            t0 = time.perf_counter()
+            out = step(tok[:, None], attention_mask=mask, past_key_values=cache,
+                       cache_position=torch.tensor([T + i], device=device))
+            logit = out.logits[:, -1].float()
+            tok = logit.argmax(-1)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            logits.append(logit)
+    return torch.stack(toks, 1), torch.stack(logits, 1), times
+
+
+def steady_tokens_per_s(times: list[float], batch: int) -> float:
+    """Tokens/s over the second half of the steps (after compilation and CUDA-graph recording)."""
+    tail = sorted(times[len(times) // 2:])
+    return batch / tail[len(tail) // 2]
+
+
+def compare(name, model_fn, cache_fn, a, device, layers, expect_graphs):
+    """Eager HF (HF's StaticCache, one process) vs torch.compile(backend="mla_dcp") over our cache."""
+    from torch._dynamo.utils import counters
+    from transformers import StaticCache
+
+    model = model_fn()
+    g = torch.Generator().manual_seed(a.seed + 1)
+    B, T, L = a.batch, a.prompt_len, a.prompt_len + a.steps + 1
+    ids = torch.randint(1, model.config.vocab_size, (B, T), generator=g).to(device)
+    mask = torch.ones(B, L, dtype=torch.long, device=device)
+    if B > 1:  # one left-padded request: the mask handling must hold
+        ids[1, :2] = 0
+        mask[1, :2] = 0
+    ref_t, ref_l, ref_times = greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L),
+                                     a.steps, device)
+    torch._dynamo.reset()
+    counters.clear()
+    guards = GuardLog()
+    guard_logger = logging.getLogger("torch._dynamo.guards.__guards")  # the "guards" artifact
+    torch._logging.set_logs(guards=True)
+    guard_logger.addHandler(guards)
+    guard_logger.propagate = False  # keep the guard dump off the terminal: only our handler reads it
+    try:
+        compiled = torch.compile(model, backend="mla_dcp", fullgraph=True,
+                                 mode="reduce-overhead" if device.type == "cuda" else None)
+        c_t, c_l, c_times = greedy(compiled, model, ids, mask, cache_fn(model.config, L), a.steps, device)
+    finally:
+        torch._logging.set_logs()
+        guard_logger.removeHandler(guards)
+        guard_logger.propagate = True
+    rewrites = counters["mla_compile"].get("mla_attention_rewritten", 0)
+    graphs = counters["stats"]["unique_graphs"]
+    rel = ((c_l - ref_l).abs().max() / ref_l.abs().max()).item()
+    agree = (c_t == ref_t).float().mean().item()
+    tol = 1e-4 if a.dtype == "float32" else 2e-2
+    ok = rel <= tol and agree == 1.0 and rewrites == layers * graphs and graphs == expect_graphs
+    return dict(name=name, rewrites=rewrites, graphs=graphs, guards=sorted(set(guards.lines)), rel=rel, agree=agree,
+                eager_tps=steady_tokens_per_s(ref_times, B), compiled_tps=steady_tokens_per_s(c_times, B), ok=ok,
+                expect=f"{layers} rewrites x {expect_graphs} graph(s), tokens equal, rel <= {tol:g}")
+
+
+def rank_main(rank: int, world: int, port: int, out_dir: str, a) -> None:
+    """One DCP rank: V3 with a DCP-sharded cache; V3.2 crossing topk (sharded too)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    device = torch.device(a.device if a.device == "cpu" else f"cuda:{rank % max(torch.cuda.device_count(), 1)}")
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    from . import models
+    from .distributed import init_dcp
+    from .integrations.hf import MLAPagedCache
+
+    dcp = init_dcp(timeout=300, device=device)
+    dtype = getattr(torch, a.dtype)
+    size = dict(num_layers=a.layers, hidden=a.hidden, heads=a.heads, vocab=a.vocab, dtype=dtype, seed=a.seed)
+    results = []
+    try:
+        results.append(compare(
+            "DeepSeek-V3, DCP-sharded latent cache", lambda: models.deepseek_v3(**size).to(device),
+            lambda cfg, L: MLAPagedCache(cfg, L, page_size=16, dcp=dcp), a, device, a.layers, expect_graphs=1))
+        results.append(compare(
+            f"DeepSeek-V3.2 (DSA, index_topk={a.topk}), DCP-sharded, crossing topk",
+            lambda: models.deepseek_v32(index_topk=a.topk, **size).to(device),
+            lambda cfg, L: MLAPagedCache(cfg, L, page_size=16, dcp=dcp), a, device, a.layers, expect_graphs=2))
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.distributed.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hf_dcp(a) -> bool:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(rank_main, args=(a.dcp, free_port(), out_dir, a), nprocs=a.dcp, start_method="spawn")
+        per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(a.dcp)]
+    ok = True
+    for i, res in enumerate(per_rank[0]):
+        same = all(pr[i]["agree"] == res["agree"] and pr[i]["rel"] == res["rel"] for pr in per_rank)
+        ok &= res["ok"] and same
+        print(f"\n  {res['name']}")
+        print(f"    attention sites rewritten: {res['rewrites']}   decode graphs compiled: {res['graphs']}")
+        for guard in res["guards"]:
+            print(f"    guard: {guard}")
+        print(f"    vs eager HF: max |dlogit|/max|logit| = {res['rel']:.2e}, token agreement {100 * res['agree']:.0f}%"
+              f", identical on all {a.dcp} ranks: {'yes' if same else 'NO'}")
+        print(f"    tokens/s (steady state, batch {a.batch}): eager HF {res['eager_tps']:.0f}, "
+              f"mla_dcp {res['compiled_tps']:.0f}")
+        print(f"    expected {res['expect']}: {'PASS' if res['ok'] else 'FAIL'}")
+    return ok
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mla_compile demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-lora-rank", type=int, default=512)
-    p.add_argument("--rope-dim", type=int, default=64)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-len", type=int, default=300)
-    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3, 4, 8])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dcp", type=int, default=2, help="DCP ranks (processes) for the HF models")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=10)
+    p.add_argument("--steps", type=int, default=24, help="greedy decode steps")
+    p.add_argument("--topk", type=int, default=20, help="index_topk of the DSA model (crossed while decoding)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-hf", action="store_true", help="only the op-level DCP check")
     a = p.parse_args(argv)
-    ok = simulated_dcp(batch=a.batch, heads=a.heads, kv_lora_rank=a.kv_lora_rank, rope_dim=a.rope_dim,
-                       page_size=a.page_size, max_len=a.max_len, ranks=a.ranks, dtype=getattr(torch, a.dtype),
-                       seed=a.seed)
-    print("DCP split+merge equals unsplit decode:", "PASS" if ok else "FAIL")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device")
+    if not a.skip_hf and not a.prompt_len <= a.topk < a.prompt_len + a.steps:
+        p.error(f"--topk {a.topk} must be crossed while decoding: prompt_len <= topk < prompt_len + steps")
+    t0 = time.perf_counter()
+    print("[1/2] ops: latent KV split over n simulated ranks, decoded per rank, merged by LSE")
+    ok = simulated_dcp(batch=4, heads=16, kv_lora_rank=512, rope_dim=64, page_size=16, max_len=300,
+                       ranks=[1, 2, 3, 4, 8], dtype=torch.float32, seed=a.seed)
+    if not a.skip_hf:
+        print(f"\n[2/2] HF models under torch.compile(backend='mla_dcp'), DCP over {a.dcp} processes "
+              f"({'NCCL' if a.device == 'cuda' else 'gloo'}), {a.dtype}, batch {a.batch}, "
+              f"prompt {a.prompt_len} + {a.steps} steps")
+        ok &= hf_dcp(a)
+    print(f"\n{'PASS' if ok else 'FAIL'} ({time.perf_counter() - t0:.0f} s)")
     return 0 if ok else 1
 
 
