@@ -36,10 +36,12 @@ def deepseek_v32(*, num_layers: int = 2, hidden: int = 64, heads: int = 4, vocab
 
 
 def glm_moe_dsa(*, num_layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 128, attn_impl: str = "sdpa",
-                seed: int = 0, index_topk: int = 2048, dtype=torch.float32):
+                seed: int = 0, index_topk: int = 2048, dtype=torch.float32, indexer_types: list | None = None):
+    """indexer_types: e.g. ["full", "shared"] (a "shared" layer reuses the previous full layer's top-k)."""
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
-    cfg = GlmMoeDsaConfig(q_lora_rank=96, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+    extra = {} if indexer_types is None else dict(indexer_types=list(indexer_types))
+    cfg = GlmMoeDsaConfig(**extra, q_lora_rank=96, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
                           first_k_dense_replace=num_layers, index_topk=index_topk, index_n_heads=4,
                           index_head_dim=128, **_common(num_layers, hidden, heads, vocab, attn_impl))
     return _build(GlmMoeDsaForCausalLM, cfg, seed, dtype)

@@ -204,7 +204,7 @@ def drop_dense_indexer(graph: fx.Graph) -> int:
         replaced += 1
     _erase_dead(graph, dead)
     for m in markers:  # the marker is a copy of its input: dead now, or still correct where kept
-        if not m.users:
+        if not getattr(m, "_erased", False) and not m.users:
             graph.erase_node(m)
     if replaced:
         torch._dynamo.utils.counters["mla_compile"][COUNTER] += replaced
