@@ -42,8 +42,9 @@ def time_cuda(fn, iters=50, warmup=10) -> float:
     return start.elapsed_time(end) / iters
 
 
-def time_graph(fn, iters=50) -> float:
-    """Mean ms per call of fn replayed from a CUDA graph (GPU time, no launch overhead)."""
+def time_graph(fn, reps=20, iters=20) -> float:
+    """Mean ms per call of fn, `reps` calls captured in one CUDA graph (GPU time: inside a decode step's graph
+    an op costs its kernels, not a graph launch)."""
     if not torch.cuda.is_available():
         return time_cuda(fn)
     stream = torch.cuda.Stream()
@@ -53,8 +54,9 @@ def time_graph(fn, iters=50) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return time_cuda(graph.replay, iters=iters)
+        for _ in range(reps):
+            fn()
+    return time_cuda(graph.replay, iters=iters) / reps
 
 
 def bench(batch: int, kv_len: int, topk: int, heads: int, dtype=torch.bfloat16, device="cuda", hidden=2048,
