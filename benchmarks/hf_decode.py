@@ -47,12 +47,9 @@ def build_model(H: int, layers: int, hidden: int, vocab: int, dtype, device, sma
     torch.manual_seed(0)
     with torch.device(device):
         model = DeepseekV3ForCausalLM(cfg)
-    model = model.eval().to(dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
-    return model
+    from mla_compile.models import spread_weights
+
+    return spread_weights(model, seed=0, dtype=dtype)
 
 
 def filled_cache(model, B: int, kv_len: int, max_len: int, device, seed: int = 1):

@@ -29,7 +29,8 @@ def _check_cache_dtype(q_nope, ckv_cache, kpe_cache):
     C.check(kpe_cache.dtype == q_nope.dtype, "kpe_cache", f"dtype {kpe_cache.dtype} differs from q_nope's {q_nope.dtype}")
 
 
-def check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
+def check_decode_metadata(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale) -> tuple[int, int]:
+    """Shapes, dtypes, devices of a decode call (no data read); returns (num_pages, page_size)."""
     _check_q(q_nope, q_pe)
     B, _, R = q_nope.shape
     num_pages, page_size = C.check_paged_cache(ckv_cache, kpe_cache, R, q_pe.shape[2])
@@ -38,6 +39,11 @@ def check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens,
     C.check_scale(sm_scale)
     C.check_same_device(dict(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv_cache, kpe_cache=kpe_cache,
                              block_table=block_table, seq_lens=seq_lens))
+    return num_pages, page_size
+
+
+def check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
+    num_pages, page_size = check_decode_metadata(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
     C.check_block_table_data(block_table, seq_lens, num_pages, page_size)
 
 

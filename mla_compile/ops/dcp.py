@@ -30,7 +30,7 @@ import torch
 
 from .. import layout
 from . import _checks as C
-from .attention import _check_cache_dtype, _check_q
+from .attention import check_decode_metadata
 
 # ------------------------------------------------------------------------------------------------ schema
 torch.library.define(
@@ -75,14 +75,7 @@ def check_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_l
                           group_name) -> None:
     """Decode's checks with GLOBAL seq_lens (each rank's LOCAL lengths must fit its block table)."""
     check_group_args(dcp_size, dcp_rank, group_name)
-    _check_q(q_nope, q_pe)
-    B, _, R = q_nope.shape
-    num_pages, page_size = C.check_paged_cache(ckv_cache, kpe_cache, R, q_pe.shape[2])
-    _check_cache_dtype(q_nope, ckv_cache, kpe_cache)
-    C.check_block_table(block_table, seq_lens, B)
-    C.check_scale(sm_scale)
-    C.check_same_device(dict(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv_cache, kpe_cache=kpe_cache,
-                             block_table=block_table, seq_lens=seq_lens))
+    _, page_size = check_decode_metadata(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
     if C.is_fake(seq_lens) or not C.data_checks_enabled(seq_lens.device) or not seq_lens.numel():
         return
     lo = int(seq_lens.min())
