@@ -45,11 +45,14 @@ def deepseek_v32(*, num_layers: int = 2, hidden: int = 64, heads: int = 4, vocab
 
 
 def glm_moe_dsa(*, num_layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 128, attn_impl: str = "sdpa",
-                seed: int = 0, index_topk: int = 2048, dtype=torch.float32, max_positions: int = 4096):
-    """A GlmMoeDsaForCausalLM (GLM-5 style DSA attention)."""
+                seed: int = 0, index_topk: int = 2048, dtype=torch.float32, max_positions: int = 4096,
+                indexer_types: list | None = None):
+    """A GlmMoeDsaForCausalLM (GLM-5 style DSA attention). indexer_types: e.g. ["full", "shared"] (a "shared"
+    layer reuses the previous full layer's top-k)."""
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
-    cfg = GlmMoeDsaConfig(q_lora_rank=96, index_topk=index_topk, index_n_heads=4, index_head_dim=128,
+    extra = {} if indexer_types is None else dict(indexer_types=list(indexer_types))
+    cfg = GlmMoeDsaConfig(q_lora_rank=96, index_topk=index_topk, index_n_heads=4, index_head_dim=128, **extra,
                           **_moe(num_layers), **_common(num_layers, hidden, heads, vocab, attn_impl, max_positions))
     return spread_weights(GlmMoeDsaForCausalLM(cfg), seed, dtype)
 

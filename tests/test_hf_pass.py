@@ -60,8 +60,11 @@ def _caches_latent(model) -> bool:
     there is no latent cache to attend over, so the pass must leave it alone (and say so)."""
     import inspect
 
+    import re
+
     src = inspect.getsource(type(model.model.layers[0].self_attn).forward)
-    return src.index("past_key_values.update(") < src.index("self.expand_kv(")
+    update = re.search(r"\b(past_key_values|cache)\.update\(", src)  # 5.24 renamed past_key_values -> cache
+    return update is not None and update.start() < src.index("self.expand_kv(")
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
