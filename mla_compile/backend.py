@@ -25,7 +25,6 @@ class BackendOptions:
 
     mode: str | None = None  # Inductor mode; torch.compile refuses mode= and options= together, so it fits here
     rewrite_attention: bool = True  # rewrite HF MLA attention into absorbed mla.decode / mla.dcp_decode
-    dsa_dual_graph: bool = True  # DSA: dense (k-only) and sparse graphs selected by a Dynamo guard
 
 
 BACKEND_OPTIONS = tuple(f.name for f in dataclasses.fields(BackendOptions))

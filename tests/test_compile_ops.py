@@ -147,7 +147,7 @@ def test_backend_found_without_importing_package():
 
 def test_unknown_option_lists_valid_keys():
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
-    with pytest.raises(ValueError, match=r"^options: unknown key 'bogus'.*rewrite_attention.*dsa_dual_graph"):
+    with pytest.raises(ValueError, match=r"^options: unknown key 'bogus'.*mode.*rewrite_attention"):
         mla_compile.mla_dcp(gm, [torch.ones(2)], options={"bogus": 1})
     # through torch.compile, Dynamo wraps the backend's ValueError (BackendCompilerFailed) at the first call
     with pytest.raises(Exception, match=r"ValueError: options: unknown key 'bogus'.*rewrite_attention") as info:
@@ -162,7 +162,7 @@ def test_known_options_and_reduce_overhead_mode_accepted():
     assert f(torch.ones(2)).tolist() == [3.0, 3.0]
     torch._dynamo.reset()
     g = torch.compile(lambda x: x * 5, backend="mla_dcp",
-                      options={"rewrite_attention": False, "dsa_dual_graph": True, "max_autotune": False})
+                      options={"rewrite_attention": False, "mode": "default", "max_autotune": False})
     assert g(torch.ones(2)).tolist() == [5.0, 5.0]
     with pytest.raises(ValueError, match="^mode"):
         mla_compile.mla_dcp(torch.fx.symbolic_trace(lambda x: x + 1), [torch.ones(2)], mode="no-such-mode")
