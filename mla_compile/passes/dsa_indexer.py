@@ -14,6 +14,10 @@ which holds only under the Dynamo guard "every request's kv_len <= index_topk". 
 for each such site (the top-k must come from scores over keys behind the marker, masked by the same A),
 removes what is then dead (logits GEMMs, weights_proj, relu, top-k, scatter) and the marker. The indexer
 key-cache write is a mutation and stays. Runs before the attention rewrite, which then sees A alone.
+
+Sparse graphs: `match_sparse_indexer` proves an index-masked mask is HF's indexer (top-k of the masked score
+formula above over the indexer key cache) and returns its pieces; `passes.mla_attention` then emits
+`dsa.indexer_topk` + `mla.sparse_decode` and removes HF's logits / top-k / scatter.
 """
 
 from __future__ import annotations
@@ -210,3 +214,117 @@ def drop_dense_indexer(graph: fx.Graph) -> int:
         torch._dynamo.utils.counters["mla_compile"][COUNTER] += replaced
         log.info("dsa_indexer: dense graph: %d index mask(s) dropped (indexer logits / top-k removed)", replaced)
     return replaced
+
+
+# ------------------------------------------------------------------------------------ DSA sparse graph
+class NotSparse(Exception):
+    """HF's index mask could not be proven to be the indexer's top-k (the message says why)."""
+
+
+_RELU = {torch.relu, torch.nn.functional.relu}
+_MATMUL = {torch.matmul, operator.matmul}
+_MUL = {operator.mul, torch.mul}
+
+
+class SparseIndexer:
+    """HF's indexer behind an index-masked attention mask `A & ~I` / `A.masked_fill(I, min)`, where
+    I = ones.scatter(-1, topk(score masked by A[:, 0], k).indices, False) and
+    score[b, t] = weights[b] . relu(matmul(q.float(), keys[b, t].float()) * scale) (HF's formula)."""
+
+    def __init__(self, A, topk, k, q, weights, keys, scale, keys_read):
+        self.A, self.topk, self.k, self.q, self.weights, self.keys = A, topk, k, q, weights, keys
+        self.scale, self.keys_read = scale, keys_read
+
+
+def _shape_of(n) -> tuple:
+    v = _val(n)
+    if not isinstance(v, torch.Tensor):
+        raise NotSparse(f"{getattr(n, 'name', n)} is not a tensor")
+    s = tuple(v.shape)
+    if not all(isinstance(d, int) for d in s):
+        raise NotSparse(f"{n.name} has symbolic shape {s}")
+    return s
+
+
+def _peel_float(n):
+    """x if n is x.float() / x.to(torch.float32) (the exact upcast HF applies before the logits GEMM)."""
+    if _is_call(n, (), ("float",)) and len(n.args) == 1 and not n.kwargs:
+        return n.args[0]
+    if _is_call(n, (), ("to",)) and len(n.args) == 2 and n.args[1] is torch.float32 and not n.kwargs:
+        return n.args[0]
+    return n
+
+
+def match_sparse_indexer(mask) -> SparseIndexer | None:
+    """The indexer behind an attention mask node (None: not an index-masked mask at all; NotSparse: an index
+    mask whose top-k cannot be proven to be HF's indexer formula)."""
+    if not isinstance(mask, fx.Node):
+        return None
+    combo = _combination(mask)
+    if combo is None:
+        return None
+    A, I = combo
+    topk = _index_mask_topk(I)
+    if topk is None:
+        raise NotSparse(f"index mask {I.name} is not ones.scatter(-1, topk(...).indices, False)")
+    if not _masked_by(topk, A):
+        raise NotSparse("the top-k scores are not masked by the attention mask the index mask is applied to")
+    if _arg(topk, 3, "largest", True) is not True:
+        raise NotSparse("top-k with largest=False")
+    k = _arg(topk, 1, "k")
+    if not isinstance(k, int) or k <= 0:
+        raise NotSparse(f"top-k size {k!r} is not a positive constant")
+    masked = topk.args[0]
+    score = masked.args[0]
+    # score = matmul(weights.unsqueeze(-2), relu(matmul(q.float(), keys.transpose(-1, -2).float()
+    #                                                  .unsqueeze(1)) * scale)).squeeze(-2)
+    if not (_is_call(score, (), ("squeeze",)) and len(score.args) == 2):
+        raise NotSparse(f"index scores {score.name} are not matmul(...).squeeze(-2)")
+    mm = score.args[0]
+    if not (_is_call(mm, _MATMUL, ("matmul",)) and _shape_of(mm)[-2] == 1
+            and score.args[1] in (-2, len(_shape_of(mm)) - 2)):
+        raise NotSparse(f"index scores {score.name} are not a head-weighted matmul(...).squeeze(-2)")
+    wu, relu = mm.args[0], mm.args[1]
+    if not (_is_call(wu, (), ("unsqueeze",)) and len(wu.args) == 2 and wu.args[1] in (-2, 2)):
+        raise NotSparse(f"{wu.name}: expected weights.unsqueeze(-2)")
+    weights = wu.args[0]
+    if not (_is_call(relu, _RELU, ("relu",)) and len(relu.args) == 1 and not relu.kwargs.get("inplace", False)):
+        raise NotSparse(f"{relu.name}: expected relu(logits * scale)")
+    scaled = relu.args[0]
+    if not (_is_call(scaled, _MUL, ("mul", "__mul__")) and len(scaled.args) == 2):
+        raise NotSparse(f"{scaled.name}: expected logits * scale")
+    a, b = scaled.args
+    if isinstance(b, float) and isinstance(a, fx.Node):
+        logits, scale = a, b
+    elif isinstance(a, float) and isinstance(b, fx.Node):
+        logits, scale = b, a
+    else:
+        raise NotSparse(f"{scaled.name}: logits scaled by a non-constant")
+    if not (_is_call(logits, _MATMUL, ("matmul",)) and len(logits.args) == 2):
+        raise NotSparse(f"{logits.name}: expected matmul(q.float(), keys^T)")
+    qf, kt = logits.args
+    q = _peel_float(qf)
+    if not (_is_call(kt, (), ("unsqueeze",)) and len(kt.args) == 2 and kt.args[1] == 1):
+        raise NotSparse(f"{kt.name}: expected keys.transpose(-1, -2).float().unsqueeze(1)")
+    ktf = _peel_float(kt.args[0])
+    if not (_is_call(ktf, (), ("transpose",)) and len(ktf.args) == 3
+            and sorted(d % 3 for d in ktf.args[1:]) == [1, 2]):
+        raise NotSparse(f"{ktf.name}: expected keys.transpose(-1, -2)")
+    keys = ktf.args[0]
+    qs, ks, ws, ss = _shape_of(q), _shape_of(keys), _shape_of(weights), _shape_of(masked)
+    if len(qs) != 4 or len(ks) != 3 or qs[1] != 1:
+        raise NotSparse(f"indexer q {qs} / keys {ks}: expected [B, 1, Hi, Di] / [B, L, Di] (one query token)")
+    B, _, Hi, Di = qs
+    L = ks[1]
+    if ks != (B, L, Di) or ws != (B, 1, Hi) or ss != (B, 1, L):
+        raise NotSparse(f"indexer shapes do not line up: q {qs}, keys {ks}, weights {ws}, scores {ss}")
+    qv, kv, wv = _val(q), _val(keys), _val(weights)
+    if wv.dtype != torch.float32 or _val(qf).dtype != torch.float32 or _val(kt).dtype != torch.float32:
+        raise NotSparse("the indexer logits are not computed in float32")
+    if qv.dtype != kv.dtype:
+        raise NotSparse(f"indexer q ({qv.dtype}) and keys ({kv.dtype}) differ in dtype")
+    if _shape_of(I) != (B, 1, 1, L):
+        raise NotSparse(f"index mask {I.name} has shape {_shape_of(I)}, expected [B, 1, 1, L={L}]")
+    if k > L:
+        raise NotSparse(f"top-k size {k} > cache length {L}")
+    return SparseIndexer(A, topk, k, q, weights, keys, float(scale), ktf)

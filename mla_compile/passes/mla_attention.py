@@ -39,6 +39,19 @@ DSA dense graphs: before matching, `passes.dsa_indexer.drop_dense_indexer` repla
 the plain one behind the cache's `mla_hf::all_selected` marker (the graph is guarded by kv_len <= topk), so the
 indexer's logits and top-k are dead and removed.
 
+DSA sparse graphs (single rank: HF `StaticCache` / `DSAStaticCache` latent or `MLAPagedCache`): when the mask is
+`A & ~I` / `A.masked_fill(I, min)` with I = ones.scatter(-1, topk(score masked by A[:, 0], k).indices, False)
+and score = weights . relu(matmul(q.float(), keys^T.float()) * s) (HF's indexer, matched node by node by
+`dsa_indexer.match_sparse_indexer`), the indexer's logits / top-k / scatter become one
+`dsa.indexer_topk(q, weights, keys as [B*L, 1, Di], token table of A (+ b*L), count of A, k, s)` and the
+attention `mla.sparse_decode` over the returned slots (translated through the block table for the paged cache).
+Same selected set: HF's top-k over the L static positions ranks the invalid ones (-inf, or + finfo.min) last and
+A removes them again, so it attends the top-min(k, count) valid tokens, which is what the op returns. Ties
+(equal scores at the k-th place) may be broken differently (any choice is a valid top-k; HF's torch.topk
+defines none). A GLM-DSA "shared" layer reuses the previous layer's selection (one op call). Counted in
+`counters["mla_compile"]["dsa_sparse_rewritten"]`; anything else in the mask keeps the token-table path (logged).
+DCP sparse graphs keep HF's indexer and attend through `mla.dcp_decode` over the token table of its mask.
+
 Unmatched sites are left unchanged and logged (logger `mla_compile.passes.mla_attention`; enable with
 `TORCH_LOGS="+mla_compile.passes"`). Rewrites are counted in
 `torch._dynamo.utils.counters["mla_compile"]["mla_attention_rewritten"]`, skips in `..._not_rewritten`.
@@ -59,6 +72,7 @@ log = logging.getLogger(__name__)
 
 COUNTER = "mla_attention_rewritten"
 SKIP_COUNTER = "mla_attention_not_rewritten"
+SPARSE_COUNTER = "dsa_sparse_rewritten"
 
 aten = torch.ops.aten
 
@@ -163,6 +177,7 @@ class Site:
     heads: int
     nodes: set  # nodes that die with the rewrite
     impl: str  # "sdpa" | "eager"
+    sparse: Any = None  # dsa_indexer.SparseIndexer: DSA sparse graph -> dsa.indexer_topk + mla.sparse_decode
 
 
 # ----------------------------------------------------------------------------------------- the matcher
@@ -488,11 +503,16 @@ def _fake_mode(graph: fx.Graph):
 
 # ------------------------------------------------------------------------------------------ the emission
 def _valid_2d(b: Builder, site: Site, B: int, L: int, memo: dict):
-    """bool [B, L] valid-token mask (None: every token valid)."""
-    key = ("valid", site.mask)
+    """bool [B, L] valid-token mask of the site's attention mask (None: every token valid)."""
+    return _valid_of(b, site.mask, B, L, memo)
+
+
+def _valid_of(b: Builder, mask, B: int, L: int, memo: dict):
+    """bool [B, L] valid-token mask of an attention mask [B|1, 1, 1, L] (None: every token valid)."""
+    key = ("valid", mask)
     if key in memo:
         return memo[key]
-    m = _mask_valid(site.mask)(b)
+    m = _mask_valid(mask)(b)
     if m is not None:
         m = b.call(aten.expand.default, m, [B, 1, 1, L])
         m = b.call(aten.reshape.default, m, [B, L])
@@ -576,13 +596,76 @@ def _emit_slots(b: Builder, site: Site, src: LatentSource, B: int, L: int, memo:
         if src.kind == "dcp":  # dcp_decode derives local lengths from "global" ones: c * n has local length c
             seq_lens = b.call(aten.mul.Tensor, seq_lens, src.dcp_size)
         memo[key] = (table, seq_lens)
+    ckv, kpe = _flat_latent(b, src, B, L, R, P)
+    return ckv, kpe, table, seq_lens
+
+
+def _flat_latent(b: Builder, src: LatentSource, B: int, L: int, R: int, P: int):
+    """The latent as a page size 1 cache (ckv [N, 1, R], kpe [N, 1, P]); slot = the physical slot."""
     if src.kind == "tensor":
         ckv = b.call(aten.reshape.default, src.ckv, [B * L, 1, R])
         kpe = b.call(aten.reshape.default, src.kpe, [B * L, 1, P])
     else:
         ckv = b.call(aten.reshape.default, src.ckv, [-1, 1, R])
         kpe = b.call(aten.reshape.default, src.kpe, [-1, 1, P])
-    return ckv, kpe, table, seq_lens
+    return ckv, kpe
+
+
+def _row_base(b: Builder, B: int, L: int, device, memo: dict) -> fx.Node:
+    """int32 [B, 1]: b * L, the first flat slot of row b in a [B, L, ...] buffer."""
+    key = ("row_base", B, L)
+    if key not in memo:
+        base = b.call(aten.arange.start_step, 0, B * L, L, dtype=torch.int32, device=device)
+        memo[key] = b.call(aten.unsqueeze.default, base, 1)
+    return memo[key]
+
+
+def _emit_sparse_indices(b: Builder, site: Site, src: LatentSource, B: int, L: int, memo: dict) -> fx.Node:
+    """int32 [B, k]: the latent's physical slots of the tokens HF's indexer selects, -1 padded.
+
+    HF: topk(score masked by A, k).indices over the static cache's L positions (invalid ones at -inf or
+    + finfo.min), index_mask keeps them, A & ~index_mask drops the invalid ones again: the attended set is
+    the top-min(k, count) valid tokens by score. `dsa.indexer_topk` over a page size 1 view of the indexer
+    key cache [B, L, Di] -> [B*L, 1, Di], whose block table lists each row's valid tokens (the token table of
+    A, slots b*L + t) and seq_lens = their count, returns exactly that set (same score formula: weights are
+    HF's weights_proj(x)*Hi^-0.5 in float32, sm_scale HF's softmax_scale). Ties: any choice among equal
+    scores (HF's torch.topk does not define one either). Rows with count <= k skip the logits (identity)."""
+    sp = site.sparse
+    device = _val(site.q).device
+    key = ("indexer", sp.topk)  # a GLM-DSA "shared" layer reuses the previous layer's top-k: one indexer call
+    if key in memo:
+        idx = memo[key]
+    else:
+        valid = _valid_of(b, sp.A, B, L, memo)
+        if valid is None:
+            raise NoMatch("DSA indexer without an attention mask")
+        tkey = ("table", sp.A)
+        if tkey not in memo:
+            memo[tkey] = _emit_token_table(b, valid, B, L, device)
+        table, counts = memo[tkey]
+        ktable = b.call(aten.add.Tensor, table, _row_base(b, B, L, device, memo))  # indexer slots b*L + t
+        _, _, Hi, Di = _shape(sp.q)
+        kc = b.call(aten.reshape.default, sp.keys, [B * L, 1, Di])
+        qi = b.call(aten.reshape.default, sp.q, [B, Hi, Di])
+        w = b.call(aten.reshape.default, sp.weights, [B, Hi])
+        idx = b.call(torch.ops.dsa.indexer_topk.default, qi, w, kc, ktable, counts, sp.k, sp.scale)
+        memo[key] = idx
+    if src.kind == "tensor":  # the latent [B, 1, L, R] has the same flat slots b*L + t
+        return idx
+    # paged latent: indexer slot b*L + t -> token t -> block_table[b, t // PS] * PS + t % PS
+    pkey = ("indexer_paged", sp.topk, src.block_table)
+    if pkey not in memo:
+        PS = _shape(src.ckv)[1]
+        keep = b.call(aten.ge.Scalar, idx, 0)
+        t = b.call(aten.sub.Tensor, idx, _row_base(b, B, L, device, memo))
+        t = b.call(aten.where.ScalarOther, keep, t, 0)
+        t = b.call(aten._to_copy.default, t, dtype=torch.int64)
+        page = b.call(aten.gather.default, src.block_table, 1, b.call(aten.div.Tensor_mode, t, PS,
+                                                                      rounding_mode="floor"))
+        slot = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, page, PS), b.call(aten.remainder.Scalar, t, PS))
+        slot = b.call(aten.where.ScalarOther, keep, slot, -1)
+        memo[pkey] = b.call(aten._to_copy.default, slot, dtype=torch.int32)
+    return memo[pkey]
 
 
 def latent_source(site: Site) -> LatentSource:
@@ -615,12 +698,17 @@ def _emit(b: Builder, site: Site, src: LatentSource, memo: dict) -> fx.Node:
     q_abs = b.call(aten.bmm.default, b.call(aten.transpose.int, q_nope, 0, 1), w_uk)  # [H, B, R]
     q_abs = b.call(aten.transpose.int, q_abs, 0, 1)
     q_abs = b.call(aten.clone.default, q_abs, memory_format=torch.contiguous_format)  # [B, H, R]
-    ckv, kpe, table, seq_lens = _emit_slots(b, site, src, B, L, memo)
-    if src.kind == "dcp":
-        res = b.call(torch.ops.mla.dcp_decode.default, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale,
-                     src.dcp_size, src.dcp_rank, src.group_name)
+    if site.sparse is not None:  # DSA sparse graph: HF's indexer -> dsa.indexer_topk, attention over its slots
+        idx = _emit_sparse_indices(b, site, src, B, L, memo)
+        ckv, kpe = _flat_latent(b, src, B, L, R, P)
+        res = b.call(torch.ops.mla.sparse_decode.default, q_abs, q_pe, ckv, kpe, idx, site.scale)
     else:
-        res = b.call(torch.ops.mla.decode.default, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale)
+        ckv, kpe, table, seq_lens = _emit_slots(b, site, src, B, L, memo)
+        if src.kind == "dcp":
+            res = b.call(torch.ops.mla.dcp_decode.default, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale,
+                         src.dcp_size, src.dcp_rank, src.group_name)
+        else:
+            res = b.call(torch.ops.mla.decode.default, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale)
     lat = b.item(res, 0)  # [B, H, R]
     out = b.call(aten.bmm.default, b.call(aten.transpose.int, lat, 0, 1),
                  b.call(aten.transpose.int, w_uv, 1, 2))  # [H, B, v]
@@ -653,6 +741,37 @@ def rewrite_site(graph: fx.Graph, site: Site, src: LatentSource, fake_mode, memo
         for n in (site.latent, site.kpe, gather):
             if not n.users:
                 graph.erase_node(n)
+    if site.sparse is not None:  # HF's index mask, top-k, logits and weights are dead now (pure nodes only)
+        from .dsa_indexer import _erase_dead
+
+        _erase_dead(graph, [site.mask])
+
+
+def _sparse_indexer(graph: fx.Graph, site: Site, src: LatentSource):
+    """The DSA sparse-graph indexer behind the site's mask, or None (HF's top-k mask then becomes mla.decode's
+    token table, which is exact too; the reason is logged)."""
+    from .dsa_indexer import NotSparse, match_sparse_indexer
+
+    try:
+        sp = match_sparse_indexer(site.mask)
+        if sp is None:
+            return None
+        if src.kind not in ("tensor", "paged"):
+            raise NotSparse(f"{src.kind} latent (the DCP sparse graph keeps HF's indexer + mla.dcp_decode)")
+        B, L = _shape(site.q)[0], _shape(site.latent)[-2]
+        if _shape(sp.keys)[:2] != (B, L):
+            raise NotSparse(f"indexer keys {_shape(sp.keys)} do not cover the latent's [B={B}, L={L}] tokens")
+        _mask_valid(sp.A)  # provably boolean / 0-or-big-negative (NoMatch otherwise)
+        # the indexer op reads the keys at the attention: nothing may write them after HF's logits read them
+        order = _order(graph)
+        lo, hi = order(sp.keys_read), order(site.out)
+        for n in graph.nodes:
+            if lo < order(n) < hi and _mutates(n, {sp.keys}):
+                raise NotSparse(f"the indexer key cache is written by {n.name} between its read and the attention")
+        return sp
+    except (NotSparse, NoMatch) as e:
+        log.info("mla_attention: DSA indexer at %s kept (HF top-k mask -> token table): %s", site.out.name, e)
+        return None
 
 
 def _order(graph: fx.Graph):
@@ -700,7 +819,7 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
     candidates = [n for n in graph.nodes if _is_fn(n, _SDPA) or _is_fn(n, _MATMUL) or _is_op(n, "matmul")]
     fake_mode = None
     memo: dict = {}
-    rewritten = 0
+    rewritten = sparse = 0
     counters = torch._dynamo.utils.counters["mla_compile"]
     for node in candidates:
         if getattr(node, "_erased", False):  # removed by an earlier rewrite
@@ -713,7 +832,15 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
             _check_no_mutation_between(graph, site, src)
             if fake_mode is None:
                 fake_mode = _fake_mode(graph)
-            rewrite_site(graph, site, src, fake_mode, memo)
+            site.sparse = _sparse_indexer(graph, site, src)
+            if site.sparse is not None:
+                try:
+                    rewrite_site(graph, site, src, fake_mode, memo)
+                except NoMatch as e:  # rolled back: fall back to HF's top-k mask as a token table
+                    log.info("mla_attention: DSA indexer at %s kept: %s", node.name, e)
+                    site.sparse = None
+            if site.sparse is None:
+                rewrite_site(graph, site, src, fake_mode, memo)
         except NoMatch as e:
             counters[SKIP_COUNTER] += 1
             log.info("mla_attention: not rewritten: attention at %s: %s", node.name, e)
@@ -724,15 +851,20 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
                         "unchanged; please report)", node.name, type(e).__name__, e, exc_info=True)
             continue
         rewritten += 1
+        if site.sparse is not None:
+            sparse += 1
         log.info("mla_attention: rewrote %s attention at %s (H=%d, R=%d, rope=%d, %s latent) -> %s",
                  site.impl, node.name, site.heads, _shape(site.latent)[-1], site.rope, src.kind,
-                 "mla.dcp_decode" if src.kind == "dcp" else "mla.decode")
+                 "dsa.indexer_topk + mla.sparse_decode" if site.sparse is not None
+                 else "mla.dcp_decode" if src.kind == "dcp" else "mla.decode")
     if rewritten or dropped:
         graph.lint()
         if gm is not None:
             gm.recompile()
         if rewritten:
             counters[COUNTER] += rewritten
+        if sparse:
+            counters[SPARSE_COUNTER] += sparse
     return rewritten
 
 
