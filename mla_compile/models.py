@@ -35,24 +35,28 @@ def deepseek_v3(*, q_lora_rank: int | None = 96, rope_interleave: bool = True, n
 
 
 def deepseek_v32(*, num_layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 128, attn_impl: str = "sdpa",
-                 seed: int = 0, index_topk: int = 2048, dtype=torch.float32, max_positions: int = 4096):
-    """A DeepseekV32ForCausalLM: MLA plus the DSA indexer (64 -> 4 index heads of dim 128 here)."""
+                 seed: int = 0, index_topk: int = 2048, dtype=torch.float32, max_positions: int = 4096,
+                 index_heads: int = 64):
+    """A DeepseekV32ForCausalLM: MLA plus the DSA indexer (index heads of dim 128; 64 heads as in V3.2).
+
+    Fewer index heads make exact score ties common (relu zeroes a token's score when q.k <= 0 in every head),
+    and tied tokens at the top-k boundary may be picked differently by different (valid) top-k kernels."""
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
-    cfg = DeepseekV32Config(q_lora_rank=96, index_topk=index_topk, index_n_heads=4, index_head_dim=128,
+    cfg = DeepseekV32Config(q_lora_rank=96, index_topk=index_topk, index_n_heads=index_heads, index_head_dim=128,
                             **_moe(num_layers), **_common(num_layers, hidden, heads, vocab, attn_impl, max_positions))
     return spread_weights(DeepseekV32ForCausalLM(cfg), seed, dtype)
 
 
 def glm_moe_dsa(*, num_layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 128, attn_impl: str = "sdpa",
                 seed: int = 0, index_topk: int = 2048, dtype=torch.float32, max_positions: int = 4096,
-                indexer_types: list | None = None):
+                indexer_types: list | None = None, index_heads: int = 64):
     """A GlmMoeDsaForCausalLM (GLM-5 style DSA attention). indexer_types: e.g. ["full", "shared"] (a "shared"
     layer reuses the previous full layer's top-k)."""
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
     extra = {} if indexer_types is None else dict(indexer_types=list(indexer_types))
-    cfg = GlmMoeDsaConfig(q_lora_rank=96, index_topk=index_topk, index_n_heads=4, index_head_dim=128, **extra,
+    cfg = GlmMoeDsaConfig(q_lora_rank=96, index_topk=index_topk, index_n_heads=index_heads, index_head_dim=128, **extra,
                           **_moe(num_layers), **_common(num_layers, hidden, heads, vocab, attn_impl, max_positions))
     return spread_weights(GlmMoeDsaForCausalLM(cfg), seed, dtype)
 

@@ -25,7 +25,6 @@ import torch.fx as fx
 
 import hf_models as M
 import mla_compile  # noqa: F401
-from mla_compile import models
 from mla_compile.backend import mla_dcp
 
 transformers = pytest.importorskip("transformers")
@@ -68,20 +67,15 @@ class Recorder:
 
 def dsa_model(kind: str, *, num_layers: int = 1, index_topk: int = TOPK, attn_impl: str = "sdpa",
               indexer_types=None, seed: int = 0):
-    """The tests' DSA model (mla_compile.models' shapes) with DeepSeek-V3.2 / GLM-5's 64 indexer heads
-    (mla_compile.models uses 4). With 4 heads a token's index score is exactly 0 whenever q.k <= 0 in every
-    head (relu), about one token in 16, and such exact ties at the top-k boundary are broken differently by
-    HF's torch.topk and `dsa.indexer_topk` (both valid top-k sets, different logits: seen in this loop with 4
-    heads, only at steps with such a tie). 64 heads make exact ties practically impossible, so tokens can be
+    """The tests' DSA model with V3.2 / GLM-5's 64 indexer heads (mla_compile.models' default). With few heads
+    a token's index score is exactly 0 whenever q.k <= 0 in every head (relu), and such exact ties at the
+    top-k boundary are broken differently by HF's torch.topk and `dsa.indexer_topk` (both valid top-k sets,
+    different logits: seen with 4 heads). 64 heads make exact ties practically impossible, so tokens can be
     compared with eager HF exactly."""
-    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
-
-    cfg_cls, model_cls = {"v32": (DeepseekV32Config, DeepseekV32ForCausalLM),
-                          "glm": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM)}[kind]
-    extra = {} if indexer_types is None else dict(indexer_types=list(indexer_types))
-    cfg = cfg_cls(q_lora_rank=96, index_topk=index_topk, index_n_heads=64, index_head_dim=128, **extra,
-                  **models._moe(num_layers), **models._common(num_layers, 64, 4, 128, attn_impl, 512))
-    return models.spread_weights(model_cls(cfg), seed, torch.float32)
+    if kind == "v32":
+        return M.deepseek_v32(num_layers=num_layers, index_topk=index_topk, attn_impl=attn_impl, seed=seed)
+    return M.glm_moe_dsa(num_layers=num_layers, index_topk=index_topk, attn_impl=attn_impl, seed=seed,
+                         indexer_types=indexer_types)
 
 
 def _decode_loop(build, impl, cache_fn, **model_kw):
