@@ -22,20 +22,10 @@ TOPK = 64
 
 
 @pytest.mark.parametrize("batch", [4, 8])
-def test_each_variant_recorded_once(batch, monkeypatch):
+def test_each_variant_recorded_once(batch, cudagraph_recordings):
     from torch._dynamo.utils import counters
-    from torch._inductor import cudagraph_trees
 
-    torch._dynamo.reset()
-    counters.clear()
-    recordings = []
-    original = cudagraph_trees.CUDAGraphTreeManager.record_function
-
-    def counting(self, new_inputs, function_id):
-        recordings.append(function_id)
-        return original(self, new_inputs, function_id)
-
-    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counting)
+    recordings = cudagraph_recordings
 
     torch.manual_seed(0)
     layer = DSADecodeLayer(topk=TOPK).cuda().eval()

@@ -27,23 +27,13 @@ STEPS = 230
 
 
 @pytest.mark.parametrize("batch", [2, 4])
-def test_hf_v32_each_variant_recorded_once(batch, monkeypatch):
+def test_hf_v32_each_variant_recorded_once(batch, cudagraph_recordings):
     from torch._dynamo.utils import counters
-    from torch._inductor import cudagraph_trees
     from transformers import StaticCache
 
     from mla_compile.integrations.hf import DSAStaticCache
 
-    torch._dynamo.reset()
-    counters.clear()
-    recordings = []
-    original = cudagraph_trees.CUDAGraphTreeManager.record_function
-
-    def counting(self, new_inputs, function_id):
-        recordings.append(function_id)
-        return original(self, new_inputs, function_id)
-
-    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counting)
+    recordings = cudagraph_recordings
 
     model = M.deepseek_v32(num_layers=2, index_topk=TOPK, attn_impl="sdpa").cuda()
     L = PROMPT + STEPS + 1
