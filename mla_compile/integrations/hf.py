@@ -68,6 +68,7 @@ def gather_latent(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank
     all-gathered (one collective) and global token t = j * n + r is taken from rank r. Slots never written
     read as whatever the pages hold (zeros after allocation); HF's mask excludes them.
     """
+    _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank)
     B, MP = block_table.shape
     PS, R, P = ckv_cache.shape[1], ckv_cache.shape[2], kpe_cache.shape[2]
     cap = MP * PS
@@ -81,8 +82,26 @@ def gather_latent(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank
     return (full[..., :R].unsqueeze(1).contiguous(), full[..., R:].to(kpe_cache.dtype).unsqueeze(1).contiguous())
 
 
+def _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank):
+    from ..ops import _checks as C
+
+    C.check_tensor(ckv_cache, "ckv_cache", 3, C.FLOAT_DTYPES)
+    C.check_tensor(kpe_cache, "kpe_cache", 3, C.FLOAT_DTYPES)
+    C.check(kpe_cache.shape[:2] == ckv_cache.shape[:2], "kpe_cache",
+            f"pages/page size {tuple(kpe_cache.shape[:2])} differ from ckv_cache {tuple(ckv_cache.shape[:2])}")
+    C.check_tensor(block_table, "block_table", 2, torch.int32)
+    C.check(isinstance(dcp_size, int) and dcp_size >= 1, "dcp_size", f"must be an int >= 1, got {dcp_size!r}")
+    C.check(isinstance(dcp_rank, int) and 0 <= dcp_rank < dcp_size, "dcp_rank",
+            f"must be in [0, {dcp_size}), got {dcp_rank!r}")
+    capacity = block_table.shape[1] * ckv_cache.shape[1] * dcp_size
+    C.check(isinstance(max_len, int) and 0 <= max_len <= capacity, "max_len",
+            f"must be in [0, {capacity}] (block table pages x page size x dcp_size), got {max_len!r}")
+    C.check_same_device(dict(ckv_cache=ckv_cache, kpe_cache=kpe_cache, block_table=block_table))
+
+
 @gather_latent.register_fake
 def _(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, group_name):
+    _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank)
     B = block_table.shape[0]
     return (ckv_cache.new_empty((B, 1, max_len, ckv_cache.shape[2])),
             kpe_cache.new_empty((B, 1, max_len, kpe_cache.shape[2])))
@@ -111,11 +130,20 @@ def all_selected(keys, topk):
     (`passes.dsa_indexer`) replaces HF's index mask downstream of it by "all selected", which leaves the
     indexer's logits and top-k dead, and then removes the marker itself.
     """
+    _check_all_selected_args(keys, topk)
     return keys.clone()
+
+
+def _check_all_selected_args(keys, topk):
+    if not isinstance(keys, torch.Tensor):
+        raise ValueError(f"keys: expected a Tensor, got {type(keys).__name__}")
+    if not (isinstance(topk, int) and topk > 0):
+        raise ValueError(f"topk: must be a positive int, got {topk!r}")
 
 
 @all_selected.register_fake
 def _(keys, topk):
+    _check_all_selected_args(keys, topk)
     return torch.empty_like(keys)
 
 

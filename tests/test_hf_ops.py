@@ -1,0 +1,58 @@
+"""The HF-integration ops (`mla_hf::gather_latent`, `mla_hf::all_selected`): opcheck, semantics, validation."""
+
+import pytest
+import torch
+
+import mla_compile.integrations.hf  # noqa: F401  (registers mla_hf ops)
+from mla_compile.paged import fill_paged
+
+pytest.importorskip("transformers")
+
+
+def _paged(lens, PS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ckv = [torch.randn(n, 8, generator=g) for n in lens]
+    kpe = [torch.randn(n, 4, generator=g) for n in lens]
+    return ckv, kpe, fill_paged(ckv, kpe, PS, shuffle=True, generator=g)
+
+
+@pytest.mark.parametrize("PS", [1, 4])
+def test_gather_latent_is_the_token_ordered_latent(PS):
+    lens = [7, 0, 12]
+    ckv, kpe, b = _paged(lens, PS)
+    b.ckv_cache.nan_to_num_(0.0)
+    b.kpe_cache.nan_to_num_(0.0)
+    max_len = 12
+    out_c, out_k = torch.ops.mla_hf.gather_latent(b.ckv_cache, b.kpe_cache, b.block_table, max_len, 1, 0, "")
+    assert out_c.shape == (3, 1, max_len, 8) and out_k.shape == (3, 1, max_len, 4)
+    for r, n in enumerate(lens):
+        torch.testing.assert_close(out_c[r, 0, :n], ckv[r], rtol=0, atol=0)
+        torch.testing.assert_close(out_k[r, 0, :n], kpe[r], rtol=0, atol=0)
+    torch.library.opcheck(torch.ops.mla_hf.gather_latent.default,
+                          (b.ckv_cache, b.kpe_cache, b.block_table, max_len, 1, 0, ""))
+
+
+def test_all_selected_is_a_copy():
+    keys = torch.randn(2, 5, 16)
+    out = torch.ops.mla_hf.all_selected(keys, 8)
+    assert torch.equal(out, keys) and out.data_ptr() != keys.data_ptr()
+    torch.library.opcheck(torch.ops.mla_hf.all_selected.default, (keys, 8))
+
+
+@pytest.mark.parametrize("args, name", [
+    (dict(max_len=10_000), "max_len"), (dict(dcp_size=0), "dcp_size"), (dict(dcp_rank=2, dcp_size=2), "dcp_rank"),
+    (dict(block_table=torch.zeros(3, 4, dtype=torch.int64)), "block_table"),
+    (dict(kpe_cache=torch.zeros(1, 1, 4)), "kpe_cache"),
+])
+def test_gather_latent_bad_inputs_name_the_argument(args, name):
+    _, _, b = _paged([3, 5], 4)
+    kw = dict(ckv_cache=b.ckv_cache, kpe_cache=b.kpe_cache, block_table=b.block_table, max_len=5, dcp_size=1,
+              dcp_rank=0, group_name="")
+    kw.update(args)
+    with pytest.raises(ValueError, match=f"^{name}: "):
+        torch.ops.mla_hf.gather_latent(**kw)
+
+
+def test_all_selected_rejects_bad_topk():
+    with pytest.raises(ValueError, match="^topk: "):
+        torch.ops.mla_hf.all_selected(torch.zeros(1, 2, 3), 0)
