@@ -1,0 +1,105 @@
+"""`mla::tp_dcp_decode`: TP x DCP decode (SGLang / vLLM style) — heads tensor-parallel, KV context-parallel.
+
+Each of the n ranks of a DCP group holds a DIFFERENT contiguous slice of the attention heads (rank r owns
+heads [r*H_local, (r+1)*H_local), H = n*H_local) and the token-cyclic shard of every request's latent KV
+(`mla_compile.layout`: token t on rank t % n). Data flow of one call on rank r (DESIGN.md, "DCP layout"):
+
+    q        = cat(q_nope, q_pe)                         [B, H_local, R+P]
+    q_all    = all_gather_into_tensor(q) + wait_tensor   [n, B, H_local, R+P] -> [B, H, R+P]  (heads r-major)
+    out, lse = mla::decode(q_all, this shard, local_lens) [B, H, R], f32 [B, H]   (ALL heads, MY tokens)
+    send     = pack_states(out, lse) split by head owner  [n, B, H_local, R+k]   (send[j] = rank j's heads)
+    recv     = all_to_all_single(send) + wait_tensor      [n, B, H_local, R+k]   (recv[i] = rank i's partial)
+    out, lse = mla::merge_states(unpack_states(recv))     [B, H_local, R], f32 [B, H_local]
+
+Two collectives per layer, both packed: q_nope and q_pe travel together, and the float32 lse rides bit-cast in
+k = 4 / out.element_size() extra columns of out (`dcp.pack_states`, the same packing as `mla::dcp_decode`).
+
+The "LSE-corrected reduce-scatter" is an all-to-all followed by `mla::merge_states`, not a literal
+reduce-scatter: a reduce-scatter of lse-rescaled outputs needs the global lse first (an all-gather of
+[B, H] lse, then the rescale, then the reduce-scatter: two collectives where one does), and it would put a
+second copy of the merge math (max-shift, -inf / NaN parts contributing exactly 0, all-empty -> (0, -inf))
+outside `mla::merge_states`, its one home. The all-to-all moves the same bytes a reduce-scatter does
+((n-1)/n of B*H*(R+k) per rank) and the merge is the op every other DCP path uses. vLLM's DCP a2a backend
+takes the same route.
+
+Registration: CompositeImplicitAutograd + `_c10d_functional` collectives, exactly like `mla::dcp_decode`:
+Dynamo records one node (fullgraph), AOTAutograd decomposes it into `all_gather_into_tensor` ->
+`wait_tensor` -> `mla.decode` -> `all_to_all_single` -> `wait_tensor` -> `mla.merge_states`, visible to
+Inductor and capturable by CUDA graphs. `dcp_size == 1` is exactly `mla::decode` (H_local = H).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import layout
+from . import _checks as C
+from .dcp import check_dcp_decode_args, pack_states, unpack_states
+
+# ------------------------------------------------------------------------------------------------ schema
+torch.library.define(
+    "mla::tp_dcp_decode",
+    "(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor block_table, Tensor seq_lens, "
+    "float sm_scale, int dcp_size, int dcp_rank, str group_name) -> (Tensor, Tensor)",
+)
+
+
+def check_tp_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size,
+                             dcp_rank, group_name) -> None:
+    """`dcp_decode`'s checks (group, shapes, GLOBAL seq_lens fitting this rank's block table) plus H_local >= 1."""
+    check_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size, dcp_rank,
+                          group_name)
+    C.check(q_nope.shape[1] >= 1, "q_nope", f"needs at least one head on this rank (H_local >= 1), got shape "
+            f"{tuple(q_nope.shape)}")
+
+
+# ------------------------------------------------------------------------------------------------ collectives
+def gather_heads(q_nope: torch.Tensor, q_pe: torch.Tensor, dcp_size: int, group_name: str):
+    """ONE all-gather of every rank's head slice: (q_nope [B,Hl,R], q_pe [B,Hl,P]) -> [B, n*Hl, R], [B, n*Hl, P];
+    head r*Hl + h of the result is rank r's head h."""
+    B, Hl, R = q_nope.shape
+    packed = torch.cat([q_nope, q_pe], dim=-1)  # [B, Hl, R+P]
+    gathered = torch.ops._c10d_functional.all_gather_into_tensor(packed, dcp_size, group_name)
+    gathered = torch.ops._c10d_functional.wait_tensor(gathered)  # [n*B, Hl, R+P], rank-major
+    q = gathered.view(dcp_size, B, Hl, -1).transpose(0, 1).reshape(B, dcp_size * Hl, -1)
+    return q[..., :R].contiguous(), q[..., R:].contiguous()
+
+
+def exchange_states(out: torch.Tensor, lse: torch.Tensor, dcp_size: int, group_name: str):
+    """ONE all-to-all: this rank's partial (out [B,H,R], lse [B,H]) over ALL heads -> every rank's partial for
+    THIS rank's heads: (outs [n,B,Hl,R], lses float32 [n,B,Hl]), index i = rank i's tokens."""
+    B, H, R = out.shape
+    Hl = H // dcp_size
+    packed = pack_states(out, lse)  # [B, H, R+k]
+    send = packed.view(B, dcp_size, Hl, -1).transpose(0, 1).contiguous()  # [n, B, Hl, R+k]: send[j] -> rank j
+    splits = [1] * dcp_size  # dim 0 of send / recv is the rank
+    recv = torch.ops._c10d_functional.all_to_all_single(send, splits, splits, group_name)
+    recv = torch.ops._c10d_functional.wait_tensor(recv)
+    return unpack_states(recv, R)
+
+
+# ------------------------------------------------------------------------------------------------ the op
+@torch.library.impl("mla::tp_dcp_decode", "CompositeImplicitAutograd")
+def tp_dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size, dcp_rank,
+                  group_name):
+    """TP x DCP absorbed-MLA decode: this rank's heads, attended over ALL ranks' tokens.
+
+    q_nope [B, H_local, R], q_pe [B, H_local, P]: this rank's heads, rank r owning global heads
+    [r*H_local, (r+1)*H_local). ckv_cache [NP, PS, R] / kpe_cache [NP, PS, P] / block_table int32 [B, MP]:
+    THIS rank's token-cyclic KV shard (token t on rank t % dcp_size at local position t // dcp_size).
+    seq_lens int32 [B]: GLOBAL lengths. `group_name` names the DCP process group (size dcp_size, this
+    process rank dcp_rank in it).
+    Returns out [B, H_local, R] (q's dtype) and lse float32 [B, H_local] (natural log): exactly what
+    single-process `mla::decode` over the whole cache gives for this rank's heads; a request of length 0
+    gives (0, -inf). Collectives: one all-gather of q, one all-to-all of (out, lse). dcp_size 1 is
+    `mla::decode` (group_name unused).
+    """
+    check_tp_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size,
+                             dcp_rank, group_name)
+    if dcp_size == 1:
+        return torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+    q_all, qpe_all = gather_heads(q_nope, q_pe, dcp_size, group_name)
+    local = layout.local_lens(seq_lens, dcp_size, dcp_rank)
+    out, lse = torch.ops.mla.decode(q_all, qpe_all, ckv_cache, kpe_cache, block_table, local, sm_scale)
+    outs, lses = exchange_states(out, lse, dcp_size, group_name)
+    return torch.ops.mla.merge_states(outs, lses)
