@@ -92,3 +92,14 @@ def dcp_worker(rank: int, world: int, init_file: str, result_dir: str, impl: str
                    f"{result_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def node_target(n) -> str:
+    """A stable name for an FX node's target (for graph snapshots)."""
+    if n.op == "call_method":
+        return "." + n.target
+    t = n.target
+    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(t)
+    mod = getattr(t, "__module__", None) or ""
+    return f"{mod}.{getattr(t, '__name__', str(t))}".lstrip(".")

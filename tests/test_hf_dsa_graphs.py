@@ -117,16 +117,6 @@ def _decode_loop(build, impl, cache_fn, **model_kw):
 
 
 # ------------------------------------------------------------------------------------------ stable text
-def _target(n: fx.Node) -> str:
-    if n.op == "call_method":
-        return "." + n.target
-    t = n.target
-    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return str(t)
-    mod = getattr(t, "__module__", None) or ""
-    return f"{mod}.{getattr(t, '__name__', str(t))}".lstrip(".")
-
-
 def attention_ops(gm: fx.GraphModule) -> str:
     """The op nodes of the attention layer (indexer included) from the latent cache write to the attention
     output, `target -> shape`, one per line (projections before the cache write are left out)."""
@@ -139,12 +129,12 @@ def attention_ops(gm: fx.GraphModule) -> str:
     for n in region[start:end + 1]:
         v = n.meta.get("example_value")
         shape = f" -> {list(v.shape)} {str(v.dtype).replace('torch.', '')}" if isinstance(v, torch.Tensor) else ""
-        lines.append(f"{_target(n)}{shape}")
+        lines.append(f"{M.node_target(n)}{shape}")
     return "\n".join(lines)
 
 
 def _ops(gm) -> set:
-    return {_target(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method")}
+    return {M.node_target(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method")}
 
 
 # ----------------------------------------------------------------------------------------------- tests

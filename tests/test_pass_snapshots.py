@@ -19,16 +19,6 @@ import mla_compile  # noqa: F401
 from mla_compile.passes.mla_attention import rewrite_mla_attention
 
 
-def _target(n: fx.Node) -> str:
-    if n.op == "call_method":
-        return "." + n.target
-    t = n.target
-    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return str(t)
-    mod = getattr(t, "__module__", None) or ""
-    return f"{mod}.{getattr(t, '__name__', str(t))}".lstrip(".")
-
-
 def op_text(gm: fx.GraphModule) -> str:
     region = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")
               and any("self_attn" in str(v) for v in (n.meta.get("nn_module_stack") or {}).values())]
@@ -61,7 +51,7 @@ def op_text(gm: fx.GraphModule) -> str:
             meta = f" -> {list(v.shape)} {str(v.dtype).replace('torch.', '')}"
         elif isinstance(v, (tuple, list)):
             meta = " -> (" + ", ".join(str(list(x.shape)) for x in v if isinstance(x, torch.Tensor)) + ")"
-        lines.append(f"%{index[n]} = {_target(n)}({', '.join(args)}){meta}")
+        lines.append(f"%{index[n]} = {M.node_target(n)}({', '.join(args)}){meta}")
     return "\n".join(lines)
 
 
