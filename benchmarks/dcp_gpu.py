@@ -399,32 +399,10 @@ def summarize(out_path: str, paths: list[str]) -> str:
         except Exception as e:  # noqa: BLE001
             print(f"skip {p}: {e}", file=sys.stderr)
     ns = sorted(runs)
-    lines = ["| H | B | kv_len | " + " | ".join(
-        f"n={n} step us" + (f" | n={n} vs n=1 | n={n} comm+merge % | n={n} overhead %" if n > 1 else "")
-        for n in ns) + " |"]
-    lines.append("|" + "---|" * (3 + sum(4 if n > 1 else 1 for n in ns)))
-    keys = sorted({(r["H"], r["B"], r["L"]) for d in runs.values() for r in d.get("bench", [])})
-    for H, B, L in keys:
-        cells = [str(H), str(B), f"{L // 1024}K"]
-        base = next((r for r in runs.get(1, {}).get("bench", []) if (r["H"], r["B"], r["L"]) == (H, B, L)), None)
-        for n in ns:
-            r = next((r for r in runs[n].get("bench", []) if (r["H"], r["B"], r["L"]) == (H, B, L)), None)
-            if r is None:
-                cells += ["-"] * (4 if n > 1 else 1)
-                continue
-            cells.append(f"{r['dcp_ms'] * 1e3:.1f}")
-            if n > 1:
-                cells.append(f"{r['dcp_ms'] / base['dcp_ms']:.2f}x" if base else "-")
-                cells.append(f"{100 * r['comm_merge_frac']:.1f}")
-                cells.append(f"{100 * r['overhead_frac']:.1f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    checks = []
-    for n in ns:
-        d = runs[n]
-        comp = ", ".join(f"{k} {v.get('ok')}" for k, v in d.get("compile", {}).items())
-        checks.append(f"n={n}: correctness {d.get('correctness', {}).get('ok')}, graph {d.get('graph', {}).get('ok')}"
-                      f", compile {comp or '-'}")
-    text = "\n".join(lines + [""] + checks)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from report import dcp_block  # the one DCP table (RESULTS.md uses the same)
+
+    text = "\n".join(dcp_block({"runs": {str(n): runs[n] for n in ns}}))  # table + per-n check lines
     with open(out_path, "w") as fh:
         json.dump({"runs": {str(n): runs[n] for n in ns}, "table_md": text}, fh, indent=1)
     with open(os.path.splitext(out_path)[0] + ".md", "w") as fh:

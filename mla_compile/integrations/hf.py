@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 
 from .. import layout, ops  # noqa: F401  (registers torch.ops.mla.*)
+from ..ops.attention import token_slots
 
 try:  # transformers >= 5.17 (both the GPU machine's 5.17 and the latest have it)
     from transformers.cache_utils import Cache, StaticIndexedLayer as _BaseLayer
@@ -52,10 +53,6 @@ except ImportError:  # pragma: no cover - older transformers: no indexer cache
 
 
 # ---------------------------------------------------------------------------------- mla_hf::gather_latent
-def _token_slots(block_table: torch.Tensor, page_size: int, num_tokens: int) -> torch.Tensor:
-    t = torch.arange(num_tokens, device=block_table.device)
-    return block_table.long()[:, t // page_size] * page_size + t % page_size
-
 
 @torch.library.custom_op("mla_hf::gather_latent", mutates_args=(),
                          schema="(Tensor ckv_cache, Tensor kpe_cache, Tensor block_table, int max_len, int dcp_size, "
@@ -72,7 +69,7 @@ def gather_latent(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank
     B, MP = block_table.shape
     PS, R, P = ckv_cache.shape[1], ckv_cache.shape[2], kpe_cache.shape[2]
     cap = MP * PS
-    slots = _token_slots(block_table, PS, cap)
+    slots = token_slots(block_table, PS, cap)
     local = torch.cat([ckv_cache.reshape(-1, R)[slots], kpe_cache.reshape(-1, P)[slots].to(ckv_cache.dtype)], -1)
     if dcp_size > 1:
         gathered = torch.ops._c10d_functional.all_gather_into_tensor(local.contiguous(), dcp_size, group_name)

@@ -78,8 +78,9 @@ def check_block_table(block_table, seq_lens, B: int) -> None:
     check_dim(seq_lens, "seq_lens", 0, B, "the batch size")
 
 
-def check_block_table_data(block_table, seq_lens, num_pages: int, page_size: int) -> None:
-    """Values: lengths in [0, capacity]; pages a request uses index real pages."""
+def check_block_table_data(block_table, seq_lens, num_pages: int | None, page_size: int) -> None:
+    """Values: lengths in [0, capacity]; pages a request uses index real pages (unless num_pages is None:
+    an op without the cache cannot know how many there are)."""
     if is_fake(seq_lens) or not data_checks_enabled(seq_lens.device):
         return
     capacity = block_table.shape[1] * page_size
@@ -88,6 +89,8 @@ def check_block_table_data(block_table, seq_lens, num_pages: int, page_size: int
         check(lo >= 0, "seq_lens", f"lengths must be >= 0, got {lo}")
         check(hi <= capacity, "seq_lens",
               f"length {hi} exceeds the block table's capacity {capacity} (= {block_table.shape[1]} pages x {page_size})")
+    if num_pages is None:
+        return
     pages_used = (seq_lens.long() + page_size - 1) // page_size
     used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages_used[:, None]
     if used.any():

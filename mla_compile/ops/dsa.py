@@ -40,9 +40,7 @@ def check_k_only_args(block_table, seq_lens, page_size, topk):
     if not C.is_fake(seq_lens) and C.data_checks_enabled(seq_lens.device) and seq_lens.numel():
         hi = int(seq_lens.max())
         C.check(hi <= topk, "seq_lens", f"k-only indexing needs every length <= topk ({topk}), saw {hi}")
-        C.check(int(seq_lens.min()) >= 0, "seq_lens", f"lengths must be >= 0, saw {int(seq_lens.min())}")
-        C.check(hi <= block_table.shape[1] * page_size, "seq_lens",
-                f"length {hi} exceeds the block table's capacity {block_table.shape[1] * page_size}")
+    C.check_block_table_data(block_table, seq_lens, None, page_size)
 
 
 def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:

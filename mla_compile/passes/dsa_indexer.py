@@ -28,6 +28,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from ._fx import NoMatch, arg, meta_val, static_shape
+
 log = logging.getLogger(__name__)
 
 COUNTER = "dsa_index_mask_dropped"
@@ -52,12 +54,7 @@ def _is_call(n, fns=(), methods=()) -> bool:
     return False
 
 
-def _val(n):
-    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else n
-
-
-def _arg(n: fx.Node, i: int, name: str, default=None):
-    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
+_val, _arg = meta_val, arg
 
 
 def _inverted(n):
@@ -217,7 +214,7 @@ def drop_dense_indexer(graph: fx.Graph) -> int:
 
 
 # ------------------------------------------------------------------------------------ DSA sparse graph
-class NotSparse(Exception):
+class NotSparse(NoMatch):
     """HF's index mask could not be proven to be the indexer's top-k (the message says why)."""
 
 
@@ -237,13 +234,7 @@ class SparseIndexer:
 
 
 def _shape_of(n) -> tuple:
-    v = _val(n)
-    if not isinstance(v, torch.Tensor):
-        raise NotSparse(f"{getattr(n, 'name', n)} is not a tensor")
-    s = tuple(v.shape)
-    if not all(isinstance(d, int) for d in s):
-        raise NotSparse(f"{n.name} has symbolic shape {s}")
-    return s
+    return static_shape(n, NotSparse)
 
 
 def _peel_float(n):

@@ -68,6 +68,8 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from ._fx import NoMatch, arg, meta_val, static_shape
+
 log = logging.getLogger(__name__)
 
 COUNTER = "mla_attention_rewritten"
@@ -83,10 +85,6 @@ _CAT = {torch.cat, torch.concat, torch.concatenate}
 _WHERE = {torch.where}
 _DROPOUT = {torch.nn.functional.dropout}
 _BIG_NEGATIVE = -1e30  # additive mask values at or below this give exactly zero probability in fp32 softmax
-
-
-class NoMatch(Exception):
-    """A site that looks like attention but cannot be rewritten; the message says why."""
 
 
 # ------------------------------------------------------------------------------------------- node helpers
@@ -110,29 +108,14 @@ def _is_op(node, *names) -> bool:
     return False
 
 
-def _arg(node: fx.Node, i: int, name: str, default=None):
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name, default)
+_arg, _shape = arg, static_shape
 
 
 def _val(node):
-    if not isinstance(node, fx.Node):
-        return node
-    v = node.meta.get("example_value", node.meta.get("val"))
+    v = meta_val(node)
     if v is None:
         raise NoMatch(f"node {node.name} has no example_value metadata")
     return v
-
-
-def _shape(node) -> tuple:
-    v = _val(node)
-    if not isinstance(v, torch.Tensor):
-        raise NoMatch(f"node {node.name} is not a tensor")
-    shape = tuple(v.shape)
-    if not all(isinstance(s, int) for s in shape):
-        raise NoMatch(f"node {node.name} has symbolic shape {shape} (dynamic shapes are not rewritten)")
-    return shape
 
 
 def _dim(d: int, ndim: int) -> int:
@@ -877,6 +860,6 @@ class MLAAttentionPass(CustomGraphPass):
         rewrite_mla_attention(graph)
 
     def uuid(self) -> bytes:
-        from . import dsa_indexer
+        from . import _fx, dsa_indexer
 
-        return get_hash_for_files((__file__, dsa_indexer.__file__))
+        return get_hash_for_files((__file__, dsa_indexer.__file__, _fx.__file__))
