@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one script the GPU machine runs:  bash benchmarks/device.sh [stage ...]   (default: kernels bench)
-#   stages: kernels (GPU tests)  bench (op benchmark)  dcp  dsa  hf  compile  report
+#   stages: kernels (GPU tests)  bench (op benchmark)  sweep (decode configs)  profile (HF step)  dcp  dsa  hf
+#           compile  report
 # Installs the wheels carried in .whl/ (run(carry=[".whl"])), records the environment, then runs each stage.
 #
 # $OUT stays flat and small (the device tool returns at most 8 files). A full run
@@ -42,7 +43,10 @@ setup() {
 }
 
 # per-stage time limits (s) keep one slow stage from starving the next inside the device call's limit
-stage_kernels() { timeout "${T_KERNELS:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu; }
+stage_kernels() { timeout "${T_KERNELS:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu ${KERNELS_ARGS:-}; }
+# tile-config sweep of the decode kernels (issue 3) and a profile of the HF mla_dcp step (issue 5)
+stage_sweep() { timeout "${T_SWEEP:-300}" python3 benchmarks/decode_sweep.py "$OUT/decode_sweep.json" ${SWEEP_ARGS:-}; }
+stage_profile() { timeout "${T_PROFILE:-300}" python3 benchmarks/hf_profile.py "$OUT/hf_profile.json" ${PROFILE_ARGS:-}; }
 stage_bench() { timeout "${T_BENCH:-400}" python3 benchmarks/bench_ops.py "$OUT/bench_ops.json" ${BENCH_ARGS:-}; }
 
 # DCP (issue 4): torchrun n = 1, 2, 4 (those that fit the GPUs here), then one merged $OUT/dcp.json.

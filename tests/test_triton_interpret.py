@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CHECKS = ["decode", "decode_fp32_odd_dims", "sparse_decode", "merge_states", "cache_write", "indexer_topk",
+CHECKS = ["decode", "decode_tma", "decode_fp32_odd_dims", "sparse_decode", "merge_states", "cache_write", "indexer_topk",
           "k_only_indices"]
 
 
@@ -70,7 +70,7 @@ def _batch(lens, H, R, P, PS, dtype, gen):
     return batch, q_nope, q_pe
 
 
-def _check_decode(H, R, P, PS, dtype, lens, splits, tol):
+def _check_decode(H, R, P, PS, dtype, lens, splits, tol, tma=False):
     import torch
 
     import reference as ref
@@ -81,7 +81,8 @@ def _check_decode(H, R, P, PS, dtype, lens, splits, tol):
     scale = (R + P) ** -0.5
     want = ref.ref_decode(qn, qp, bt.ckv_cache, bt.kpe_cache, bt.block_table, bt.seq_lens, scale)
     for ns in splits:
-        cfg = K.DecodeConfig(block_h=16, block_n=16)
+        cfg = K.DecodeConfig(block_h=16, block_n=16, tma=tma)
+        assert K.tma_eligible(bt.ckv_cache, bt.kpe_cache, False, cfg) == tma
         out, lse = K.decode(qn, qp, bt.ckv_cache, bt.kpe_cache, bt.block_table, bt.seq_lens, scale, cfg=cfg, splits=ns)
         assert out.dtype == dtype and lse.dtype == torch.float32
         _check_attention(out, lse, *want, tol)
@@ -93,6 +94,15 @@ def check_decode():
     # bf16, two head blocks (H=20 > BLOCK_H 16, masked tail), page sizes 1 and 16, a 0-length row, 1 and 3 splits
     _check_decode(20, 32, 16, 16, torch.bfloat16, [37, 0, 5], [1, 3], 2e-2)
     _check_decode(4, 32, 16, 1, torch.float16, [9, 3], [2], 5e-3)
+
+
+def check_decode_tma():
+    import torch
+
+    # the TMA kernel: full tiles by descriptor, the partial tail by masked loads (unused slots hold NaN);
+    # page 16 = one tile per page, page 32 = two; lengths on and off tile edges, a 0-length row
+    _check_decode(20, 64, 16, 16, torch.bfloat16, [37, 0, 5, 48], [1, 3], 2e-2, tma=True)
+    _check_decode(4, 32, 16, 32, torch.float32, [70, 16, 1], [1, 2], 1e-5, tma=True)
 
 
 def check_decode_fp32_odd_dims():

@@ -31,7 +31,7 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, Idx, O, L,
                    scale_log2, H, R, P, PS, n_sparse,
                    s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb, s_ib,
                    s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
-                   NUM_SPLITS: tl.constexpr, SPARSE: tl.constexpr,
+                   n_splits, SPARSE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                    DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -48,7 +48,7 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, Idx, O, L,
     else:
         n = tl.load(Lens + b)
     # split length rounded to whole tiles, so only the last tile of a split is partial
-    split_len = tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(n, n_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, n)
 
@@ -97,6 +97,87 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, Idx, O, L,
     tl.store(L + split * s_ln + b * s_lb + offs_h * s_lh, lse, mask=mask_h)
 
 
+@triton.jit
+def _tile_update(qn0, qn1, qp, c0, c1, k, valid, m_i, l_i, acc0, acc1, scale_log2,
+                 MASKED: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """One online-softmax step over a KV tile whose latent comes as two column halves c0 | c1."""
+    s = mma(qn0, tl.trans(c0), tl.zeros([qn0.shape[0], c0.shape[0]], tl.float32), DOT_PREC, DOT_UPCAST)
+    s = mma(qn1, tl.trans(c1), s, DOT_PREC, DOT_UPCAST)
+    s = mma(qp, tl.trans(k), s, DOT_PREC, DOT_UPCAST) * scale_log2
+    if MASKED:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(c0.dtype)
+    acc0 = mma(p, c0, acc0 * alpha[:, None], DOT_PREC, DOT_UPCAST)
+    acc1 = mma(p, c1, acc1 * alpha[:, None], DOT_PREC, DOT_UPCAST)
+    return m_new, l_i, acc0, acc1
+
+
+@triton.jit
+def _stage1_tma_kernel(Qn, Qp, CkvDesc, KpeDesc, Ckv, Kpe, Table, Lens, O, L,
+                       scale_log2, H, PS,
+                       s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
+                       s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
+                       n_splits, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                       RH: tl.constexpr, P: tl.constexpr,
+                       DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """Paged decode with whole tiles inside one page (PS % BLOCK_N == 0): each full tile is one TMA box
+    per latent half (boxes are <= 256 wide) and one for the rope part; the partial last tile of a split
+    uses masked loads, so slots past seq_len (which may hold NaN) are never read."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    mask_h = offs_h < H
+    offs_r = tl.arange(0, RH)
+    offs_p = tl.arange(0, P)
+    n = tl.load(Lens + b)
+    split_len = tl.cdiv(tl.cdiv(n, n_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, n)
+    full_end = tl.maximum(start, start + (end - start) // BLOCK_N * BLOCK_N)  # = start when end < start
+
+    q_rows = b * s_qnb + offs_h[:, None] * s_qnh
+    qn0 = tl.load(Qn + q_rows + offs_r[None, :], mask=mask_h[:, None], other=0.0)
+    qn1 = tl.load(Qn + q_rows + RH + offs_r[None, :], mask=mask_h[:, None], other=0.0)
+    qp = tl.load(Qp + b * s_qpb + offs_h[:, None] * s_qph + offs_p[None, :], mask=mask_h[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, RH], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, RH], tl.float32)
+    for t0 in range(start, full_end, BLOCK_N):
+        page = tl.load(Table + b * s_tb + t0 // PS)
+        row = page * PS + t0 % PS
+        c0 = CkvDesc.load([row, 0])
+        c1 = CkvDesc.load([row, RH])
+        k = KpeDesc.load([row, 0])
+        m_i, l_i, acc0, acc1 = _tile_update(qn0, qn1, qp, c0, c1, k, None, m_i, l_i, acc0, acc1, scale_log2,
+                                            False, DOT_PREC, DOT_UPCAST)
+    if full_end < end:
+        offs_t = full_end + tl.arange(0, BLOCK_N)
+        valid = offs_t < end
+        page = tl.load(Table + b * s_tb + full_end // PS).to(tl.int64)  # the tile lies in one page
+        rows = page * s_cp + (offs_t % PS)[:, None] * s_cs
+        c0 = tl.load(Ckv + rows + offs_r[None, :], mask=valid[:, None], other=0.0)
+        c1 = tl.load(Ckv + rows + RH + offs_r[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(Kpe + page * s_kp + (offs_t % PS)[:, None] * s_ks + offs_p[None, :], mask=valid[:, None],
+                    other=0.0)
+        m_i, l_i, acc0, acc1 = _tile_update(qn0, qn1, qp, c0, c1, k, valid, m_i, l_i, acc0, acc1, scale_log2,
+                                            True, DOT_PREC, DOT_UPCAST)
+
+    has = l_i > 0
+    inv = 1.0 / tl.where(has, l_i, 1.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_ptr = O + split.to(tl.int64) * s_on + b * s_ob + offs_h[:, None] * s_oh + offs_r[None, :]
+    tl.store(o_ptr, acc0 * inv[:, None], mask=mask_h[:, None])
+    tl.store(o_ptr + RH, acc1 * inv[:, None], mask=mask_h[:, None])
+    tl.store(L + split * s_ln + b * s_lb + offs_h * s_lh, lse, mask=mask_h)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Stage-1 tiling and split policy. `ctas_per_sm` sets how many stage-1 programs the split count aims for."""
@@ -108,6 +189,7 @@ class DecodeConfig:
     ctas_per_sm: int = 2
     max_splits: int = 128
     min_split_tokens: int = 64
+    tma: bool = False  # full tiles by TMA boxes where the layout allows (see tma_eligible)
 
 
 def default_config(H: int, R: int) -> DecodeConfig:
@@ -134,6 +216,39 @@ def num_splits(batch: int, heads: int, capacity: int, device: torch.device, cfg:
     return max(range(want, min(2 * want, cap) + 1), key=lambda ns: wave_use(ns) - 1e-3 * ns)
 
 
+def tma_eligible(ckv_cache, kpe_cache, sparse: bool, cfg: DecodeConfig) -> bool:
+    """The TMA kernel needs whole tiles inside a page, the latent in two power-of-two halves <= 256 wide (a
+    TMA box side is at most 256), a power-of-two rope width, and caches that view as [slots, width]."""
+    if sparse or not cfg.tma:
+        return False
+    NP, PS, R = ckv_cache.shape
+    P = kpe_cache.shape[2]
+    pow2 = lambda x: 16 <= x <= 256 and x & (x - 1) == 0  # noqa: E731
+    return (PS % cfg.block_n == 0 and R % 2 == 0 and pow2(R // 2) and pow2(P)
+            and ckv_cache.stride()[:2] == (PS * R, R) and kpe_cache.stride()[:2] == (PS * P, P)
+            and ckv_cache.data_ptr() % 16 == 0 and kpe_cache.data_ptr() % 16 == 0)
+
+
+def _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
+                cfg: DecodeConfig):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    B, H, R = q_nope.shape
+    NP, PS, _ = ckv_cache.shape
+    P = kpe_cache.shape[2]
+    ckv_desc = TensorDescriptor.from_tensor(ckv_cache.view(NP * PS, R), [cfg.block_n, R // 2])
+    kpe_desc = TensorDescriptor.from_tensor(kpe_cache.view(NP * PS, P), [cfg.block_n, P])
+    grid = (B, triton.cdiv(H, cfg.block_h), ns)
+    _stage1_tma_kernel[grid](
+        q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
+        sm_scale * _LOG2E, H, PS,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1), block_table.stride(0),
+        s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
+        n_splits=ns, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, RH=R // 2, P=P, **dot_mode(q_nope.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, capacity,
             cfg: DecodeConfig | None, splits: int | None):
     B, H, R = q_nope.shape
@@ -155,6 +270,11 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
         l = torch.empty((ns, B, H), dtype=torch.float32, device=q_nope.device)
         s_on, s_ln = o.stride(0), l.stride(0)
     sparse = indices is not None
+    if tma_eligible(ckv_cache, kpe_cache, sparse, cfg):
+        _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, cfg)
+        if ns > 1:
+            merge_into(o, l, out, lse)
+        return out, lse
     table = indices if sparse else block_table
     grid = (B, triton.cdiv(H, cfg.block_h), ns)
     _stage1_kernel[grid](
@@ -164,7 +284,7 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
         ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
         table.stride(0), table.stride(0),
         s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
-        NUM_SPLITS=ns, SPARSE=sparse, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        n_splits=ns, SPARSE=sparse, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         BLOCK_R=block(R), BLOCK_P=block(P), **dot_mode(q_nope.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if ns > 1:

@@ -1,0 +1,146 @@
+"""Tile-config sweep of the Triton `mla::decode` kernels on the GPU (picks `default_config`; not a test).
+
+usage: python benchmarks/decode_sweep.py OUT.json [--quick]
+
+Every config is first checked against the float64 reference (tests/reference.py) on a small batch with
+ragged lengths, a 0-length row, NaN in unused slots and forced splits; a config that fails is reported and
+not timed. Then each (H, B, kv_len) shape is timed by CUDA-graph replay (`do_bench_cudagraph` median) for
+every config, on random data (never zeros), bf16, R 512 / P 64, page 64 with a shuffled block table. The
+"page 1" rows time the same KV through a page-size-1 view (a token table: what the HF pass emits for a
+StaticCache), so the cost of token-granular gathers is visible. Prints one line per shape with the best.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+from triton.testing import do_bench, do_bench_cudagraph
+
+import mla_compile  # noqa: F401
+from mla_compile import paged
+from mla_compile.kernels import decode as D
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import reference as ref  # noqa: E402
+
+R, P, PS = 512, 64, 64
+DT = torch.bfloat16
+C = D.DecodeConfig
+CONFIGS = {
+    16: {
+        "ptr n32w4s2": C(16, 32, 4, 2, 2, 256),
+        "ptr n64w4s2": C(16, 64, 4, 2, 2, 256),
+        "ptr n32w4s3": C(16, 32, 4, 3, 2, 256),
+        "ptr n32w4s4": C(16, 32, 4, 4, 2, 256),
+        "tma n32w4s2": C(16, 32, 4, 2, 2, 256, tma=True),
+        "tma n32w4s3": C(16, 32, 4, 3, 2, 256, tma=True),
+        "tma n32w4s4": C(16, 32, 4, 4, 2, 256, tma=True),
+        "tma n64w4s2": C(16, 64, 4, 2, 2, 256, tma=True),
+        "tma n64w4s3": C(16, 64, 4, 3, 2, 256, tma=True),
+        "tma n64w8s3": C(16, 64, 8, 3, 2, 256, tma=True),
+        "tma n32w4s3c4": C(16, 32, 4, 3, 4, 256, tma=True),
+        "tma n16w4s6": C(16, 16, 4, 6, 2, 256, tma=True),
+    },
+    128: {
+        "ptr n64w8s2": C(64, 64, 8, 2, 1),
+        "tma n64w8s2": C(64, 64, 8, 2, 1, tma=True),
+        "tma n64w8s1": C(64, 64, 8, 1, 1, tma=True),
+        "tma n32w8s2": C(64, 32, 8, 2, 1, tma=True),
+        "tma n32w8s3": C(64, 32, 8, 3, 1, tma=True),
+        "tma n16w8s4": C(64, 16, 8, 4, 1, tma=True),
+        "tma n32w8s3c2": C(64, 32, 8, 3, 2, tma=True),
+    },
+}
+SHAPES = {16: [(1, 131072), (8, 32768), (8, 131072), (32, 32768), (128, 8192)],
+          128: [(1, 131072), (8, 32768), (32, 32768), (128, 8192)]}
+
+
+def check(cfg: D.DecodeConfig, H: int) -> str:
+    """'ok' or the failure: the config vs the float64 reference (ragged lengths, NaN in unused slots)."""
+    gen = torch.Generator().manual_seed(H)
+    lens = [1000, 0, 129, 64, 3000]
+    ckv = [torch.randn(n, R, generator=gen).to(DT) for n in lens]
+    kpe = [torch.randn(n, P, generator=gen).to(DT) for n in lens]
+    cpu = paged.fill_paged(ckv, kpe, PS, shuffle=True, spare_pages=2, generator=gen)  # unused slots: NaN
+    b = dataclasses.replace(cpu, **{f.name: getattr(cpu, f.name).cuda() for f in dataclasses.fields(cpu)})
+    qn = torch.randn(len(lens), H, R, generator=gen).to(DT).cuda()
+    qp = torch.randn(len(lens), H, P, generator=gen).to(DT).cuda()
+    want_o, want_l = ref.ref_decode(qn.cpu(), qp.cpu(), cpu.ckv_cache, cpu.kpe_cache, cpu.block_table, cpu.seq_lens,
+                                    0.07)
+    for splits in (1, 5, None):
+        out, lse = D.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.07, cfg=cfg, splits=splits)
+        err = float((out.double().cpu() - want_o).norm() / want_o.norm())
+        fin = torch.isfinite(want_l)
+        lerr = float((lse.double().cpu() - want_l)[fin].abs().max())
+        if not (err < 1e-2 and lerr < 1e-2 and torch.equal(torch.isfinite(lse.cpu()), fin)):
+            return f"splits={splits}: out rel err {err:.2e}, lse err {lerr:.2e}"
+    return "ok"
+
+
+def main(argv):
+    args = [a for a in argv if not a.startswith("--")]
+    path = args[0] if args else os.path.join(os.environ.get("OUT", "."), "decode_sweep.json")
+    quick = "--quick" in argv
+    t_start = time.time()
+    x = torch.randn(1 << 29, device="cuda", dtype=torch.float16)
+    y = torch.empty_like(x)
+    copy_bw = 2 * x.numel() * 2 / (do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)
+    del x, y
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bw_TBps": copy_bw / 1e12,
+           "checks": {}, "rows": []}
+    max_tokens = max(b * n for hs in SHAPES.values() for b, n in hs)
+    pages = max_tokens // PS
+    ckv = torch.empty(pages, PS, R, dtype=DT, device="cuda").normal_()
+    kpe = torch.empty(pages, PS, P, dtype=DT, device="cuda").normal_()
+    for H, configs in CONFIGS.items():
+        if quick:
+            configs = dict(list(configs.items())[:2])
+        good = {}
+        for name, cfg in configs.items():
+            try:
+                verdict = check(cfg, H)
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is a result too
+                verdict = f"{type(e).__name__}: {e}"[:300]
+            res["checks"][f"H{H} {name}"] = verdict
+            print(f"check H={H} {name}: {verdict}", flush=True)
+            if verdict == "ok":
+                good[name] = cfg
+        for B, L in SHAPES[H][:2] if quick else SHAPES[H]:
+            table = torch.randperm(pages, device="cuda")[: B * L // PS].view(B, L // PS).int()
+            lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+            qn = torch.randn(B, H, R, dtype=DT, device="cuda")
+            qp = torch.randn(B, H, P, dtype=DT, device="cuda")
+            row = {"H": H, "B": B, "L": L, "us": {}}
+            nbytes, flop = D.kv_bytes(B, L, R, P, 2), D.flops(B, H, L, R, P)
+            for name, cfg in good.items():
+                fn = lambda c=cfg: D.decode(qn, qp, ckv, kpe, table, lens, 0.07, cfg=c)  # noqa: E731
+                row["us"][name] = do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3
+            if H == 16:  # the same tokens through a page-size-1 token table (the HF StaticCache path)
+                tok = (table.long()[:, :, None] * PS + torch.arange(PS, device="cuda")).view(B, L).int()
+                c1, k1 = ckv.view(-1, 1, R), kpe.view(-1, 1, P)
+                for name in ("ptr n32w4s2", "ptr n32w4s3"):
+                    if name in good:
+                        fn = lambda c=good[name]: D.decode(qn, qp, c1, k1, tok, lens, 0.07, cfg=c)  # noqa: E731
+                        row["us"][name + " page1"] = do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3
+            best = min(row["us"], key=row["us"].get)
+            row.update(best=best, best_us=row["us"][best],
+                       best_bw_frac=nbytes / (row["us"][best] * 1e-6) / copy_bw,
+                       best_tflops=flop / (row["us"][best] * 1e-6) / 1e12)
+            res["rows"].append(row)
+            cols = " ".join(f"{k}={v:.1f}" for k, v in row["us"].items())
+            print(f"H={H} B={B} L={L // 1024}K best {best} {row['best_us']:.1f} us bw {row['best_bw_frac']:.2f} "
+                  f"{row['best_tflops']:.0f} TF/s | {cols}", flush=True)
+            with open(path, "w") as fh:
+                json.dump(res, fh, indent=1)
+    res["wall_s"] = time.time() - t_start
+    with open(path, "w") as fh:
+        json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,90 @@
+"""Where an HF DeepseekV3 `mla_dcp` decode step spends its time (torch.profiler; not a test).
+
+usage: python benchmarks/hf_profile.py OUT.json [--heads 16] [--kv 4096 32768] [--batch 8] [--layers 4]
+
+The model and cache are those of benchmarks/hf_decode.py. After warm-up (compile + CUDA-graph recording) it
+times `--steps` steps by wall clock, then profiles 5 steps and reports per step: wall time, summed GPU kernel
+time, and the kernels by total time (name, calls per step, us per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hf_decode import build_model, decode, filled_cache, rewind  # noqa: E402
+
+
+def profile_case(H, kv, args, device):
+    B = args.batch
+    max_len = kv + 64 * args.steps
+    model = build_model(H, args.layers, args.hidden, args.vocab, torch.bfloat16, device)
+    cache = filled_cache(model, B, kv, max_len, device)
+    mask = torch.ones(B, max_len, dtype=torch.long, device=device)
+    tok = torch.ones(B, 1, dtype=torch.long, device=device)
+    fn = torch.compile(model, backend="mla_dcp", mode="reduce-overhead", fullgraph=True)
+    decode(fn, cache, tok, mask, kv, 4)  # compile + record
+    rewind(cache, kv)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    decode(fn, cache, tok, mask, kv, args.steps)
+    torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - t0) / args.steps * 1e6
+    rewind(cache, kv)
+    n = 5
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        decode(fn, cache, tok, mask, kv, n)
+        torch.cuda.synchronize()
+    kernels = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels[e.name[:120]]
+            k[0] += 1
+            k[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    gpu_us = sum(v[1] for v in kernels.values()) / n
+    top = sorted(kernels.items(), key=lambda kv_: -kv_[1][1])[:30]
+    row = {"H": H, "kv_len": kv, "batch": B, "wall_us_per_step": wall_us, "gpu_kernel_us_per_step": gpu_us,
+           "kernels_per_step": sum(v[0] for v in kernels.values()) / n,
+           "top": [{"name": k, "calls_per_step": v[0] / n, "us_per_step": v[1] / n} for k, v in top]}
+    print(f"H={H} kv={kv}: wall {wall_us:.0f} us/step, GPU kernels {gpu_us:.0f} us/step, "
+          f"{row['kernels_per_step']:.0f} kernels/step", flush=True)
+    for t in row["top"]:
+        print(f"   {t['us_per_step']:8.1f} us  {t['calls_per_step']:5.1f}x  {t['name']}", flush=True)
+    del fn, model, cache
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--heads", type=int, nargs="+", default=[16])
+    ap.add_argument("--kv", type=int, nargs="+", default=[4096, 32768])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args(argv)
+    import mla_compile  # noqa: F401
+
+    rows = []
+    for H in args.heads:
+        for kv in args.kv:
+            rows.append(profile_case(H, kv, args, torch.device("cuda")))
+            with open(args.out, "w") as fh:
+                json.dump({"torch": torch.__version__, "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
