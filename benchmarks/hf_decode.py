@@ -74,11 +74,14 @@ def filled_cache(model, B: int, kv_len: int, max_len: int, device, seed: int = 1
 def decode(fn, cache, tok, mask, start: int, steps: int, keep_logits: bool = False, forced=None):
     """`steps` greedy steps from position `start` (or teacher-forced on `forced` [B, steps]): logits list."""
     logits = []
+    # positions live on the device: a host tensor per step would be a blocking copy (a sync every step that
+    # exposes all host overhead, as no serving loop does); the same loop runs every mode
+    positions = torch.arange(start, start + steps, device=tok.device)
     with torch.no_grad():
         for i in range(steps):
             if forced is not None:
                 tok = forced[:, i:i + 1]
-            pos = torch.tensor([start + i], device=tok.device)
+            pos = positions[i:i + 1].clone()
             out = fn(tok, attention_mask=mask, past_key_values=cache, cache_position=pos)
             lg = out.logits[:, -1]
             if keep_logits:

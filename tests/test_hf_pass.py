@@ -242,6 +242,22 @@ def test_synthetic_site_variants(impl, cat, mask_kind):
     assert M.rel_err(out, ref) < TOL
 
 
+def test_synthetic_long_mask_chunked_scan():
+    """Rows longer than the pass's scan chunk (1024): the token table is built from chunked prefix sums.
+    L = 2500 (not a multiple of the chunk), random holes, a fully masked chunk, a row valid only at its end."""
+    q, latent, kpe, w, valid = _synthetic_inputs(B=3, H=2, L=2500)
+    valid[0, ..., 1024:2048] = False
+    valid[2] = False
+    valid[2, ..., -3:] = True
+
+    def fn(q, latent, kpe, w, valid):
+        return _mla_attention(q, latent, kpe, w, valid, impl="sdpa", cat=True)
+
+    out = torch.compile(fn, backend="mla_dcp", fullgraph=True)(q, latent, kpe, w, valid)
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 1
+    assert M.rel_err(out, fn(q, latent, kpe, w, valid)) < TOL
+
+
 def test_synthetic_unknown_additive_mask_left_alone(caplog):
     q, latent, kpe, w, valid = _synthetic_inputs()
     bias = torch.randn(valid.shape)  # an additive mask of arbitrary values: no boolean "valid" to recover

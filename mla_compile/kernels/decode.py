@@ -193,11 +193,15 @@ class DecodeConfig:
 
 
 def default_config(H: int, R: int) -> DecodeConfig:
+    """H200 sweeps (benchmarks/decode_sweep.py, RESULTS.md "Decode config sweep"): the TMA kernel wherever the
+    layout allows it (page size a multiple of block_n), the pointer kernel with the same tiles otherwise."""
     if H >= 64 and R <= 512:
-        # many heads: a 64-row tile reaches Hopper's warpgroup MMA and reads each KV tile for 64 heads at once
-        # (H200 sweeps 2026-11-30: 64-token tiles, 2 stages beat 32/128-token tiles by 10-30% at H=128)
-        return DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1)
-    return DecodeConfig(max_splits=256)  # 256 splits: batch 1 at 128K went 114 -> 79 us
+        # many heads: a 64-row tile reaches Hopper's warpgroup MMA and reads each KV tile for 64 heads at once;
+        # 64-token tiles, 2 stages: TMA 267-279 TFLOP/s vs 206 for the pointer kernel (2026-12-01)
+        return DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, tma=True)
+    # few heads (bandwidth-bound): 32-token tiles, 3 stages: TMA 0.69-0.82 of copy bandwidth vs 0.55-0.65;
+    # 256 splits: batch 1 at 128K went 114 -> 79 us (2026-11-30)
+    return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, max_splits=256, tma=True)
 
 
 def num_splits(batch: int, heads: int, capacity: int, device: torch.device, cfg: DecodeConfig) -> int:

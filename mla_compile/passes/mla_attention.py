@@ -515,10 +515,33 @@ def token_table(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return table[:, :L], counts
 
 
+_SCAN_CHUNK = 1024
+
+
+def _emit_row_cumsum(b: Builder, valid: fx.Node, B: int, L: int, device) -> fx.Node:
+    """int64 [B, L] inclusive cumsum of valid along rows. A long row is scanned in chunks (local scans, then
+    the chunk totals), so the scan runs on B * L / chunk programs instead of B (one program per 32K row
+    took 37 us of a 1.2 ms HF decode step on the H200)."""
+    if L <= _SCAN_CHUNK:
+        return b.call(aten.cumsum.default, valid, -1, dtype=torch.int64)
+    n = -(-L // _SCAN_CHUNK)
+    v = b.call(aten._to_copy.default, valid, dtype=torch.int32)
+    if n * _SCAN_CHUNK > L:
+        pad = b.call(aten.zeros.default, [B, n * _SCAN_CHUNK - L], dtype=torch.int32, device=device)
+        v = b.call(aten.cat.default, [v, pad], 1)
+    local = b.call(aten.cumsum.default, b.call(aten.reshape.default, v, [B, n, _SCAN_CHUNK]), -1,
+                   dtype=torch.int32)
+    totals = b.call(aten.select.int, local, 2, _SCAN_CHUNK - 1)  # [B, n]
+    before = b.call(aten.sub.Tensor, b.call(aten.cumsum.default, totals, -1, dtype=torch.int32), totals)
+    cum = b.call(aten.add.Tensor, local, b.call(aten.unsqueeze.default, before, 2))
+    cum = b.call(aten.slice.Tensor, b.call(aten.reshape.default, cum, [B, n * _SCAN_CHUNK]), 1, 0, L)
+    return b.call(aten._to_copy.default, cum, dtype=torch.int64)
+
+
 def _emit_token_table(b: Builder, valid: fx.Node, B: int, L: int, device):
     """(table int32 [B, L] of valid LOGICAL positions, counts int32 [B]) as aten nodes."""
     counts = b.call(aten.sum.dim_IntList, valid, [-1], False, dtype=torch.int32)
-    cum = b.call(aten.cumsum.default, valid, -1, dtype=torch.int64)
+    cum = _emit_row_cumsum(b, valid, B, L, device)
     pos = b.call(aten.sub.Tensor, cum, 1)
     dest = b.call(aten.where.ScalarOther, valid, pos, L)
     src = b.call(aten.arange.default, L, dtype=torch.int32, device=device)

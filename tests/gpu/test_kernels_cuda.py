@@ -120,7 +120,7 @@ def test_decode_tma_kernel(which, PS, splits):
     run = lambda: K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, lens, 0.09, cfg=cfg, splits=splits)  # noqa
     assert_attention(*run(), *ref_of(b, qn, qp, 0.09), torch.bfloat16)
     graph, (out, lse) = capture(run)
-    for new in ([5, 0, 700, 63, 1500, 1, 0, 255], [0, 0, 0, 0, 0, 0, 0, 0]):
+    for new in ([0, 1, 700, 63, 1500, 0, 0, 255], [0, 0, 0, 0, 0, 0, 0, 0]):  # <= the filled lengths
         lens.copy_(torch.tensor(new, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()
