@@ -118,12 +118,20 @@ def _tile_update(qn0, qn1, qp, c0, c1, k, valid, m_i, l_i, acc0, acc1, scale_log
 
 
 @triton.jit
+def _load_q(qn_ptr, qp_ptr, mask_h, RH: tl.constexpr):
+    qn0 = tl.load(qn_ptr, mask=mask_h[:, None], other=0.0)
+    qn1 = tl.load(qn_ptr + RH, mask=mask_h[:, None], other=0.0)
+    qp = tl.load(qp_ptr, mask=mask_h[:, None], other=0.0)
+    return qn0, qn1, qp
+
+
+@triton.jit
 def _stage1_tma_kernel(Qn, Qp, CkvDesc, KpeDesc, Ckv, Kpe, Table, Lens, O, L,
                        scale_log2, H, PS,
                        s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
                        s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
                        n_splits, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                       RH: tl.constexpr, P: tl.constexpr,
+                       RH: tl.constexpr, P: tl.constexpr, Q_IN_LOOP: tl.constexpr,
                        DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """Paged decode with whole tiles inside one page (PS % BLOCK_N == 0): each full tile is one TMA box
     per latent half (boxes are <= 256 wide) and one for the rope part; the partial last tile of a split
@@ -140,16 +148,17 @@ def _stage1_tma_kernel(Qn, Qp, CkvDesc, KpeDesc, Ckv, Kpe, Table, Lens, O, L,
     end = tl.minimum(start + split_len, n)
     full_end = tl.maximum(start, start + (end - start) // BLOCK_N * BLOCK_N)  # = start when end < start
 
-    q_rows = b * s_qnb + offs_h[:, None] * s_qnh
-    qn0 = tl.load(Qn + q_rows + offs_r[None, :], mask=mask_h[:, None], other=0.0)
-    qn1 = tl.load(Qn + q_rows + RH + offs_r[None, :], mask=mask_h[:, None], other=0.0)
-    qp = tl.load(Qp + b * s_qpb + offs_h[:, None] * s_qph + offs_p[None, :], mask=mask_h[:, None], other=0.0)
+    qn_ptr = Qn + b * s_qnb + offs_h[:, None] * s_qnh + offs_r[None, :]
+    qp_ptr = Qp + b * s_qpb + offs_h[:, None] * s_qph + offs_p[None, :]
+    qn0, qn1, qp = _load_q(qn_ptr, qp_ptr, mask_h, RH)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_H, RH], tl.float32)
     acc1 = tl.zeros([BLOCK_H, RH], tl.float32)
     for t0 in range(start, full_end, BLOCK_N):
+        if Q_IN_LOOP:  # re-read q (L1/L2 hits) so it feeds the MMA from shared memory, not registers
+            qn0, qn1, qp = _load_q(qn_ptr, qp_ptr, mask_h, RH)
         page = tl.load(Table + b * s_tb + t0 // PS)
         row = page * PS + t0 % PS
         c0 = CkvDesc.load([row, 0])
@@ -190,6 +199,7 @@ class DecodeConfig:
     max_splits: int = 128
     min_split_tokens: int = 64
     tma: bool = False  # full tiles by TMA boxes where the layout allows (see tma_eligible)
+    q_in_loop: bool = False  # TMA kernel: re-load q every tile (keeps it out of registers)
 
 
 def default_config(H: int, R: int) -> DecodeConfig:
@@ -243,13 +253,14 @@ def _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
     ckv_desc = TensorDescriptor.from_tensor(ckv_cache.view(NP * PS, R), [cfg.block_n, R // 2])
     kpe_desc = TensorDescriptor.from_tensor(kpe_cache.view(NP * PS, P), [cfg.block_n, P])
     grid = (B, triton.cdiv(H, cfg.block_h), ns)
-    _stage1_tma_kernel[grid](
+    return _stage1_tma_kernel[grid](
         q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
         sm_scale * _LOG2E, H, PS,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1), block_table.stride(0),
         s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
-        n_splits=ns, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, RH=R // 2, P=P, **dot_mode(q_nope.dtype),
+        n_splits=ns, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, RH=R // 2, P=P,
+        Q_IN_LOOP=cfg.q_in_loop, **dot_mode(q_nope.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
