@@ -100,7 +100,8 @@ def test_decode_short_lens_large_capacity():
     assert_attention(out, lse, *want, torch.bfloat16)
 
 
-TMA_CONFIGS = {"h16": (16, dict(block_h=16, block_n=32, num_warps=4, num_stages=3)),
+TMA_CONFIGS = {"h16": (16, dict(block_h=16, block_n=32, num_warps=4, num_stages=3, q_in_loop=True)),
+               "h16-q-held": (16, dict(block_h=16, block_n=32, num_warps=4, num_stages=3)),
                "h128": (128, dict(block_h=64, block_n=32, num_warps=8, num_stages=2, ctas_per_sm=1))}
 
 
