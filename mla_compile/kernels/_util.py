@@ -22,6 +22,14 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def has_tma(device: torch.device) -> bool:
+    """TMA descriptors need sm_90+ (Hopper); the interpreter (CPU tensors) emulates them."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def dot_mode(dtype: torch.dtype) -> dict:
     """Constexprs for `mma`: fp32 inputs use exact (ieee) products rather than tf32. Triton 3.6's CPU
     interpreter computes bf16 tl.dot wrongly (it multiplies the raw bits), so under TRITON_INTERPRET=1

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import block, dot_mode, mma, sm_count
+from ._util import block, dot_mode, has_tma, mma, sm_count
 from .merge import merge_into
 
 _LOG2E = 1.4426950408889634
@@ -231,9 +231,10 @@ def num_splits(batch: int, heads: int, capacity: int, device: torch.device, cfg:
 
 
 def tma_eligible(ckv_cache, kpe_cache, sparse: bool, cfg: DecodeConfig) -> bool:
-    """The TMA kernel needs whole tiles inside a page, the latent in two power-of-two halves <= 256 wide (a
-    TMA box side is at most 256), a power-of-two rope width, and caches that view as [slots, width]."""
-    if sparse or not cfg.tma:
+    """The TMA kernel needs an sm_90+ GPU (or the interpreter), whole tiles inside a page, the latent in two
+    power-of-two halves <= 256 wide (a TMA box side is at most 256), a power-of-two rope width, and caches
+    that view as [slots, width]."""
+    if sparse or not cfg.tma or not has_tma(ckv_cache.device):
         return False
     NP, PS, R = ckv_cache.shape
     P = kpe_cache.shape[2]

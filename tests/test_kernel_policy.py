@@ -1,0 +1,46 @@
+"""Which Triton decode kernel runs (pure host logic, no GPU): TMA eligibility and the default configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from mla_compile.kernels import decode as D  # noqa: E402
+
+
+def caches(NP=4, PS=64, R=512, P=64, dtype=torch.bfloat16):
+    return torch.zeros(NP, PS, R, dtype=dtype), torch.zeros(NP, PS, P, dtype=dtype)
+
+
+@pytest.mark.parametrize("H", [16, 128])
+def test_defaults_use_tma_on_page_multiples(H):
+    cfg = D.default_config(H, 512)
+    assert cfg.tma
+    assert D.tma_eligible(*caches(PS=64), False, cfg)
+    assert D.tma_eligible(*caches(PS=128), False, cfg)
+    # a page smaller than the tile, or not a multiple of it: the pointer kernel
+    assert not D.tma_eligible(*caches(PS=1), False, cfg)
+    assert not D.tma_eligible(*caches(PS=cfg.block_n + 16), False, cfg)
+
+
+@pytest.mark.parametrize("R,P,ok", [(512, 64, True), (64, 16, True), (1024, 64, False), (96, 64, False),
+                                    (512, 24, False), (512, 512, False)])
+def test_tma_needs_power_of_two_halves_within_a_box(R, P, ok):
+    cfg = D.DecodeConfig(block_n=16, tma=True)
+    assert D.tma_eligible(*caches(PS=16, R=R, P=P), False, cfg) == ok
+
+
+def test_tma_not_for_sparse_strided_or_when_off():
+    cfg = D.DecodeConfig(block_n=16, tma=True)
+    ckv, kpe = caches(PS=16)
+    assert not D.tma_eligible(ckv, kpe, True, cfg)  # sparse_decode: index lists, no tiles
+    assert not D.tma_eligible(ckv, kpe, False, D.DecodeConfig(block_n=16))
+    wide = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
+    assert not D.tma_eligible(wide[..., :512], kpe, False, cfg)  # rows not contiguous at R
+
+
+def test_tma_needs_hopper(monkeypatch):
+    cfg = D.DecodeConfig(block_n=16, tma=True)
+    monkeypatch.setattr(D, "has_tma", lambda device: False)  # e.g. an A100: the pointer kernel runs
+    assert not D.tma_eligible(*caches(PS=16), False, cfg)
