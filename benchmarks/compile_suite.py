@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from mla_compile.integrations.hf import cache_kwargs
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ("dsa", "hf")
 
@@ -115,12 +117,12 @@ def _run_hf(device: str, mode: str | None, steps: int) -> dict:
     T = ids.shape[1]
     times = []
     with torch.no_grad():
-        out = model(ids, attention_mask=mask[:, :T], past_key_values=cache,
+        out = model(ids, attention_mask=mask[:, :T], **cache_kwargs(model, cache),
                     cache_position=torch.arange(T, device=device))  # eager prefill
         tok = out.logits[:, -1].argmax(-1)
         for i in range(steps):
             pos = torch.tensor([T + i], device=device)
-            out, dt = _timed(lambda: compiled(tok[:, None], attention_mask=mask, past_key_values=cache,
+            out, dt = _timed(lambda: compiled(tok[:, None], attention_mask=mask, **cache_kwargs(model, cache),
                                               cache_position=pos))
             times.append(dt)
             tok = out.logits[:, -1].argmax(-1)

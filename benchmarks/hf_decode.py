@@ -33,6 +33,8 @@ import traceback
 
 import torch
 
+from mla_compile.integrations.hf import cache_kwargs
+
 
 def build_model(H: int, layers: int, hidden: int, vocab: int, dtype, device, small: bool = False):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -58,7 +60,7 @@ def filled_cache(model, B: int, kv_len: int, max_len: int, device, seed: int = 1
 
     cache = StaticCache(config=model.config, max_cache_len=max_len)
     with torch.no_grad():  # one short forward allocates the buffers (lazy init)
-        model(torch.zeros(B, 1, dtype=torch.long, device=device), past_key_values=cache,
+        model(torch.zeros(B, 1, dtype=torch.long, device=device), **cache_kwargs(model, cache),
               attention_mask=torch.ones(B, max_len, dtype=torch.long, device=device)[:, :1],
               cache_position=torch.arange(1, device=device))
     g = torch.Generator(device=device).manual_seed(seed)
@@ -82,7 +84,7 @@ def decode(fn, cache, tok, mask, start: int, steps: int, keep_logits: bool = Fal
             if forced is not None:
                 tok = forced[:, i:i + 1]
             pos = positions[i:i + 1].clone()
-            out = fn(tok, attention_mask=mask, past_key_values=cache, cache_position=pos)
+            out = fn(tok, attention_mask=mask, **cache_kwargs(fn, cache), cache_position=pos)
             lg = out.logits[:, -1]
             if keep_logits:
                 logits.append(lg.float().clone())

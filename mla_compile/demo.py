@@ -24,6 +24,7 @@ import time
 import torch
 
 from . import ops  # noqa: F401
+from .integrations.hf import cache_kwargs
 from .paged import fill_paged, fill_sharded
 
 
@@ -85,13 +86,13 @@ def greedy(step, prefill, ids, mask, cache, steps, device):
     T = ids.shape[1]
     toks, logits, times = [], [], []
     with torch.no_grad():
-        out = prefill(ids, attention_mask=mask[:, :T], past_key_values=cache,
+        out = prefill(ids, attention_mask=mask[:, :T], **cache_kwargs(prefill, cache),
                       cache_position=torch.arange(T, device=device))
         tok = out.logits[:, -1].argmax(-1)
         for i in range(steps):
             toks.append(tok)
             t0 = time.perf_counter()
-            out = step(tok[:, None], attention_mask=mask, past_key_values=cache,
+            out = step(tok[:, None], attention_mask=mask, **cache_kwargs(step, cache),
                        cache_position=torch.tensor([T + i], device=device))
             logit = out.logits[:, -1].float()
             tok = logit.argmax(-1)

@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.mla / torch.ops.dsa)
+from .integrations.hf import cache_kwargs
 
 INSTALL_HINT = "pip install 'mla-compile[mlir]'  (or: pip install torch-mlir, which does not pull a torch)"
 
@@ -117,13 +118,15 @@ def _positional_names(model_or_fn) -> list[str]:
 
 def _clean_name(name: str, positional: list[str]) -> str:
     """Dynamo placeholder names (`l_args_4_`, `l_kwargs_past_key_values_layers_0_keys`) -> readable ones
-    (`ckv_cache`, `past_key_values_layers_0_keys`)."""
+    (`ckv_cache`, `cache_layers_0_keys`: HF's cache argument reads `cache` whatever the transformers
+    version calls it, `past_key_values` before 5.24)."""
     name = re.sub(r"_$", "", re.sub(r"^l_", "", name))
     m = re.match(r"^args_(\d+)(.*)$", name)
     if m:
         i = int(m.group(1))
         name = (positional[i] if i < len(positional) else f"arg{i}") + m.group(2)
     name = re.sub(r"^kwargs_", "", name)
+    name = re.sub(r"^past_key_values_", "cache_", name)
     name = re.sub(r"\W", "_", name) or "arg"
     return name if name[0].isalpha() or name[0] == "_" else f"arg_{name}"
 
@@ -325,9 +328,10 @@ def example_hf_step(*, attn_implementation: str = "sdpa", batch: int = 2, prefix
     g = torch.Generator().manual_seed(seed)
     cache = StaticCache(config=cfg, max_cache_len=max_cache_len)
     with torch.no_grad():
-        model(torch.randint(0, cfg.vocab_size, (batch, prefix), generator=g), past_key_values=cache, use_cache=True)
+        model(torch.randint(0, cfg.vocab_size, (batch, prefix), generator=g), **cache_kwargs(model, cache),
+              use_cache=True)
     next_ids = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g)
-    return model, (next_ids,), {"past_key_values": cache, "use_cache": True,
+    return model, (next_ids,), {**cache_kwargs(model, cache), "use_cache": True,
                                 "cache_position": torch.tensor([prefix])}
 
 

@@ -7,6 +7,7 @@ import functools
 import torch
 
 from mla_compile import models
+from mla_compile.integrations.hf import cache_kwargs
 
 # the tests' models: mla_compile.models' builders at a short max_position_embeddings
 deepseek_v3 = functools.partial(models.deepseek_v3, max_positions=512)
@@ -23,12 +24,12 @@ def greedy(step, model, ids, attention_mask, cache, steps: int, *, prefill=None)
     prefill = step if prefill is None else prefill
     toks, logits = [], []
     with torch.no_grad():
-        out = prefill(ids, attention_mask=attention_mask[:, :T], past_key_values=cache,
+        out = prefill(ids, attention_mask=attention_mask[:, :T], **cache_kwargs(prefill, cache),
                       cache_position=torch.arange(T))
         tok = out.logits[:, -1].argmax(-1)
         for i in range(steps):
             toks.append(tok)
-            out = step(tok[:, None], attention_mask=attention_mask, past_key_values=cache,
+            out = step(tok[:, None], attention_mask=attention_mask, **cache_kwargs(step, cache),
                        cache_position=torch.tensor([T + i]))
             logits.append(out.logits[:, -1].float())
             tok = out.logits[:, -1].argmax(-1)
@@ -41,9 +42,10 @@ def forced(step, model, ids, attention_mask, cache, tokens):
     B, T = ids.shape
     logits = []
     with torch.no_grad():
-        model(ids, attention_mask=attention_mask[:, :T], past_key_values=cache, cache_position=torch.arange(T))
+        model(ids, attention_mask=attention_mask[:, :T], **cache_kwargs(model, cache),
+              cache_position=torch.arange(T))
         for i in range(tokens.shape[1]):
-            out = step(tokens[:, i:i + 1], attention_mask=attention_mask, past_key_values=cache,
+            out = step(tokens[:, i:i + 1], attention_mask=attention_mask, **cache_kwargs(step, cache),
                        cache_position=torch.tensor([T + i]))
             logits.append(out.logits[:, -1].float())
     return torch.stack(logits, 1)

@@ -14,6 +14,7 @@ Regenerate the snapshots with `EXPECTTEST_ACCEPT=1 pytest tests/test_hf_dsa_grap
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,7 @@ from mla_compile.backend import mla_dcp
 transformers = pytest.importorskip("transformers")
 from transformers import StaticCache  # noqa: E402
 
-from mla_compile.integrations.hf import DSAStaticCache, MLAPagedCache  # noqa: E402
+from mla_compile.integrations.hf import DSAStaticCache, MLAPagedCache, cache_kwargs  # noqa: E402
 
 TOPK = 16
 PROMPT = 5
@@ -90,7 +91,7 @@ def _decode_loop(build, impl, cache_fn, **model_kw):
     toks, ref_toks, logits, ref_logits, kv_lens = [], [], [], [], []
     with torch.no_grad():
         for c in (ref_cache, cache):  # prefill: eager HF
-            out = model(ids, attention_mask=mask[:, :PROMPT], past_key_values=c, cache_position=torch.arange(PROMPT))
+            out = model(ids, attention_mask=mask[:, :PROMPT], **cache_kwargs(model, c), cache_position=torch.arange(PROMPT))
         tok = ref_tok = out.logits[:, -1].argmax(-1)
         try:
             for i in range(STEPS):
@@ -99,8 +100,9 @@ def _decode_loop(build, impl, cache_fn, **model_kw):
                     torch.compiler.set_stance("fail_on_recompile")
                 pos = torch.tensor([PROMPT + i])
                 kv_lens.append(cache.max_kv_len)
-                out = compiled(tok[:, None], attention_mask=mask, past_key_values=cache, cache_position=pos)
-                ref = model(ref_tok[:, None], attention_mask=mask, past_key_values=ref_cache, cache_position=pos)
+                out = compiled(tok[:, None], attention_mask=mask, **cache_kwargs(model, cache), cache_position=pos)
+                ref = model(ref_tok[:, None], attention_mask=mask, **cache_kwargs(model, ref_cache),
+                            cache_position=pos)
                 logits.append(out.logits[:, -1].float())
                 ref_logits.append(ref.logits[:, -1].float())
                 tok, ref_tok = out.logits[:, -1].argmax(-1), ref.logits[:, -1].argmax(-1)
@@ -216,8 +218,9 @@ def test_guards_name_the_topk_comparison():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "['past_key_values'].max_kv_len <= 8" in proc.stderr
-    assert "9 <= L['kwargs']['past_key_values'].max_kv_len" in proc.stderr
+    cache = r"L\['kwargs'\]\['(?:past_key_values|cache)'\]"  # the kwarg's name: 'cache' from transformers 5.24
+    assert re.search(cache + r"\.max_kv_len <= 8", proc.stderr)
+    assert re.search(r"9 <= " + cache + r"\.max_kv_len", proc.stderr)
 
 
 class TestSnapshots(expecttest.TestCase):

@@ -169,13 +169,13 @@ class TestHFDecodeStep(expecttest.TestCase):
 
     def test_without_rewrite_cache_update_is_kept(self):
         model, args, kwargs = mlir.example_hf_step()
-        cache = kwargs["past_key_values"]
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         keys_before = cache.layers[0].keys.clone()
         text = mlir.export_mlir(model, args, kwargs, rewrite=False)
         assert torch.equal(cache.layers[0].keys, keys_before), "export must not advance the cache"
         assert "torch.mla" not in text
         header = text.split("module {")[0]
-        assert "%arg2 = past_key_values_layers_0_keys  (mutated in place)" in header
+        assert "%arg2 = cache_layers_0_keys  (mutated in place)" in header
         assert "%arg10 = model.layers.0.self_attn.kv_b_proj.weight" in header
         # HF's in-place StaticCache update survives as overwrites of the cache arguments
         assert "overwrites %arg2 :" in text and "overwrites %arg3 :" in text
@@ -200,9 +200,9 @@ class TestHFDecodeStep(expecttest.TestCase):
         self.assertExpectedInline(mlir.summarize_mlir(text), """\
 // mla_compile.export_mlir: @main arguments
 //   %arg0 = input_ids
-//   %arg1 = past_key_values_layers_0_cumulative_length  (mutated in place)
-//   %arg2 = past_key_values_layers_0_keys  (mutated in place)
-//   %arg3 = past_key_values_layers_0_values  (mutated in place)
+//   %arg1 = cache_layers_0_cumulative_length  (mutated in place)
+//   %arg2 = cache_layers_0_keys  (mutated in place)
+//   %arg3 = cache_layers_0_values  (mutated in place)
 //   %arg4 = model.embed_tokens.weight
 //   %arg5 = model.rotary_emb.inv_freq
 //   %arg6 = model.layers.0.input_layernorm.weight

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 import hf_models as M
 import mla_compile  # noqa: F401
+from mla_compile.integrations.hf import cache_kwargs
 from mla_compile.passes.mla_attention import rewrite_mla_attention
 
 
@@ -72,8 +73,8 @@ def _decode_graphs():
         return gm.forward
 
     with torch.no_grad():
-        model(ids, attention_mask=mask[:, :5], past_key_values=cache)
-        torch.compile(model, backend=backend, fullgraph=True)(ids[:, :1], attention_mask=mask, past_key_values=cache)
+        model(ids, attention_mask=mask[:, :5], **cache_kwargs(model, cache))
+        torch.compile(model, backend=backend, fullgraph=True)(ids[:, :1], attention_mask=mask, **cache_kwargs(model, cache))
     torch._dynamo.reset()
     return seen
 

@@ -38,6 +38,9 @@ source (e.g. `L['past_key_values'].max_kv_len`) is marked dynamic from the start
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 from .. import layout, ops  # noqa: F401  (registers torch.ops.mla.*)
@@ -142,6 +145,19 @@ def _check_all_selected_args(keys, topk):
 def _(keys, topk):
     _check_all_selected_args(keys, topk)
     return torch.empty_like(keys)
+
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The keyword that hands `cache` to an HF model's forward: `cache` from transformers 5.24 on (where
+    `past_key_values` is deprecated; removed in 5.40), `past_key_values` before. `model` may be the
+    `torch.compile` wrapper of the model: `model(ids, **cache_kwargs(model, cache), ...)`."""
+    return {_cache_arg_name(type(getattr(model, "_orig_mod", model))): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_arg_name(cls) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 ALL_SELECTED_OPS = {torch.ops.mla_hf.all_selected.default, torch.ops.mla_hf.all_selected}
@@ -261,7 +277,7 @@ if _BaseLayer is not None:
         config: the model config; max_cache_len: tokens per request (global); page_size: tokens per page;
         dcp: None (single rank) or an object with `size`, `rank`, `group_name` (e.g.
         `mla_compile.distributed.init_dcp()`), one process per rank, every rank running the same model on the
-        same inputs. Use it like HF's StaticCache: `model(ids, past_key_values=cache, ...)`.
+        same inputs. Use it like HF's StaticCache: `model(ids, **cache_kwargs(model, cache), ...)`.
         """
 
         def __init__(self, config, max_cache_len: int, *, page_size: int = 64, dcp=None,

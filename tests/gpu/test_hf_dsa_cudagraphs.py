@@ -20,6 +20,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_models as M  # noqa: E402
+from mla_compile.integrations.hf import cache_kwargs  # noqa: E402
 
 TOPK = 32
 PROMPT = 5
@@ -45,7 +46,7 @@ def test_hf_v32_each_variant_recorded_once(batch, cudagraph_recordings):
     try:
         with torch.no_grad():
             for c in (ref_cache, cache):
-                out = model(ids, attention_mask=mask[:, :PROMPT], past_key_values=c,
+                out = model(ids, attention_mask=mask[:, :PROMPT], **cache_kwargs(model, c),
                             cache_position=torch.arange(PROMPT, device="cuda"))
             tok = out.logits[:, -1].argmax(-1)
             for i in range(STEPS):
@@ -53,8 +54,8 @@ def test_hf_v32_each_variant_recorded_once(batch, cudagraph_recordings):
                     torch.compiler.set_stance("fail_on_recompile")
                 crossed |= cache.max_kv_len > TOPK
                 pos = torch.tensor([PROMPT + i], device="cuda")
-                ref = model(tok[:, None], attention_mask=mask, past_key_values=ref_cache, cache_position=pos)
-                got = step(tok[:, None], attention_mask=mask, past_key_values=cache, cache_position=pos)
+                ref = model(tok[:, None], attention_mask=mask, **cache_kwargs(model, ref_cache), cache_position=pos)
+                got = step(tok[:, None], attention_mask=mask, **cache_kwargs(model, cache), cache_position=pos)
                 worst = max(worst, M.rel_err(got.logits[:, -1], ref.logits[:, -1]))
                 tok = ref.logits[:, -1].argmax(-1)  # teacher-forced: both paths see the same tokens
     finally:
