@@ -53,7 +53,8 @@ CONFIGS = {
     },
     128: {},
 }
-PAGE1 = ()
+PAGE1 = {}  # H=16 pointer-kernel configs timed on a page-size-1 token table, e.g.
+# {"ptr n32w4s3": C(16, 32, 4, 3, 2, 256)} (round 2)
 SHAPES = {16: [(1, 131072), (8, 32768), (8, 131072), (32, 32768), (128, 8192)],
           128: [(1, 131072), (8, 32768), (32, 32768), (128, 8192)]}
 
@@ -90,9 +91,9 @@ def kernel_resources(cfg: D.DecodeConfig, H: int) -> dict:
     qn, qp = torch.randn(1, H, R, dtype=DT, device="cuda"), torch.randn(1, H, P, dtype=DT, device="cuda")
     out = torch.empty_like(qn)
     lse = torch.empty(1, H, device="cuda")
-    if not D.tma_eligible(ckv, kpe, False, cfg):
-        return {}
-    k = D._launch_tma(qn, qp, ckv, kpe, table, lens, 0.1, out, lse, 0, 0, 2, cfg)
+    launch = D._launch_tma if D.tma_eligible(ckv, kpe, False, cfg) else D._launch_pointer
+    args = (qn, qp, ckv, kpe, table, lens) + (() if launch is D._launch_tma else (None,))
+    k = launch(*args, 0.1, out, lse, 0, 0, 2, cfg)  # 2 splits (1 compiles a specialized variant); outputs discarded
     info = {a: getattr(k, a, None) for a in ("n_regs", "n_spills")}
     info["shared"] = getattr(getattr(k, "metadata", None), "shared", None)
     print(f"  kernel H={H} {cfg}: {info}", flush=True)
@@ -143,10 +144,7 @@ def main(argv):
             if H == 16:  # the same tokens through a page-size-1 token table (the HF StaticCache path)
                 tok = (table.long()[:, :, None] * PS + torch.arange(PS, device="cuda")).view(B, L).int()
                 c1, k1 = ckv.view(-1, 1, R), kpe.view(-1, 1, P)
-                for name in PAGE1:
-                    _, tile = name.split()
-                    n, w, st = (int(x) for x in tile[1:].replace("w", " ").replace("s", " ").split())
-                    cfg = C(16, n, w, st, 2, 256)
+                for name, cfg in PAGE1.items():
                     fn = lambda c=cfg: D.decode(qn, qp, c1, k1, tok, lens, 0.07, cfg=c)  # noqa: E731
                     row["us"][name + " page1"] = do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3
             best = min(row["us"], key=row["us"].get)

@@ -203,8 +203,9 @@ class DecodeConfig:
 
 
 def default_config(H: int, R: int) -> DecodeConfig:
-    """H200 sweeps (benchmarks/decode_sweep.py, RESULTS.md "Decode config sweep"): the TMA kernel wherever the
-    layout allows it (page size a multiple of block_n), the pointer kernel with the same tiles otherwise."""
+    """From H200 sweeps (benchmarks/decode_sweep.py; RESULTS.md "Session 2: the TMA decode kernel"): the TMA
+    kernel where the layout allows it (page size a multiple of block_n), the pointer kernel with the same
+    tiles otherwise."""
     if H >= 64 and R <= 512:
         # many heads: a 64-row tile reaches Hopper's warpgroup MMA and reads each KV tile for 64 heads at once;
         # 64-token tiles, 2 stages: TMA 267-279 TFLOP/s vs 206 for the pointer kernel (2026-12-01)
@@ -265,10 +266,28 @@ def _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, o, l, s_on,
+                    s_ln, ns, cfg: DecodeConfig):
+    B, H, R = q_nope.shape
+    P = q_pe.shape[2]
+    sparse = indices is not None
+    table = indices if sparse else block_table
+    grid = (B, triton.cdiv(H, cfg.block_h), ns)
+    return _stage1_kernel[grid](
+        q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens if not sparse else table, table, o, l,
+        sm_scale * _LOG2E, H, R, P, ckv_cache.shape[1], indices.shape[1] if sparse else 0,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
+        table.stride(0), table.stride(0),
+        s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
+        n_splits=ns, SPARSE=sparse, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        BLOCK_R=block(R), BLOCK_P=block(P), **dot_mode(q_nope.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, capacity,
             cfg: DecodeConfig | None, splits: int | None):
     B, H, R = q_nope.shape
-    P = q_pe.shape[2]
     out = torch.empty_like(q_nope)
     lse = torch.empty((B, H), dtype=torch.float32, device=q_nope.device)
     if B * H == 0:
@@ -288,21 +307,9 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
     sparse = indices is not None
     if tma_eligible(ckv_cache, kpe_cache, sparse, cfg):
         _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, cfg)
-        if ns > 1:
-            merge_into(o, l, out, lse)
-        return out, lse
-    table = indices if sparse else block_table
-    grid = (B, triton.cdiv(H, cfg.block_h), ns)
-    _stage1_kernel[grid](
-        q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens if not sparse else table, table, o, l,
-        sm_scale * _LOG2E, H, R, P, ckv_cache.shape[1], indices.shape[1] if sparse else 0,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
-        table.stride(0), table.stride(0),
-        s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
-        n_splits=ns, SPARSE=sparse, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        BLOCK_R=block(R), BLOCK_P=block(P), **dot_mode(q_nope.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, o, l, s_on,
+                        s_ln, ns, cfg)
     if ns > 1:
         merge_into(o, l, out, lse)
     return out, lse
