@@ -71,7 +71,7 @@ def bench_decode(results, copy_bw, sweep, shapes):
             row = dict(H=H, B=B, L=L)
             nbytes = D.kv_bytes(B, L, R, P, 2)
             flop = D.flops(B, H, L, R, P)
-            cfg = D.default_config(H, R)
+            cfg = D.default_config(H, R, PS)
             row["splits"] = D.num_splits(B, H, L, qn.device, cfg)
             run = lambda c=None: D.decode(qn, qp, ckv, kpe, table, lens, scale, cfg=c)  # noqa: E731
             row["triton_ms"] = ms(run)

@@ -42,30 +42,38 @@ C = D.DecodeConfig
 # SPILLS: with M = 16 heads every one of the 4 warps holds all of q [16, 576] as its MMA operand.
 # Round 5 (data/decode_sweep_round5.json): H=16 with q re-loaded every tile: spills 120 -> 18, 1-5% faster
 # (adopted); 8 warps: 0 spills but 1.6x slower; 2 warps: 816 spills, 10x slower. The spills are not the bound.
+# Round 6 (data/decode_sweep_round6.json): tokens as the MMA's M side (swap AB: s^T = ckv.q^T, M = 64 tokens,
+# N = 16 heads, Hopper warpgroup MMA from shared memory) is 25-80% SLOWER than heads as M at H=16 (ptr-T n64w4s2
+# 131 us vs 103 at B=8 32K) and at H=128, and Triton 3.6 miscompiles its TMA variant at N=16 when a split ends in
+# a partial tile (wrong out, right lse; 1 stage: illegal address): dropped. The same round found the pointer
+# kernel, with R/P now constexprs (16-byte vector loads, async-copy pipelining), ahead of the TMA kernel at H=16.
+# Round 7 (data/decode_sweep_round7.json): the pointer kernel with 64-token tiles wins every H=16 shape (page 1:
+# 0.79 of copy bandwidth at B=8 32K, 0.89-0.92 at B>=32 or 128K; TMA n32 0.71-0.83); 8 warps, 16-token tiles and
+# 3 CTAs/SM of splits lose; at page 64 it trailed its own page-1 run by ~10% (page size was a runtime value).
+# H=128: TMA h64n64w8s2 stays ahead of the pointer kernel (253-279 vs 206-215 TFLOP/s).
+# Round 8 (data/decode_sweep_round8.json, page size now a constexpr): at page 64, 2 stages beat 3 by 1.5-6%
+# (B=8 32K 90.6 vs 96.3 us) and stay ~2-6% behind the page-1 run with 3 stages; 8 warps, 128-token tiles and
+# 1 CTA/SM of splits lose. Default: ptr n64w4s2. Round 9: the default, and 2 vs 3 stages on page 1.
 CONFIGS = {
-    16: {
-        "tma n32w4s3": C(16, 32, 4, 3, 2, 256, tma=True),
-        "tma n32w4s3 qloop": C(16, 32, 4, 3, 2, 256, tma=True, q_in_loop=True),
-        "tma n32w4s2 qloop": C(16, 32, 4, 2, 2, 256, tma=True, q_in_loop=True),
-        "tma n64w4s3 qloop": C(16, 64, 4, 3, 2, 256, tma=True, q_in_loop=True),
-        "tma n32w8s3 qloop": C(16, 32, 8, 3, 2, 256, tma=True, q_in_loop=True),
-        "tma n32w2s3 qloop": C(16, 32, 2, 3, 2, 256, tma=True, q_in_loop=True),
-    },
+    16: {"ptr n64w4s2": C(16, 64, 4, 2, 2, 256)},
     128: {},
 }
-PAGE1 = {}  # H=16 pointer-kernel configs timed on a page-size-1 token table, e.g.
-# {"ptr n32w4s3": C(16, 32, 4, 3, 2, 256)} (round 2)
+# H=16 pointer-kernel configs timed on a page-size-1 token table (the HF StaticCache path)
+PAGE1 = {
+    "ptr n64w4s2": C(16, 64, 4, 2, 2, 256),
+    "ptr n64w4s3": C(16, 64, 4, 3, 2, 256),
+}
 SHAPES = {16: [(1, 131072), (8, 32768), (8, 131072), (32, 32768), (128, 8192)],
           128: [(1, 131072), (8, 32768), (32, 32768), (128, 8192)]}
 
 
-def check(cfg: D.DecodeConfig, H: int) -> str:
+def check(cfg: D.DecodeConfig, H: int, page: int = PS) -> str:
     """'ok' or the failure: the config vs the float64 reference (ragged lengths, NaN in unused slots)."""
     gen = torch.Generator().manual_seed(H)
     lens = [1000, 0, 129, 64, 3000]
     ckv = [torch.randn(n, R, generator=gen).to(DT) for n in lens]
     kpe = [torch.randn(n, P, generator=gen).to(DT) for n in lens]
-    cpu = paged.fill_paged(ckv, kpe, PS, shuffle=True, spare_pages=2, generator=gen)  # unused slots: NaN
+    cpu = paged.fill_paged(ckv, kpe, page, shuffle=True, spare_pages=2, generator=gen)  # unused slots: NaN
     b = dataclasses.replace(cpu, **{f.name: getattr(cpu, f.name).cuda() for f in dataclasses.fields(cpu)})
     qn = torch.randn(len(lens), H, R, generator=gen).to(DT).cuda()
     qp = torch.randn(len(lens), H, P, generator=gen).to(DT).cuda()
@@ -100,6 +108,18 @@ def kernel_resources(cfg: D.DecodeConfig, H: int) -> dict:
     return info
 
 
+def checked(res: dict, H: int, name: str, cfg: D.DecodeConfig, page: int) -> bool:
+    """Check one config (recording its verdict and kernel resources in res); True when it may be timed."""
+    try:
+        verdict = check(cfg, H, page)
+        res.setdefault("kernels", {})[f"H{H} {name}"] = kernel_resources(cfg, H)
+    except Exception as e:  # noqa: BLE001 - a config that does not compile is a result too
+        verdict = f"{type(e).__name__}: {e}"[:300]
+    res["checks"][f"H{H} {name}"] = verdict
+    print(f"check H={H} {name}: {verdict}", flush=True)
+    return verdict == "ok"
+
+
 def main(argv):
     args = [a for a in argv if not a.startswith("--")]
     path = args[0] if args else os.path.join(os.environ.get("OUT", "."), "decode_sweep.json")
@@ -120,17 +140,8 @@ def main(argv):
             continue
         if quick:
             configs = dict(list(configs.items())[:2])
-        good = {}
-        for name, cfg in configs.items():
-            try:
-                verdict = check(cfg, H)
-                res.setdefault("kernels", {})[f"H{H} {name}"] = kernel_resources(cfg, H)
-            except Exception as e:  # noqa: BLE001 - a config that does not compile is a result too
-                verdict = f"{type(e).__name__}: {e}"[:300]
-            res["checks"][f"H{H} {name}"] = verdict
-            print(f"check H={H} {name}: {verdict}", flush=True)
-            if verdict == "ok":
-                good[name] = cfg
+        good = {name: cfg for name, cfg in configs.items() if checked(res, H, name, cfg, PS)}
+        page1 = {name: cfg for name, cfg in PAGE1.items() if H == 16 and checked(res, H, name + " page1", cfg, 1)}
         for B, L in SHAPES[H][:2] if quick else SHAPES[H]:
             table = torch.randperm(pages, device="cuda")[: B * L // PS].view(B, L // PS).int()
             lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
@@ -144,7 +155,7 @@ def main(argv):
             if H == 16:  # the same tokens through a page-size-1 token table (the HF StaticCache path)
                 tok = (table.long()[:, :, None] * PS + torch.arange(PS, device="cuda")).view(B, L).int()
                 c1, k1 = ckv.view(-1, 1, R), kpe.view(-1, 1, P)
-                for name, cfg in PAGE1.items():
+                for name, cfg in page1.items():
                     fn = lambda c=cfg: D.decode(qn, qp, c1, k1, tok, lens, 0.07, cfg=c)  # noqa: E731
                     row["us"][name + " page1"] = do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3
             best = min(row["us"], key=row["us"].get)

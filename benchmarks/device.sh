@@ -43,7 +43,8 @@ setup() {
 }
 
 # per-stage time limits (s) keep one slow stage from starving the next inside the device call's limit
-stage_kernels() { timeout "${T_KERNELS:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu ${KERNELS_ARGS:-}; }
+# KERNELS_K: a pytest -k expression (may hold spaces), KERNELS_ARGS: more pytest arguments
+stage_kernels() { timeout "${T_KERNELS:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu ${KERNELS_K:+-k "$KERNELS_K"} ${KERNELS_ARGS:-}; }
 # tile-config sweep of the decode kernels (issue 3) and a profile of the HF mla_dcp step (issue 5)
 stage_sweep() { timeout "${T_SWEEP:-300}" python3 benchmarks/decode_sweep.py "$OUT/decode_sweep.json" ${SWEEP_ARGS:-}; }
 stage_profile() { timeout "${T_PROFILE:-300}" python3 benchmarks/hf_profile.py "$OUT/hf_profile.json" ${PROFILE_ARGS:-}; }

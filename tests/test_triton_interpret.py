@@ -70,7 +70,7 @@ def _batch(lens, H, R, P, PS, dtype, gen):
     return batch, q_nope, q_pe
 
 
-def _check_decode(H, R, P, PS, dtype, lens, splits, tol, tma=False, q_in_loop=False):
+def _check_decode(H, R, P, PS, dtype, lens, splits, tol, tma=False, **cfg_kw):
     import torch
 
     import reference as ref
@@ -81,7 +81,7 @@ def _check_decode(H, R, P, PS, dtype, lens, splits, tol, tma=False, q_in_loop=Fa
     scale = (R + P) ** -0.5
     want = ref.ref_decode(qn, qp, bt.ckv_cache, bt.kpe_cache, bt.block_table, bt.seq_lens, scale)
     for ns in splits:
-        cfg = K.DecodeConfig(block_h=16, block_n=16, tma=tma, q_in_loop=q_in_loop)
+        cfg = K.DecodeConfig(**{"block_h": 16, "block_n": 16, **cfg_kw}, tma=tma)
         assert K.tma_eligible(bt.ckv_cache, bt.kpe_cache, False, cfg) == tma
         out, lse = K.decode(qn, qp, bt.ckv_cache, bt.kpe_cache, bt.block_table, bt.seq_lens, scale, cfg=cfg, splits=ns)
         assert out.dtype == dtype and lse.dtype == torch.float32

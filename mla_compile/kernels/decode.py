@@ -27,87 +27,53 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, Idx, O, L,
-                   scale_log2, H, R, P, PS, n_sparse,
-                   s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb, s_ib,
-                   s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
-                   n_splits, SPARSE: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                   DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    split = tl.program_id(2)
-    mask_h = offs_h < H
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_p = tl.arange(0, BLOCK_P)
-    mask_r = offs_r < R
-    mask_p = offs_p < P
-
-    if SPARSE:
-        n = n_sparse
-    else:
-        n = tl.load(Lens + b)
-    # split length rounded to whole tiles, so only the last tile of a split is partial
+def _split_range(n, split, n_splits, BLOCK_N: tl.constexpr):
+    """[start, end) of this split's tokens: the split length is rounded to whole tiles, so only the last tile
+    of a split is partial (start >= end when the split holds nothing)."""
     split_len = tl.cdiv(tl.cdiv(n, n_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
-    end = tl.minimum(start + split_len, n)
-
-    qn = tl.load(Qn + b * s_qnb + offs_h[:, None] * s_qnh + offs_r[None, :],
-                 mask=mask_h[:, None] & mask_r[None, :], other=0.0)
-    qp = tl.load(Qp + b * s_qpb + offs_h[:, None] * s_qph + offs_p[None, :],
-                 mask=mask_h[:, None] & mask_p[None, :], other=0.0)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, base-2 units
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-    for t0 in range(start, end, BLOCK_N):
-        offs_t = t0 + tl.arange(0, BLOCK_N)
-        mask_t = offs_t < end
-        if SPARSE:
-            slot = tl.load(Idx + b * s_ib + offs_t, mask=mask_t, other=-1)
-            mask_t = mask_t & (slot >= 0)
-            slot = tl.maximum(slot, 0)
-            page = (slot // PS).to(tl.int64)
-            off = slot % PS
-        else:
-            page = tl.load(Table + b * s_tb + offs_t // PS, mask=mask_t, other=0).to(tl.int64)
-            off = offs_t % PS
-        # masked loads never touch unused slots (which may hold NaN)
-        c = tl.load(Ckv + page[:, None] * s_cp + off[:, None] * s_cs + offs_r[None, :],
-                    mask=mask_t[:, None] & mask_r[None, :], other=0.0)
-        k = tl.load(Kpe + page[:, None] * s_kp + off[:, None] * s_ks + offs_p[None, :],
-                    mask=mask_t[:, None] & mask_p[None, :], other=0.0)
-        s = mma(qn, tl.trans(c), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_PREC, DOT_UPCAST)
-        s = mma(qp, tl.trans(k), s, DOT_PREC, DOT_UPCAST)
-        s = tl.where(mask_t[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of only -1 slots (sparse) stays NaN-free
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = mma(p.to(c.dtype), c, acc, DOT_PREC, DOT_UPCAST)
-        m_i = m_new
-
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    o_ptr = O + split.to(tl.int64) * s_on + b * s_ob + offs_h[:, None] * s_oh + offs_r[None, :]
-    tl.store(o_ptr, out, mask=mask_h[:, None] & mask_r[None, :])
-    tl.store(L + split * s_ln + b * s_lb + offs_h * s_lh, lse, mask=mask_h)
+    return start, tl.minimum(start + split_len, n)
 
 
 @triton.jit
-def _tile_update(qn0, qn1, qp, c0, c1, k, valid, m_i, l_i, acc0, acc1, scale_log2,
-                 MASKED: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """One online-softmax step over a KV tile whose latent comes as two column halves c0 | c1."""
+def _load_q(Qn, Qp, b, offs_h, mask_h, s_qnb, s_qnh, s_qpb, s_qph, R: tl.constexpr, P: tl.constexpr,
+            RH: tl.constexpr, BLOCK_P: tl.constexpr):
+    """q as the two latent halves and the rope part, [BLOCK_H, width] each."""
+    offs_r = tl.arange(0, RH)[None, :]
+    offs_p = tl.arange(0, BLOCK_P)[None, :]
+    qn = Qn + b * s_qnb + offs_h[:, None] * s_qnh + offs_r
+    qp = Qp + b * s_qpb + offs_h[:, None] * s_qph + offs_p
+    mh = mask_h[:, None]
+    return (tl.load(qn, mask=mh & (offs_r < R), other=0.0), tl.load(qn + RH, mask=mh & (offs_r + RH < R), other=0.0),
+            tl.load(qp, mask=mh & (offs_p < P), other=0.0))
+
+
+@triton.jit
+def _load_tile(Ckv, Kpe, page, off, valid, s_cp, s_cs, s_kp, s_ks, R, P, RH: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One KV tile by pointers (page [BLOCK_N] int64, off [BLOCK_N]): latent halves c0 | c1 and rope k. Masked
+    loads never touch invalid slots (unused cache slots may hold NaN)."""
+    offs_r = tl.arange(0, RH)
+    offs_p = tl.arange(0, BLOCK_P)
+    rows = page[:, None] * s_cp + off[:, None] * s_cs
+    c0 = tl.load(Ckv + rows + offs_r[None, :], mask=valid[:, None] & (offs_r[None, :] < R), other=0.0)
+    c1 = tl.load(Ckv + rows + RH + offs_r[None, :], mask=valid[:, None] & (offs_r[None, :] + RH < R), other=0.0)
+    k = tl.load(Kpe + page[:, None] * s_kp + off[:, None] * s_ks + offs_p[None, :],
+                mask=valid[:, None] & (offs_p[None, :] < P), other=0.0)
+    return c0, c1, k
+
+
+@triton.jit
+def _tile_update(qn0, qn1, qp, c0, c1, k, valid, m_i, l_i, acc0, acc1, scale_log2, MASKED: tl.constexpr,
+                 DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """One online-softmax step over a KV tile whose latent comes as two column halves c0 | c1:
+    s = q.c^T [BLOCK_H, BLOCK_N] (base-2 units), acc [BLOCK_H, RH] per half."""
     s = mma(qn0, tl.trans(c0), tl.zeros([qn0.shape[0], c0.shape[0]], tl.float32), DOT_PREC, DOT_UPCAST)
     s = mma(qn1, tl.trans(c1), s, DOT_PREC, DOT_UPCAST)
     s = mma(qp, tl.trans(k), s, DOT_PREC, DOT_UPCAST) * scale_log2
     if MASKED:
         s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of only masked slots stays NaN-free
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -118,11 +84,62 @@ def _tile_update(qn0, qn1, qp, c0, c1, k, valid, m_i, l_i, acc0, acc1, scale_log
 
 
 @triton.jit
-def _load_q(qn_ptr, qp_ptr, mask_h, RH: tl.constexpr):
-    qn0 = tl.load(qn_ptr, mask=mask_h[:, None], other=0.0)
-    qn1 = tl.load(qn_ptr + RH, mask=mask_h[:, None], other=0.0)
-    qp = tl.load(qp_ptr, mask=mask_h[:, None], other=0.0)
-    return qn0, qn1, qp
+def _store_split(O, L, split, b, offs_h, mask_h, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, R: tl.constexpr, m_i, l_i,
+                 acc0, acc1, RH: tl.constexpr):
+    """This split's normalised out and natural-log lse (-inf, out 0 when it saw no token)."""
+    has = l_i > 0
+    inv = 1.0 / tl.where(has, l_i, 1.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    offs_r = tl.arange(0, RH)[None, :]
+    o_ptr = O + split.to(tl.int64) * s_on + b * s_ob + offs_h[:, None] * s_oh + offs_r
+    tl.store(o_ptr, acc0 * inv[:, None], mask=mask_h[:, None] & (offs_r < R))
+    tl.store(o_ptr + RH, acc1 * inv[:, None], mask=mask_h[:, None] & (offs_r + RH < R))
+    tl.store(L + split * s_ln + b * s_lb + offs_h * s_lh, lse, mask=mask_h)
+
+
+@triton.jit
+def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, Idx, O, L,
+                   scale_log2, H, n_sparse,
+                   s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb, s_ib,
+                   s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
+                   n_splits, SPARSE: tl.constexpr, PS: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, RH: tl.constexpr, BLOCK_P: tl.constexpr,
+                   DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """Any page size, any R/P (masked to RH-wide halves), and sparse index lists: every tile by pointers.
+    R and P are constexprs: with R == 2 * RH the width masks fold away, so tile loads vectorise (16 B) and
+    pipeline as async copies (a runtime R leaves 2-byte loads); the page size is one too (token // PS and
+    token % PS become shifts for powers of two)."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    mask_h = offs_h < H
+    if SPARSE:
+        n = n_sparse
+    else:
+        n = tl.load(Lens + b)
+    start, end = _split_range(n, split, n_splits, BLOCK_N)
+    qn0, qn1, qp = _load_q(Qn, Qp, b, offs_h, mask_h, s_qnb, s_qnh, s_qpb, s_qph, R, P, RH, BLOCK_P)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, base-2 units
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, RH], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, RH], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        offs_t = t0 + tl.arange(0, BLOCK_N)
+        valid = offs_t < end
+        if SPARSE:
+            slot = tl.load(Idx + b * s_ib + offs_t, mask=valid, other=-1)
+            valid = valid & (slot >= 0)
+            slot = tl.maximum(slot, 0)
+            page = (slot // PS).to(tl.int64)
+            off = slot % PS
+        else:
+            page = tl.load(Table + b * s_tb + offs_t // PS, mask=valid, other=0).to(tl.int64)
+            off = offs_t % PS
+        c0, c1, k = _load_tile(Ckv, Kpe, page, off, valid, s_cp, s_cs, s_kp, s_ks, R, P, RH, BLOCK_P)
+        m_i, l_i, acc0, acc1 = _tile_update(qn0, qn1, qp, c0, c1, k, valid, m_i, l_i, acc0, acc1, scale_log2,
+                                            True, DOT_PREC, DOT_UPCAST)
+    _store_split(O, L, split, b, offs_h, mask_h, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, R, m_i, l_i, acc0, acc1,
+                 RH)
 
 
 @triton.jit
@@ -140,25 +157,18 @@ def _stage1_tma_kernel(Qn, Qp, CkvDesc, KpeDesc, Ckv, Kpe, Table, Lens, O, L,
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     mask_h = offs_h < H
-    offs_r = tl.arange(0, RH)
-    offs_p = tl.arange(0, P)
-    n = tl.load(Lens + b)
-    split_len = tl.cdiv(tl.cdiv(n, n_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, n)
+    R = 2 * RH
+    start, end = _split_range(tl.load(Lens + b), split, n_splits, BLOCK_N)
     full_end = tl.maximum(start, start + (end - start) // BLOCK_N * BLOCK_N)  # = start when end < start
 
-    qn_ptr = Qn + b * s_qnb + offs_h[:, None] * s_qnh + offs_r[None, :]
-    qp_ptr = Qp + b * s_qpb + offs_h[:, None] * s_qph + offs_p[None, :]
-    qn0, qn1, qp = _load_q(qn_ptr, qp_ptr, mask_h, RH)
-
+    qn0, qn1, qp = _load_q(Qn, Qp, b, offs_h, mask_h, s_qnb, s_qnh, s_qpb, s_qph, R, P, RH, P)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_H, RH], tl.float32)
     acc1 = tl.zeros([BLOCK_H, RH], tl.float32)
     for t0 in range(start, full_end, BLOCK_N):
         if Q_IN_LOOP:  # re-read q (L1/L2 hits) so it feeds the MMA from shared memory, not registers
-            qn0, qn1, qp = _load_q(qn_ptr, qp_ptr, mask_h, RH)
+            qn0, qn1, qp = _load_q(Qn, Qp, b, offs_h, mask_h, s_qnb, s_qnh, s_qpb, s_qph, R, P, RH, P)
         page = tl.load(Table + b * s_tb + t0 // PS)
         row = page * PS + t0 % PS
         c0 = CkvDesc.load([row, 0])
@@ -170,21 +180,12 @@ def _stage1_tma_kernel(Qn, Qp, CkvDesc, KpeDesc, Ckv, Kpe, Table, Lens, O, L,
         offs_t = full_end + tl.arange(0, BLOCK_N)
         valid = offs_t < end
         page = tl.load(Table + b * s_tb + full_end // PS).to(tl.int64)  # the tile lies in one page
-        rows = page * s_cp + (offs_t % PS)[:, None] * s_cs
-        c0 = tl.load(Ckv + rows + offs_r[None, :], mask=valid[:, None], other=0.0)
-        c1 = tl.load(Ckv + rows + RH + offs_r[None, :], mask=valid[:, None], other=0.0)
-        k = tl.load(Kpe + page * s_kp + (offs_t % PS)[:, None] * s_ks + offs_p[None, :], mask=valid[:, None],
-                    other=0.0)
+        page = tl.zeros([BLOCK_N], tl.int64) + page
+        c0, c1, k = _load_tile(Ckv, Kpe, page, offs_t % PS, valid, s_cp, s_cs, s_kp, s_ks, R, P, RH, P)
         m_i, l_i, acc0, acc1 = _tile_update(qn0, qn1, qp, c0, c1, k, valid, m_i, l_i, acc0, acc1, scale_log2,
                                             True, DOT_PREC, DOT_UPCAST)
-
-    has = l_i > 0
-    inv = 1.0 / tl.where(has, l_i, 1.0)
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    o_ptr = O + split.to(tl.int64) * s_on + b * s_ob + offs_h[:, None] * s_oh + offs_r[None, :]
-    tl.store(o_ptr, acc0 * inv[:, None], mask=mask_h[:, None])
-    tl.store(o_ptr + RH, acc1 * inv[:, None], mask=mask_h[:, None])
-    tl.store(L + split * s_ln + b * s_lb + offs_h * s_lh, lse, mask=mask_h)
+    _store_split(O, L, split, b, offs_h, mask_h, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, R, m_i, l_i, acc0, acc1,
+                 RH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,17 +203,21 @@ class DecodeConfig:
     q_in_loop: bool = False  # TMA kernel: re-load q every tile (keeps it out of registers)
 
 
-def default_config(H: int, R: int) -> DecodeConfig:
-    """From H200 sweeps (benchmarks/decode_sweep.py; RESULTS.md "Session 2: the TMA decode kernel"): the TMA
-    kernel where the layout allows it (page size a multiple of block_n), the pointer kernel with the same
-    tiles otherwise."""
+def default_config(H: int, R: int, page_size: int) -> DecodeConfig:
+    """From H200 sweeps (benchmarks/decode_sweep.py, data/decode_sweep_round*.json; RESULTS.md): many heads
+    take the TMA kernel where the layout allows it, few heads the pointer kernel at every page size. The pointer
+    kernel gets one more stage when a tile spans pages (a page-1 token table, page 16): its addresses then come
+    from a per-token table load that the next tile's copy waits on (page 1, H=16: 2 stages 20% slower than 3)."""
+    stages = 2 if page_size % 64 == 0 else 3  # both configs use 64-token tiles
     if H >= 64 and R <= 512:
-        # many heads: a 64-row tile reaches Hopper's warpgroup MMA and reads each KV tile for 64 heads at once;
-        # 64-token tiles, 2 stages: TMA 267-279 TFLOP/s vs 206 for the pointer kernel (2026-12-01)
-        return DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, tma=True)
-    # few heads (bandwidth-bound): 32-token tiles, 3 stages: TMA 0.69-0.82 of copy bandwidth vs 0.55-0.65;
-    # q re-read per tile: spills 120 -> 18 registers, 1-5% faster; 256 splits: batch 1 at 128K 114 -> 79 us
-    return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, max_splits=256, tma=True, q_in_loop=True)
+        # many heads (compute-bound): a 64-row tile reaches Hopper's warpgroup MMA and reads each KV tile for
+        # 64 heads at once; TMA h64n64w8s2 253-279 TFLOP/s vs 206-215 for the pointer kernel (3 stages there:
+        # 2-5% ahead of 2)
+        return DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=stages, ctas_per_sm=1, tma=True)
+    # few heads (bandwidth-bound): the pointer kernel (16-byte async copies, ~220 registers, no spills) with
+    # 64-token tiles: 0.79-0.92 of copy bandwidth at kv >= 32K vs 0.71-0.83 for the TMA kernel, whose q operand
+    # spills (rounds 7-9); 256 splits: batch 1 at 128K 54 us. Page 64: 2 stages 1.5-6% ahead of 3.
+    return DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=stages, max_splits=256)
 
 
 def num_splits(batch: int, heads: int, capacity: int, device: torch.device, cfg: DecodeConfig) -> int:
@@ -275,13 +280,13 @@ def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, i
     grid = (B, triton.cdiv(H, cfg.block_h), ns)
     return _stage1_kernel[grid](
         q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens if not sparse else table, table, o, l,
-        sm_scale * _LOG2E, H, R, P, ckv_cache.shape[1], indices.shape[1] if sparse else 0,
+        sm_scale * _LOG2E, H, indices.shape[1] if sparse else 0,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
         table.stride(0), table.stride(0),
         s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
-        n_splits=ns, SPARSE=sparse, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        BLOCK_R=block(R), BLOCK_P=block(P), **dot_mode(q_nope.dtype),
+        n_splits=ns, SPARSE=sparse, PS=ckv_cache.shape[1], R=R, P=P, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        RH=max(16, block(R) // 2), BLOCK_P=block(P), **dot_mode(q_nope.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -295,7 +300,7 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
     for t, name in ((q_nope, "q_nope"), (q_pe, "q_pe"), (ckv_cache, "ckv_cache"), (kpe_cache, "kpe_cache")):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: last dim must be contiguous for the Triton kernel, strides {t.stride()}")
-    cfg = cfg or default_config(H, R)
+    cfg = cfg or default_config(H, R, ckv_cache.shape[1])
     ns = splits or num_splits(B, H, capacity, q_nope.device, cfg)
     if ns == 1:
         o, l = out, lse

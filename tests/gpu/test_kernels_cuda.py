@@ -100,23 +100,27 @@ def test_decode_short_lens_large_capacity():
     assert_attention(out, lse, *want, torch.bfloat16)
 
 
-TMA_CONFIGS = {"h16": (16, dict(block_h=16, block_n=32, num_warps=4, num_stages=3, q_in_loop=True)),
-               "h16-q-held": (16, dict(block_h=16, block_n=32, num_warps=4, num_stages=3)),
-               "h128": (128, dict(block_h=64, block_n=32, num_warps=8, num_stages=2, ctas_per_sm=1))}
+KERNEL_CONFIGS = {  # name: (H, DecodeConfig fields, page sizes); tma=True configs must be TMA-eligible there
+    "h16": (16, dict(block_h=16, block_n=32, num_warps=4, num_stages=3, q_in_loop=True, tma=True), (32, 64, 128)),
+    "h16-q-held": (16, dict(block_h=16, block_n=32, num_warps=4, num_stages=3, tma=True), (32, 64, 128)),
+    "h128": (128, dict(block_h=64, block_n=32, num_warps=8, num_stages=2, ctas_per_sm=1, tma=True), (32, 64, 128)),
+    "ptr-h16": (16, dict(block_h=16, block_n=64, num_warps=4, num_stages=3, max_splits=256), (1, 16, 64)),
+    "ptr-h128": (128, dict(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1), (1, 64)),
+}
+CONFIG_PAGES = [(name, ps) for name, (_, _, pages) in sorted(KERNEL_CONFIGS.items()) for ps in pages]
 
 
 @pytest.mark.parametrize("splits", [1, 3, None])
-@pytest.mark.parametrize("PS", [32, 64, 128])
-@pytest.mark.parametrize("which", sorted(TMA_CONFIGS))
-def test_decode_tma_kernel(which, PS, splits):
-    # the TMA kernel forced (whole tiles by descriptor, tails by masked loads; unused slots hold NaN),
+@pytest.mark.parametrize("which,PS", CONFIG_PAGES)
+def test_decode_kernel_config(which, PS, splits):
+    # one kernel config forced (TMA: whole tiles by descriptor, tails by masked loads; unused slots hold NaN),
     # lengths on and off tile and page edges, then captured in a CUDA graph and replayed with new lengths
     from mla_compile.kernels import decode as K
 
-    H, kw = TMA_CONFIGS[which]
-    cfg = K.DecodeConfig(**kw, tma=True)
+    H, kw, _ = KERNEL_CONFIGS[which]
+    cfg = K.DecodeConfig(**kw)
     b, qn, qp = make_batch([0, 1, 777, 64, 1500, 0, 33, 256], H, 512, 64, PS, torch.bfloat16, seed=PS)
-    assert K.tma_eligible(b.ckv_cache, b.kpe_cache, False, cfg)
+    assert K.tma_eligible(b.ckv_cache, b.kpe_cache, False, cfg) == cfg.tma
     lens = b.seq_lens.clone()
     run = lambda: K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, lens, 0.09, cfg=cfg, splits=splits)  # noqa
     assert_attention(*run(), *ref_of(b, qn, qp, 0.09), torch.bfloat16)
