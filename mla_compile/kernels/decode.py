@@ -250,6 +250,17 @@ def tma_eligible(ckv_cache, kpe_cache, sparse: bool, cfg: DecodeConfig) -> bool:
             and ckv_cache.data_ptr() % 16 == 0 and kpe_cache.data_ptr() % 16 == 0)
 
 
+def tma_constexprs(cfg: DecodeConfig, R: int, P: int, dtype: torch.dtype) -> dict:
+    """The compile-time arguments of `_stage1_tma_kernel` (shared with tests/test_kernel_codegen.py)."""
+    return dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, RH=R // 2, P=P, Q_IN_LOOP=cfg.q_in_loop, **dot_mode(dtype))
+
+
+def pointer_constexprs(cfg: DecodeConfig, R: int, P: int, page_size: int, sparse: bool, dtype: torch.dtype) -> dict:
+    """The compile-time arguments of `_stage1_kernel` (shared with tests/test_kernel_codegen.py)."""
+    return dict(SPARSE=sparse, PS=page_size, R=R, P=P, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+                RH=max(16, block(R) // 2), BLOCK_P=block(P), **dot_mode(dtype))
+
+
 def _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
                 cfg: DecodeConfig):
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -266,9 +277,7 @@ def _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1), block_table.stride(0),
         s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
-        n_splits=ns, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, RH=R // 2, P=P,
-        Q_IN_LOOP=cfg.q_in_loop, **dot_mode(q_nope.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        n_splits=ns, **tma_constexprs(cfg, R, P, q_nope.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, o, l, s_on,
@@ -285,8 +294,7 @@ def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, i
         ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
         table.stride(0), table.stride(0),
         s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
-        n_splits=ns, SPARSE=sparse, PS=ckv_cache.shape[1], R=R, P=P, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        RH=max(16, block(R) // 2), BLOCK_P=block(P), **dot_mode(q_nope.dtype),
+        n_splits=ns, **pointer_constexprs(cfg, R, P, ckv_cache.shape[1], sparse, q_nope.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
