@@ -55,6 +55,18 @@ def make_batch(lens, H, R, P, PS, dtype, seed, max_pages=None):
     return b, q_nope, q_pe
 
 
+def assert_replays(graph, out, lse, lens, b, q_nope, q_pe, scale, new_lens):
+    """Replay a captured decode (outputs out/lse, lengths read from `lens`) once per lengths list in new_lens;
+    each result against the float64 reference."""
+    for new in new_lens:
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = ref.ref_decode(q_nope.cpu(), q_pe.cpu(), b.ckv_cache.cpu(), b.kpe_cache.cpu(), b.block_table.cpu(),
+                              lens.cpu(), scale)
+        assert_attention(out, lse, *want, torch.bfloat16)
+
+
 def ref_of(b, q_nope, q_pe, scale):
     return ref.ref_decode(q_nope.cpu(), q_pe.cpu(), b.ckv_cache.cpu(), b.kpe_cache.cpu(), b.block_table.cpu(),
                           b.seq_lens.cpu(), scale)
@@ -125,13 +137,8 @@ def test_decode_kernel_config(which, PS, splits):
     run = lambda: K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, lens, 0.09, cfg=cfg, splits=splits)  # noqa
     assert_attention(*run(), *ref_of(b, qn, qp, 0.09), torch.bfloat16)
     graph, (out, lse) = capture(run)
-    for new in ([0, 1, 700, 63, 1500, 0, 0, 255], [0, 0, 0, 0, 0, 0, 0, 0]):  # <= the filled lengths
-        lens.copy_(torch.tensor(new, dtype=torch.int32))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = ref.ref_decode(qn.cpu(), qp.cpu(), b.ckv_cache.cpu(), b.kpe_cache.cpu(), b.block_table.cpu(),
-                              lens.cpu(), 0.09)
-        assert_attention(out, lse, *want, torch.bfloat16)
+    # lengths <= the filled ones
+    assert_replays(graph, out, lse, lens, b, qn, qp, 0.09, ([0, 1, 700, 63, 1500, 0, 0, 255], [0] * 8))
 
 
 # ------------------------------------------------------------------------------------------ sparse decode
@@ -252,13 +259,7 @@ def test_decode_cuda_graph_replay(backend, monkeypatch):
     lens = b.seq_lens.clone()
     graph, (out, lse) = capture(lambda: torch.ops.mla.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table,
                                                              lens, 0.1))
-    for new in ([900, 400, 1200, 64], [0, 1, 700, 64], [17, 0, 0, 3]):
-        lens.copy_(torch.tensor(new, dtype=torch.int32))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = ref.ref_decode(qn.cpu(), qp.cpu(), b.ckv_cache.cpu(), b.kpe_cache.cpu(), b.block_table.cpu(),
-                              lens.cpu(), 0.1)
-        assert_attention(out, lse, *want, torch.bfloat16)
+    assert_replays(graph, out, lse, lens, b, qn, qp, 0.1, ([900, 400, 1200, 64], [0, 1, 700, 64], [17, 0, 0, 3]))
 
 
 def test_sparse_merge_cache_dsa_cuda_graph_replay():
