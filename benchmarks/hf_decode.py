@@ -17,7 +17,9 @@ from that same state:
 Reported per (H, kv_len, mode): ms/step (median of 3 timed runs of `--steps` steps, after warm-up) and decode
 tokens/s = batch / step time; speedup of mla over default. Correctness: the first `--check-steps` steps' logits
 of default and mla vs eager from the same filled cache, teacher-forced on eager's greedy tokens: max relative
-error (bf16 tolerance 2e-2: "ok") and the steps whose argmax agrees.
+error (bf16 tolerance 2e-2: "ok") and the steps whose argmax agrees. Every mode (eager included) is also
+compared with an fp32 copy of the model run eagerly on the same tokens and cache (`max_rel_err_vs_fp32`): that
+separates a mode's own error from the bf16 noise of the eager reference (`--no-fp32-ref` skips it).
 The JSON is rewritten after every mode (a later OOM / crash / timeout keeps what is done). A full run compiles
 8 graphs (2 per case); under a per-command time limit split it, e.g. `--heads 16` then `--heads 128`.
 """
@@ -92,6 +94,33 @@ def decode(fn, cache, tok, mask, start: int, steps: int, keep_logits: bool = Fal
     return logits
 
 
+def fp32_logits(model, snapshot, kv_len: int, max_len: int, tok, mask, forced, steps: int):
+    """Logits of an fp32 copy of `model`, eager, over an fp32 copy of the cache state in `snapshot` (a list of
+    (keys, values) per layer), teacher-forced on `forced`: the reference the bf16 modes are measured against."""
+    import copy
+
+    from transformers import StaticCache
+
+    model32 = copy.deepcopy(model).float()
+    cache = StaticCache(config=model32.config, max_cache_len=max_len)
+    B = tok.shape[0]
+    with torch.no_grad():  # allocate the fp32 buffers (lazy init), then load the snapshot into them
+        model32(torch.zeros(B, 1, dtype=torch.long, device=tok.device), **cache_kwargs(model32, cache),
+                attention_mask=mask[:, :1], cache_position=torch.arange(1, device=tok.device))
+    for layer, (k, v) in zip(cache.layers, snapshot):
+        layer.keys.copy_(k)
+        layer.values.copy_(v)
+    rewind(cache, kv_len)
+    logits = decode(model32, cache, tok, mask, kv_len, steps, keep_logits=True, forced=forced)
+    del model32, cache
+    return logits
+
+
+def max_rel_err(logits, ref_logits) -> float:
+    """max over steps of max |logits - ref| / max |ref| (per step, all rows and vocab)."""
+    return max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(logits, ref_logits))
+
+
 def rewind(cache, kv_len: int):
     for layer in cache.layers:
         layer.cumulative_length.fill_(kv_len)
@@ -114,7 +143,7 @@ def run_case(H, kv_len, args, device, dtype, modes, log, result, save):
             lay.values.copy_(v)
         rewind(cache, kv_len)
 
-    ref_logits = ref_tokens = None
+    ref_logits = ref_tokens = ref32_logits = None
     for mode in modes:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
@@ -138,12 +167,21 @@ def run_case(H, kv_len, args, device, dtype, modes, log, result, save):
             if mode == "eager":
                 ref_logits = logits
                 ref_tokens = torch.cat([tok] + [lg.argmax(-1, keepdim=True) for lg in logits[:-1]], 1)
+                if args.fp32_ref:
+                    try:
+                        ref32_logits = fp32_logits(model, snapshot, kv_len, max_len, tok, mask, ref_tokens,
+                                                   args.check_steps)
+                    except torch.OutOfMemoryError as e:  # the fp32 eager expansion is the largest tensor here
+                        result["fp32_ref_error"] = f"OutOfMemoryError: {e}"[:300]
+                        torch.cuda.empty_cache()
             elif ref_logits is not None:
-                err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(logits, ref_logits))
+                err = max_rel_err(logits, ref_logits)
                 agree = sum(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(logits, ref_logits))
                 entry["max_rel_err_vs_eager"] = err
                 entry["token_steps_agree"] = f"{agree}/{len(logits)}"
                 entry["ok"] = bool(err < (2e-2 if dtype == torch.bfloat16 else 1e-4))
+            if ref32_logits is not None:
+                entry["max_rel_err_vs_fp32"] = max_rel_err(logits, ref32_logits)
             entry["rewrites"] = int(torch._dynamo.utils.counters["mla_compile"].get("mla_attention_rewritten", 0))
             # timing: warm-up, then 3 timed runs of `steps` steps (the cache keeps growing; rewound each run)
             times = []
@@ -193,6 +231,8 @@ def main(argv=None):
     ap.add_argument("--check-steps", type=int, default=4)
     ap.add_argument("--modes", nargs="+", default=["eager", "default", "mla"])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU ok, fp32): checks the script")
+    ap.add_argument("--no-fp32-ref", dest="fp32_ref", action="store_false",
+                    help="skip the fp32-model reference logits (max_rel_err_vs_fp32)")
     args = ap.parse_args(argv)
 
     import mla_compile  # noqa: F401  (the backend is also found by entry point; import registers the ops)

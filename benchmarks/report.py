@@ -258,7 +258,7 @@ def hf_block(d: dict) -> list[str]:
             + f". Device {env.get('device')}, torch {env.get('torch')}, transformers {env.get('transformers')}.", ""]
     hdr = ["H", "kv_len", "batch"] + [f"{m} tok/s" for m in HF_MODES] + [
         "mla vs default", "mla vs eager", "default ms/step", "mla ms/step", "mla rel err vs eager", "tokens agree",
-        "rewrites"]
+        "rel err vs fp32: eager / default / mla", "rewrites"]
     rows = []
     for c in d.get("cases", []):
         ms = c.get("modes", {})
@@ -269,6 +269,7 @@ def hf_block(d: dict) -> list[str]:
         cells += [num(c.get("speedup_mla_vs_default"), "{:.1f}x"), num(c.get("speedup_mla_vs_eager"), "{:.1f}x"),
                   num(ms.get("default", {}).get("ms_per_step"), "{:.2f}"), num(mla.get("ms_per_step"), "{:.2f}"),
                   num(mla.get("max_rel_err_vs_eager"), "{:.1e}"), str(mla.get("token_steps_agree", "-")),
+                  " / ".join(num(ms.get(m, {}).get("max_rel_err_vs_fp32"), "{:.1e}") for m in HF_MODES),
                   str(mla.get("rewrites", "-"))]
         rows.append(cells)
     out += md_table(hdr, rows)
