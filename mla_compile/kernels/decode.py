@@ -308,7 +308,8 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
     for t, name in ((q_nope, "q_nope"), (q_pe, "q_pe"), (ckv_cache, "ckv_cache"), (kpe_cache, "kpe_cache")):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: last dim must be contiguous for the Triton kernel, strides {t.stride()}")
-    cfg = cfg or default_config(H, R, ckv_cache.shape[1])
+    # an index list (sparse_decode) gathers every token through a table load, as a page-1 token table does
+    cfg = cfg or default_config(H, R, 1 if indices is not None else ckv_cache.shape[1])
     ns = splits or num_splits(B, H, capacity, q_nope.device, cfg)
     if ns == 1:
         o, l = out, lse
