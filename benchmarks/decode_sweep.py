@@ -53,16 +53,21 @@ C = D.DecodeConfig
 # H=128: TMA h64n64w8s2 stays ahead of the pointer kernel (253-279 vs 206-215 TFLOP/s).
 # Round 8 (data/decode_sweep_round8.json, page size now a constexpr): at page 64, 2 stages beat 3 by 1.5-6%
 # (B=8 32K 90.6 vs 96.3 us) and stay ~2-6% behind the page-1 run with 3 stages; 8 warps, 128-token tiles and
-# 1 CTA/SM of splits lose. Default: ptr n64w4s2. Round 9: the default, and 2 vs 3 stages on page 1.
+# 1 CTA/SM of splits lose. Round 9 (data/decode_sweep_round9.json): on page 1, 2 stages are 20% slower than 3.
+# Defaults: ptr n64w4, 2 stages where pages hold whole tiles, else 3.
+# Round 10 (prepared, not run yet): page 64's per-token page math (signed // and % per token, a table load per
+# token: ~200 more integer instructions per tile than page 1 in the sm_90a PTX) vs one table load per tile
+# (`page_per_tile`: 1716 instead of 2053 instructions, but 255 registers and ~90 B of spills at page 64).
 CONFIGS = {
-    16: {"ptr n64w4s2": C(16, 64, 4, 2, 2, 256)},
+    16: {
+        "ptr n64w4s2": C(16, 64, 4, 2, 2, 256),
+        "ptr n64w4s2 tile-page": C(16, 64, 4, 2, 2, 256, page_per_tile=True),
+        "ptr n64w4s3 tile-page": C(16, 64, 4, 3, 2, 256, page_per_tile=True),
+    },
     128: {},
 }
 # H=16 pointer-kernel configs timed on a page-size-1 token table (the HF StaticCache path)
-PAGE1 = {
-    "ptr n64w4s2": C(16, 64, 4, 2, 2, 256),
-    "ptr n64w4s3": C(16, 64, 4, 3, 2, 256),
-}
+PAGE1 = {"ptr n64w4s3": C(16, 64, 4, 3, 2, 256)}
 SHAPES = {16: [(1, 131072), (8, 32768), (8, 131072), (32, 32768), (128, 8192)],
           128: [(1, 131072), (8, 32768), (32, 32768), (128, 8192)]}
 

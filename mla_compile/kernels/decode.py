@@ -50,15 +50,16 @@ def _load_q(Qn, Qp, b, offs_h, mask_h, s_qnb, s_qnh, s_qpb, s_qph, R: tl.constex
 
 @triton.jit
 def _load_tile(Ckv, Kpe, page, off, valid, s_cp, s_cs, s_kp, s_ks, R, P, RH: tl.constexpr, BLOCK_P: tl.constexpr):
-    """One KV tile by pointers (page [BLOCK_N] int64, off [BLOCK_N]): latent halves c0 | c1 and rope k. Masked
-    loads never touch invalid slots (unused cache slots may hold NaN)."""
+    """One KV tile by pointers: token i at page[i] (int64 [BLOCK_N, 1], or one scalar page for the whole tile),
+    row off[i] ([BLOCK_N, 1]) of it; returns latent halves c0 | c1 and rope k. Masked loads never touch invalid
+    slots (unused cache slots may hold NaN)."""
     offs_r = tl.arange(0, RH)
     offs_p = tl.arange(0, BLOCK_P)
-    rows = page[:, None] * s_cp + off[:, None] * s_cs
+    rows = page * s_cp + off * s_cs
     c0 = tl.load(Ckv + rows + offs_r[None, :], mask=valid[:, None] & (offs_r[None, :] < R), other=0.0)
     c1 = tl.load(Ckv + rows + RH + offs_r[None, :], mask=valid[:, None] & (offs_r[None, :] + RH < R), other=0.0)
-    k = tl.load(Kpe + page[:, None] * s_kp + off[:, None] * s_ks + offs_p[None, :],
-                mask=valid[:, None] & (offs_p[None, :] < P), other=0.0)
+    k = tl.load(Kpe + page * s_kp + off * s_ks + offs_p[None, :], mask=valid[:, None] & (offs_p[None, :] < P),
+                other=0.0)
     return c0, c1, k
 
 
@@ -102,7 +103,8 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, Idx, O, L,
                    scale_log2, H, n_sparse,
                    s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb, s_ib,
                    s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
-                   n_splits, SPARSE: tl.constexpr, PS: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
+                   n_splits, SPARSE: tl.constexpr, TILE_PAGE: tl.constexpr, PS: tl.constexpr, R: tl.constexpr,
+                   P: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, RH: tl.constexpr, BLOCK_P: tl.constexpr,
                    DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """Any page size, any R/P (masked to RH-wide halves), and sparse index lists: every tile by pointers.
@@ -130,11 +132,14 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, Idx, O, L,
             slot = tl.load(Idx + b * s_ib + offs_t, mask=valid, other=-1)
             valid = valid & (slot >= 0)
             slot = tl.maximum(slot, 0)
-            page = (slot // PS).to(tl.int64)
-            off = slot % PS
+            page = (slot // PS).to(tl.int64)[:, None]
+            off = (slot % PS)[:, None]
+        elif TILE_PAGE:  # the tile lies in one page (t0 is tile-aligned, PS % BLOCK_N == 0): one table load
+            page = tl.load(Table + b * s_tb + t0 // PS).to(tl.int64)
+            off = (t0 % PS + tl.arange(0, BLOCK_N))[:, None]
         else:
-            page = tl.load(Table + b * s_tb + offs_t // PS, mask=valid, other=0).to(tl.int64)
-            off = offs_t % PS
+            page = tl.load(Table + b * s_tb + offs_t // PS, mask=valid, other=0).to(tl.int64)[:, None]
+            off = (offs_t % PS)[:, None]
         c0, c1, k = _load_tile(Ckv, Kpe, page, off, valid, s_cp, s_cs, s_kp, s_ks, R, P, RH, BLOCK_P)
         m_i, l_i, acc0, acc1 = _tile_update(qn0, qn1, qp, c0, c1, k, valid, m_i, l_i, acc0, acc1, scale_log2,
                                             True, DOT_PREC, DOT_UPCAST)
@@ -180,8 +185,7 @@ def _stage1_tma_kernel(Qn, Qp, CkvDesc, KpeDesc, Ckv, Kpe, Table, Lens, O, L,
         offs_t = full_end + tl.arange(0, BLOCK_N)
         valid = offs_t < end
         page = tl.load(Table + b * s_tb + full_end // PS).to(tl.int64)  # the tile lies in one page
-        page = tl.zeros([BLOCK_N], tl.int64) + page
-        c0, c1, k = _load_tile(Ckv, Kpe, page, offs_t % PS, valid, s_cp, s_cs, s_kp, s_ks, R, P, RH, P)
+        c0, c1, k = _load_tile(Ckv, Kpe, page, (offs_t % PS)[:, None], valid, s_cp, s_cs, s_kp, s_ks, R, P, RH, P)
         m_i, l_i, acc0, acc1 = _tile_update(qn0, qn1, qp, c0, c1, k, valid, m_i, l_i, acc0, acc1, scale_log2,
                                             True, DOT_PREC, DOT_UPCAST)
     _store_split(O, L, split, b, offs_h, mask_h, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, R, m_i, l_i, acc0, acc1,
@@ -201,6 +205,8 @@ class DecodeConfig:
     min_split_tokens: int = 64
     tma: bool = False  # full tiles by TMA boxes where the layout allows (see tma_eligible)
     q_in_loop: bool = False  # TMA kernel: re-load q every tile (keeps it out of registers)
+    # pointer kernel, pages holding whole tiles: one table load per tile, rows by offset (no per-token page math)
+    page_per_tile: bool = False
 
 
 def default_config(H: int, R: int, page_size: int) -> DecodeConfig:
@@ -257,8 +263,9 @@ def tma_constexprs(cfg: DecodeConfig, R: int, P: int, dtype: torch.dtype) -> dic
 
 def pointer_constexprs(cfg: DecodeConfig, R: int, P: int, page_size: int, sparse: bool, dtype: torch.dtype) -> dict:
     """The compile-time arguments of `_stage1_kernel` (shared with tests/test_kernel_codegen.py)."""
-    return dict(SPARSE=sparse, PS=page_size, R=R, P=P, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-                RH=max(16, block(R) // 2), BLOCK_P=block(P), **dot_mode(dtype))
+    tile_page = cfg.page_per_tile and not sparse and page_size % cfg.block_n == 0
+    return dict(SPARSE=sparse, TILE_PAGE=tile_page, PS=page_size, R=R, P=P, BLOCK_H=cfg.block_h,
+                BLOCK_N=cfg.block_n, RH=max(16, block(R) // 2), BLOCK_P=block(P), **dot_mode(dtype))
 
 
 def _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
