@@ -1,6 +1,8 @@
 """Tile-config sweep of the Triton `mla::decode` kernels on the GPU (picks `default_config`; not a test).
 
 usage: python benchmarks/decode_sweep.py OUT.json [--quick]
+       python benchmarks/decode_sweep.py OUT.json --aot     # no GPU: each config compiled for sm_90a
+                                                             # (kernel, registers, spills, PTX instructions)
 
 Every config is first checked against the float64 reference (tests/reference.py) on a small batch with
 ragged lengths, a 0-length row, NaN in unused slots and forced splits; a config that fails is reported and
@@ -125,9 +127,28 @@ def checked(res: dict, H: int, name: str, cfg: D.DecodeConfig, page: int) -> boo
     return verdict == "ok"
 
 
+def aot_report(path: str) -> None:
+    """Every config of this round compiled for sm_90a on this machine (mla_compile/kernels/aot.py): a GPU-free
+    first look (a config that spills or lost its async copies is rarely worth device time)."""
+    from mla_compile.kernels import aot
+
+    res = {}
+    for H, configs in CONFIGS.items():
+        for page, named in ((PS, configs), (1, PAGE1 if H == 16 else {})):
+            for name, cfg in named.items():
+                key = f"H{H} {name}" + (" page1" if page == 1 else "")
+                out = aot.stage1_sm90(cfg, R, P, page)
+                res[key] = {k: out[k] for k in ("kernel", "registers", "spill_bytes", "instructions")}
+                print(f"{key}: {res[key]}", flush=True)
+    with open(path, "w") as fh:
+        json.dump({"aot_sm90": res}, fh, indent=1)
+
+
 def main(argv):
     args = [a for a in argv if not a.startswith("--")]
     path = args[0] if args else os.path.join(os.environ.get("OUT", "."), "decode_sweep.json")
+    if "--aot" in argv:
+        return aot_report(path)
     quick = "--quick" in argv
     t_start = time.time()
     x = torch.randn(1 << 29, device="cuda", dtype=torch.float16)

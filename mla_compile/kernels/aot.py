@@ -1,0 +1,72 @@
+"""The decode stage-1 kernels compiled for Hopper (sm_90a) without a GPU: Triton's ahead-of-time compiler plus
+its bundled ptxas give the PTX and the register / spill counts of exactly what a launch would build.
+
+Used by tests/test_kernel_codegen.py (CI guards on the default kernels) and `benchmarks/decode_sweep.py --aot`
+(prune tile configs before spending GPU time). Development tooling: nothing at run time imports it.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import decode as D
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+_POINTERS = {"Qn": "*bf16", "Qp": "*bf16", "Ckv": "*bf16", "Kpe": "*bf16", "Table": "*i32", "Lens": "*i32",
+             "Idx": "*i32", "O": "*fp32", "L": "*fp32"}
+# what a real launch specialises as multiples of 16: aligned pointers and the cache / q / out strides (a table
+# stride can be anything)
+_DIVISIBLE = set(_POINTERS) | {"s_qnb", "s_qnh", "s_qpb", "s_qph", "s_cp", "s_cs", "s_kp", "s_ks", "s_on", "s_ob",
+                               "s_oh"}
+
+
+def available() -> bool:
+    return os.path.exists(PTXAS)
+
+
+def compile_sm90(kernel, constexprs: dict, descriptors: dict, num_warps: int, num_stages: int) -> dict:
+    """`kernel` for sm_90a with a launch's constexprs (bf16 dot mode): {"ptx", "registers", "spill_bytes"}."""
+    constexprs = dict(constexprs, DOT_PREC="tf32", DOT_UPCAST=False)
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = descriptors.get(name) or _POINTERS.get(name) or ("fp32" if name == "scale_log2" else "i32")
+        if name in _DIVISIBLE:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = compiled.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        report = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                                text=True, check=True).stderr
+    return {"ptx": ptx, "registers": int(re.findall(r"Used (\d+) registers", report)[-1]),
+            "spill_bytes": int(re.findall(r"(\d+) bytes spill stores", report)[-1])}
+
+
+def stage1_sm90(cfg: D.DecodeConfig, R: int = 512, P: int = 64, page_size: int = 64, sparse: bool = False) -> dict:
+    """The stage-1 kernel `decode` would launch for this config and cache layout (bf16, row-contiguous caches),
+    compiled for sm_90a; adds "kernel" ("tma" / "pointer") and "instructions" (PTX instruction count)."""
+    pow2 = lambda x: 16 <= x <= 256 and x & (x - 1) == 0  # noqa: E731  (tma_eligible's width rule)
+    tma = cfg.tma and not sparse and page_size % cfg.block_n == 0 and R % 2 == 0 and pow2(R // 2) and pow2(P)
+    if tma:
+        desc = {"CkvDesc": f"tensordesc<bf16[{cfg.block_n}, {R // 2}]>", "KpeDesc": f"tensordesc<bf16[{cfg.block_n}, {P}]>"}
+        out = compile_sm90(D._stage1_tma_kernel, D.tma_constexprs(cfg, R, P, torch.bfloat16), desc, cfg.num_warps,
+                           cfg.num_stages)
+    else:
+        out = compile_sm90(D._stage1_kernel, D.pointer_constexprs(cfg, R, P, page_size, sparse, torch.bfloat16), {},
+                           cfg.num_warps, cfg.num_stages)
+    ops = collections.Counter(re.findall(r"^\s+(?:@!?%p\d+ )?([a-z]+[a-z0-9._:]*)", out["ptx"], re.M))
+    return dict(out, kernel="tma" if tma else "pointer", instructions=sum(ops.values()))
