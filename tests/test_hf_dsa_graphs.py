@@ -264,8 +264,9 @@ aten.transpose.int -> [2, 4, 512] float32
 aten.clone.default -> [2, 4, 512] float32
 aten.expand.default -> [2, 1, 1, 222] bool
 aten.reshape.default -> [2, 222] bool
-aten.sum.dim_IntList -> [2] int32
 aten.cumsum.default -> [2, 222] int64
+aten.select.int -> [2] int64
+aten._to_copy.default -> [2] int32
 aten.sub.Tensor -> [2, 222] int64
 aten.where.ScalarOther -> [2, 222] int64
 aten.arange.default -> [222] int32
@@ -343,8 +344,9 @@ aten.transpose.int -> [2, 4, 512] float32
 aten.clone.default -> [2, 4, 512] float32
 aten.expand.default -> [2, 1, 1, 222] bool
 aten.reshape.default -> [2, 222] bool
-aten.sum.dim_IntList -> [2] int32
 aten.cumsum.default -> [2, 222] int64
+aten.select.int -> [2] int64
+aten._to_copy.default -> [2] int32
 aten.sub.Tensor -> [2, 222] int64
 aten.where.ScalarOther -> [2, 222] int64
 aten.arange.default -> [222] int32

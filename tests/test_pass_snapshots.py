@@ -124,24 +124,25 @@ class TestPassSnapshots(expecttest.TestCase):
 %13 = aten.clone.default(%12, memory_format=torch.contiguous_format) -> [2, 4, 512] float32
 %14 = aten.expand.default(%in, [2, 1, 1, 16]) -> [2, 1, 1, 16] bool
 %15 = aten.reshape.default(%14, [2, 16]) -> [2, 16] bool
-%16 = aten.sum.dim_IntList(%15, [-1], False, dtype=int32) -> [2] int32
-%17 = aten.cumsum.default(%15, -1, dtype=int64) -> [2, 16] int64
-%18 = aten.sub.Tensor(%17, 1) -> [2, 16] int64
-%19 = aten.where.ScalarOther(%15, %18, 16) -> [2, 16] int64
-%20 = aten.arange.default(16, dtype=int32) -> [16] int32
-%21 = aten.expand.default(%20, [2, 16]) -> [2, 16] int32
-%22 = aten.zeros.default([2, 17], dtype=int32) -> [2, 17] int32
-%23 = aten.scatter.src(%22, 1, %19, %21) -> [2, 17] int32
-%24 = aten.slice.Tensor(%23, 1, 0, 16) -> [2, 16] int32
-%25 = aten.arange.start_step(0, 32, 16, dtype=int32) -> [2] int32
-%26 = aten.unsqueeze.default(%25, 1) -> [2, 1] int32
-%27 = aten.add.Tensor(%24, %26) -> [2, 16] int32
-%28 = aten.reshape.default(%in, [32, 1, 512]) -> [32, 1, 512] float32
-%29 = aten.reshape.default(%in, [32, 1, 64]) -> [32, 1, 64] float32
-%30 = mla.decode.default(%13, %6, %28, %29, %27, %16, 0.0721688) -> ([2, 4, 512], [2, 4])
-%31 = _operator.getitem(%30, 0) -> [2, 4, 512] float32
-%32 = aten.transpose.int(%31, 0, 1) -> [4, 2, 512] float32
-%33 = aten.transpose.int(%9, 1, 2) -> [4, 512, 128] float32
-%34 = aten.bmm.default(%32, %33) -> [4, 2, 128] float32
-%35 = aten.transpose.int(%34, 0, 1) -> [2, 4, 128] float32
-%36 = aten.unsqueeze.default(%35, 2) -> [2, 4, 1, 128] float32""")
+%16 = aten.cumsum.default(%15, -1, dtype=int64) -> [2, 16] int64
+%17 = aten.select.int(%16, 1, 15) -> [2] int64
+%18 = aten._to_copy.default(%17, dtype=int32) -> [2] int32
+%19 = aten.sub.Tensor(%16, 1) -> [2, 16] int64
+%20 = aten.where.ScalarOther(%15, %19, 16) -> [2, 16] int64
+%21 = aten.arange.default(16, dtype=int32) -> [16] int32
+%22 = aten.expand.default(%21, [2, 16]) -> [2, 16] int32
+%23 = aten.zeros.default([2, 17], dtype=int32) -> [2, 17] int32
+%24 = aten.scatter.src(%23, 1, %20, %22) -> [2, 17] int32
+%25 = aten.slice.Tensor(%24, 1, 0, 16) -> [2, 16] int32
+%26 = aten.arange.start_step(0, 32, 16, dtype=int32) -> [2] int32
+%27 = aten.unsqueeze.default(%26, 1) -> [2, 1] int32
+%28 = aten.add.Tensor(%25, %27) -> [2, 16] int32
+%29 = aten.reshape.default(%in, [32, 1, 512]) -> [32, 1, 512] float32
+%30 = aten.reshape.default(%in, [32, 1, 64]) -> [32, 1, 64] float32
+%31 = mla.decode.default(%13, %6, %29, %30, %28, %18, 0.0721688) -> ([2, 4, 512], [2, 4])
+%32 = _operator.getitem(%31, 0) -> [2, 4, 512] float32
+%33 = aten.transpose.int(%32, 0, 1) -> [4, 2, 512] float32
+%34 = aten.transpose.int(%9, 1, 2) -> [4, 512, 128] float32
+%35 = aten.bmm.default(%33, %34) -> [4, 2, 128] float32
+%36 = aten.transpose.int(%35, 0, 1) -> [2, 4, 128] float32
+%37 = aten.unsqueeze.default(%36, 2) -> [2, 4, 1, 128] float32""")

@@ -539,9 +539,11 @@ def _emit_row_cumsum(b: Builder, valid: fx.Node, B: int, L: int, device) -> fx.N
 
 
 def _emit_token_table(b: Builder, valid: fx.Node, B: int, L: int, device):
-    """(table int32 [B, L] of valid LOGICAL positions, counts int32 [B]) as aten nodes."""
-    counts = b.call(aten.sum.dim_IntList, valid, [-1], False, dtype=torch.int32)
+    """(table int32 [B, L] of valid LOGICAL positions, counts int32 [B]) as aten nodes. The counts are the scan's
+    last column, not a row sum: Inductor fused a [B, L] sum with the scatter into one reduction kernel of B
+    programs (17.7 us of an 0.85 ms H=16 32K HF step on the H200)."""
     cum = _emit_row_cumsum(b, valid, B, L, device)
+    counts = b.call(aten._to_copy.default, b.call(aten.select.int, cum, 1, L - 1), dtype=torch.int32)
     pos = b.call(aten.sub.Tensor, cum, 1)
     dest = b.call(aten.where.ScalarOther, valid, pos, L)
     src = b.call(aten.arange.default, L, dtype=torch.int32, device=device)
