@@ -254,14 +254,12 @@ _operator.add -> [1] int64
 aten.select.int -> [2, 4, 192] float32
 aten.slice.Tensor -> [2, 4, 128] float32
 aten.slice.Tensor -> [2, 4, 64] float32
-aten.clone.default -> [2, 4, 64] float32
 aten.reshape.default -> [4, 256, 512] float32
 aten.slice.Tensor -> [4, 128, 512] float32
 aten.slice.Tensor -> [4, 128, 512] float32
 aten.transpose.int -> [4, 2, 128] float32
 aten.bmm.default -> [4, 2, 512] float32
 aten.transpose.int -> [2, 4, 512] float32
-aten.clone.default -> [2, 4, 512] float32
 aten.expand.default -> [2, 1, 1, 222] bool
 aten.reshape.default -> [2, 222] bool
 aten.cumsum.default -> [2, 222] int64
@@ -334,14 +332,12 @@ _operator.mul -> [2, 1, 64] float32
 aten.select.int -> [2, 4, 192] float32
 aten.slice.Tensor -> [2, 4, 128] float32
 aten.slice.Tensor -> [2, 4, 64] float32
-aten.clone.default -> [2, 4, 64] float32
 aten.reshape.default -> [4, 256, 512] float32
 aten.slice.Tensor -> [4, 128, 512] float32
 aten.slice.Tensor -> [4, 128, 512] float32
 aten.transpose.int -> [4, 2, 128] float32
 aten.bmm.default -> [4, 2, 512] float32
 aten.transpose.int -> [2, 4, 512] float32
-aten.clone.default -> [2, 4, 512] float32
 aten.expand.default -> [2, 1, 1, 222] bool
 aten.reshape.default -> [2, 222] bool
 aten.cumsum.default -> [2, 222] int64

@@ -114,35 +114,33 @@ class TestPassSnapshots(expecttest.TestCase):
 %3 = aten.select.int(%2, 2, 0) -> [2, 4, 192] float32
 %4 = aten.slice.Tensor(%3, 2, 0, 128) -> [2, 4, 128] float32
 %5 = aten.slice.Tensor(%3, 2, 128, 192) -> [2, 4, 64] float32
-%6 = aten.clone.default(%5, memory_format=torch.contiguous_format) -> [2, 4, 64] float32
-%7 = aten.reshape.default(%in, [4, 256, 512]) -> [4, 256, 512] float32
-%8 = aten.slice.Tensor(%7, 1, 0, 128) -> [4, 128, 512] float32
-%9 = aten.slice.Tensor(%7, 1, 128, 256) -> [4, 128, 512] float32
-%10 = aten.transpose.int(%4, 0, 1) -> [4, 2, 128] float32
-%11 = aten.bmm.default(%10, %8) -> [4, 2, 512] float32
-%12 = aten.transpose.int(%11, 0, 1) -> [2, 4, 512] float32
-%13 = aten.clone.default(%12, memory_format=torch.contiguous_format) -> [2, 4, 512] float32
-%14 = aten.expand.default(%in, [2, 1, 1, 16]) -> [2, 1, 1, 16] bool
-%15 = aten.reshape.default(%14, [2, 16]) -> [2, 16] bool
-%16 = aten.cumsum.default(%15, -1, dtype=int64) -> [2, 16] int64
-%17 = aten.select.int(%16, 1, 15) -> [2] int64
-%18 = aten._to_copy.default(%17, dtype=int32) -> [2] int32
-%19 = aten.sub.Tensor(%16, 1) -> [2, 16] int64
-%20 = aten.where.ScalarOther(%15, %19, 16) -> [2, 16] int64
-%21 = aten.arange.default(16, dtype=int32) -> [16] int32
-%22 = aten.expand.default(%21, [2, 16]) -> [2, 16] int32
-%23 = aten.zeros.default([2, 17], dtype=int32) -> [2, 17] int32
-%24 = aten.scatter.src(%23, 1, %20, %22) -> [2, 17] int32
-%25 = aten.slice.Tensor(%24, 1, 0, 16) -> [2, 16] int32
-%26 = aten.arange.start_step(0, 32, 16, dtype=int32) -> [2] int32
-%27 = aten.unsqueeze.default(%26, 1) -> [2, 1] int32
-%28 = aten.add.Tensor(%25, %27) -> [2, 16] int32
-%29 = aten.reshape.default(%in, [32, 1, 512]) -> [32, 1, 512] float32
-%30 = aten.reshape.default(%in, [32, 1, 64]) -> [32, 1, 64] float32
-%31 = mla.decode.default(%13, %6, %29, %30, %28, %18, 0.0721688) -> ([2, 4, 512], [2, 4])
-%32 = _operator.getitem(%31, 0) -> [2, 4, 512] float32
-%33 = aten.transpose.int(%32, 0, 1) -> [4, 2, 512] float32
-%34 = aten.transpose.int(%9, 1, 2) -> [4, 512, 128] float32
-%35 = aten.bmm.default(%33, %34) -> [4, 2, 128] float32
-%36 = aten.transpose.int(%35, 0, 1) -> [2, 4, 128] float32
-%37 = aten.unsqueeze.default(%36, 2) -> [2, 4, 1, 128] float32""")
+%6 = aten.reshape.default(%in, [4, 256, 512]) -> [4, 256, 512] float32
+%7 = aten.slice.Tensor(%6, 1, 0, 128) -> [4, 128, 512] float32
+%8 = aten.slice.Tensor(%6, 1, 128, 256) -> [4, 128, 512] float32
+%9 = aten.transpose.int(%4, 0, 1) -> [4, 2, 128] float32
+%10 = aten.bmm.default(%9, %7) -> [4, 2, 512] float32
+%11 = aten.transpose.int(%10, 0, 1) -> [2, 4, 512] float32
+%12 = aten.expand.default(%in, [2, 1, 1, 16]) -> [2, 1, 1, 16] bool
+%13 = aten.reshape.default(%12, [2, 16]) -> [2, 16] bool
+%14 = aten.cumsum.default(%13, -1, dtype=int64) -> [2, 16] int64
+%15 = aten.select.int(%14, 1, 15) -> [2] int64
+%16 = aten._to_copy.default(%15, dtype=int32) -> [2] int32
+%17 = aten.sub.Tensor(%14, 1) -> [2, 16] int64
+%18 = aten.where.ScalarOther(%13, %17, 16) -> [2, 16] int64
+%19 = aten.arange.default(16, dtype=int32) -> [16] int32
+%20 = aten.expand.default(%19, [2, 16]) -> [2, 16] int32
+%21 = aten.zeros.default([2, 17], dtype=int32) -> [2, 17] int32
+%22 = aten.scatter.src(%21, 1, %18, %20) -> [2, 17] int32
+%23 = aten.slice.Tensor(%22, 1, 0, 16) -> [2, 16] int32
+%24 = aten.arange.start_step(0, 32, 16, dtype=int32) -> [2] int32
+%25 = aten.unsqueeze.default(%24, 1) -> [2, 1] int32
+%26 = aten.add.Tensor(%23, %25) -> [2, 16] int32
+%27 = aten.reshape.default(%in, [32, 1, 512]) -> [32, 1, 512] float32
+%28 = aten.reshape.default(%in, [32, 1, 64]) -> [32, 1, 64] float32
+%29 = mla.decode.default(%11, %5, %27, %28, %26, %16, 0.0721688) -> ([2, 4, 512], [2, 4])
+%30 = _operator.getitem(%29, 0) -> [2, 4, 512] float32
+%31 = aten.transpose.int(%30, 0, 1) -> [4, 2, 512] float32
+%32 = aten.transpose.int(%8, 1, 2) -> [4, 512, 128] float32
+%33 = aten.bmm.default(%31, %32) -> [4, 2, 128] float32
+%34 = aten.transpose.int(%33, 0, 1) -> [2, 4, 128] float32
+%35 = aten.unsqueeze.default(%34, 2) -> [2, 4, 1, 128] float32""")

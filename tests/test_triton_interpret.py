@@ -17,8 +17,8 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CHECKS = ["decode", "decode_tma", "decode_page_per_tile", "decode_fp32_odd_dims", "sparse_decode", "merge_states", "cache_write", "indexer_topk",
-          "k_only_indices"]
+CHECKS = ["decode", "decode_tma", "decode_page_per_tile", "decode_strided_q", "decode_fp32_odd_dims", "sparse_decode",
+          "merge_states", "cache_write", "indexer_topk", "k_only_indices"]
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +113,27 @@ def check_decode_page_per_tile():
     _check_decode(20, 64, 16, 16, torch.bfloat16, [37, 0, 5, 48], [1, 3], 2e-2, page_per_tile=True)
     _check_decode(4, 32, 16, 32, torch.float32, [70, 16, 1], [1, 2], 1e-5, page_per_tile=True)
     _check_decode(4, 32, 16, 8, torch.float32, [70, 16, 1], [2], 1e-5, page_per_tile=True)
+
+
+def check_decode_strided_q():
+    import torch
+
+    import reference as ref
+    from mla_compile.kernels import decode as K
+
+    # q as the HF pass hands it over: q_nope a transposed bmm output [H, B, R] -> [B, H, R], q_pe a slice of the
+    # query's last dim; both kernels (pointer: page 1, TMA: page 16)
+    gen = torch.Generator().manual_seed(5)
+    for PS, tma in ((1, False), (16, True)):
+        bt, _, _ = _batch([37, 0, 20], 20, 64, 16, PS, torch.float32, gen)
+        qn = torch.randn(20, 3, 64, generator=gen).transpose(0, 1)
+        qp = torch.randn(3, 20, 48, generator=gen)[..., 32:48]
+        assert not qn.is_contiguous() and not qp.is_contiguous()
+        want = ref.ref_decode(qn, qp, bt.ckv_cache, bt.kpe_cache, bt.block_table, bt.seq_lens, 0.1)
+        cfg = K.DecodeConfig(block_h=16, block_n=16, tma=tma)
+        assert K.tma_eligible(bt.ckv_cache, bt.kpe_cache, False, cfg) == tma
+        out, lse = K.decode(qn, qp, bt.ckv_cache, bt.kpe_cache, bt.block_table, bt.seq_lens, 0.1, cfg=cfg, splits=2)
+        _check_attention(out, lse, *want, 1e-5)
 
 
 def check_decode_fp32_odd_dims():

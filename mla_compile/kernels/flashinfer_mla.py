@@ -78,5 +78,7 @@ def plan(q_nope, q_pe, ckv_cache, block_table, seq_lens, sm_scale):
 
 
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
-    """`mla::decode` through FlashInfer (eager only; see the module docstring)."""
+    """`mla::decode` through FlashInfer (eager only; see the module docstring). q may come as strided views
+    (the pass hands over the absorbed q transposed); FlashInfer gets row-major copies."""
+    q_nope, q_pe = q_nope.contiguous(), q_pe.contiguous()
     return plan(q_nope, q_pe, ckv_cache, block_table, seq_lens, sm_scale)(q_nope, q_pe, ckv_cache, kpe_cache)

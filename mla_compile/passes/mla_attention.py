@@ -698,14 +698,14 @@ def _emit(b: Builder, site: Site, src: LatentSource, memo: dict) -> fx.Node:
     nope, v_dim, P = site.nope, site.v_dim, site.rope
     q = b.call(aten.select.int, site.q, 2, 0)  # [B, H, Dq]
     q_nope = b.call(aten.slice.Tensor, q, 2, site.nope_offset, site.nope_offset + nope)
+    # q_pe and q_abs stay strided views (last dim contiguous): the decode ops take any batch/head strides, so no
+    # copy kernels before the attention
     q_pe = b.call(aten.slice.Tensor, q, 2, site.rope_offset, site.rope_offset + P)
-    q_pe = b.call(aten.clone.default, q_pe, memory_format=torch.contiguous_format)
     w = b.call(aten.reshape.default, site.weight, [H, nope + v_dim, R])
     w_uk = b.call(aten.slice.Tensor, w, 1, 0, nope)  # [H, nope, R]
     w_uv = b.call(aten.slice.Tensor, w, 1, nope, nope + v_dim)  # [H, v, R]
     q_abs = b.call(aten.bmm.default, b.call(aten.transpose.int, q_nope, 0, 1), w_uk)  # [H, B, R]
-    q_abs = b.call(aten.transpose.int, q_abs, 0, 1)
-    q_abs = b.call(aten.clone.default, q_abs, memory_format=torch.contiguous_format)  # [B, H, R]
+    q_abs = b.call(aten.transpose.int, q_abs, 0, 1)  # [B, H, R]
     if site.sparse is not None:  # DSA sparse graph: HF's indexer -> dsa.indexer_topk, attention over its slots
         idx = _emit_sparse_indices(b, site, src, B, L, memo)
         ckv, kpe = _flat_latent(b, src, B, L, R, P)
