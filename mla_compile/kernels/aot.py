@@ -22,7 +22,7 @@ from . import decode as D
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 _POINTERS = {"Qn": "*bf16", "Qp": "*bf16", "Ckv": "*bf16", "Kpe": "*bf16", "Table": "*i32", "Lens": "*i32",
-             "Idx": "*i32", "O": "*fp32", "L": "*fp32"}
+             "O": "*fp32", "L": "*fp32"}
 # what a real launch specialises as multiples of 16: aligned pointers and the cache / q / out strides (a table
 # stride can be anything)
 _DIVISIBLE = set(_POINTERS) | {"s_qnb", "s_qnh", "s_qpb", "s_qph", "s_cp", "s_cs", "s_kp", "s_ks", "s_on", "s_ob",
@@ -59,8 +59,7 @@ def compile_sm90(kernel, constexprs: dict, descriptors: dict, num_warps: int, nu
 def stage1_sm90(cfg: D.DecodeConfig, R: int = 512, P: int = 64, page_size: int = 64, sparse: bool = False) -> dict:
     """The stage-1 kernel `decode` would launch for this config and cache layout (bf16, row-contiguous caches),
     compiled for sm_90a; adds "kernel" ("tma" / "pointer") and "instructions" (PTX instruction count)."""
-    pow2 = lambda x: 16 <= x <= 256 and x & (x - 1) == 0  # noqa: E731  (tma_eligible's width rule)
-    tma = cfg.tma and not sparse and page_size % cfg.block_n == 0 and R % 2 == 0 and pow2(R // 2) and pow2(P)
+    tma = not sparse and D.tma_tiles_fit(cfg, page_size, R, P)
     if tma:
         desc = {"CkvDesc": f"tensordesc<bf16[{cfg.block_n}, {R // 2}]>", "KpeDesc": f"tensordesc<bf16[{cfg.block_n}, {P}]>"}
         out = compile_sm90(D._stage1_tma_kernel, D.tma_constexprs(cfg, R, P, torch.bfloat16), desc, cfg.num_warps,

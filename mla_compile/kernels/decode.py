@@ -99,9 +99,9 @@ def _store_split(O, L, split, b, offs_h, mask_h, s_on, s_ob, s_oh, s_ln, s_lb, s
 
 
 @triton.jit
-def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, Idx, O, L,
+def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L,
                    scale_log2, H, n_sparse,
-                   s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb, s_ib,
+                   s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
                    s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
                    n_splits, SPARSE: tl.constexpr, TILE_PAGE: tl.constexpr, PS: tl.constexpr, R: tl.constexpr,
                    P: tl.constexpr,
@@ -129,7 +129,7 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, Idx, O, L,
         offs_t = t0 + tl.arange(0, BLOCK_N)
         valid = offs_t < end
         if SPARSE:
-            slot = tl.load(Idx + b * s_ib + offs_t, mask=valid, other=-1)
+            slot = tl.load(Table + b * s_tb + offs_t, mask=valid, other=-1)  # Table holds the index list
             valid = valid & (slot >= 0)
             slot = tl.maximum(slot, 0)
             page = (slot // PS).to(tl.int64)[:, None]
@@ -246,14 +246,19 @@ def tma_eligible(ckv_cache, kpe_cache, sparse: bool, cfg: DecodeConfig) -> bool:
     """The TMA kernel needs an sm_90+ GPU (or the interpreter), whole tiles inside a page, the latent in two
     power-of-two halves <= 256 wide (a TMA box side is at most 256), a power-of-two rope width, and caches
     that view as [slots, width]."""
-    if sparse or not cfg.tma or not has_tma(ckv_cache.device):
+    if sparse or not has_tma(ckv_cache.device):
         return False
     NP, PS, R = ckv_cache.shape
     P = kpe_cache.shape[2]
-    pow2 = lambda x: 16 <= x <= 256 and x & (x - 1) == 0  # noqa: E731
-    return (PS % cfg.block_n == 0 and R % 2 == 0 and pow2(R // 2) and pow2(P)
+    return (tma_tiles_fit(cfg, PS, R, P)
             and ckv_cache.stride()[:2] == (PS * R, R) and kpe_cache.stride()[:2] == (PS * P, P)
             and ckv_cache.data_ptr() % 16 == 0 and kpe_cache.data_ptr() % 16 == 0)
+
+
+def tma_tiles_fit(cfg: DecodeConfig, page_size: int, R: int, P: int) -> bool:
+    """The shape half of `tma_eligible`: TMA asked for, whole tiles inside a page, boxes of powers of two <= 256."""
+    pow2 = lambda x: 16 <= x <= 256 and x & (x - 1) == 0  # noqa: E731
+    return cfg.tma and page_size % cfg.block_n == 0 and R % 2 == 0 and pow2(R // 2) and pow2(P)
 
 
 def tma_constexprs(cfg: DecodeConfig, R: int, P: int, dtype: torch.dtype) -> dict:
@@ -295,11 +300,11 @@ def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, i
     table = indices if sparse else block_table
     grid = (B, triton.cdiv(H, cfg.block_h), ns)
     return _stage1_kernel[grid](
-        q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens if not sparse else table, table, o, l,
+        q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens if not sparse else table, o, l,
         sm_scale * _LOG2E, H, indices.shape[1] if sparse else 0,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
-        table.stride(0), table.stride(0),
+        table.stride(0),
         s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
         n_splits=ns, **pointer_constexprs(cfg, R, P, ckv_cache.shape[1], sparse, q_nope.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -590,17 +590,9 @@ def _emit_slots(b: Builder, site: Site, src: LatentSource, B: int, L: int, memo:
             table, seq_lens = _emit_token_table(b, valid, B, Lt, device)
         # logical position -> physical slot of the flat (page size 1) view
         if src.kind == "tensor":
-            base = b.call(aten.arange.start_step, 0, B * L, L, dtype=torch.int32, device=device)
-            base = b.call(aten.unsqueeze.default, base, 1)
-            table = b.call(aten.add.Tensor, table, base)
+            table = b.call(aten.add.Tensor, table, _row_base(b, B, L, device, memo))
         else:
-            PS = _shape(src.ckv)[1]
-            bt = src.block_table
-            page = b.call(aten.div.Tensor_mode, table, PS, rounding_mode="floor")
-            page = b.call(aten.gather.default, bt, 1, b.call(aten._to_copy.default, page, dtype=torch.int64))
-            off = b.call(aten.remainder.Scalar, table, PS)
-            table = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, page, PS), off)
-            table = b.call(aten._to_copy.default, table, dtype=torch.int32)
+            table = _paged_slots(b, table, src)
         if src.kind == "dcp":  # dcp_decode derives local lengths from "global" ones: c * n has local length c
             seq_lens = b.call(aten.mul.Tensor, seq_lens, src.dcp_size)
         memo[key] = (table, seq_lens)
@@ -663,17 +655,21 @@ def _emit_sparse_indices(b: Builder, site: Site, src: LatentSource, B: int, L: i
     # paged latent: indexer slot b*L + t -> token t -> block_table[b, t // PS] * PS + t % PS
     pkey = ("indexer_paged", sp.topk, src.block_table)
     if pkey not in memo:
-        PS = _shape(src.ckv)[1]
         keep = b.call(aten.ge.Scalar, idx, 0)
         t = b.call(aten.sub.Tensor, idx, _row_base(b, B, L, device, memo))
         t = b.call(aten.where.ScalarOther, keep, t, 0)
-        t = b.call(aten._to_copy.default, t, dtype=torch.int64)
-        page = b.call(aten.gather.default, src.block_table, 1, b.call(aten.div.Tensor_mode, t, PS,
-                                                                      rounding_mode="floor"))
-        slot = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, page, PS), b.call(aten.remainder.Scalar, t, PS))
-        slot = b.call(aten.where.ScalarOther, keep, slot, -1)
-        memo[pkey] = b.call(aten._to_copy.default, slot, dtype=torch.int32)
+        memo[pkey] = b.call(aten.where.ScalarOther, keep, _paged_slots(b, t, src), -1)
     return memo[pkey]
+
+
+def _paged_slots(b: Builder, t: fx.Node, src: LatentSource) -> fx.Node:
+    """int32 physical slots of logical token positions t [B, K] of a paged latent:
+    block_table[b, t // PS] * PS + t % PS."""
+    PS = _shape(src.ckv)[1]
+    page = b.call(aten.div.Tensor_mode, t, PS, rounding_mode="floor")
+    page = b.call(aten.gather.default, src.block_table, 1, b.call(aten._to_copy.default, page, dtype=torch.int64))
+    slot = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, page, PS), b.call(aten.remainder.Scalar, t, PS))
+    return b.call(aten._to_copy.default, slot, dtype=torch.int32)
 
 
 def latent_source(site: Site) -> LatentSource:
