@@ -57,15 +57,12 @@ C = D.DecodeConfig
 # (B=8 32K 90.6 vs 96.3 us) and stay ~2-6% behind the page-1 run with 3 stages; 8 warps, 128-token tiles and
 # 1 CTA/SM of splits lose. Round 9 (data/decode_sweep_round9.json): on page 1, 2 stages are 20% slower than 3.
 # Defaults: ptr n64w4, 2 stages where pages hold whole tiles, else 3.
-# Round 10 (prepared, not run yet): page 64's per-token page math (signed // and % per token, a table load per
-# token: ~200 more integer instructions per tile than page 1 in the sm_90a PTX) vs one table load per tile
-# (`page_per_tile`: 1716 instead of 2053 instructions, but 255 registers and ~90 B of spills at page 64).
+# Round 10 (data/decode_sweep_round10.json, 2026-12-01): one table load per tile at page 64 (`page_per_tile`:
+# 1716 instead of 2053 PTX instructions) ran 5-13% slower than the per-token page math (255 registers, 20-24 B
+# spilled; B=8 128K 333 vs 296 us): dropped. Page 64 with 2 stages matched the page-1 table with 3 (89.6 vs 89.4
+# us at B=8 32K; 0.80-0.97 of copy bandwidth).
 CONFIGS = {
-    16: {
-        "ptr n64w4s2": C(16, 64, 4, 2, 2, 256),
-        "ptr n64w4s2 tile-page": C(16, 64, 4, 2, 2, 256, page_per_tile=True),
-        "ptr n64w4s3 tile-page": C(16, 64, 4, 3, 2, 256, page_per_tile=True),
-    },
+    16: {"ptr n64w4s2": C(16, 64, 4, 2, 2, 256)},
     128: {},
 }
 # H=16 pointer-kernel configs timed on a page-size-1 token table (the HF StaticCache path)

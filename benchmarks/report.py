@@ -557,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     data = load(a.dir)
     if not data:
         print(f"[report] no benchmark JSON in {a.dir} (looked for {', '.join(FILES.values())})", file=sys.stderr)
-        return 1
+        return 0  # nothing to report (e.g. a sweep-only call) is not a failure
     meta = dict(date=a.date, kind=a.kind, command=a.command, env=env_line(a.dir))
     new = {}
     for s, d in data.items():

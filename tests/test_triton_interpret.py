@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CHECKS = ["decode", "decode_tma", "decode_page_per_tile", "decode_strided_q", "decode_fp32_odd_dims", "sparse_decode",
+CHECKS = ["decode", "decode_tma", "decode_strided_q", "decode_fp32_odd_dims", "sparse_decode",
           "merge_states", "cache_write", "indexer_topk", "k_only_indices"]
 
 
@@ -103,16 +103,6 @@ def check_decode_tma():
     # page 16 = one tile per page, page 32 = two; lengths on and off tile edges, a 0-length row
     _check_decode(20, 64, 16, 16, torch.bfloat16, [37, 0, 5, 48], [1, 3], 2e-2, tma=True)
     _check_decode(4, 32, 16, 32, torch.float32, [70, 16, 1], [1, 2], 1e-5, tma=True, q_in_loop=True)
-
-
-def check_decode_page_per_tile():
-    import torch
-
-    # the pointer kernel with one table load per tile (pages of 1 and 2 tiles), and where a page does not hold
-    # whole tiles (page 8 < block 16) the per-token path it falls back to
-    _check_decode(20, 64, 16, 16, torch.bfloat16, [37, 0, 5, 48], [1, 3], 2e-2, page_per_tile=True)
-    _check_decode(4, 32, 16, 32, torch.float32, [70, 16, 1], [1, 2], 1e-5, page_per_tile=True)
-    _check_decode(4, 32, 16, 8, torch.float32, [70, 16, 1], [2], 1e-5, page_per_tile=True)
 
 
 def check_decode_strided_q():

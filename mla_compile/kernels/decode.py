@@ -103,8 +103,7 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L,
                    scale_log2, H, n_sparse,
                    s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
                    s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
-                   n_splits, SPARSE: tl.constexpr, TILE_PAGE: tl.constexpr, PS: tl.constexpr, R: tl.constexpr,
-                   P: tl.constexpr,
+                   n_splits, SPARSE: tl.constexpr, PS: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, RH: tl.constexpr, BLOCK_P: tl.constexpr,
                    DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """Any page size, any R/P (masked to RH-wide halves), and sparse index lists: every tile by pointers.
@@ -134,9 +133,6 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L,
             slot = tl.maximum(slot, 0)
             page = (slot // PS).to(tl.int64)[:, None]
             off = (slot % PS)[:, None]
-        elif TILE_PAGE:  # the tile lies in one page (t0 is tile-aligned, PS % BLOCK_N == 0): one table load
-            page = tl.load(Table + b * s_tb + t0 // PS).to(tl.int64)
-            off = (t0 % PS + tl.arange(0, BLOCK_N))[:, None]
         else:
             page = tl.load(Table + b * s_tb + offs_t // PS, mask=valid, other=0).to(tl.int64)[:, None]
             off = (offs_t % PS)[:, None]
@@ -205,8 +201,6 @@ class DecodeConfig:
     min_split_tokens: int = 64
     tma: bool = False  # full tiles by TMA boxes where the layout allows (see tma_eligible)
     q_in_loop: bool = False  # TMA kernel: re-load q every tile (keeps it out of registers)
-    # pointer kernel, pages holding whole tiles: one table load per tile, rows by offset (no per-token page math)
-    page_per_tile: bool = False
 
 
 def default_config(H: int, R: int, page_size: int) -> DecodeConfig:
@@ -268,8 +262,7 @@ def tma_constexprs(cfg: DecodeConfig, R: int, P: int, dtype: torch.dtype) -> dic
 
 def pointer_constexprs(cfg: DecodeConfig, R: int, P: int, page_size: int, sparse: bool, dtype: torch.dtype) -> dict:
     """The compile-time arguments of `_stage1_kernel` (shared with tests/test_kernel_codegen.py)."""
-    tile_page = cfg.page_per_tile and not sparse and page_size % cfg.block_n == 0
-    return dict(SPARSE=sparse, TILE_PAGE=tile_page, PS=page_size, R=R, P=P, BLOCK_H=cfg.block_h,
+    return dict(SPARSE=sparse, PS=page_size, R=R, P=P, BLOCK_H=cfg.block_h,
                 BLOCK_N=cfg.block_n, RH=max(16, block(R) // 2), BLOCK_P=block(P), **dot_mode(dtype))
 
 

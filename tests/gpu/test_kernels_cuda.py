@@ -118,9 +118,6 @@ KERNEL_CONFIGS = {  # name: (H, DecodeConfig fields, page sizes); tma=True confi
     "h128": (128, dict(block_h=64, block_n=32, num_warps=8, num_stages=2, ctas_per_sm=1, tma=True), (32, 64, 128)),
     "ptr-h16": (16, dict(block_h=16, block_n=64, num_warps=4, num_stages=3, max_splits=256), (1, 16, 64)),
     "ptr-h128": (128, dict(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1), (1, 64)),
-    # one table load per tile where pages hold whole tiles (64, 128); page 16 takes the per-token path
-    "ptr-h16-page-per-tile": (16, dict(block_h=16, block_n=64, num_warps=4, num_stages=2, max_splits=256,
-                                       page_per_tile=True), (16, 64, 128)),
 }
 CONFIG_PAGES = [(name, ps) for name, (_, _, pages) in sorted(KERNEL_CONFIGS.items()) for ps in pages]
 
