@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script the GPU machine runs:  bash benchmarks/device.sh [stage ...]   (default: kernels bench)
-#   stages: kernels (GPU tests)  bench (op benchmark)  sweep (decode configs)  profile (HF step)  dcp  dsa  hf
-#           compile  report
+#   stages: kernels (GPU tests)  bench (op benchmark)  sweep (decode configs)  linear (few-token GEMM configs)
+#           profile (HF step)  dcp  dsa  hf  compile  report
 # Installs the wheels carried in .whl/ (run(carry=[".whl"])), records the environment, then runs each stage.
 #
 # $OUT stays flat and small (the device tool returns at most 8 files). A full run
@@ -48,6 +48,8 @@ stage_kernels() { timeout "${T_KERNELS:-300}" python3 -m pytest -q -p no:cachepr
 # tile-config sweep of the decode kernels (issue 3) and a profile of the HF mla_dcp step (issue 5)
 stage_sweep() { timeout "${T_SWEEP:-300}" python3 benchmarks/decode_sweep.py "$OUT/decode_sweep.json" ${SWEEP_ARGS:-}; }
 stage_profile() { timeout "${T_PROFILE:-300}" python3 benchmarks/hf_profile.py "$OUT/hf_profile.json" ${PROFILE_ARGS:-}; }
+# few-token linear layers (issue 5's HF step): mla_compile.kernels.linear configs vs cuBLAS
+stage_linear() { timeout "${T_LINEAR:-300}" python3 benchmarks/linear_sweep.py "$OUT/linear_sweep.json" ${LINEAR_ARGS:-}; }
 stage_bench() { timeout "${T_BENCH:-400}" python3 benchmarks/bench_ops.py "$OUT/bench_ops.json" ${BENCH_ARGS:-}; }
 
 # DCP (issue 4): torchrun n = 1, 2, 4 (those that fit the GPUs here), then one merged $OUT/dcp.json.

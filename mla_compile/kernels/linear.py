@@ -1,0 +1,98 @@
+"""Few-token linear layers: y_i = x @ W_i^T for one or two weights that share x (decode: M <= 16 rows).
+
+At decode batch sizes every projection of an MLA layer is a weight read with a few rows of x. cuBLAS picks
+tiles that leave most SMs idle for the narrow ones (kv_a_proj, N=576: a split-K kernel plus a reduction) and
+runs q_a_proj and kv_a_proj (same x) as two launches. Here one program owns BLOCK_N weight rows over all of K
+(no split-K, no reduction kernel), tokens are the MMA's N side (padded to 16), and two weights sharing x are
+one launch over the union of their row blocks - the fused `qkv_a` projection of vLLM / SGLang without
+concatenating weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import dot_mode, mma
+
+MAX_M = 16  # the MMA's N side; more tokens belong to a normal GEMM
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearConfig:
+    block_n: int = 32
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit
+def _rows_times_x(X, W, Y, M, N, K, n0, s_xm, s_xk, s_wn, s_wk, s_ym, s_yn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                  DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """Y[:, n0:n0+BLOCK_N] = X @ W[n0:n0+BLOCK_N]^T, accumulated in fp32 as W-rows x tokens."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :] * s_wk
+    x_ptrs = X + offs_m[None, :] * s_xm + offs_k[:, None] * s_xk
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:  # masks constant along K: the weight loads stay 16-byte vectors
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_m[None, :], other=0.0)
+        else:
+            k_ok = (k0 + offs_k) < K
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_m[None, :] & k_ok[:, None], other=0.0)
+        acc = mma(w, x, acc, DOT_PREC, DOT_UPCAST)
+        w_ptrs += BLOCK_K * s_wk
+        x_ptrs += BLOCK_K * s_xk
+    tl.store(Y + offs_m[None, :] * s_ym + offs_n[:, None] * s_yn, acc.to(Y.dtype.element_ty),
+             mask=mask_m[None, :] & mask_n[:, None])
+
+
+@triton.jit
+def _linear_kernel(X, W0, W1, Y0, Y1, M, N0, N1, K,
+                   s_xm, s_xk, s_w0n, s_w0k, s_w1n, s_w1k, s_y0m, s_y0n, s_y1m, s_y1n,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                   DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """Programs [0, cdiv(N0, BLOCK_N)) own rows of W0, the rest rows of W1 (N1 = 0: one weight)."""
+    pid = tl.program_id(0)
+    nb0 = tl.cdiv(N0, BLOCK_N)
+    if pid < nb0:
+        _rows_times_x(X, W0, Y0, M, N0, K, pid * BLOCK_N, s_xm, s_xk, s_w0n, s_w0k, s_y0m, s_y0n,
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
+    else:
+        _rows_times_x(X, W1, Y1, M, N1, K, (pid - nb0) * BLOCK_N, s_xm, s_xk, s_w1n, s_w1k, s_y1m, s_y1n,
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
+
+
+def default_linear_config(M: int, K: int, N: int) -> LinearConfig:
+    """Prepared for the first H200 sweep (benchmarks/linear_sweep.py); not yet tuned."""
+    return LinearConfig()
+
+
+def linear_small_m(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig | None = None,
+                   outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """x [M, K] (M <= 16), weights: one or two [N_i, K] (nn.Linear layout, any strides) -> [x @ W_i^T]."""
+    M, K = x.shape
+    if cfg is None:
+        cfg = default_linear_config(M, K, sum(w.shape[0] for w in weights))
+    if outs is None:
+        outs = [x.new_empty(M, w.shape[0]) for w in weights]
+    w0, y0 = weights[0], outs[0]
+    w1, y1 = (weights[1], outs[1]) if len(weights) == 2 else (w0, y0)
+    n1 = w1.shape[0] if len(weights) == 2 else 0
+    grid = (triton.cdiv(w0.shape[0], cfg.block_n) + triton.cdiv(n1, cfg.block_n),)
+    _linear_kernel[grid](x, w0, w1, y0, y1, M, w0.shape[0], n1, K,
+                         x.stride(0), x.stride(1), w0.stride(0), w0.stride(1), w1.stride(0), w1.stride(1),
+                         y0.stride(0), y0.stride(1), y1.stride(0), y1.stride(1),
+                         BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
+                         **dot_mode(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return outs
