@@ -18,6 +18,7 @@ import json
 import sys
 
 import torch
+import triton
 from triton.testing import do_bench_cudagraph
 
 from mla_compile.kernels.linear import LinearConfig, default_linear_config, linear_small_m
@@ -69,7 +70,12 @@ def bench_case(name, M, K, Ns, configs, dev):
                                                         return_mode="median") * 1e3
         del cats
     for cname, cfg in configs.items():
-        ys = linear_small_m(x, copies[0], cfg)
+        try:
+            ys = linear_small_m(x, copies[0], cfg)
+        except triton.runtime.errors.OutOfResources as e:  # e.g. too many stages of wide tiles
+            row["us"][cname] = None
+            row["err"][cname] = str(e)[:80]
+            continue
         err = max(float((y.double() - r).abs().max() / r.abs().max()) for y, r in zip(ys, ref))
         row["err"][cname] = err
         if err > 1e-2:

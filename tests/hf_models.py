@@ -25,12 +25,12 @@ def greedy(step, model, ids, attention_mask, cache, steps: int, *, prefill=None)
     toks, logits = [], []
     with torch.no_grad():
         out = prefill(ids, attention_mask=attention_mask[:, :T], **cache_kwargs(prefill, cache),
-                      cache_position=torch.arange(T))
+                      cache_position=torch.arange(T, device=ids.device))
         tok = out.logits[:, -1].argmax(-1)
         for i in range(steps):
             toks.append(tok)
             out = step(tok[:, None], attention_mask=attention_mask, **cache_kwargs(step, cache),
-                       cache_position=torch.tensor([T + i]))
+                       cache_position=torch.tensor([T + i], device=ids.device))
             logits.append(out.logits[:, -1].float())
             tok = out.logits[:, -1].argmax(-1)
     return torch.stack(toks, 1), torch.stack(logits, 1)
@@ -43,10 +43,10 @@ def forced(step, model, ids, attention_mask, cache, tokens):
     logits = []
     with torch.no_grad():
         model(ids, attention_mask=attention_mask[:, :T], **cache_kwargs(model, cache),
-              cache_position=torch.arange(T))
+              cache_position=torch.arange(T, device=ids.device))
         for i in range(tokens.shape[1]):
             out = step(tokens[:, i:i + 1], attention_mask=attention_mask, **cache_kwargs(step, cache),
-                       cache_position=torch.tensor([T + i]))
+                       cache_position=torch.tensor([T + i], device=ids.device))
             logits.append(out.logits[:, -1].float())
     return torch.stack(logits, 1)
 

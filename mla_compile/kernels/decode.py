@@ -306,11 +306,14 @@ def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, i
 def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, capacity,
             cfg: DecodeConfig | None, splits: int | None):
     B, H, R = q_nope.shape
-    out = torch.empty_like(q_nope)
+    out = q_nope.new_empty(q_nope.shape)  # contiguous, as the fake impl says (empty_like would copy q's strides)
     lse = torch.empty((B, H), dtype=torch.float32, device=q_nope.device)
     if B * H == 0:
         return out, lse
-    for t, name in ((q_nope, "q_nope"), (q_pe, "q_pe"), (ckv_cache, "ckv_cache"), (kpe_cache, "kpe_cache")):
+    # q is read with any batch/head strides; only an element-strided last dim is copied
+    q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    for t, name in ((ckv_cache, "ckv_cache"), (kpe_cache, "kpe_cache")):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: last dim must be contiguous for the Triton kernel, strides {t.stride()}")
     # an index list (sparse_decode) gathers every token through a table load, as a page-1 token table does

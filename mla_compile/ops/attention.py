@@ -90,6 +90,7 @@ def attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale):
     "mla::decode",
     mutates_args=(),
     device_types="cpu",
+    tags=(torch.Tag.flexible_layout,),  # q may come in any batch/head strides (a permuted bmm output)
     schema="(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor block_table, "
            "Tensor seq_lens, float sm_scale) -> (Tensor, Tensor)",
 )
@@ -131,6 +132,7 @@ def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
     "mla::sparse_decode",
     mutates_args=(),
     device_types="cpu",
+    tags=(torch.Tag.flexible_layout,),  # q may come in any batch/head strides (a permuted bmm output)
     schema="(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor indices, float sm_scale)"
            " -> (Tensor, Tensor)",
 )

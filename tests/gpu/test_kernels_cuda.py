@@ -325,3 +325,15 @@ def test_flashinfer_matches_triton(H, PS, monkeypatch):
     assert_attention(*tr, *want, torch.bfloat16)
     monkeypatch.setenv("MLA_COMPILE_DECODE_BACKEND", "auto")
     assert dispatch.decode_backend(qn, b.ckv_cache) == "triton"  # CUDA-graph-tree safe default (dispatch.py)
+
+
+@pytest.mark.parametrize("H", [16, 128])
+def test_decode_strided_q_gives_contiguous_out(H):
+    # the pass hands q as permuted bmm outputs; out must still be contiguous, as the fake impl promises
+    b, qn, qp = make_batch([300, 0, 77], H, 512, 64, 64, torch.bfloat16, seed=H)
+    qn_t = qn.transpose(0, 1).contiguous().transpose(0, 1)  # [B, H, R] with strides (R, B*R, 1)
+    qp_t = qp.transpose(0, 1).contiguous().transpose(0, 1)
+    want = ref_of(b, qn, qp, 0.06)
+    out, lse = torch.ops.mla.decode(qn_t, qp_t, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.06)
+    assert out.is_contiguous() and lse.is_contiguous()
+    assert_attention(out, lse, *want, torch.bfloat16)
