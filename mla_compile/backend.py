@@ -25,6 +25,7 @@ class BackendOptions:
 
     mode: str | None = None  # Inductor mode; torch.compile refuses mode= and options= together, so it fits here
     rewrite_attention: bool = True  # rewrite HF MLA attention into absorbed mla.decode / mla.dcp_decode
+    fuse_linears: str = "auto"  # linears sharing x -> mla.fused_linear: auto | always | never (passes/fused_linear.py)
 
 
 BACKEND_OPTIONS = tuple(f.name for f in dataclasses.fields(BackendOptions))
@@ -47,6 +48,10 @@ def parse_options(options: dict[str, Any] | None) -> tuple[BackendOptions, dict[
             raise ValueError(
                 f"options: unknown key {key!r}. Valid keys: {', '.join(BACKEND_OPTIONS)}, "
                 f"or any torch._inductor.config key (e.g. 'triton.cudagraphs', 'max_autotune')")
+    from .passes.fused_linear import WHERE
+
+    if ours.get("fuse_linears", "auto") not in WHERE:
+        raise ValueError(f"options: 'fuse_linears' must be one of {', '.join(WHERE)}, got {ours['fuse_linears']!r}")
     return BackendOptions(**ours), inductor
 
 
@@ -71,11 +76,15 @@ def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, opts: BackendOptions
     """Rewrites on the Dynamo graph, where attention still has one form on every device.
 
     rewrite_attention: HF MLA decode attention -> absorbed `mla.decode` / `mla.dcp_decode`
-    (`passes/mla_attention.py`); sites it cannot prove equivalent are left unchanged and logged."""
+    (`passes/mla_attention.py`); sites it cannot prove equivalent are left unchanged and logged.
+    fuse_linears: bias-free linears over the same x -> one `mla.fused_linear` (`passes/fused_linear.py`)."""
     if opts.rewrite_attention:
         from .passes.mla_attention import MLAAttentionPass
 
         MLAAttentionPass()(gm.graph)
+    from .passes.fused_linear import fuse_shared_input_linears
+
+    fuse_shared_input_linears(gm, opts.fuse_linears)
     return gm
 
 

@@ -6,6 +6,8 @@ data errors (index ranges, lengths) are checked eagerly on CPU. Mixed devices ar
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -32,12 +34,14 @@ def base():
         indexer_topk=dict(q=torch.randn(B, Hi, Di), weights=torch.randn(B, Hi), k_cache=ki, block_table=bt,
                           seq_lens=sl, topk=4, sm_scale=0.5),
         k_only_indices=dict(block_table=bt, seq_lens=sl, page_size=PS, topk=8),
+        fused_linear=dict(x=torch.randn(B, 1, 16), weights=[torch.randn(8, 16), torch.randn(4, 16)]),
     ), num_pages
 
 
 OPS = dict(decode=torch.ops.mla.decode, sparse_decode=torch.ops.mla.sparse_decode,
            merge_states=torch.ops.mla.merge_states, cache_write=torch.ops.mla.cache_write,
-           indexer_topk=torch.ops.dsa.indexer_topk, k_only_indices=torch.ops.dsa.k_only_indices)
+           indexer_topk=torch.ops.dsa.indexer_topk, k_only_indices=torch.ops.dsa.k_only_indices,
+           fused_linear=torch.ops.mla.fused_linear)
 
 BASE, NUM_PAGES = base()
 CAP = BASE["decode"]["block_table"].shape[1] * PS  # block table capacity
@@ -151,6 +155,12 @@ CASES = [
     ("k_only_indices", dict(seq_lens=torch.tensor([CAP + 1, 0], dtype=torch.int32), topk=CAP + 1), "seq_lens",
      False),
     ("k_only_indices", dict(seq_lens=SL.to(META)), "seq_lens", True),
+    # ---- fused_linear
+    ("fused_linear", dict(x=torch.randint(0, 2, (B, 1, 16))), "x", True),
+    ("fused_linear", dict(weights=[]), "weights", True),
+    ("fused_linear", dict(weights=[f32(8, 16), f32(4, 15)]), "weights[1]", True),
+    ("fused_linear", dict(weights=[f32(8, 16).double()]), "weights[0]", True),
+    ("fused_linear", dict(weights=[f32(2, 8, 16)]), "weights[0]", True),
 ]
 
 
@@ -163,7 +173,7 @@ def call(op_name, bad):
 @pytest.mark.parametrize("op_name,bad,name,meta", CASES,
                          ids=[f"{c[0]}-{c[2]}-{i}" for i, c in enumerate(CASES)])
 def test_bad_input_raises_value_error_naming_the_argument(op_name, bad, name, meta):
-    with pytest.raises(ValueError, match=f"^{name}: "):
+    with pytest.raises(ValueError, match=f"^{re.escape(name)}: "):
         call(op_name, bad)
 
 
@@ -175,8 +185,8 @@ def test_bad_metadata_raises_in_fake_mode(op_name, bad, name, meta):
     args = dict(BASE[op_name])
     args.update(bad)
     with FakeTensorMode() as mode:
-        fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-        with pytest.raises(ValueError, match=f"^{name}: "):
+        fake = torch.utils._pytree.tree_map_only(torch.Tensor, mode.from_tensor, args)
+        with pytest.raises(ValueError, match=f"^{re.escape(name)}: "):
             OPS[op_name](**fake)
 
 

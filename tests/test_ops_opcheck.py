@@ -115,3 +115,10 @@ def test_opcheck_merge_states_non_contiguous_parts():
     outs = torch.randn(3, 2, 4, 16).transpose(0, 1)
     lses = torch.randn(3, 2, 4).transpose(0, 1)
     opcheck(torch.ops.mla.merge_states.default, (outs, lses))
+
+
+@pytest.mark.parametrize("lead,K,Ns", [((8,), 64, [32, 8]), ((2, 1), 16, [5]), ((3, 1), 24, [7, 9, 4]), ((0,), 8, [3, 2])])
+def test_opcheck_fused_linear(lead, K, Ns):
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(*lead, K, generator=g)
+    opcheck(torch.ops.mla.fused_linear.default, (x, [torch.randn(N, K, generator=g) for N in Ns]))

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHECKS = ["decode", "decode_tma", "decode_strided_q", "decode_fp32_odd_dims", "sparse_decode",
-          "merge_states", "cache_write", "indexer_topk", "k_only_indices"]
+          "merge_states", "cache_write", "indexer_topk", "k_only_indices", "fused_linear"]
 
 
 @pytest.fixture(scope="module")
@@ -249,6 +249,30 @@ def check_k_only_indices():
     lens = torch.tensor([5, 0, 12], dtype=torch.int32)
     for topk in (12, 20):
         assert torch.equal(K.k_only_indices(table, lens, 4, topk), ref.ref_k_only(table, lens, 4, topk))
+
+
+def check_fused_linear():
+    import torch
+
+    from mla_compile.kernels.linear import LinearConfig, linear_small_m
+
+    gen = torch.Generator().manual_seed(5)
+    # (M, K, weight rows, config): a pair and a single weight; K on and off the K step (masked tail); row
+    # counts off the row block; 1 and 16 tokens; a transposed (strided) x and weight
+    cases = [(8, 96, [40, 24], LinearConfig(16, 32, 4, 2)), (1, 70, [17], LinearConfig(16, 32, 4, 2)),
+             (16, 64, [16, 33], LinearConfig(32, 64, 4, 3))]
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for M, K, Ns, cfg in cases:
+            x = torch.randn(M, K, generator=gen).to(dtype)
+            ws = [torch.randn(N, K, generator=gen).to(dtype) for N in Ns]
+            for y, w in zip(linear_small_m(x, ws, cfg), ws):
+                want = x.double() @ w.double().T
+                assert y.dtype == dtype and y.shape == want.shape
+                assert _rel(y, want) < tol, f"M={M} K={K} N={w.shape[0]} {dtype}: rel err {_rel(y, want):.2e}"
+        xt = torch.randn(40, 6, generator=gen).to(dtype).T  # [6, 40], strides (1, 6)
+        wt = torch.randn(40, 24, generator=gen).to(dtype).T  # [24, 40]
+        (y,) = linear_small_m(xt, [wt], LinearConfig(16, 16, 4, 2))
+        assert _rel(y, xt.double() @ wt.double().T) < tol, "strided x / weight"
 
 
 def _patch_interpreter_for_numpy2():

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from . import cache as _cache
 from . import decode as _decode
 from . import dsa as _dsa
 from . import flashinfer_mla as _fi
+from . import linear as _linear
 from . import merge as _merge
 
 # benchmarks/RESULTS.md "Ops (issue 3)", H200 2026-12-01 (session 3): at H=16 and kv_len >= 8K our Triton kernel
@@ -62,3 +65,21 @@ def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
 
 def k_only_indices(block_table, seq_lens, page_size, topk):
     return _dsa.k_only_indices(block_table, seq_lens, page_size, topk)
+
+
+def fused_linear(x, weights):
+    """Pairs of weights as one launch of the few-token kernel (benchmarks/linear_sweep.py, H200: q_a + kv_a
+    6.4 vs 11.6 us as two cuBLAS GEMMs, gate + up 18.5 vs 21.6 us); a single weight, more than 16 rows or fp32
+    stay with cuBLAS (as fast or faster there)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.shape[0] > _linear.MAX_M or x.dtype not in (torch.float16, torch.bfloat16):
+        return [torch.nn.functional.linear(x, w) for w in weights]
+    outs = []
+    for i in range(0, len(weights), 2):
+        group = weights[i:i + 2]
+        if len(group) == 1:
+            outs.append(torch.nn.functional.linear(x2, group[0]))
+        else:
+            outs += _linear.linear_small_m(x2, group)
+    return [y.view(*lead, y.shape[-1]) for y in outs]

@@ -74,8 +74,13 @@ def _linear_kernel(X, W0, W1, Y0, Y1, M, N0, N1, K,
 
 
 def default_linear_config(M: int, K: int, N: int) -> LinearConfig:
-    """Prepared for the first H200 sweep (benchmarks/linear_sweep.py); not yet tuned."""
-    return LinearConfig()
+    """From the H200 sweep (benchmarks/linear_sweep.py, data/linear_sweep_round1.json; M=8): up to a few
+    thousand rows (q_a + kv_a: 2112, 132 programs) 16-row blocks and 4 stages of 256-wide K steps (6.4 us;
+    32-row blocks 7.2); many rows (gate + up: 16384) 32-row blocks, 3 stages of 128 (18.5 us; the 16-row
+    config 26.6)."""
+    if N >= 8192:
+        return LinearConfig(block_n=32, block_k=128, num_warps=4, num_stages=3)
+    return LinearConfig(block_n=16, block_k=256, num_warps=4, num_stages=4)
 
 
 def linear_small_m(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig | None = None,

@@ -68,7 +68,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ._fx import NoMatch, arg, meta_val, static_shape
+from ._fx import Builder, NoMatch, arg, fake_mode_of, meta_val, static_shape, val as _val
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +109,6 @@ def _is_op(node, *names) -> bool:
 
 
 _arg, _shape = arg, static_shape
-
-
-def _val(node):
-    v = meta_val(node)
-    if v is None:
-        raise NoMatch(f"node {node.name} has no example_value metadata")
-    return v
 
 
 def _dim(d: int, ndim: int) -> int:
@@ -428,60 +421,6 @@ def match_site(node: fx.Node) -> Site | None:
             raise NoMatch(f"intermediate {n.name} is also used by {', '.join(u.name for u in extra)}")
     return Site(out=node, q=q, weight=weight, latent=latent, kpe=kpe, mask=mask, scale=scale, nope=nope,
                 v_dim=v_dim, rope=P, nope_offset=nope_off, rope_offset=rope_off, heads=H, nodes=nodes, impl=impl)
-
-
-# ------------------------------------------------------------------------------------------- the builder
-class Builder:
-    """Inserts call_function nodes before an anchor and fills their `example_value` under the graph's fake
-    mode (Inductor's pre-grad passes and our own matcher read it)."""
-
-    def __init__(self, graph: fx.Graph, anchor: fx.Node, fake_mode, meta_from: fx.Node):
-        self.graph, self.anchor, self.fake_mode = graph, anchor, fake_mode
-        self.created: list[fx.Node] = []
-        self.meta = {k: meta_from.meta[k] for k in ("stack_trace", "nn_module_stack", "source_fn_stack")
-                     if k in meta_from.meta}
-
-    def call(self, target, *args, **kwargs) -> fx.Node:
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.call_function(target, tuple(args), dict(kwargs))
-        self.created.append(node)
-        node.meta.update(self.meta)
-
-        def fake(a):
-            return _val(a) if isinstance(a, fx.Node) else a
-
-        fargs = fx.node.map_aggregate(args, fake)
-        fkwargs = fx.node.map_aggregate(kwargs, fake)
-        modes = [t.fake_mode for t in _flatten(fargs) + _flatten(fkwargs) if hasattr(t, "fake_mode")]
-        mode = modes[0] if modes else self.fake_mode
-        with mode:
-            node.meta["example_value"] = target(*fargs, **fkwargs)
-        return node
-
-    def item(self, node, i) -> fx.Node:
-        return self.call(operator.getitem, node, i)
-
-    def rollback(self) -> None:
-        """Erase every node this builder inserted (the site is then exactly as before)."""
-        for n in reversed(self.created):
-            if not getattr(n, "_erased", False):
-                self.graph.erase_node(n)
-        self.created.clear()
-
-
-def _flatten(x) -> list:
-    return [t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
-
-
-def _fake_mode(graph: fx.Graph):
-    """The fake mode of the graph's `example_value`s (Dynamo's; not necessarily the ambient one)."""
-    for n in graph.nodes:
-        v = n.meta.get("example_value")
-        if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode"):
-            return v.fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 # ------------------------------------------------------------------------------------------ the emission
@@ -835,7 +774,7 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
             src = latent_source(site)
             _check_no_mutation_between(graph, site, src)
             if fake_mode is None:
-                fake_mode = _fake_mode(graph)
+                fake_mode = fake_mode_of(graph)
             site.sparse = _sparse_indexer(graph, site, src)
             if site.sparse is not None:
                 try:

@@ -337,3 +337,34 @@ def test_decode_strided_q_gives_contiguous_out(H):
     out, lse = torch.ops.mla.decode(qn_t, qp_t, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.06)
     assert out.is_contiguous() and lse.is_contiguous()
     assert_attention(out, lse, *want, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------ fused_linear
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lead,K,Ns", [((8, 1), 2048, [1536, 576]), ((1,), 2048, [8192, 8192]), ((16,), 1000, [70]),
+                                       ((4,), 64, [48, 16, 33]), ((17,), 256, [64, 32])])  # 17 rows: cuBLAS
+def test_fused_linear(lead, K, Ns, dtype):
+    g = torch.Generator(device="cuda").manual_seed(K)
+    x = torch.randn(*lead, K, device="cuda", generator=g).to(dtype)
+    ws = [(torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).to(dtype) for N in Ns]
+    ys = torch.ops.mla.fused_linear(x, ws)
+    for y, w in zip(ys, ws):
+        want = x.double() @ w.double().T
+        assert y.dtype == dtype and y.shape == want.shape and y.is_contiguous()
+        assert ((y.double() - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
+def test_fused_linear_cuda_graph_replay():
+    x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
+    ws = [torch.randn(N, 512, device="cuda", dtype=torch.bfloat16) for N in (96, 40)]
+    torch.ops.mla.fused_linear(x, ws)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = torch.ops.mla.fused_linear(x, ws)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        for y, w in zip(ys, ws):
+            want = x.double() @ w.double().T
+            assert ((y.double() - want).abs().max() / want.abs().max()).item() < 1e-2

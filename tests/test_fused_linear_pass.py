@@ -1,0 +1,128 @@
+"""passes/fused_linear.py: bias-free linears over the same x -> one mla.fused_linear, and nothing else.
+
+The op's CPU impl is F.linear per weight, so on CPU the rewrite must reproduce eager outputs; `fuse_linears=
+"always"` makes it fire on CPU (auto fires only on CUDA fp16/bf16 with <= 16 rows). Snapshot of a small
+module's rewritten Dynamo graph: `EXPECTTEST_ACCEPT=1 pytest tests/test_fused_linear_pass.py`.
+"""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+import torch.nn as nn
+from transformers import StaticCache
+
+import hf_models as M
+from mla_compile.passes.fused_linear import COUNTER, fuse_shared_input_linears
+
+COUNTERS = torch._dynamo.utils.counters
+
+
+class Shared(nn.Module):
+    """a, b: bias-free over x (fused); c: over x with a bias (left); d: over another input (left)."""
+
+    def __init__(self, K=16):
+        super().__init__()
+        self.a, self.b = nn.Linear(K, 8, bias=False), nn.Linear(K, 4, bias=False)
+        self.c, self.d = nn.Linear(K, 3), nn.Linear(K, 5, bias=False)
+
+    def forward(self, x, y):
+        return self.a(x).sum(-1) + self.b(x).sum(-1) * 2 + self.c(x).sum(-1) + self.d(y).sum(-1)
+
+
+def dynamo_graph(model, *args, where="always"):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        fuse_shared_input_linears(gm, where)
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=backend, fullgraph=True)(*args)
+    return graphs[0], out
+
+
+def op_lines(gm) -> str:
+    names = {}
+
+    def fmt(a):
+        if isinstance(a, torch.fx.Node):
+            return names.get(a, a.name if a.op == "placeholder" else "?")
+        if isinstance(a, (list, tuple)):
+            return "[" + ", ".join(fmt(v) for v in a) + "]"
+        return repr(a)
+
+    lines = []
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method"):
+            names[n] = f"%{len(names)}"
+            tgt = getattr(n.target, "__name__", str(n.target))
+            lines.append(f"{names[n]} = {tgt}({', '.join(fmt(a) for a in n.args)})")
+    return "\n".join(lines)
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    COUNTERS.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class TestFusedLinearSnapshot(expecttest.TestCase):
+    def test_rewritten_graph(self):
+        model = Shared()
+        x, y = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+        gm, out = dynamo_graph(model, x, y)
+        torch.testing.assert_close(out, model(x, y), rtol=0, atol=0)
+        self.assertEqual(COUNTERS["mla_compile"][COUNTER], 1)
+        self.assertExpectedInline(op_lines(gm), """\
+%0 = fused_linear.default(l_x_, [l_self_modules_a_parameters_weight_, l_self_modules_b_parameters_weight_])
+%1 = getitem(%0, 0)
+%2 = getitem(%0, 1)
+%3 = sum(%1, -1)
+%4 = sum(%2, -1)
+%5 = mul(%4, 2)
+%6 = add(%3, %5)
+%7 = linear(l_x_, l_self_modules_c_parameters_weight_, l_self_modules_c_parameters_bias_)
+%8 = sum(%7, -1)
+%9 = add(%6, %8)
+%10 = linear(l_y_, l_self_modules_d_parameters_weight_, None)
+%11 = sum(%10, -1)
+%12 = add(%9, %11)""")
+
+
+@pytest.mark.parametrize("where,groups", [("always", 1), ("never", 0), ("auto", 0)])  # auto: CPU -> no
+def test_where(where, groups):
+    model = Shared()
+    x, y = torch.randn(3, 16), torch.randn(3, 16)
+    _, out = dynamo_graph(model, x, y, where=where)
+    torch.testing.assert_close(out, model(x, y), rtol=0, atol=0)
+    assert COUNTERS["mla_compile"][COUNTER] == groups
+
+
+def test_bad_option_names_the_key():
+    from mla_compile.backend import parse_options
+
+    with pytest.raises(ValueError, match=r"^options: 'fuse_linears' must be one of auto, always, never"):
+        parse_options({"fuse_linears": "sometimes"})
+
+
+@pytest.mark.parametrize("q_lora_rank", [96, None])
+def test_hf_decode_with_fused_projections_matches_eager(q_lora_rank):
+    """q_a (or q) + kv_a and each MLP's gate + up fuse; greedy decode equals eager HF; attention still rewritten."""
+    model = M.deepseek_v3(num_layers=2, q_lora_rank=q_lora_rank)
+    L, steps = 32, 4
+    ids, mask = M.batch(L=L)
+    ref_t, ref_l = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), steps)
+    compiled = torch.compile(model, backend="mla_dcp", fullgraph=True, options={"fuse_linears": "always"})
+    t, logits = M.greedy(compiled, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), steps,
+                         prefill=model)
+    assert torch.equal(t, ref_t)
+    assert M.rel_err(logits, ref_l) < 1e-4
+    attn = sum(1 for m in model.modules() if hasattr(m, "kv_a_proj_with_mqa"))
+    mlps = sum(1 for m in model.modules() if hasattr(m, "gate_proj") and hasattr(m, "up_proj"))
+    assert COUNTERS["mla_compile"][COUNTER] == attn + mlps == 4
+    assert COUNTERS["mla_compile"]["mla_attention_rewritten"] == 2
