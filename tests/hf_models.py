@@ -31,7 +31,7 @@ def greedy(step, model, ids, attention_mask, cache, steps: int, *, prefill=None)
             toks.append(tok)
             out = step(tok[:, None], attention_mask=attention_mask, **cache_kwargs(step, cache),
                        cache_position=torch.tensor([T + i], device=ids.device))
-            logits.append(out.logits[:, -1].float())
+            logits.append(out.logits[:, -1].float().clone())  # a CUDA-graph output is overwritten next step
             tok = out.logits[:, -1].argmax(-1)
     return torch.stack(toks, 1), torch.stack(logits, 1)
 
@@ -47,7 +47,7 @@ def forced(step, model, ids, attention_mask, cache, tokens):
         for i in range(tokens.shape[1]):
             out = step(tokens[:, i:i + 1], attention_mask=attention_mask, **cache_kwargs(step, cache),
                        cache_position=torch.tensor([T + i], device=ids.device))
-            logits.append(out.logits[:, -1].float())
+            logits.append(out.logits[:, -1].float().clone())  # a CUDA-graph output is overwritten next step
     return torch.stack(logits, 1)
 
 
