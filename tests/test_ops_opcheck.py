@@ -122,3 +122,18 @@ def test_opcheck_fused_linear(lead, K, Ns):
     g = torch.Generator().manual_seed(K)
     x = torch.randn(*lead, K, generator=g)
     opcheck(torch.ops.mla.fused_linear.default, (x, [torch.randn(N, K, generator=g) for N in Ns]))
+
+
+def test_fused_linear_gradients_match_linear():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 2, 10, generator=g, dtype=torch.float64, requires_grad=True)
+    ws = [torch.randn(n, 10, generator=g, dtype=torch.float64, requires_grad=True) for n in (4, 6)]
+    torch.autograd.gradcheck(lambda x, a, b: torch.ops.mla.fused_linear(x, [a, b]), (x, *ws))
+    ys = torch.ops.mla.fused_linear(x, ws)
+    (ys[0].sum() * 2 + ys[1].pow(2).sum()).backward()
+    got = [x.grad.clone()] + [w.grad.clone() for w in ws]
+    for t in (x, *ws):
+        t.grad = None
+    (torch.nn.functional.linear(x, ws[0]).sum() * 2 + torch.nn.functional.linear(x, ws[1]).pow(2).sum()).backward()
+    for a, b in zip(got, [x.grad] + [w.grad for w in ws]):
+        torch.testing.assert_close(a, b)

@@ -17,7 +17,7 @@ from . import _checks as C
 
 def check_fused_linear_args(x, weights):
     C.check(isinstance(x, torch.Tensor), "x", f"expected a Tensor, got {type(x).__name__}")
-    C.check(x.dim() >= 1 and x.dtype in C.FLOAT_DTYPES, "x",
+    C.check(x.dim() >= 1 and x.is_floating_point(), "x",
             f"expected a float tensor [..., K], got shape {tuple(x.shape)} dtype {x.dtype}")
     C.check(len(weights) >= 1, "weights", "needs at least one weight")
     for i, w in enumerate(weights):
@@ -53,3 +53,22 @@ def _(x, weights):
     from ..kernels import dispatch
 
     return dispatch.fused_linear(x, weights)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weights = inputs
+    ctx.save_for_backward(x, *weights)
+
+
+def _backward(ctx, grads):
+    # the linears' own gradients, so a graph that trains through a fused pair stays correct
+    x, *weights = ctx.saved_tensors
+    grads = [torch.zeros((*x.shape[:-1], w.shape[0]), dtype=x.dtype, device=x.device) if g is None else g
+             for g, w in zip(grads, weights)]
+    grad_x = sum(g @ w for g, w in zip(grads, weights))
+    x2 = x.reshape(-1, x.shape[-1])
+    grad_ws = [g.reshape(-1, g.shape[-1]).T @ x2 for g in grads]
+    return grad_x, grad_ws
+
+
+fused_linear.register_autograd(_backward, setup_context=_setup_context)
