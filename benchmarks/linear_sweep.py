@@ -25,20 +25,24 @@ from mla_compile.kernels.linear import LinearConfig, default_linear_config, line
 
 SHAPES = {  # name: (M, K, [N of each weight sharing x])
     "q_a+kv_a": (8, 2048, [1536, 576]),
-    "kv_a": (8, 2048, [576]),
     "q_b": (8, 1536, [3072]),
     "o_proj": (8, 2048, [2048]),
     "gate+up": (8, 2048, [8192, 8192]),
     "down": (8, 8192, [2048]),
-    "lm_head": (8, 2048, [32768]),
-    "q_b h128": (8, 1536, [24576]),
     "o_proj h128": (8, 16384, [2048]),
+    # DeepSeek-V3's own dims (hidden 7168, MoE shared expert 2048, dense MLP 18432, 128 heads)
+    "dsv3 q_a+kv_a": (8, 7168, [1536, 576]),
+    "dsv3 shared gate+up": (8, 7168, [2048, 2048]),
+    "dsv3 dense gate+up": (8, 7168, [18432, 18432]),
+    "dsv3 o_proj": (8, 16384, [7168]),
     "q_a+kv_a m1": (1, 2048, [1536, 576]),
     "q_a+kv_a m16": (16, 2048, [1536, 576]),
 }
-CONFIGS = {f"n{bn}k{bk}s{st}w{w}": LinearConfig(bn, bk, w, st)
-           for bn, bk, st, w in itertools.product((16, 32, 64), (128, 256, 512), (3, 4, 6), (4,))}
-CONFIGS.update({f"n{bn}k{bk}s{st}w8": LinearConfig(bn, bk, 8, st) for bn, bk, st in [(64, 256, 4), (64, 512, 3)]})
+# Round 1 (data/linear_sweep_round1.json): block_n 16/32/64 x block_k 128/256/512 x 3/4/6 stages, no split.
+# Round 2: the round-1 leaders, each with K split 1/2/4/8 ways (fp32 partials + one summing launch).
+CONFIGS = {f"n{bn}k{bk}s{st}" + (f"x{sk}" if sk > 1 else ""): LinearConfig(bn, bk, 4, st, sk)
+           for bn, bk, st in [(16, 256, 4), (16, 128, 6), (16, 256, 3), (32, 128, 3), (32, 128, 4)]
+           for sk in (1, 2, 4, 8)}
 L2_BYTES = 50 << 20
 
 
@@ -112,7 +116,7 @@ def main(argv=None):
     shapes, configs = SHAPES, CONFIGS
     if args.quick:
         shapes = {k: SHAPES[k] for k in ("q_a+kv_a", "q_b", "down")}
-        configs = {k: CONFIGS[k] for k in ("n16k256s4w4", "n32k256s4w4", "n64k512s3w4")}
+        configs = {k: CONFIGS[k] for k in ("n16k256s4", "n16k256s4x4", "n32k128s3")}
     rows = {}
     for name, (M, K, Ns) in shapes.items():
         rows[name] = bench_case(name, M, K, Ns, configs, "cuda")

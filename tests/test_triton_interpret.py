@@ -260,7 +260,9 @@ def check_fused_linear():
     # (M, K, weight rows, config): a pair and a single weight; K on and off the K step (masked tail); row
     # counts off the row block; 1 and 16 tokens; a transposed (strided) x and weight
     cases = [(8, 96, [40, 24], LinearConfig(16, 32, 4, 2)), (1, 70, [17], LinearConfig(16, 32, 4, 2)),
-             (16, 64, [16, 33], LinearConfig(32, 64, 4, 3))]
+             (16, 64, [16, 33], LinearConfig(32, 64, 4, 3)),
+             # split K: fp32 partials + the summing launch; 3 splits of 32 over K=96, 2 over K=70 (short last)
+             (8, 96, [40, 24], LinearConfig(16, 32, 4, 2, split_k=3)), (3, 70, [17], LinearConfig(16, 32, 4, 2, 2))]
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         for M, K, Ns, cfg in cases:
             x = torch.randn(M, K, generator=gen).to(dtype)

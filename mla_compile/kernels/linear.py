@@ -27,27 +27,29 @@ class LinearConfig:
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 4
+    split_k: int = 1  # > 1: programs also split K, fp32 partials, then one summing launch
 
 
 @triton.jit
-def _rows_times_x(X, W, Y, M, N, K, n0, s_xm, s_xk, s_wn, s_wk, s_ym, s_yn,
+def _rows_times_x(X, W, Y, M, N, k_lo, k_hi, n0, s_xm, s_xk, s_wn, s_wk, s_ym, s_yn,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                   DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """Y[:, n0:n0+BLOCK_N] = X @ W[n0:n0+BLOCK_N]^T, accumulated in fp32 as W-rows x tokens."""
+    """Y[:, n0:n0+BLOCK_N] = X[:, k_lo:k_hi] @ W[n0:n0+BLOCK_N, k_lo:k_hi]^T, fp32 accumulation as W-rows x
+    tokens, stored in Y's dtype."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     mask_m = offs_m < M
     w_ptrs = W + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :] * s_wk
     x_ptrs = X + offs_m[None, :] * s_xm + offs_k[:, None] * s_xk
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:  # masks constant along K: the weight loads stay 16-byte vectors
             w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
             x = tl.load(x_ptrs, mask=mask_m[None, :], other=0.0)
         else:
-            k_ok = (k0 + offs_k) < K
+            k_ok = (k0 + tl.arange(0, BLOCK_K)) < k_hi
             w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=mask_m[None, :] & k_ok[:, None], other=0.0)
         acc = mma(w, x, acc, DOT_PREC, DOT_UPCAST)
@@ -58,19 +60,36 @@ def _rows_times_x(X, W, Y, M, N, K, n0, s_xm, s_xk, s_wn, s_wk, s_ym, s_yn,
 
 
 @triton.jit
-def _linear_kernel(X, W0, W1, Y0, Y1, M, N0, N1, K,
-                   s_xm, s_xk, s_w0n, s_w0k, s_w1n, s_w1k, s_y0m, s_y0n, s_y1m, s_y1n,
+def _linear_kernel(X, W0, W1, Y0, Y1, M, N0, N1, K, k_split,
+                   s_xm, s_xk, s_w0n, s_w0k, s_w1n, s_w1k, s_ys, s_y0m, s_y0n, s_y1m, s_y1n,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                    DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """Programs [0, cdiv(N0, BLOCK_N)) own rows of W0, the rest rows of W1 (N1 = 0: one weight)."""
+    """Programs [0, cdiv(N0, BLOCK_N)) own rows of W0, the rest rows of W1 (N1 = 0: one weight); axis 1 splits
+    K in k_split-wide ranges, each writing its own partial at Y + split * s_ys (s_ys = 0: no split)."""
     pid = tl.program_id(0)
+    split = tl.program_id(1)
+    k_lo = split * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
     nb0 = tl.cdiv(N0, BLOCK_N)
     if pid < nb0:
-        _rows_times_x(X, W0, Y0, M, N0, K, pid * BLOCK_N, s_xm, s_xk, s_w0n, s_w0k, s_y0m, s_y0n,
-                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
+        _rows_times_x(X, W0, Y0 + split * s_ys, M, N0, k_lo, k_hi, pid * BLOCK_N, s_xm, s_xk, s_w0n, s_w0k,
+                      s_y0m, s_y0n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
     else:
-        _rows_times_x(X, W1, Y1, M, N1, K, (pid - nb0) * BLOCK_N, s_xm, s_xk, s_w1n, s_w1k, s_y1m, s_y1n,
-                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
+        _rows_times_x(X, W1, Y1 + split * s_ys, M, N1, k_lo, k_hi, (pid - nb0) * BLOCK_N, s_xm, s_xk, s_w1n,
+                      s_w1k, s_y1m, s_y1n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
+
+
+@triton.jit
+def _sum_splits_kernel(P, Y0, Y1, S, N0, N1, s_ps, s_pm, s_y0m, s_y1m, BLOCK: tl.constexpr):
+    """Y0 | Y1 [m, :] = sum over splits of P[:, m, :] (P's columns: W0's rows, then W1's), cast once."""
+    m = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N0 + N1
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(0, S):
+        acc += tl.load(P + s * s_ps + m * s_pm + cols, mask=ok, other=0.0)
+    tl.store(Y0 + m * s_y0m + cols, acc.to(Y0.dtype.element_ty), mask=cols < N0)
+    tl.store(Y1 + m * s_y1m + (cols - N0), acc.to(Y1.dtype.element_ty), mask=ok & (cols >= N0))
 
 
 def default_linear_config(M: int, K: int, N: int) -> LinearConfig:
@@ -91,13 +110,31 @@ def linear_small_m(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConf
         cfg = default_linear_config(M, K, sum(w.shape[0] for w in weights))
     if outs is None:
         outs = [x.new_empty(M, w.shape[0]) for w in weights]
-    w0, y0 = weights[0], outs[0]
-    w1, y1 = (weights[1], outs[1]) if len(weights) == 2 else (w0, y0)
-    n1 = w1.shape[0] if len(weights) == 2 else 0
-    grid = (triton.cdiv(w0.shape[0], cfg.block_n) + triton.cdiv(n1, cfg.block_n),)
-    _linear_kernel[grid](x, w0, w1, y0, y1, M, w0.shape[0], n1, K,
+    w0 = weights[0]
+    w1 = weights[1] if len(weights) == 2 else w0
+    n0, n1 = w0.shape[0], (w1.shape[0] if len(weights) == 2 else 0)
+    # K per split: whole K steps, so only the last split can be short
+    k_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(K, k_split)
+    if splits == 1:
+        y0 = outs[0]
+        y1 = outs[1] if len(weights) == 2 else y0
+        s_ys = 0
+    else:  # fp32 partials [splits, M, n0 + n1]: W0's columns, then W1's
+        part = torch.empty((splits, M, n0 + n1), dtype=torch.float32, device=x.device)
+        y0, y1, s_ys = part, part[:, :, n0:], part.stride(0)
+    grid = (triton.cdiv(n0, cfg.block_n) + triton.cdiv(n1, cfg.block_n), splits)
+    _linear_kernel[grid](x, w0, w1, y0, y1, M, n0, n1, K, k_split,
                          x.stride(0), x.stride(1), w0.stride(0), w0.stride(1), w1.stride(0), w1.stride(1),
-                         y0.stride(0), y0.stride(1), y1.stride(0), y1.stride(1),
-                         BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-                         **dot_mode(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                         s_ys, y0.stride(-2), y0.stride(-1), y1.stride(-2), y1.stride(-1),
+                         BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                         EVEN_K=K % cfg.block_k == 0, **dot_mode(x.dtype), num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages)
+    if splits > 1:
+        o0 = outs[0]
+        o1 = outs[1] if len(weights) == 2 else o0
+        block = 512
+        _sum_splits_kernel[(M, triton.cdiv(n0 + n1, block))](part, o0, o1, splits, n0, n1, part.stride(0),
+                                                             part.stride(1), o0.stride(0), o1.stride(0),
+                                                             BLOCK=block)
     return outs

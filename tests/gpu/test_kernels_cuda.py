@@ -368,3 +368,15 @@ def test_fused_linear_cuda_graph_replay():
         for y, w in zip(ys, ws):
             want = x.double() @ w.double().T
             assert ((y.double() - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+def test_linear_split_k(split_k):
+    from mla_compile.kernels.linear import LinearConfig, linear_small_m
+
+    g = torch.Generator(device="cuda").manual_seed(split_k)
+    x = torch.randn(8, 7168, device="cuda", generator=g).to(torch.bfloat16)
+    ws = [(torch.randn(N, 7168, device="cuda", generator=g) * 0.01).to(torch.bfloat16) for N in (1536, 576)]
+    for y, w in zip(linear_small_m(x, ws, LinearConfig(16, 256, 4, 4, split_k)), ws):
+        want = x.double() @ w.double().T
+        assert ((y.double() - want).abs().max() / want.abs().max()).item() < 1e-2
