@@ -141,3 +141,21 @@ def test_training_graph_gradients_match_eager():
     model(x, y).sum().backward()
     for a, b in zip(got, [x.grad] + [p.grad for p in model.parameters()]):
         torch.testing.assert_close(a, b)
+
+
+def test_lone_linear_goes_to_the_op_only_with_a_long_k():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.long, self.short = nn.Linear(8192, 4, bias=False), nn.Linear(16, 4, bias=False)
+
+        def forward(self, x, y):
+            return self.long(x).sum(-1) + self.short(y).sum(-1)
+
+    model = Two()
+    x, y = torch.randn(2, 8192), torch.randn(2, 16)
+    gm, out = dynamo_graph(model, x, y)
+    torch.testing.assert_close(out, model(x, y))
+    assert COUNTERS["mla_compile"][COUNTER] == 1
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)] == [
+        torch.ops.mla.fused_linear.default, torch._C._nn.linear]

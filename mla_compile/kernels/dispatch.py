@@ -68,18 +68,15 @@ def k_only_indices(block_table, seq_lens, page_size, topk):
 
 
 def fused_linear(x, weights):
-    """Pairs of weights as one launch of the few-token kernel (benchmarks/linear_sweep.py, H200: q_a + kv_a
-    6.4 vs 11.6 us as two cuBLAS GEMMs, gate + up 18.5 vs 21.6 us); a single weight, more than 16 rows or fp32
-    stay with cuBLAS (as fast or faster there)."""
+    """Up to 16 rows in fp16/bf16: the few-token kernel, one launch per pair of weights (benchmarks/
+    linear_sweep.py, H200: q_a + kv_a 6.6 vs 11.7 us as two cuBLAS GEMMs, gate + up 18.4 vs 21.5, a lone
+    K=8192 weight 12.2 vs 13.8; a lone weight with a short K is ~5% slower than cuBLAS, which is why the pass
+    does not send those here). Otherwise F.linear per weight."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.shape[0] > _linear.MAX_M or x.dtype not in (torch.float16, torch.bfloat16):
         return [torch.nn.functional.linear(x, w) for w in weights]
     outs = []
     for i in range(0, len(weights), 2):
-        group = weights[i:i + 2]
-        if len(group) == 1:
-            outs.append(torch.nn.functional.linear(x2, group[0]))
-        else:
-            outs += _linear.linear_small_m(x2, group)
+        outs += _linear.linear_small_m(x2, weights[i:i + 2])
     return [y.view(*lead, y.shape[-1]) for y in outs]

@@ -11,6 +11,7 @@ concatenating weights.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import triton
@@ -93,13 +94,17 @@ def _sum_splits_kernel(P, Y0, Y1, S, N0, N1, s_ps, s_pm, s_y0m, s_y1m, BLOCK: tl
 
 
 def default_linear_config(M: int, K: int, N: int) -> LinearConfig:
-    """From the H200 sweep (benchmarks/linear_sweep.py, data/linear_sweep_round1.json; M=8): up to a few
-    thousand rows (q_a + kv_a: 2112, 132 programs) 16-row blocks and 4 stages of 256-wide K steps (6.4 us;
-    32-row blocks 7.2); many rows (gate + up: 16384) 32-row blocks, 3 stages of 128 (18.5 us; the 16-row
-    config 26.6)."""
-    if N >= 8192:
-        return LinearConfig(block_n=32, block_k=128, num_warps=4, num_stages=3)
-    return LinearConfig(block_n=16, block_k=256, num_warps=4, num_stages=4)
+    """From the H200 sweeps (benchmarks/linear_sweep.py; data/linear_sweep_round1.json, round2.json; M=8):
+    32-row blocks, 128-wide K steps; K split so that (row blocks x splits) is near 256 programs (~2 per SM):
+    DeepSeek-V3's q_a + kv_a (N 2112, K 7168) 11.5 us with 4 splits vs 18.0 unsplit and 18.9 as two cuBLAS
+    GEMMs; down (K 8192) 12.2 vs cuBLAS 13.8. Unsplit and K <= 4096: 3 stages (gate + up at K 2048: 18.4 vs
+    22.6 us with 4), else 4."""
+    blocks = triton.cdiv(N, 32)
+    split = 1 << max(0, min(3, round(math.log2(256 / blocks))))
+    while split > 1 and K // split < 512:  # keep >= 4 K steps per split
+        split //= 2
+    stages = 3 if split == 1 and K <= 4096 else 4
+    return LinearConfig(block_n=32, block_k=128, num_warps=4, num_stages=stages, split_k=split)
 
 
 def linear_small_m(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig | None = None,

@@ -3,8 +3,9 @@
 The decode step of an MLA layer reads q_a_proj and kv_a_proj_with_mqa (and an MLP's gate_proj and up_proj) with
 the same few rows of x. Two cuBLAS launches of a narrow weight each pay the fixed cost of a small GEMM (~5.5 us
 on the H200, benchmarks/linear_sweep.py); the CUDA impl runs a pair as one Triton launch over both weights'
-rows (kernels/linear.py) when x has at most 16 rows, without concatenating (copying) the weights. Any other
-case, and the CPU impl, is `F.linear` per weight: the op computes exactly what the unfused graph did.
+rows (kernels/linear.py; K split over more programs when the rows are few) when x has at most 16 rows, without
+concatenating (copying) the weights. Any other case, and the CPU impl, is `F.linear` per weight: the op
+computes exactly what the unfused graph did.
 """
 
 from __future__ import annotations
