@@ -1,7 +1,8 @@
 """What the default decode kernels compile to on Hopper, checked on a CPU machine: Triton compiles for sm_90a
 ahead of time (no GPU needed) and its bundled ptxas reports registers and spills (mla_compile/kernels/aot.py).
 
-These guard the properties the H200 sweeps showed the speed depends on (RESULTS.md, sweep rounds 6-9):
+These guard the properties the H200 sweeps showed the speed depends on (RESULTS.md, decode sweep rounds 6-9, linear
+sweeps 1-2):
 the pointer kernel's cache loads must be 16-byte async copies (a runtime R/P once left 2-byte loads and cost
 ~10%), nothing spills, and the H=128 TMA kernel runs Hopper's warpgroup MMA on TMA-loaded tiles.
 """
@@ -36,3 +37,15 @@ def test_many_heads_tma_kernel_feeds_warpgroup_mma():
     assert "cp.async.bulk.tensor" in out["ptx"], "full tiles are not TMA copies"
     assert "wgmma.mma_async" in out["ptx"], "no warpgroup MMA"
     assert out["spill_bytes"] <= 1024, out["spill_bytes"]  # ptxas' offline count; the H200 reports 0 for this config
+
+
+@pytest.mark.parametrize("M,K,N", [(8, 2048, 2112), (8, 2048, 16384), (8, 8192, 2048), (1, 7168, 2112)])
+def test_few_token_linear_streams_weights_in_16_byte_async_copies(M, K, N):
+    """The default few-token linear configs (kernels/linear.py; H200 sweeps rounds 1-2): weight tiles as
+    pipelined 16-byte async copies, tensor-core MMA, no spills."""
+    out = aot.linear_sm90(M, K, N)
+    ptx = out["ptx"]
+    assert re.search(r"cp\.async\.cg\.shared\.global[^;]*, 0x10,", ptx), "weight tiles are not 16-byte async copies"
+    assert not re.search(r"ld\.global(\.[a-z:0-9]+)*\.[bu]16 ", ptx), "2-byte global loads"
+    assert "mma.sync" in ptx
+    assert out["spill_bytes"] == 0, out["registers"]

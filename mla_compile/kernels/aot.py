@@ -33,8 +33,12 @@ def available() -> bool:
     return os.path.exists(PTXAS)
 
 
-def compile_sm90(kernel, constexprs: dict, descriptors: dict, num_warps: int, num_stages: int) -> dict:
-    """`kernel` for sm_90a with a launch's constexprs (bf16 dot mode): {"ptx", "registers", "spill_bytes"}."""
+def compile_sm90(kernel, constexprs: dict, descriptors: dict, num_warps: int, num_stages: int,
+                 divisible: set | None = None) -> dict:
+    """`kernel` for sm_90a with a launch's constexprs (bf16 dot mode): {"ptx", "registers", "spill_bytes"}.
+    `descriptors` gives argument types by name (default: the decode kernels' pointers, else i32); `divisible`
+    the arguments a launch specialises as multiples of 16 (default: the decode kernels')."""
+    divisible = _DIVISIBLE if divisible is None else divisible
     constexprs = dict(constexprs, DOT_PREC="tf32", DOT_UPCAST=False)
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -42,7 +46,7 @@ def compile_sm90(kernel, constexprs: dict, descriptors: dict, num_warps: int, nu
             signature[name] = "constexpr"
             continue
         signature[name] = descriptors.get(name) or _POINTERS.get(name) or ("fp32" if name == "scale_log2" else "i32")
-        if name in _DIVISIBLE:
+        if name in divisible:
             attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -69,3 +73,19 @@ def stage1_sm90(cfg: D.DecodeConfig, R: int = 512, P: int = 64, page_size: int =
                            cfg.num_warps, cfg.num_stages)
     ops = collections.Counter(re.findall(r"^\s+(?:@!?%p\d+ )?([a-z]+[a-z0-9._:]*)", out["ptx"], re.M))
     return dict(out, kernel="tma" if tma else "pointer", instructions=sum(ops.values()))
+
+
+def linear_sm90(M: int, K: int, N: int, cfg=None) -> dict:
+    """The few-token linear kernel (kernels/linear.py) that `fused_linear` launches for x [M, K] and a weight
+    pair of N rows in all (bf16, row-contiguous), compiled for sm_90a. Unit strides are constexprs, as Triton
+    specialises them at launch."""
+    from . import linear as Lin
+
+    cfg = cfg or Lin.default_linear_config(M, K, N)
+    ptrs = {"X": "*bf16", "W0": "*bf16", "W1": "*bf16"}
+    out_ty = "*fp32" if cfg.split_k > 1 else "*bf16"
+    ptrs.update(Y0=out_ty, Y1=out_ty)
+    constexprs = dict(BLOCK_M=Lin.MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
+                      s_xk=1, s_w0k=1, s_w1k=1, s_y0n=1, s_y1n=1)
+    divisible = set(ptrs) | {"s_xm", "s_w0n", "s_w1n", "s_y0m", "s_y1m", "s_ys", "K", "k_split"}
+    return compile_sm90(Lin._linear_kernel, constexprs, ptrs, cfg.num_warps, cfg.num_stages, divisible)
