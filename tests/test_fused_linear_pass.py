@@ -63,12 +63,7 @@ def op_lines(gm) -> str:
     return "\n".join(lines)
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    COUNTERS.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class TestFusedLinearSnapshot(expecttest.TestCase):

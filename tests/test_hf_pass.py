@@ -26,12 +26,7 @@ TOL = 1e-4
 COUNTERS = torch._dynamo.utils.counters
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    COUNTERS.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 MODELS = {
