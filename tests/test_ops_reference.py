@@ -342,3 +342,29 @@ def test_empty_batch_or_heads(B, H):
     assert out.shape == (B, H, 8) and lse.shape == (B, H)
     assert torch.ops.dsa.indexer_topk(torch.randn(B, H, 8), torch.randn(B, H), c, bt, sl, 4, 0.5).shape == (B, 4)
     assert torch.ops.dsa.k_only_indices(bt, sl, 4, 4).shape == (B, 4)
+
+
+# ----------------------------------------------------------------------------------------- fused_linear
+def run_fused_linear(lead, K, Ns, dtype, seed, transposed_x):
+    """[x @ W_i^T] vs float64, any leading dims (0-sized too), 1-3 weights, a transposed (strided) x."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, K, generator=g).to(dtype)
+    if transposed_x and len(lead) >= 1:
+        x = torch.randn(K, *lead, generator=g).to(dtype).movedim(0, -1)
+    ws = [torch.randn(N, K, generator=g).to(dtype) for N in Ns]
+    ys = torch.ops.mla.fused_linear(x, ws)
+    assert len(ys) == len(ws)
+    for y, w in zip(ys, ws):
+        want = x.double() @ w.double().T
+        assert y.shape == want.shape and y.dtype == dtype
+        assert ref.rel_err(y, want) < TOL[dtype], (lead, K, w.shape, dtype)
+
+
+fused_linear_args = dict(lead=st.lists(st.integers(0, 4), min_size=1, max_size=3), K=st.integers(1, 40),
+                         Ns=st.lists(st.integers(1, 20), min_size=1, max_size=3), dtype=DTYPES,
+                         seed=st.integers(0, 2**31 - 1), transposed_x=st.booleans())
+
+
+@given(**fused_linear_args)
+def test_fused_linear_fuzz(**kw):
+    run_fused_linear(**kw)
