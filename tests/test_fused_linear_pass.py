@@ -154,3 +154,20 @@ def test_lone_linear_goes_to_the_op_only_with_a_long_k():
     assert COUNTERS["mla_compile"][COUNTER] == 1
     assert [n.target for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)] == [
         torch.ops.mla.fused_linear.default, torch._C._nn.linear]
+
+
+@pytest.mark.parametrize("name,build,kwargs,groups", [
+    # three groups per layer: q_a + kv_a + the indexer's wk over the hidden states, q_b + the indexer's wq_b
+    # over q_resid, the MLP's gate + up
+    ("v32", M.deepseek_v32, dict(index_topk=8), 3), ("glm-moe-dsa", M.glm_moe_dsa, {}, 3)])
+def test_hf_dsa_decode_with_fused_projections_matches_eager(name, build, kwargs, groups):
+    model = build(num_layers=1, **kwargs)
+    L, steps = 32, 4
+    ids, mask = M.batch(L=L)
+    ref_t, ref_l = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), steps)
+    compiled = torch.compile(model, backend="mla_dcp", fullgraph=True, options={"fuse_linears": "always"})
+    t, logits = M.greedy(compiled, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), steps,
+                         prefill=model)
+    assert torch.equal(t, ref_t)
+    assert M.rel_err(logits, ref_l) < 1e-4
+    assert COUNTERS["mla_compile"][COUNTER] == groups
