@@ -37,7 +37,8 @@ _MAX_ROWS = 16  # kernels/linear.py MAX_M
 _MIN_K_ALONE = 8192  # a linear without a partner is only worth it with a long K
 
 
-def _worth_it(x: torch.Tensor, w: torch.Tensor) -> bool:
+def _worth_it(x: torch.Tensor) -> bool:
+    """Where the few-token kernel was measured faster: CUDA, half precision, a decode batch of rows."""
     rows = math.prod(x.shape[:-1])
     return (x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16) and isinstance(rows, int)
             and rows <= _MAX_ROWS)
@@ -52,7 +53,7 @@ def _candidate(node: fx.Node, where: str):
     if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor) and wv.dim() == 2
             and xv.dtype == wv.dtype and xv.device == wv.device):
         return None
-    if where == "auto" and not _worth_it(xv, wv):
+    if where == "auto" and not _worth_it(xv):
         return None
     return x, w
 
