@@ -22,6 +22,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_decode import build_model, decode, filled_cache, rewind  # noqa: E402
 
 
+# kernel name -> where its time goes (first match wins); everything else is Inductor's fused small kernels
+CATEGORIES = [
+    ("attention", ("_stage1", "_merge_kernel", "flashinfer", "mla_")),
+    ("projections", ("nvjet", "gemm", "gemv", "cublas", "cutlass", "_linear_kernel", "_sum_splits")),
+    ("harness (mask copy, argmax)", ("multi_tensor_apply", "ArgMax")),
+]
+
+
+def categorize(row: dict) -> dict:
+    """us per step by category (CATEGORIES, then "small fused kernels" and "gaps" = wall - GPU time), from a
+    profile row; only the top kernels are listed in a row, so the rest of the GPU time counts as small kernels."""
+    out = {name: 0.0 for name, _ in CATEGORIES}
+    for k in row["top"]:
+        name = next((c for c, keys in CATEGORIES if any(key.lower() in k["name"].lower() for key in keys)), None)
+        if name is not None:
+            out[name] += k["us_per_step"]
+    out["small fused kernels"] = row["gpu_kernel_us_per_step"] - sum(out.values())
+    out["gaps between kernels"] = row["wall_us_per_step"] - row["gpu_kernel_us_per_step"]
+    return out
+
+
 def profile_case(H, kv, args, device):
     B = args.batch
     max_len = kv + 64 * args.steps
@@ -58,6 +79,8 @@ def profile_case(H, kv, args, device):
           f"{row['kernels_per_step']:.0f} kernels/step", flush=True)
     for t in row["top"]:
         print(f"   {t['us_per_step']:8.1f} us  {t['calls_per_step']:5.1f}x  {t['name']}", flush=True)
+    row["categories"] = categorize(row)
+    print("   by category: " + ", ".join(f"{k} {v:.0f} us" for k, v in row["categories"].items()), flush=True)
     del fn, model, cache
     torch._dynamo.reset()
     torch.cuda.empty_cache()
