@@ -124,6 +124,13 @@ def check_decode_strided_q():
         assert K.tma_eligible(bt.ckv_cache, bt.kpe_cache, False, cfg) == tma
         out, lse = K.decode(qn, qp, bt.ckv_cache, bt.kpe_cache, bt.block_table, bt.seq_lens, 0.1, cfg=cfg, splits=2)
         _check_attention(out, lse, *want, 1e-5)
+        assert out.is_contiguous()
+        # lengths as a column of a wider tensor and a column-major table (what a flexible_layout op may get)
+        lens = torch.stack([bt.seq_lens, bt.seq_lens + 7], 1)[:, 0]
+        table = bt.block_table.T.contiguous().T
+        assert lens.stride(0) != 1 and table.stride(-1) != 1
+        out, lse = K.decode(qn, qp, bt.ckv_cache, bt.kpe_cache, table, lens, 0.1, cfg=cfg, splits=2)
+        _check_attention(out, lse, *want, 1e-5)
 
 
 def check_decode_fp32_odd_dims():
