@@ -125,6 +125,21 @@ def test_hf_decode_with_fused_projections_matches_eager(name, build, kwargs, lay
     assert COUNTERS["mla_compile"]["mla_attention_rewritten"] == layers
 
 
+def test_training_graph_gradients_match_eager():
+    """The fused op carries the linears' gradients: a compiled training step equals eager."""
+    model = Shared()
+    x, y = torch.randn(3, 16, requires_grad=True), torch.randn(3, 16)
+    compiled = torch.compile(model, backend="mla_dcp", fullgraph=True, options={"fuse_linears": "always"})
+    compiled(x, y).sum().backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    assert COUNTERS["mla_compile"][COUNTER] == 1
+    x.grad = None
+    model.zero_grad()
+    model(x, y).sum().backward()
+    for a, b in zip(got, [x.grad] + [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(a, b)
+
+
 def test_lone_linear_goes_to_the_op_only_with_a_long_k():
     class Two(nn.Module):
         def __init__(self):
