@@ -278,6 +278,9 @@ def check_fused_linear():
                 want = x.double() @ w.double().T
                 assert y.dtype == dtype and y.shape == want.shape
                 assert _rel(y, want) < tol, f"M={M} K={K} N={w.shape[0]} {dtype}: rel err {_rel(y, want):.2e}"
+        for M, K, Ns in ((0, 32, [8, 4]), (4, 0, [8])):  # empty x, empty K: no launch, zeros
+            ys = linear_small_m(torch.randn(M, K).to(dtype), [torch.randn(N, K).to(dtype) for N in Ns])
+            assert [tuple(y.shape) for y in ys] == [(M, N) for N in Ns] and all(not y.any() for y in ys)
         xt = torch.randn(40, 6, generator=gen).to(dtype).T  # [6, 40], strides (1, 6)
         wt = torch.randn(40, 24, generator=gen).to(dtype).T  # [24, 40]
         (y,) = linear_small_m(xt, [wt], LinearConfig(16, 16, 4, 2))

@@ -118,6 +118,8 @@ def linear_small_m(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConf
     w0 = weights[0]
     w1 = weights[1] if len(weights) == 2 else w0
     n0, n1 = w0.shape[0], (w1.shape[0] if len(weights) == 2 else 0)
+    if M == 0 or n0 + n1 == 0 or K == 0:  # nothing to launch (K == 0: the product is all zeros)
+        return [o.zero_() for o in outs]
     # K per split: whole K steps, so only the last split can be short
     k_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(K, k_split)
