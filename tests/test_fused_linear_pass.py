@@ -7,10 +7,14 @@ module's rewritten Dynamo graph: `EXPECTTEST_ACCEPT=1 pytest tests/test_fused_li
 
 from __future__ import annotations
 
+import collections
+
 import expecttest
 import pytest
 import torch
 import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import StaticCache
 
 import hf_models as M
@@ -156,3 +160,35 @@ def test_lone_linear_goes_to_the_op_only_with_a_long_k():
     assert COUNTERS["mla_compile"][COUNTER] == 1
     assert [n.target for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)] == [
         torch.ops.mla.fused_linear.default, torch._C._nn.linear]
+
+
+class RandomLinears(nn.Module):
+    """Linears over a few inputs, some sharing x, some with a bias, one consuming another's output."""
+
+    def __init__(self, spec, K):
+        super().__init__()
+        self.spec = spec  # (input index, out features, bias) per linear; input 2 is linear 0's output
+        self.lins = nn.ModuleList(nn.Linear(K if src < 2 else spec[0][1], n, bias=b) for src, n, b in spec)
+
+    def forward(self, x0, x1):
+        first = self.lins[0](x0)
+        ins = [x0, x1, first]
+        return [first] + [lin(ins[src]) for (src, _, _), lin in zip(self.spec[1:], self.lins[1:])]
+
+
+@settings(max_examples=12, deadline=None)
+@given(spec=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 9), st.booleans()), min_size=2, max_size=6),
+       K=st.integers(1, 12), rows=st.integers(1, 3))
+def test_random_linear_graphs_keep_their_outputs(spec, K, rows):
+    """Semantics preservation: whatever groups the pass forms, every output equals eager's."""
+    spec = [(0, *spec[0][1:])] + spec[1:]  # linear 0 reads x0
+    torch.manual_seed(0)
+    model = RandomLinears(spec, K)
+    x0, x1 = torch.randn(rows, K), torch.randn(rows, K)
+    torch._dynamo.reset()
+    COUNTERS.clear()
+    _, out = dynamo_graph(model, x0, x1)
+    for a, b in zip(out, model(x0, x1)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    shared = collections.Counter(src for src, _, bias in spec if not bias)
+    assert COUNTERS["mla_compile"][COUNTER] == sum(1 for n in shared.values() if n >= 2)
