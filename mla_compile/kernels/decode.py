@@ -303,6 +303,10 @@ def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, i
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def _unit_inner_stride(t):
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, capacity,
             cfg: DecodeConfig | None, splits: int | None):
     B, H, R = q_nope.shape
@@ -310,16 +314,10 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
     lse = torch.empty((B, H), dtype=torch.float32, device=q_nope.device)
     if B * H == 0:
         return out, lse
-    # q is read with any batch/head strides; only an element-strided last dim is copied. The ops are
-    # flexible_layout, so Inductor may also hand over strided lengths / tables: the kernels index those with
-    # unit inner strides (no copy when they already are)
-    q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
-    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
-    seq_lens = None if seq_lens is None else seq_lens.contiguous()
-    if block_table is not None and block_table.stride(-1) != 1:
-        block_table = block_table.contiguous()
-    if indices is not None and indices.stride(-1) != 1:
-        indices = indices.contiguous()
+    # q is read with any batch/head strides; the ops are flexible_layout, so Inductor may also hand over strided
+    # lengths / tables. The kernels need unit inner strides only: copy just what lacks them
+    q_nope, q_pe, seq_lens, block_table, indices = map(_unit_inner_stride, (q_nope, q_pe, seq_lens, block_table,
+                                                                             indices))
     for t, name in ((ckv_cache, "ckv_cache"), (kpe_cache, "kpe_cache")):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: last dim must be contiguous for the Triton kernel, strides {t.stride()}")

@@ -115,8 +115,7 @@ def linear_small_m(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConf
         cfg = default_linear_config(M, K, sum(w.shape[0] for w in weights))
     if outs is None:
         outs = [x.new_empty(M, w.shape[0]) for w in weights]
-    w0 = weights[0]
-    w1 = weights[1] if len(weights) == 2 else w0
+    w0, w1 = weights[0], weights[-1]  # one weight: W1 is W0 again with no rows of its own (n1 = 0)
     n0, n1 = w0.shape[0], (w1.shape[0] if len(weights) == 2 else 0)
     if M == 0 or n0 + n1 == 0 or K == 0:  # nothing to launch (K == 0: the product is all zeros)
         return [o.zero_() for o in outs]
@@ -124,9 +123,7 @@ def linear_small_m(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConf
     k_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(K, k_split)
     if splits == 1:
-        y0 = outs[0]
-        y1 = outs[1] if len(weights) == 2 else y0
-        s_ys = 0
+        y0, y1, s_ys = outs[0], outs[-1], 0
     else:  # fp32 partials [splits, M, n0 + n1]: W0's columns, then W1's
         part = torch.empty((splits, M, n0 + n1), dtype=torch.float32, device=x.device)
         y0, y1, s_ys = part, part[:, :, n0:], part.stride(0)
@@ -138,8 +135,7 @@ def linear_small_m(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConf
                          EVEN_K=K % cfg.block_k == 0, **dot_mode(x.dtype), num_warps=cfg.num_warps,
                          num_stages=cfg.num_stages)
     if splits > 1:  # outs are row-major (made here, or the caller's contiguous buffers)
-        o0 = outs[0]
-        o1 = outs[1] if len(weights) == 2 else o0
+        o0, o1 = outs[0], outs[-1]
         block = 512
         _sum_splits_kernel[(M, triton.cdiv(n0 + n1, block))](part, o0, o1, splits, n0, n1, part.stride(0),
                                                              part.stride(1), o0.stride(0), o1.stride(0),
