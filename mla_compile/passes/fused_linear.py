@@ -74,8 +74,9 @@ def fuse_shared_input_linears(gm: fx.GraphModule | fx.Graph, where: str = "auto"
             groups[c[0]].append((node, c[1]))
     fake_mode = None
     fused = 0
-    for x, members in groups.items():
+    for members in groups.values():
         first = members[0][0]
+        x = arg(first, 0, "input")  # not the group's key: an earlier rewrite may have replaced that node
         # the op goes where the first linear was: every weight must already exist there
         members = [(n, w) for n, w in members if n is first or order[w] < order[first]]
         if len(members) < 2 and meta_val(members[0][1]).shape[1] < _MIN_K_ALONE:
