@@ -2,6 +2,7 @@
 
 usage:  python benchmarks/hf_decode.py OUT.json [--heads 16 128] [--kv 4096 32768] [--batch 8] [--layers 4]
                                                 [--modes eager default mla] [--steps 30] [--check-steps 4]
+                                                [--mask input|static] [--mla-options JSON]
         python benchmarks/hf_decode.py OUT.json --smoke      # tiny shapes, CPU ok (checks the script itself)
 
 Model: DeepseekV3ForCausalLM, real MLA dims (kv_lora 512, rope 64, nope 128, v 128, q_lora 1536), hidden 2048,
@@ -13,6 +14,12 @@ from that same state:
   eager    HF eager (expands the whole latent cache through kv_b_proj every step)
   default  torch.compile(model, mode="reduce-overhead")                 (Inductor + CUDA-graph trees)
   mla      torch.compile(model, backend="mla_dcp", mode="reduce-overhead") (absorbed mla.decode, CUDA graphs)
+           (`--mla-options` adds backend options, e.g. '{"triton.enable_pdl": true}')
+
+The attention mask is one tensor for the whole run (all ones: no padding). `--mask input` hands it over as a
+plain tensor, which the CUDA-graph trees copy into their own buffer before every replay (2 MB at 32K: ~18 us a
+step, every compiled mode); `--mask static` marks it static (`torch._dynamo.mark_static_address`), as a serving
+loop's persistent mask buffer would be: no copy. The same mask goes to every mode.
 
 Reported per (H, kv_len, mode): ms/step (median of 3 timed runs of `--steps` steps, after warm-up) and decode
 tokens/s = batch / step time; speedup of mla over default. Correctness: the first `--check-steps` steps' logits
@@ -132,9 +139,12 @@ def run_case(H, kv_len, args, device, dtype, modes, log, result, save):
     model = build_model(H, args.layers, args.hidden, args.vocab, dtype, device, small=args.smoke)
     cache = filled_cache(model, B, kv_len, max_len, device)
     mask = torch.ones(B, max_len, dtype=torch.long, device=device)
+    if args.mask == "static":
+        torch._dynamo.mark_static_address(mask)
     tok = torch.randint(1, args.vocab, (B, 1), device=device, generator=torch.Generator(device=device).manual_seed(2))
     result.update({"H": H, "kv_len": kv_len, "batch": B, "layers": args.layers, "hidden": args.hidden,
-                   "dtype": str(dtype).replace("torch.", ""), "modes": {}})
+                   "dtype": str(dtype).replace("torch.", ""), "mask": args.mask, "mla_options": args.mla_options,
+                   "modes": {}})
     snapshot = [(lay.keys.clone(), lay.values.clone()) for lay in cache.layers]
 
     def restore():
@@ -154,7 +164,8 @@ def run_case(H, kv_len, args, device, dtype, modes, log, result, save):
             elif mode == "default":
                 fn = torch.compile(model, mode="reduce-overhead", fullgraph=True)
             elif mode == "mla":
-                fn = torch.compile(model, backend="mla_dcp", mode="reduce-overhead", fullgraph=True)
+                fn = torch.compile(model, backend="mla_dcp", options={"mode": "reduce-overhead", **args.mla_options},
+                                   fullgraph=True)
             else:
                 raise ValueError(f"unknown mode {mode}")
             # correctness: the same first steps from the same cache state
@@ -230,6 +241,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--check-steps", type=int, default=4)
     ap.add_argument("--modes", nargs="+", default=["eager", "default", "mla"])
+    ap.add_argument("--mask", choices=["input", "static"], default="input",
+                    help="how the attention mask reaches the compiled modes (see the module docstring)")
+    ap.add_argument("--mla-options", type=json.loads, default={}, help="JSON dict of extra mla_dcp options")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU ok, fp32): checks the script")
     ap.add_argument("--no-fp32-ref", dest="fp32_ref", action="store_false",
                     help="skip the fp32-model reference logits (max_rel_err_vs_fp32)")

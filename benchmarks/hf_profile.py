@@ -1,10 +1,17 @@
 """Where an HF DeepseekV3 `mla_dcp` decode step spends its time (torch.profiler; not a test).
 
 usage: python benchmarks/hf_profile.py OUT.json [--heads 16] [--kv 4096 32768] [--batch 8] [--layers 4]
+                                           [--variants input static static+pdl]
 
 The model and cache are those of benchmarks/hf_decode.py. After warm-up (compile + CUDA-graph recording) it
 times `--steps` steps by wall clock, then profiles 5 steps and reports per step: wall time, summed GPU kernel
-time, and the kernels by total time (name, calls per step, us per step).
+time, the kernels by total time (name, calls per step, us per step), and the idle time between consecutive
+kernels by size (so launch gaps inside the graph and host stalls between steps are told apart).
+
+Variants (each a fresh compile of the same model and cache), see VARIANTS: how the harness hands over the
+attention mask (`input`: a plain tensor, copied by the CUDA-graph tree before every replay; `static`: marked
+static, as a serving loop's persistent buffer would be) and backend options (`pdl`: Inductor's programmatic
+dependent launch).
 """
 
 from __future__ import annotations
@@ -43,14 +50,41 @@ def categorize(row: dict) -> dict:
     return out
 
 
-def profile_case(H, kv, args, device):
+# variant -> (mask marked static?, backend options)
+VARIANTS = {
+    "input": (False, {}),
+    "static": (True, {}),
+    "static+pdl": (True, {"triton.enable_pdl": True}),
+    "static+nopdl": (True, {"triton.enable_pdl": False}),
+}
+GAP_BUCKETS_US = (1.0, 2.0, 5.0, 20.0)
+
+
+def gap_stats(events, steps: int) -> dict:
+    """Idle time between consecutive GPU kernels (one stream): per step, summed by size bucket, plus the largest
+    gaps with the kernels on either side. `events` = [(start_us, end_us, name)]."""
+    events = sorted(events)
+    gaps = [(b[0] - a[1], a[2], b[2]) for a, b in zip(events, events[1:])]
+    edges = (0.0,) + GAP_BUCKETS_US + (float("inf"),)
+    buckets = {}
+    for lo, hi in zip(edges, edges[1:]):
+        sel = [g for g, _, _ in gaps if lo <= g < hi]
+        buckets[f"{lo:g}-{hi:g}us"] = {"count_per_step": len(sel) / steps, "us_per_step": sum(sel) / steps}
+    largest = sorted(gaps, key=lambda g: -g[0])[:8]
+    return {"buckets": buckets, "largest": [{"us": g, "after": a[:80], "before": b[:80]} for g, a, b in largest]}
+
+
+def profile_case(H, kv, args, device, variant="input"):
     B = args.batch
     max_len = kv + 64 * args.steps
     model = build_model(H, args.layers, args.hidden, args.vocab, torch.bfloat16, device)
     cache = filled_cache(model, B, kv, max_len, device)
     mask = torch.ones(B, max_len, dtype=torch.long, device=device)
+    static_mask, options = VARIANTS[variant]
+    if static_mask:
+        torch._dynamo.mark_static_address(mask)
     tok = torch.ones(B, 1, dtype=torch.long, device=device)
-    fn = torch.compile(model, backend="mla_dcp", mode="reduce-overhead", fullgraph=True)
+    fn = torch.compile(model, backend="mla_dcp", options={"mode": "reduce-overhead", **options}, fullgraph=True)
     decode(fn, cache, tok, mask, kv, 4)  # compile + record
     rewind(cache, kv)
     torch.cuda.synchronize()
@@ -65,22 +99,29 @@ def profile_case(H, kv, args, device):
         decode(fn, cache, tok, mask, kv, n)
         torch.cuda.synchronize()
     kernels = collections.defaultdict(lambda: [0, 0.0])
+    spans = []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             k = kernels[e.name[:120]]
             k[0] += 1
             k[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            spans.append((e.time_range.start, e.time_range.end, e.name))
     gpu_us = sum(v[1] for v in kernels.values()) / n
     top = sorted(kernels.items(), key=lambda kv_: -kv_[1][1])[:30]
-    row = {"H": H, "kv_len": kv, "batch": B, "wall_us_per_step": wall_us, "gpu_kernel_us_per_step": gpu_us,
+    row = {"variant": variant, "H": H, "kv_len": kv, "batch": B, "wall_us_per_step": wall_us, "gpu_kernel_us_per_step": gpu_us,
            "kernels_per_step": sum(v[0] for v in kernels.values()) / n,
            "top": [{"name": k, "calls_per_step": v[0] / n, "us_per_step": v[1] / n} for k, v in top]}
-    print(f"H={H} kv={kv}: wall {wall_us:.0f} us/step, GPU kernels {gpu_us:.0f} us/step, "
+    row["gaps"] = gap_stats(spans, n)
+    print(f"[{variant}] H={H} kv={kv}: wall {wall_us:.0f} us/step, GPU kernels {gpu_us:.0f} us/step, "
           f"{row['kernels_per_step']:.0f} kernels/step", flush=True)
     for t in row["top"]:
         print(f"   {t['us_per_step']:8.1f} us  {t['calls_per_step']:5.1f}x  {t['name']}", flush=True)
     row["categories"] = categorize(row)
     print("   by category: " + ", ".join(f"{k} {v:.0f} us" for k, v in row["categories"].items()), flush=True)
+    print("   idle between kernels: " + ", ".join(f"{k} {v['count_per_step']:.0f}x {v['us_per_step']:.0f} us"
+                                                   for k, v in row["gaps"]["buckets"].items()), flush=True)
+    for g in row["gaps"]["largest"][:4]:
+        print(f"   gap {g['us']:.1f} us after {g['after']} before {g['before']}", flush=True)
     del fn, model, cache
     torch._dynamo.reset()
     torch.cuda.empty_cache()
@@ -97,13 +138,20 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--variants", nargs="+", default=["input"], choices=sorted(VARIANTS))
     args = ap.parse_args(argv)
     import mla_compile  # noqa: F401
 
     rows = []
     for H in args.heads:
         for kv in args.kv:
-            rows.append(profile_case(H, kv, args, torch.device("cuda")))
+            for variant in args.variants:
+                try:
+                    rows.append(profile_case(H, kv, args, torch.device("cuda"), variant))
+                except Exception as e:  # noqa: BLE001 - recorded; the next variant still runs
+                    rows.append({"variant": variant, "H": H, "kv_len": kv, "error": f"{type(e).__name__}: {e}"[:2000]})
+                    print(f"[{variant}] H={H} kv={kv} FAILED: {rows[-1]['error']}", flush=True)
+                    torch._dynamo.reset()
             with open(args.out, "w") as fh:
                 json.dump({"torch": torch.__version__, "rows": rows}, fh, indent=1)
     return 0

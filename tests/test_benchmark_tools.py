@@ -24,3 +24,16 @@ def test_profile_categories_split_the_step_exactly():
     assert cats["projections"] > sum(k["us_per_step"] for k in row["top"] if k["name"] == "_linear_kernel")
     assert 0 < cats["harness (mask copy, argmax)"] < 40
     assert all(v > 0 for v in cats.values())
+
+
+def test_gap_stats_buckets_and_largest_gaps():
+    # two steps of three kernels: 0.5 us and 3 us gaps inside a step, 30 us between the steps
+    spans = [(0, 10, "a"), (10.5, 20, "b"), (23, 30, "c"), (60, 70, "a"), (70.5, 80, "b"), (83, 90, "c")]
+    stats = hf_profile.gap_stats(list(reversed(spans)), steps=2)  # order of the profiler's events must not matter
+    b = stats["buckets"]
+    assert b["0-1us"] == {"count_per_step": 1.0, "us_per_step": 0.5}
+    assert b["2-5us"] == {"count_per_step": 1.0, "us_per_step": 3.0}
+    assert b["20-infus"] == {"count_per_step": 0.5, "us_per_step": 15.0}
+    assert b["1-2us"]["count_per_step"] == b["5-20us"]["count_per_step"] == 0
+    assert stats["largest"][0] == {"us": 30, "after": "c", "before": "a"}
+    assert sum(v["us_per_step"] for v in b.values()) == pytest.approx((90 - 2 * 26.5) / 2)  # span - busy
