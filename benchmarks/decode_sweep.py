@@ -1,6 +1,7 @@
 """Tile-config sweep of the Triton `mla::decode` kernels on the GPU (picks `default_config`; not a test).
 
 usage: python benchmarks/decode_sweep.py OUT.json [--quick]
+       python benchmarks/decode_sweep.py OUT.json --splits 8 16 33   # the default configs at forced split counts
        python benchmarks/decode_sweep.py OUT.json --aot     # no GPU: each config compiled for sm_90a
                                                              # (kernel, registers, spills, PTX instructions)
 
@@ -141,11 +142,56 @@ def aot_report(path: str) -> None:
         json.dump({"aot_sm90": res}, fh, indent=1)
 
 
+SPLIT_SHAPES = [(16, 8, 32768), (16, 8, 131072), (16, 32, 32768), (128, 8, 32768), (128, 8, 131072)]
+
+
+def split_probe(path: str, split_counts: list[int]) -> None:
+    """The default config of each shape at forced split counts (and the policy's own, "policy"): whole-op time
+    (stage 1 + merge) by CUDA-graph replay, page 64 and, at H=16, the page-1 token table."""
+    from mla_compile.kernels._util import sm_count
+
+    x = torch.randn(1 << 29, device="cuda", dtype=torch.float16)
+    y = torch.empty_like(x)
+    copy_bw = 2 * x.numel() * 2 / (do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)
+    del x, y
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bw_TBps": copy_bw / 1e12,
+           "sms": sm_count(torch.device("cuda")), "rows": []}
+    pages = max(b * n for _, b, n in SPLIT_SHAPES) // PS
+    ckv = torch.empty(pages, PS, R, dtype=DT, device="cuda").normal_()
+    kpe = torch.empty(pages, PS, P, dtype=DT, device="cuda").normal_()
+    for H, B, L in SPLIT_SHAPES:
+        table = torch.randperm(pages, device="cuda")[: B * L // PS].view(B, L // PS).int()
+        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        qn = torch.randn(B, H, R, dtype=DT, device="cuda")
+        qp = torch.randn(B, H, P, dtype=DT, device="cuda")
+        tok = (table.long()[:, :, None] * PS + torch.arange(PS, device="cuda")).view(B, L).int()
+        layouts = {"page64": (ckv, kpe, table)}
+        if H == 16:
+            layouts["page1"] = (ckv.view(-1, 1, R), kpe.view(-1, 1, P), tok)
+        for layout, (c, k, t) in layouts.items():
+            cfg = D.default_config(H, R, c.shape[1])
+            row = {"H": H, "B": B, "L": L, "layout": layout, "cfg": str(cfg),
+                   "policy_splits": D.num_splits(B, H, t.shape[1] * c.shape[1], qn.device, cfg), "us": {}}
+            for ns in [None] + split_counts:
+                fn = lambda ns=ns: D.decode(qn, qp, c, k, t, lens, 0.07, cfg=cfg, splits=ns)  # noqa: E731
+                row["us"]["policy" if ns is None else str(ns)] = do_bench_cudagraph(fn, rep=40,
+                                                                                      return_mode="median") * 1e3
+            nbytes = D.kv_bytes(B, L, R, P, 2)
+            row["bw_frac"] = {k_: nbytes / (v * 1e-6) / copy_bw for k_, v in row["us"].items()}
+            res["rows"].append(row)
+            print(f"H={H} B={B} L={L // 1024}K {layout} policy={row['policy_splits']}: "
+                  + " ".join(f"{k_}={v:.1f}us({row['bw_frac'][k_]:.2f})" for k_, v in row["us"].items()), flush=True)
+            with open(path, "w") as fh:
+                json.dump(res, fh, indent=1)
+
+
 def main(argv):
-    args = [a for a in argv if not a.startswith("--")]
+    args = [a for a in argv if not a.startswith("--") and not a.isdigit()]
     path = args[0] if args else os.path.join(os.environ.get("OUT", "."), "decode_sweep.json")
     if "--aot" in argv:
         return aot_report(path)
+    if "--splits" in argv:
+        return split_probe(path, [int(a) for a in argv[argv.index("--splits") + 1:] if a.isdigit()])
     quick = "--quick" in argv
     t_start = time.time()
     x = torch.randn(1 << 29, device="cuda", dtype=torch.float16)

@@ -47,7 +47,9 @@ setup() {
 stage_kernels() { timeout "${T_KERNELS:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu ${KERNELS_K:+-k "$KERNELS_K"} ${KERNELS_ARGS:-}; }
 # tile-config sweep of the decode kernels (issue 3) and a profile of the HF mla_dcp step (issue 5)
 stage_sweep() { timeout "${T_SWEEP:-300}" python3 benchmarks/decode_sweep.py "$OUT/decode_sweep.json" ${SWEEP_ARGS:-}; }
-stage_profile() { timeout "${T_PROFILE:-300}" python3 benchmarks/hf_profile.py "$OUT/hf_profile.json" ${PROFILE_ARGS:-}; }
+# a fresh Inductor cache per HF stage: a cached graph compiled with the mask as a plain input was seen to keep
+# copying it after mark_static_address in the same machine (session 5, call 1)
+stage_profile() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_PROFILE:-300}" python3 benchmarks/hf_profile.py "$OUT/hf_profile.json" ${PROFILE_ARGS:-}; }
 # few-token linear layers (issue 5's HF step): mla_compile.kernels.linear configs vs cuBLAS
 stage_linear() { timeout "${T_LINEAR:-300}" python3 benchmarks/linear_sweep.py "$OUT/linear_sweep.json" ${LINEAR_ARGS:-}; }
 stage_bench() { timeout "${T_BENCH:-400}" python3 benchmarks/bench_ops.py "$OUT/bench_ops.json" ${BENCH_ARGS:-}; }
@@ -81,7 +83,7 @@ stage_dsa() {
 }
 
 # HF (issue 5): DeepseekV3 decode tokens/s, eager vs torch.compile default vs mla_dcp (HF_ARGS e.g. "--kv 4096")
-stage_hf() { timeout "${T_HF:-400}" python3 benchmarks/hf_decode.py "$OUT/hf.json" ${HF_ARGS:-}; }
+stage_hf() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_HF:-400}" python3 benchmarks/hf_decode.py "$OUT/hf.json" ${HF_ARGS:-}; }
 
 # compile (issue 7): compile time, graphs, cudagraph recordings, FX-graph-cache hits of a second process
 stage_compile() { timeout "${T_COMPILE:-300}" python3 benchmarks/compile_suite.py "$OUT/compile.json" ${COMPILE_ARGS:-}; }
