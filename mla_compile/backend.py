@@ -55,6 +55,17 @@ def parse_options(options: dict[str, Any] | None) -> tuple[BackendOptions, dict[
     return BackendOptions(**ours), inductor
 
 
+# Inductor settings this backend changes for CUDA graphs (a user's `options=` still overrides them).
+# combo_kernels: data-independent small kernels share one launch. A decode step is ~90 kernels of a few us,
+# each paying a launch gap inside the CUDA graph; HF DeepSeek-V3 (H 16, batch 8, 32K) on the H200: 95 -> 84
+# kernels a step, 770 -> 736 us (benchmarks/RESULTS.md, session 5).
+CUDA_INDUCTOR_DEFAULTS = {"combo_kernels": True}
+
+
+def _on_cuda(example_inputs) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
+
+
 def mode_config(mode: str | None) -> dict[str, Any]:
     modes = torch._inductor.list_mode_options()
     if mode is None:
@@ -92,6 +103,14 @@ def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, opts: BackendOptions
     return gm
 
 
+def config_patches(opts: BackendOptions, mode: str | None, inductor_patches: dict[str, Any],
+                   on_cuda: bool) -> dict[str, Any]:
+    """Inductor config for one compile: our CUDA defaults, then the mode's settings, then the user's keys."""
+    defaults = CUDA_INDUCTOR_DEFAULTS if on_cuda else {}
+    return {**defaults, **mode_config(mode or opts.mode), **inductor_patches,
+            "post_grad_custom_pre_pass": build_pass_manager(opts)}
+
+
 def mla_dcp(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None,
             options: dict[str, Any] | None = None):
     """torch.compile backend: `torch.compile(model, backend="mla_dcp", mode=..., options=...)`."""
@@ -100,8 +119,7 @@ def mla_dcp(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None
     opts, inductor_patches = parse_options(options)
     if mode is not None and opts.mode is not None and mode != opts.mode:
         raise ValueError(f"options: 'mode' ({opts.mode!r}) contradicts mode= ({mode!r})")
-    patches = {**mode_config(mode or opts.mode), **inductor_patches,
-               "post_grad_custom_pre_pass": build_pass_manager(opts)}
+    patches = config_patches(opts, mode, inductor_patches, _on_cuda(example_inputs))
     gm = rewrite_graph(gm, example_inputs, opts)
     # host-int bookkeeping (e.g. the DSA cache's max_kv_len += 1) stays out of the Inductor graph: no int input
     from .passes.host_ints import split_host_outputs

@@ -166,3 +166,14 @@ def test_known_options_and_reduce_overhead_mode_accepted():
     assert g(torch.ones(2)).tolist() == [5.0, 5.0]
     with pytest.raises(ValueError, match="^mode"):
         mla_compile.mla_dcp(torch.fx.symbolic_trace(lambda x: x + 1), [torch.ones(2)], mode="no-such-mode")
+
+
+def test_inductor_patches_cuda_defaults_then_mode_then_user():
+    from mla_compile.backend import CUDA_INDUCTOR_DEFAULTS, BackendOptions, config_patches
+
+    opts = BackendOptions()
+    cuda = config_patches(opts, "reduce-overhead", {}, on_cuda=True)
+    assert cuda["combo_kernels"] is True and cuda["triton.cudagraphs"] is True
+    assert "combo_kernels" not in config_patches(opts, None, {}, on_cuda=False)  # CPU: Inductor's own defaults
+    assert config_patches(opts, None, {"combo_kernels": False}, on_cuda=True)["combo_kernels"] is False
+    assert set(CUDA_INDUCTOR_DEFAULTS) <= set(torch._inductor.config.get_config_copy())  # real Inductor keys
