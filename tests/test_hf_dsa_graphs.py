@@ -251,9 +251,8 @@ torch.arange -> [1] int64
 _operator.add -> [1] int64
 .add_ -> [] int64
 .index_copy_ -> [2, 222, 128] float32
-aten.select.int -> [2, 4, 192] float32
-aten.slice.Tensor -> [2, 4, 128] float32
-aten.slice.Tensor -> [2, 4, 64] float32
+aten.select.int -> [2, 4, 128] float32
+aten.select.int -> [2, 4, 64] float32
 aten.reshape.default -> [4, 256, 512] float32
 aten.slice.Tensor -> [4, 128, 512] float32
 aten.slice.Tensor -> [4, 128, 512] float32
@@ -329,9 +328,8 @@ _operator.add -> [1] int64
 torch._C._nn.linear -> [2, 1, 64] float32
 .float -> [2, 1, 64] float32
 _operator.mul -> [2, 1, 64] float32
-aten.select.int -> [2, 4, 192] float32
-aten.slice.Tensor -> [2, 4, 128] float32
-aten.slice.Tensor -> [2, 4, 64] float32
+aten.select.int -> [2, 4, 128] float32
+aten.select.int -> [2, 4, 64] float32
 aten.reshape.default -> [4, 256, 512] float32
 aten.slice.Tensor -> [4, 128, 512] float32
 aten.slice.Tensor -> [4, 128, 512] float32

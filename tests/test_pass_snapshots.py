@@ -111,36 +111,35 @@ class TestPassSnapshots(expecttest.TestCase):
 %0 = .index_copy_(%in, 2, %in, %in) -> [2, 1, 16, 512] float32
 %1 = .index_copy_(%in, 2, %in, %in) -> [2, 1, 16, 64] float32
 %2 = torch.cat((%in, %in), dim=-1) -> [2, 4, 1, 192] float32
-%3 = aten.select.int(%2, 2, 0) -> [2, 4, 192] float32
-%4 = aten.slice.Tensor(%3, 2, 0, 128) -> [2, 4, 128] float32
-%5 = aten.slice.Tensor(%3, 2, 128, 192) -> [2, 4, 64] float32
-%6 = aten.reshape.default(%in, [4, 256, 512]) -> [4, 256, 512] float32
-%7 = aten.slice.Tensor(%6, 1, 0, 128) -> [4, 128, 512] float32
-%8 = aten.slice.Tensor(%6, 1, 128, 256) -> [4, 128, 512] float32
-%9 = aten.transpose.int(%4, 0, 1) -> [4, 2, 128] float32
-%10 = aten.bmm.default(%9, %7) -> [4, 2, 512] float32
-%11 = aten.transpose.int(%10, 0, 1) -> [2, 4, 512] float32
-%12 = aten.expand.default(%in, [2, 1, 1, 16]) -> [2, 1, 1, 16] bool
-%13 = aten.reshape.default(%12, [2, 16]) -> [2, 16] bool
-%14 = aten.cumsum.default(%13, -1, dtype=int64) -> [2, 16] int64
-%15 = aten.select.int(%14, 1, 15) -> [2] int64
-%16 = aten._to_copy.default(%15, dtype=int32) -> [2] int32
-%17 = aten.sub.Tensor(%14, 1) -> [2, 16] int64
-%18 = aten.where.ScalarOther(%13, %17, 16) -> [2, 16] int64
-%19 = aten.arange.default(16, dtype=int32) -> [16] int32
-%20 = aten.expand.default(%19, [2, 16]) -> [2, 16] int32
-%21 = aten.zeros.default([2, 17], dtype=int32) -> [2, 17] int32
-%22 = aten.scatter.src(%21, 1, %18, %20) -> [2, 17] int32
-%23 = aten.slice.Tensor(%22, 1, 0, 16) -> [2, 16] int32
-%24 = aten.arange.start_step(0, 32, 16, dtype=int32) -> [2] int32
-%25 = aten.unsqueeze.default(%24, 1) -> [2, 1] int32
-%26 = aten.add.Tensor(%23, %25) -> [2, 16] int32
-%27 = aten.reshape.default(%in, [32, 1, 512]) -> [32, 1, 512] float32
-%28 = aten.reshape.default(%in, [32, 1, 64]) -> [32, 1, 64] float32
-%29 = mla.decode.default(%11, %5, %27, %28, %26, %16, 0.0721688) -> ([2, 4, 512], [2, 4])
-%30 = _operator.getitem(%29, 0) -> [2, 4, 512] float32
-%31 = aten.transpose.int(%30, 0, 1) -> [4, 2, 512] float32
-%32 = aten.transpose.int(%8, 1, 2) -> [4, 512, 128] float32
-%33 = aten.bmm.default(%31, %32) -> [4, 2, 128] float32
-%34 = aten.transpose.int(%33, 0, 1) -> [2, 4, 128] float32
-%35 = aten.unsqueeze.default(%34, 2) -> [2, 4, 1, 128] float32""")
+%3 = aten.select.int(%in, 2, 0) -> [2, 4, 128] float32
+%4 = aten.select.int(%in, 2, 0) -> [2, 4, 64] float32
+%5 = aten.reshape.default(%in, [4, 256, 512]) -> [4, 256, 512] float32
+%6 = aten.slice.Tensor(%5, 1, 0, 128) -> [4, 128, 512] float32
+%7 = aten.slice.Tensor(%5, 1, 128, 256) -> [4, 128, 512] float32
+%8 = aten.transpose.int(%3, 0, 1) -> [4, 2, 128] float32
+%9 = aten.bmm.default(%8, %6) -> [4, 2, 512] float32
+%10 = aten.transpose.int(%9, 0, 1) -> [2, 4, 512] float32
+%11 = aten.expand.default(%in, [2, 1, 1, 16]) -> [2, 1, 1, 16] bool
+%12 = aten.reshape.default(%11, [2, 16]) -> [2, 16] bool
+%13 = aten.cumsum.default(%12, -1, dtype=int64) -> [2, 16] int64
+%14 = aten.select.int(%13, 1, 15) -> [2] int64
+%15 = aten._to_copy.default(%14, dtype=int32) -> [2] int32
+%16 = aten.sub.Tensor(%13, 1) -> [2, 16] int64
+%17 = aten.where.ScalarOther(%12, %16, 16) -> [2, 16] int64
+%18 = aten.arange.default(16, dtype=int32) -> [16] int32
+%19 = aten.expand.default(%18, [2, 16]) -> [2, 16] int32
+%20 = aten.zeros.default([2, 17], dtype=int32) -> [2, 17] int32
+%21 = aten.scatter.src(%20, 1, %17, %19) -> [2, 17] int32
+%22 = aten.slice.Tensor(%21, 1, 0, 16) -> [2, 16] int32
+%23 = aten.arange.start_step(0, 32, 16, dtype=int32) -> [2] int32
+%24 = aten.unsqueeze.default(%23, 1) -> [2, 1] int32
+%25 = aten.add.Tensor(%22, %24) -> [2, 16] int32
+%26 = aten.reshape.default(%in, [32, 1, 512]) -> [32, 1, 512] float32
+%27 = aten.reshape.default(%in, [32, 1, 64]) -> [32, 1, 64] float32
+%28 = mla.decode.default(%10, %4, %26, %27, %25, %15, 0.0721688) -> ([2, 4, 512], [2, 4])
+%29 = _operator.getitem(%28, 0) -> [2, 4, 512] float32
+%30 = aten.transpose.int(%29, 0, 1) -> [4, 2, 512] float32
+%31 = aten.transpose.int(%7, 1, 2) -> [4, 512, 128] float32
+%32 = aten.bmm.default(%30, %31) -> [4, 2, 128] float32
+%33 = aten.transpose.int(%32, 0, 1) -> [2, 4, 128] float32
+%34 = aten.unsqueeze.default(%33, 2) -> [2, 4, 1, 128] float32""")

@@ -626,16 +626,29 @@ def latent_source(site: Site) -> LatentSource:
     return LatentSource("tensor", lat, kpe)
 
 
+def _q_part(b: Builder, q: fx.Node, start: int, width: int) -> fx.Node:
+    """q[:, :, 0, start:start + width] as [B, H, width]. When q is a cat on its last dim (HF: cat(q_pass, q_rot))
+    and one of its parts is exactly that range, the part itself: nothing then reads the cat, so Inductor need not
+    materialize q (a copy kernel per layer) and computes the roped part straight into the decode's input."""
+    if _is_fn(q, _CAT) and _dim(_arg(q, 1, "dim", 0), len(_shape(q))) == len(_shape(q)) - 1:
+        off = 0
+        for part in q.args[0]:
+            w = _shape(part)[-1]
+            if off == start and w == width and _shape(part)[:-1] == _shape(q)[:-1]:
+                return b.call(aten.select.int, part, 2, 0)
+            off += w
+    return b.call(aten.slice.Tensor, b.call(aten.select.int, q, 2, 0), 2, start, start + width)
+
+
 def _emit(b: Builder, site: Site, src: LatentSource, memo: dict) -> fx.Node:
     """The absorbed computation; returns the node replacing the attention output [B, H, 1, v]."""
     B, H, _, _ = _shape(site.q)
     L, R = _shape(site.latent)[-2:]
     nope, v_dim, P = site.nope, site.v_dim, site.rope
-    q = b.call(aten.select.int, site.q, 2, 0)  # [B, H, Dq]
-    q_nope = b.call(aten.slice.Tensor, q, 2, site.nope_offset, site.nope_offset + nope)
     # q_pe and q_abs stay strided views (last dim contiguous): the decode ops take any batch/head strides, so no
     # copy kernels before the attention
-    q_pe = b.call(aten.slice.Tensor, q, 2, site.rope_offset, site.rope_offset + P)
+    q_nope = _q_part(b, site.q, site.nope_offset, nope)
+    q_pe = _q_part(b, site.q, site.rope_offset, P)
     w = b.call(aten.reshape.default, site.weight, [H, nope + v_dim, R])
     w_uk = b.call(aten.slice.Tensor, w, 1, 0, nope)  # [H, nope, R]
     w_uv = b.call(aten.slice.Tensor, w, 1, nope, nope + v_dim)  # [H, v, R]
