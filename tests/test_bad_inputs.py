@@ -35,13 +35,14 @@ def base():
                           seq_lens=sl, topk=4, sm_scale=0.5),
         k_only_indices=dict(block_table=bt, seq_lens=sl, page_size=PS, topk=8),
         fused_linear=dict(x=torch.randn(B, 1, 16), weights=[torch.randn(8, 16), torch.randn(4, 16)]),
+        linear_partials=dict(x=torch.randn(B, 16), weights=[torch.randn(8, 16), torch.randn(4, 16)], splits=2),
     ), num_pages
 
 
 OPS = dict(decode=torch.ops.mla.decode, sparse_decode=torch.ops.mla.sparse_decode,
            merge_states=torch.ops.mla.merge_states, cache_write=torch.ops.mla.cache_write,
            indexer_topk=torch.ops.dsa.indexer_topk, k_only_indices=torch.ops.dsa.k_only_indices,
-           fused_linear=torch.ops.mla.fused_linear)
+           fused_linear=torch.ops.mla.fused_linear, linear_partials=torch.ops.mla.linear_partials)
 
 BASE, NUM_PAGES = base()
 CAP = BASE["decode"]["block_table"].shape[1] * PS  # block table capacity
@@ -161,6 +162,11 @@ CASES = [
     ("fused_linear", dict(weights=[f32(8, 16), f32(4, 15)]), "weights[1]", True),
     ("fused_linear", dict(weights=[f32(8, 16).double()]), "weights[0]", True),
     ("fused_linear", dict(weights=[f32(2, 8, 16)]), "weights[0]", True),
+    # ---- linear_partials
+    ("linear_partials", dict(x=f32(B, 1, 16)), "x", True),
+    ("linear_partials", dict(splits=0), "splits", True),
+    ("linear_partials", dict(splits=65), "splits", True),
+    ("linear_partials", dict(weights=[f32(8, 15)]), "weights[0]", True),
 ]
 
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from transformers import StaticCache
 
 import hf_models as M
-from mla_compile.passes.fused_linear import COUNTER, fuse_shared_input_linears
+from mla_compile.passes.fused_linear import COUNTER, SPLIT_COUNTER, fuse_shared_input_linears
 
 COUNTERS = torch._dynamo.utils.counters
 
@@ -158,8 +158,11 @@ def test_lone_linear_goes_to_the_op_only_with_a_long_k():
     gm, out = dynamo_graph(model, x, y)
     torch.testing.assert_close(out, model(x, y))
     assert COUNTERS["mla_compile"][COUNTER] == 1
+    # 2 rows x K 8192 over 4 weight rows: the kernel policy splits K 8 ways -> partials + adds in the graph
     assert [n.target for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)] == [
-        torch.ops.mla.fused_linear.default, torch._C._nn.linear]
+        torch.ops.mla.linear_partials.default, torch._C._nn.linear]
+    assert COUNTERS["mla_compile"][SPLIT_COUNTER] == 1
+    assert sum(n.target is torch.ops.aten.add.Tensor for n in gm.graph.nodes) == 7
 
 
 class RandomLinears(nn.Module):
@@ -194,3 +197,76 @@ def test_random_linear_graphs_keep_their_outputs(spec, K, rows):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     shared = collections.Counter(src for src, _, bias in spec if not bias)
     assert COUNTERS["mla_compile"][COUNTER] == sum(1 for n in shared.values() if n >= 2)
+
+
+class QaKva(nn.Module):
+    """MLA's q_a + kv_a (DeepSeek-V3 hidden 2048: K 2048, rows 1536 + 576) then RMSNorm-like consumers."""
+
+    def __init__(self, K=2048):
+        super().__init__()
+        self.q_a, self.kv_a = nn.Linear(K, 1536, bias=False), nn.Linear(K, 576, bias=False)
+
+    def forward(self, x):
+        q, kv = self.q_a(x), self.kv_a(x)
+        return q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6), kv[..., :512].sum(-1), kv[..., 512:]
+
+
+class TestSplitKSnapshot(expecttest.TestCase):
+    def test_split_k_group_is_partials_plus_adds(self):
+        """8 rows x K 2048 over 2112 weight rows: the kernel policy splits K 4 ways; the sum is in the graph."""
+        model = QaKva()
+        x = torch.randn(8, 1, 2048)
+        gm, out = dynamo_graph(model, x)
+        for got, want in zip(out, model(x)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32: another summation order
+        self.assertEqual(COUNTERS["mla_compile"][SPLIT_COUNTER], 1)
+        self.assertExpectedInline(op_lines(gm), """\
+%0 = reshape.default(l_x_, [8, 2048])
+%1 = linear_partials.default(%0, [l_self_modules_q_a_parameters_weight_, l_self_modules_kv_a_parameters_weight_], 4)
+%2 = slice.Tensor(%1, 2, 0, 1536)
+%3 = select.int(%2, 0, 0)
+%4 = select.int(%2, 0, 1)
+%5 = add.Tensor(%3, %4)
+%6 = select.int(%2, 0, 2)
+%7 = add.Tensor(%5, %6)
+%8 = select.int(%2, 0, 3)
+%9 = add.Tensor(%7, %8)
+%10 = _to_copy.default(%9)
+%11 = reshape.default(%10, [8, 1, 1536])
+%12 = slice.Tensor(%1, 2, 1536, 2112)
+%13 = select.int(%12, 0, 0)
+%14 = select.int(%12, 0, 1)
+%15 = add.Tensor(%13, %14)
+%16 = select.int(%12, 0, 2)
+%17 = add.Tensor(%15, %16)
+%18 = select.int(%12, 0, 3)
+%19 = add.Tensor(%17, %18)
+%20 = _to_copy.default(%19)
+%21 = reshape.default(%20, [8, 1, 576])
+%22 = pow(%11, 2)
+%23 = mean(%22, -1)
+%24 = add(%23, 1e-06)
+%25 = rsqrt(%24)
+%26 = mul(%11, %25)
+%27 = getitem(%21, [Ellipsis, slice(None, 512, None)])
+%28 = sum(%27, -1)
+%29 = getitem(%21, [Ellipsis, slice(512, None, None)])""")
+
+
+def test_split_k_through_inductor_and_autograd():
+    """The partials op + adds compile with Inductor (CPU) and train: outputs and gradients equal eager."""
+    model = QaKva(K=1024)
+    x = torch.randn(4, 1, 1024, requires_grad=True)
+    compiled = torch.compile(model, backend="mla_dcp", fullgraph=True, options={"fuse_linears": "always"})
+    outs = compiled(x)
+    assert COUNTERS["mla_compile"][SPLIT_COUNTER] == 1
+    sum(o.square().sum() for o in outs).backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    x.grad = None
+    model.zero_grad()
+    want = model(x)
+    for a, b in zip(outs, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    sum(o.square().sum() for o in want).backward()
+    for a, b in zip(got, [x.grad] + [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

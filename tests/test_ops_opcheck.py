@@ -137,3 +137,18 @@ def test_fused_linear_gradients_match_linear():
     (torch.nn.functional.linear(x, ws[0]).sum() * 2 + torch.nn.functional.linear(x, ws[1]).pow(2).sum()).backward()
     for a, b in zip(got, [x.grad] + [w.grad for w in ws]):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("M,K,Ns,splits", [(8, 300, [32, 8], 4), (2, 16, [5], 1), (3, 260, [7, 9, 4], 3), (0, 8, [3], 2),
+                                           (4, 0, [3], 2)])
+def test_opcheck_linear_partials(M, K, Ns, splits):
+    g = torch.Generator().manual_seed(K + splits)
+    x = torch.randn(M, K, generator=g)
+    opcheck(torch.ops.mla.linear_partials.default, (x, [torch.randn(N, K, generator=g) for N in Ns], splits))
+
+
+def test_linear_partials_gradients_match_linear():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 300, generator=g, dtype=torch.float64, requires_grad=True)
+    ws = [torch.randn(n, 300, generator=g, dtype=torch.float64, requires_grad=True) for n in (4, 6)]
+    torch.autograd.gradcheck(lambda x, a, b: torch.ops.mla.linear_partials(x, [a, b], 3), (x, *ws))

@@ -368,3 +368,31 @@ fused_linear_args = dict(lead=st.lists(st.integers(0, 4), min_size=1, max_size=3
 @given(**fused_linear_args)
 def test_fused_linear_fuzz(**kw):
     run_fused_linear(**kw)
+
+
+
+# -------------------------------------------------------------------------------------------- linear_partials
+def run_linear_partials(M, K, Ns, splits, dtype, seed):
+    """Each partial vs float64 over its K range (whole multiples of 128); their sum vs x @ W^T."""
+    from mla_compile.ops.linear import split_ranges
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    ws = [torch.randn(N, K, generator=g).to(dtype) for N in Ns]
+    p = torch.ops.mla.linear_partials(x, ws, splits)
+    W = torch.cat(ws).double()
+    assert p.shape == (splits, M, W.shape[0])
+    assert p.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    ranges = split_ranges(K, splits)
+    assert ranges[0][0] == 0 and ranges[-1][1] == K and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all((hi - lo) % 128 == 0 for lo, hi in ranges[:-1] if hi < K)
+    for s, (lo, hi) in enumerate(ranges):
+        want = x[:, lo:hi].double() @ W[:, lo:hi].T
+        assert ref.rel_err(p[s], want) < 1e-5 if want.abs().sum() else not p[s].any()
+    assert ref.rel_err(p.sum(0), x.double() @ W.T) < 1e-5
+
+
+@given(M=st.integers(0, 5), K=st.integers(0, 700), Ns=st.lists(st.integers(1, 20), min_size=1, max_size=3),
+       splits=st.integers(1, 8), dtype=DTYPES, seed=st.integers(0, 2**31 - 1))
+def test_linear_partials_fuzz(**kw):
+    run_linear_partials(**kw)

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHECKS = ["decode", "decode_tma", "decode_strided_q", "decode_fp32_odd_dims", "sparse_decode",
-          "merge_states", "cache_write", "indexer_topk", "k_only_indices", "fused_linear"]
+          "merge_states", "cache_write", "indexer_topk", "k_only_indices", "fused_linear",
+          "linear_partials"]
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +286,31 @@ def check_fused_linear():
         wt = torch.randn(40, 24, generator=gen).to(dtype).T  # [24, 40]
         (y,) = linear_small_m(xt, [wt], LinearConfig(16, 16, 4, 2))
         assert _rel(y, xt.double() @ wt.double().T) < tol, "strided x / weight"
+
+
+def check_linear_partials():
+    import torch
+
+    from mla_compile.kernels.linear import LinearConfig, linear_partials
+    from mla_compile.ops.linear import K_ALIGN, split_ranges
+
+    gen = torch.Generator().manual_seed(6)
+    # K 300 in 4 splits of 128: the third short (44), the fourth empty (zeros); a pair, a single weight, three
+    # weights (two launches into one buffer); K on the 128 grid with 2 splits; 1 and 16 rows
+    cases = [(8, 300, [40, 24], 4), (1, 300, [17], 4), (16, 256, [16, 33, 8], 2), (5, 130, [9, 9], 1)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for M, K, Ns, splits in cases:
+            x = torch.randn(M, K, generator=gen).to(dtype)
+            ws = [torch.randn(N, K, generator=gen).to(dtype) for N in Ns]
+            p = linear_partials(x, ws, splits, LinearConfig(16, 32, 4, 2), align=K_ALIGN)
+            W = torch.cat(ws).double()
+            assert p.dtype == torch.float32 and p.shape == (splits, M, W.shape[0])
+            for s, (lo, hi) in enumerate(split_ranges(K, splits)):
+                want = x[:, lo:hi].double() @ W[:, lo:hi].T
+                if lo == hi:
+                    assert not p[s].any(), f"empty split {s} is not zero"
+                else:
+                    assert _rel(p[s], want) < 1e-5, f"M={M} K={K} split {s} {dtype}: rel err {_rel(p[s], want):.2e}"
 
 
 def _patch_interpreter_for_numpy2():

@@ -80,3 +80,15 @@ def fused_linear(x, weights):
     for i in range(0, len(weights), 2):
         outs += _linear.linear_small_m(x2, weights[i:i + 2])
     return [y.view(*lead, y.shape[-1]) for y in outs]
+
+
+def linear_partials(x, weights, splits):
+    """Up to 16 rows in fp16/bf16: the few-token kernel writes the partials (one launch per pair of weights);
+    otherwise the op's definition in torch ops."""
+    if x.shape[0] > _linear.MAX_M or x.dtype not in (torch.float16, torch.bfloat16):
+        from ..ops.linear import _partials
+
+        return _partials(x, weights, splits)
+    from ..ops.linear import K_ALIGN
+
+    return _linear.linear_partials(x, weights, splits, align=K_ALIGN)

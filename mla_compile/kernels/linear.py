@@ -107,6 +107,51 @@ def default_linear_config(M: int, K: int, N: int) -> LinearConfig:
     return LinearConfig(block_n=32, block_k=128, num_warps=4, num_stages=stages, split_k=split)
 
 
+def _launch(x, weights, ys, k_split: int, splits: int, cfg: LinearConfig, s_ys: int):
+    """One `_linear_kernel` launch per pair of weights; ys[i] receives x @ weights[i]^T ([M, N_i], or fp32
+    partials [splits, M, N_i] with split stride s_ys; s_ys = 0: no split)."""
+    M, K = x.shape
+    for i in range(0, len(weights), 2):
+        j = min(i + 1, len(weights) - 1)  # a lone weight: W1 is W0 again with no rows of its own (n1 = 0)
+        w0, w1, y0, y1 = weights[i], weights[j], ys[i], ys[j]
+        n0, n1 = w0.shape[0], (w1.shape[0] if j > i else 0)
+        grid = (triton.cdiv(n0, cfg.block_n) + triton.cdiv(n1, cfg.block_n), splits)
+        if grid[0] == 0:
+            continue
+        _linear_kernel[grid](x, w0, w1, y0, y1, M, n0, n1, K, k_split,
+                             x.stride(0), x.stride(1), w0.stride(0), w0.stride(1), w1.stride(0), w1.stride(1),
+                             s_ys, y0.stride(-2), y0.stride(-1), y1.stride(-2), y1.stride(-1),
+                             BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                             EVEN_K=K % cfg.block_k == 0, **dot_mode(x.dtype), num_warps=cfg.num_warps,
+                             num_stages=cfg.num_stages)
+
+
+def linear_partials(x: torch.Tensor, weights: list[torch.Tensor], splits: int, cfg: LinearConfig | None = None,
+                    align: int = 128) -> torch.Tensor:
+    """fp32 [splits, M, sum N_i]: partial s = x[:, r_s] @ [W_0 | W_1 | ...][:, r_s]^T over the K range
+    r_s = [s * w, min((s + 1) * w, K)), w = `split_width(K, splits, align)` (empty ranges give zeros); their sum
+    is x @ W^T. x [M, K] (M <= 16), weights [N_i, K] (any strides)."""
+    M, K = x.shape
+    N = sum(w.shape[0] for w in weights)
+    part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    if M == 0 or N == 0 or K == 0:
+        return part.zero_()
+    cfg = cfg or default_linear_config(M, K, N)
+    k_split = split_width(K, splits, align)
+    if k_split % cfg.block_k:
+        raise ValueError(f"cfg: block_k {cfg.block_k} must divide the split width {k_split}")
+    cols = [0]
+    for w in weights:
+        cols.append(cols[-1] + w.shape[0])
+    _launch(x, weights, [part[:, :, lo:hi] for lo, hi in zip(cols, cols[1:])], k_split, splits, cfg, part.stride(0))
+    return part
+
+
+def split_width(K: int, splits: int, align: int) -> int:
+    """K per split: whole `align`-wide steps, so only the last non-empty split can be short."""
+    return triton.cdiv(triton.cdiv(K, splits), align) * align
+
+
 def linear_small_m(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig | None = None,
                    outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """x [M, K] (M <= 16), weights: one or two [N_i, K] (nn.Linear layout, any strides) -> [x @ W_i^T]."""
@@ -115,29 +160,16 @@ def linear_small_m(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConf
         cfg = default_linear_config(M, K, sum(w.shape[0] for w in weights))
     if outs is None:
         outs = [x.new_empty(M, w.shape[0]) for w in weights]
-    w0, w1 = weights[0], weights[-1]  # one weight: W1 is W0 again with no rows of its own (n1 = 0)
-    n0, n1 = w0.shape[0], (w1.shape[0] if len(weights) == 2 else 0)
+    n0, n1 = weights[0].shape[0], (weights[-1].shape[0] if len(weights) == 2 else 0)
     if M == 0 or n0 + n1 == 0 or K == 0:  # nothing to launch (K == 0: the product is all zeros)
         return [o.zero_() for o in outs]
-    # K per split: whole K steps, so only the last split can be short
-    k_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    splits = triton.cdiv(K, k_split)
+    splits = triton.cdiv(K, split_width(K, cfg.split_k, cfg.block_k))
     if splits == 1:
-        y0, y1, s_ys = outs[0], outs[-1], 0
-    else:  # fp32 partials [splits, M, n0 + n1]: W0's columns, then W1's
-        part = torch.empty((splits, M, n0 + n1), dtype=torch.float32, device=x.device)
-        y0, y1, s_ys = part, part[:, :, n0:], part.stride(0)
-    grid = (triton.cdiv(n0, cfg.block_n) + triton.cdiv(n1, cfg.block_n), splits)
-    _linear_kernel[grid](x, w0, w1, y0, y1, M, n0, n1, K, k_split,
-                         x.stride(0), x.stride(1), w0.stride(0), w0.stride(1), w1.stride(0), w1.stride(1),
-                         s_ys, y0.stride(-2), y0.stride(-1), y1.stride(-2), y1.stride(-1),
-                         BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                         EVEN_K=K % cfg.block_k == 0, **dot_mode(x.dtype), num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages)
-    if splits > 1:  # outs are row-major (made here, or the caller's contiguous buffers)
-        o0, o1 = outs[0], outs[-1]
-        block = 512
-        _sum_splits_kernel[(M, triton.cdiv(n0 + n1, block))](part, o0, o1, splits, n0, n1, part.stride(0),
-                                                             part.stride(1), o0.stride(0), o1.stride(0),
-                                                             BLOCK=block)
+        _launch(x, weights, outs, K, 1, cfg, 0)
+        return outs
+    part = linear_partials(x, weights, splits, cfg, align=cfg.block_k)
+    o0, o1 = outs[0], outs[-1]  # row-major (made here, or the caller's contiguous buffers)
+    block = 512
+    _sum_splits_kernel[(M, triton.cdiv(n0 + n1, block))](part, o0, o1, splits, n0, n1, part.stride(0),
+                                                         part.stride(1), o0.stride(0), o1.stride(0), BLOCK=block)
     return outs

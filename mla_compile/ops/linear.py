@@ -1,4 +1,5 @@
-"""`mla::fused_linear`: x @ W_i^T for several bias-free weights that share x, as one op.
+"""`mla::fused_linear`: x @ W_i^T for several bias-free weights that share x, as one op; and
+`mla::linear_partials`: the same product as split-K partial sums, for the graph to add up where it is used.
 
 The decode step of an MLA layer reads q_a_proj and kv_a_proj_with_mqa (and an MLP's gate_proj and up_proj) with
 the same few rows of x. Two cuBLAS launches of a narrow weight each pay the fixed cost of a small GEMM (~5.5 us
@@ -6,6 +7,11 @@ on the H200, benchmarks/linear_sweep.py); the CUDA impl runs a pair as one Trito
 rows (kernels/linear.py; K split over more programs when the rows are few) when x has at most 16 rows, without
 concatenating (copying) the weights. Any other case, and the CPU impl, is `F.linear` per weight: the op
 computes exactly what the unfused graph did.
+
+With few rows and a long K the kernel splits K over more programs; as `fused_linear` it then needs a second
+launch to add the fp32 partials. `linear_partials` returns them instead, so the pass (passes/fused_linear.py)
+can write their sum as pointwise adds that Inductor fuses into the RMSNorm / residual add that reads the output
+anyway: one launch and one launch gap less per projection.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from . import _checks as C
+
+K_ALIGN = 128  # linear_partials: every split's K range is a whole number of these (the kernel's K step)
 
 
 def check_fused_linear_args(x, weights):
@@ -73,3 +81,88 @@ def _backward(ctx, grads):
 
 
 fused_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------- linear_partials
+def split_ranges(K: int, splits: int) -> list[tuple[int, int]]:
+    """The K range of each partial: `splits` ranges of w = ceil(ceil(K / splits) / K_ALIGN) * K_ALIGN, the last
+    ones short or empty."""
+    w = -(-(-(-K // splits)) // K_ALIGN) * K_ALIGN if K else 0
+    return [(min(s * w, K), min((s + 1) * w, K)) for s in range(splits)]
+
+
+def partial_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # fp32 for half / bf16 / fp32, fp64 stays fp64
+
+
+def check_linear_partials_args(x, weights, splits):
+    C.check(isinstance(x, torch.Tensor), "x", f"expected a Tensor, got {type(x).__name__}")
+    C.check(x.dim() == 2 and x.is_floating_point(), "x",
+            f"expected a float tensor [M, K], got shape {tuple(x.shape)} dtype {x.dtype}")
+    C.check(isinstance(splits, int) and 1 <= splits <= 64, "splits", f"expected an int in [1, 64], got {splits!r}")
+    check_fused_linear_args(x, weights)
+
+
+def _partials(x, weights, splits):
+    """The definition, in torch ops on x's device (the CPU impl, and the CUDA impl outside the kernel's range)."""
+    W = torch.cat(list(weights)) if len(weights) > 1 else weights[0]
+    acc = partial_dtype(x.dtype)
+    out = x.new_zeros((splits, x.shape[0], W.shape[0]), dtype=acc)
+    for s, (lo, hi) in enumerate(split_ranges(x.shape[1], splits)):
+        if lo < hi:
+            out[s] = x[:, lo:hi].to(acc) @ W[:, lo:hi].to(acc).T
+    return out
+
+
+@torch.library.custom_op(
+    "mla::linear_partials",
+    mutates_args=(),
+    device_types="cpu",
+    schema="(Tensor x, Tensor[] weights, int splits) -> Tensor",
+)
+def linear_partials(x, weights, splits):
+    """Split-K partial products of x @ [W_0 | W_1 | ...]^T, summed over dim 0 by the caller.
+
+    Shapes: x [M, K] (float), weights: each [N_i, K] in x's dtype, splits >= 1; returns [splits, M, sum N_i] in
+    float32 (float64 for float64 x). Partial s covers K range `split_ranges(K, splits)[s]` (whole multiples of
+    K_ALIGN = 128, empty ranges give zeros); columns are W_0's rows, then W_1's, ...
+    """
+    check_linear_partials_args(x, weights, splits)
+    return _partials(x, weights, splits)
+
+
+@linear_partials.register_fake
+def _(x, weights, splits):
+    check_linear_partials_args(x, weights, splits)
+    return x.new_empty((splits, x.shape[0], sum(w.shape[0] for w in weights)), dtype=partial_dtype(x.dtype))
+
+
+@linear_partials.register_kernel("cuda")
+def _(x, weights, splits):
+    check_linear_partials_args(x, weights, splits)
+    from ..kernels import dispatch
+
+    return dispatch.linear_partials(x, weights, splits)
+
+
+def _partials_setup_context(ctx, inputs, output):
+    x, weights, splits = inputs
+    ctx.splits = splits
+    ctx.save_for_backward(x, *weights)
+
+
+def _partials_backward(ctx, grad):
+    x, *weights = ctx.saved_tensors
+    grad_x = torch.zeros_like(x)
+    grad_ws = [torch.zeros_like(w) for w in weights]
+    for s, (lo, hi) in enumerate(split_ranges(x.shape[1], ctx.splits)):
+        col = 0
+        for w, gw in zip(weights, grad_ws):
+            g = grad[s, :, col:col + w.shape[0]]
+            grad_x[:, lo:hi] += (g @ w[:, lo:hi].to(g.dtype)).to(x.dtype)
+            gw[:, lo:hi] = (g.T @ x[:, lo:hi].to(g.dtype)).to(w.dtype)
+            col += w.shape[0]
+    return grad_x, grad_ws, None
+
+
+linear_partials.register_autograd(_partials_backward, setup_context=_partials_setup_context)

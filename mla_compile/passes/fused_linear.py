@@ -13,8 +13,12 @@ the rewrite is semantics-preserving wherever it fires; `where` decides only wher
   always: every group (CPU tests, snapshots)
   never:  off
 
+Where the kernel's policy splits K (few rows, long K: q_a + kv_a, down_proj), the group becomes
+`mla.linear_partials` and the sum over splits is written as adds in the graph, for Inductor to fuse into the
+output's consumers instead of a second launch (ops/linear.py).
+
 Runs on the Dynamo graph (torch IR), after the attention rewrite. Counted in
-`counters["mla_compile"]["fused_linear_groups"]`.
+`counters["mla_compile"]["fused_linear_groups"]` (of which `fused_linear_split_k_groups` as partials).
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ import math
 
 import torch
 import torch.fx as fx
+from torch.ops import aten
 
 from ._fx import Builder, arg, fake_mode_of, meta_val
 
 log = logging.getLogger(__name__)
 
 COUNTER = "fused_linear_groups"
+SPLIT_COUNTER = "fused_linear_split_k_groups"  # of those, written as linear_partials + adds
 WHERE = ("auto", "always", "never")
 _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
 _MAX_ROWS = 16  # kernels/linear.py MAX_M
@@ -58,6 +64,40 @@ def _candidate(node: fx.Node, where: str):
     return x, w
 
 
+def _split_k(xv: torch.Tensor, weights: list[fx.Node]) -> int:
+    """How many K splits the few-token kernel's policy gives this group (kernels/linear.py
+    `default_linear_config`, shape-only); 1 where it does not split or the shape is not static."""
+    rows = math.prod(xv.shape[:-1])
+    K = xv.shape[-1]
+    N = sum(meta_val(w).shape[0] for w in weights)
+    if not all(isinstance(d, int) for d in (rows, K, N)) or rows > _MAX_ROWS:
+        return 1
+    from ..kernels.linear import default_linear_config  # Triton: imported only once a group is found
+
+    return default_linear_config(rows, K, N).split_k
+
+
+def _summed_partials(b: Builder, x: fx.Node, weights: list[fx.Node], splits: int) -> list[fx.Node]:
+    """[x @ W_i^T] as `mla.linear_partials` + the sum over its splits written as pointwise adds (then the cast
+    to x's dtype): Inductor inlines them into the kernels that read the outputs, where the op alone would need a
+    second launch to add them up. fp32 adds in split order, one rounding: what the summing kernel computed."""
+    xv = meta_val(x)
+    lead, K = list(xv.shape[:-1]), xv.shape[-1]
+    part = b.call(torch.ops.mla.linear_partials.default, b.call(aten.reshape.default, x, [math.prod(lead), K]),
+                  weights, splits)
+    outs, col = [], 0
+    for w in weights:
+        n = meta_val(w).shape[0]
+        cols = b.call(aten.slice.Tensor, part, 2, col, col + n)
+        acc = b.call(aten.select.int, cols, 0, 0)
+        for s in range(1, splits):
+            acc = b.call(aten.add.Tensor, acc, b.call(aten.select.int, cols, 0, s))
+        y = b.call(aten._to_copy.default, acc, dtype=xv.dtype)
+        outs.append(b.call(aten.reshape.default, y, lead + [n]))
+        col += n
+    return outs
+
+
 def fuse_shared_input_linears(gm: fx.GraphModule | fx.Graph, where: str = "auto") -> int:
     """Fuse every group of >= 2 bias-free linears over the same x node (and route lone ones with K >= 8192);
     returns the number of groups rewritten."""
@@ -83,13 +123,20 @@ def fuse_shared_input_linears(gm: fx.GraphModule | fx.Graph, where: str = "auto"
             continue
         fake_mode = fake_mode or fake_mode_of(graph)
         b = Builder(graph, first, fake_mode, first)
-        op = b.call(torch.ops.mla.fused_linear.default, x, [w for _, w in members])
-        outs = [b.item(op, i) for i in range(len(members))]  # all inserted before `first` is erased
+        weights = [w for _, w in members]
+        splits = _split_k(meta_val(x), weights)
+        if splits > 1:
+            outs = _summed_partials(b, x, weights, splits)
+            torch._dynamo.utils.counters["mla_compile"][SPLIT_COUNTER] += 1
+        else:
+            op = b.call(torch.ops.mla.fused_linear.default, x, weights)
+            outs = [b.item(op, i) for i in range(len(members))]  # all inserted before `first` is erased
         for (n, _), out in zip(members, outs):
             n.replace_all_uses_with(out)
             graph.erase_node(n)
         fused += 1
-        log.info("fused_linear: %d linear(s) over %s -> mla.fused_linear (%s)", len(members), x.name,
+        log.info("fused_linear: %d linear(s) over %s -> %s (%s)", len(members), x.name,
+                 f"mla.linear_partials x{splits} + adds" if splits > 1 else "mla.fused_linear",
                  ", ".join(w.name for _, w in members))
     if fused:
         graph.lint()

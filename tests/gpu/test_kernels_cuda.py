@@ -380,3 +380,38 @@ def test_linear_split_k(split_k):
     for y, w in zip(linear_small_m(x, ws, LinearConfig(16, 256, 4, 4, split_k)), ws):
         want = x.double() @ w.double().T
         assert ((y.double() - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
+# --------------------------------------------------------------------------------------- linear_partials
+@pytest.mark.parametrize("M,K,Ns,splits", [(8, 2048, [1536, 576], 4), (8, 8192, [2048], 4), (1, 300, [70, 9, 33], 4),
+                                           (17, 256, [64], 2)])  # 17 rows: the torch definition
+def test_linear_partials(M, K, Ns, splits):
+    from mla_compile.ops.linear import split_ranges
+
+    g = torch.Generator(device="cuda").manual_seed(K + M)
+    x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+    ws = [(torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16) for N in Ns]
+    p = torch.ops.mla.linear_partials(x, ws, splits)
+    W = torch.cat(ws).double()
+    assert p.dtype == torch.float32 and p.shape == (splits, M, W.shape[0])
+    for s, (lo, hi) in enumerate(split_ranges(K, splits)):
+        want = x[:, lo:hi].double() @ W[:, lo:hi].T
+        if lo == hi:
+            assert not p[s].any()
+        else:
+            assert ((p[s].double() - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def test_linear_partials_cuda_graph_replay():
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    ws = [torch.randn(N, 1024, device="cuda", dtype=torch.bfloat16) for N in (96, 40)]
+    torch.ops.mla.linear_partials(x, ws, 4)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        p = torch.ops.mla.linear_partials(x, ws, 4)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = x.double() @ torch.cat(ws).double().T
+        assert ((p.sum(0).double() - want).abs().max() / want.abs().max()).item() < 1e-5
