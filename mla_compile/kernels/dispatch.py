@@ -54,8 +54,7 @@ _PROJECT_FUSED_MAX_HEADS = 32
 
 
 def decode_project(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, w_uv):
-    if (q_nope.shape[1] <= _PROJECT_FUSED_MAX_HEADS and w_uv.shape[1] <= 256
-            and decode_backend(q_nope, ckv_cache) == "triton"):
+    if q_nope.shape[1] <= _PROJECT_FUSED_MAX_HEADS and decode_backend(q_nope, ckv_cache) == "triton":
         return _decode.decode_project(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, w_uv)
     out, _ = decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
     return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).contiguous()

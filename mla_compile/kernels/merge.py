@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import block, dot_mode, mma, sm_count
+from ._util import sm_count
 
 
 @triton.jit
@@ -70,15 +70,15 @@ def _merge_kernel(O, L, Out, Lse, N, H, R,
 @triton.jit
 def _merge_project_kernel(O, L, W, Out, N, H, R, V,
                           s_on, s_ob, s_oh, s_ln, s_lb, s_lh, s_wh, s_wv, s_outb, s_outh,
-                          BLOCK_N: tl.constexpr, BLOCK_RC: tl.constexpr, BLOCK_V: tl.constexpr,
-                          DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """One program per (b, h): the LSE merge of N partial latent outs, R in BLOCK_RC-wide chunks, each chunk
-    projected at once through W[h] (out[b, h] = merged @ W[h]^T, W [H, V, R]) on the tensor cores: the merged
-    chunk (rounded to W's dtype, as a merged out would be) is row 0 of a 16-row operand. Stored once."""
+                          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One program per (b, h): the LSE merge of N partial latent outs (as `_merge_kernel`, whole R in fp32),
+    then out[b, h, :] = merged @ W[h]^T over W [H, V, R], stored once in Out's dtype."""
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
     l_base = L + b * s_lb + h * s_lh
     o_base = O + b * s_ob + h * s_oh
     m_vec = tl.full([BLOCK_N], float("-inf"), tl.float32)
@@ -89,54 +89,43 @@ def _merge_project_kernel(O, L, W, Out, N, H, R, V,
     m = tl.max(m_vec, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     tot_vec = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_R], tl.float32)
     for n0 in range(0, N, BLOCK_N):
         n = n0 + offs_n
         lse = tl.load(l_base + n * s_ln, mask=n < N, other=float("-inf"))
-        tot_vec += tl.where(tl.abs(lse) < float("inf"), tl.exp(lse - m), 0.0)
+        ok = tl.abs(lse) < float("inf")
+        w = tl.where(ok, tl.exp(lse - m), 0.0)
+        o = tl.load(o_base + n[:, None].to(tl.int64) * s_on + offs_r[None, :], mask=ok[:, None] & mask_r[None, :],
+                    other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+        tot_vec += w
     total = tl.sum(tot_vec, 0)
-    inv = 1.0 / tl.where(total > 0, total, 1.0)  # an empty row: all weights 0 -> out 0
-    rows = tl.arange(0, 16)
-    offs_v = tl.arange(0, BLOCK_V)
-    y = tl.zeros([16, BLOCK_V], tl.float32)
-    for r0 in range(0, R, BLOCK_RC):
-        offs_r = r0 + tl.arange(0, BLOCK_RC)
-        mask_r = offs_r < R
-        acc = tl.zeros([BLOCK_RC], tl.float32)
-        for n0 in range(0, N, BLOCK_N):
-            n = n0 + offs_n
-            lse = tl.load(l_base + n * s_ln, mask=n < N, other=float("-inf"))
-            ok = tl.abs(lse) < float("inf")
-            w = tl.where(ok, tl.exp(lse - m), 0.0)
-            o = tl.load(o_base + n[:, None].to(tl.int64) * s_on + offs_r[None, :],
-                        mask=ok[:, None] & mask_r[None, :], other=0.0)
-            acc += tl.sum(w[:, None] * o, 0)
-        lat = tl.where(rows[:, None] == 0, (acc * inv)[None, :], 0.0).to(W.dtype.element_ty)  # [16, BLOCK_RC]
-        wt = tl.load(W + h * s_wh + offs_v[None, :].to(tl.int64) * s_wv + offs_r[:, None],
-                     mask=mask_r[:, None] & (offs_v < V)[None, :], other=0.0)  # W[h]^T chunk [BLOCK_RC, BLOCK_V]
-        y = mma(lat, wt, y, DOT_PREC, DOT_UPCAST)
-    out = tl.sum(tl.where(rows[:, None] == 0, y, 0.0), 0)
-    tl.store(Out + b * s_outb + h * s_outh + offs_v, out.to(Out.dtype.element_ty), mask=offs_v < V)
+    lat = acc / tl.where(total > 0, total, 1.0)  # an empty row: 0
+    w_base = W + h * s_wh
+    for v0 in range(0, V, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        wt = tl.load(w_base + offs_v[:, None].to(tl.int64) * s_wv + offs_r[None, :],
+                     mask=(offs_v < V)[:, None] & mask_r[None, :], other=0.0)
+        y = tl.sum(wt.to(tl.float32) * lat[None, :], 1)
+        tl.store(Out + b * s_outb + h * s_outh + offs_v, y.to(Out.dtype.element_ty), mask=offs_v < V)
 
 
 def merge_project_into(outs: torch.Tensor, lses: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """outs fp32 [N, B, H, R], lses [N, B, H], w [H, V, R] -> out [B, H, V] (contiguous). V <= 256 (the whole
-    projection of a head is one accumulator)."""
+    """outs fp32 [N, B, H, R], lses [N, B, H], w [H, V, R] (last dims contiguous) -> out [B, H, V] (contiguous)."""
     N, B, H, R = outs.shape
     V = w.shape[1]
     if B * H * V == 0:
         return
-    if V > 256:
-        raise ValueError(f"w: V = {V} > 256 is not supported by the fused merge + projection")
     w = w if w.stride(-1) == 1 else w.contiguous()
     assert outs.stride(-1) == 1 and out.is_contiguous()
-    block_rc = min(128, block(R))
-    block_n = min(triton.next_power_of_2(N), 32)
+    block_r = triton.next_power_of_2(max(R, 1))
+    block_n = max(1, min(triton.next_power_of_2(N), _TILE // block_r))
+    block_v = max(1, min(triton.next_power_of_2(V), _TILE // block_r))
     _merge_project_kernel[(B * H,)](outs, lses, w, out, N, H, R, V,
                                     outs.stride(0), outs.stride(1), outs.stride(2),
                                     lses.stride(0), lses.stride(1), lses.stride(2),
                                     w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-                                    BLOCK_N=block_n, BLOCK_RC=block_rc, BLOCK_V=block(V), **dot_mode(w.dtype),
-                                    num_warps=4)
+                                    BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_V=block_v, num_warps=4)
 
 
 _TILE = 8192  # elements of one [parts, R] tile per program (keeps it in registers)
