@@ -26,8 +26,6 @@ def base():
     return dict(
         decode=dict(q_nope=torch.randn(B, H, R), q_pe=torch.randn(B, H, P), ckv_cache=c, kpe_cache=k,
                     block_table=bt, seq_lens=sl, sm_scale=0.5),
-        decode_project=dict(q_nope=torch.randn(B, H, R), q_pe=torch.randn(B, H, P), ckv_cache=c, kpe_cache=k,
-                            block_table=bt, seq_lens=sl, sm_scale=0.5, w_uv=torch.randn(H, 5, R)),
         sparse_decode=dict(q_nope=torch.randn(B, H, R), q_pe=torch.randn(B, H, P), ckv_cache=c, kpe_cache=k,
                            indices=torch.tensor([[0, -1, 3], [-1, -1, -1]], dtype=torch.int32), sm_scale=0.5),
         merge_states=dict(outs=torch.randn(2, B, H, R), lses=torch.randn(2, B, H)),
@@ -41,8 +39,7 @@ def base():
     ), num_pages
 
 
-OPS = dict(decode=torch.ops.mla.decode, decode_project=torch.ops.mla.decode_project,
-           sparse_decode=torch.ops.mla.sparse_decode,
+OPS = dict(decode=torch.ops.mla.decode, sparse_decode=torch.ops.mla.sparse_decode,
            merge_states=torch.ops.mla.merge_states, cache_write=torch.ops.mla.cache_write,
            indexer_topk=torch.ops.dsa.indexer_topk, k_only_indices=torch.ops.dsa.k_only_indices,
            fused_linear=torch.ops.mla.fused_linear, linear_partials=torch.ops.mla.linear_partials)
@@ -165,12 +162,6 @@ CASES = [
     ("fused_linear", dict(weights=[f32(8, 16), f32(4, 15)]), "weights[1]", True),
     ("fused_linear", dict(weights=[f32(8, 16).double()]), "weights[0]", True),
     ("fused_linear", dict(weights=[f32(2, 8, 16)]), "weights[0]", True),
-    # ---- decode_project: decode's checks, then w_uv
-    ("decode_project", dict(seq_lens=torch.tensor([5, 0], dtype=torch.int64)), "seq_lens", True),
-    ("decode_project", dict(w_uv=f32(H, 5)), "w_uv", True),
-    ("decode_project", dict(w_uv=f32(H + 1, 5, R)), "w_uv", True),
-    ("decode_project", dict(w_uv=f32(H, 5, R + 1)), "w_uv", True),
-    ("decode_project", dict(w_uv=f32(H, 5, R).double()), "w_uv", True),
     # ---- linear_partials
     ("linear_partials", dict(x=f32(B, 1, 16)), "x", True),
     ("linear_partials", dict(splits=0), "splits", True),

@@ -185,7 +185,7 @@ def test_two_graphs_match_eager_hf(name):
     for op in (".topk", "torch.relu", "torch.nn.functional.relu", ".scatter", "mla_hf.all_selected.default"):
         assert op not in dense, op
         assert op not in sparse, op  # HF's indexer logits / top-k / index mask -> dsa.indexer_topk
-    assert "mla.decode_project.default" in dense and "mla.decode_project.default" not in sparse
+    assert "mla.decode.default" in dense and "mla.decode.default" not in sparse
     assert "dsa.indexer_topk.default" not in dense and "dsa.indexer_topk.default" in sparse
     assert "mla.sparse_decode.default" in sparse
     # a GLM "shared" layer reuses the previous layer's selection: one indexer call per graph
@@ -276,7 +276,12 @@ aten.unsqueeze.default -> [2, 1] int32
 aten.add.Tensor -> [2, 222] int32
 aten.reshape.default -> [444, 1, 512] float32
 aten.reshape.default -> [444, 1, 64] float32
-mla.decode_project.default -> [2, 4, 128] float32
+mla.decode.default
+_operator.getitem -> [2, 4, 512] float32
+aten.transpose.int -> [4, 2, 512] float32
+aten.transpose.int -> [4, 512, 128] float32
+aten.bmm.default -> [4, 2, 128] float32
+aten.transpose.int -> [2, 4, 128] float32
 aten.unsqueeze.default -> [2, 4, 1, 128] float32""")
 
     def test_sparse_graph(self):

@@ -188,13 +188,12 @@ class TestHFDecodeStep(expecttest.TestCase):
         model, args, kwargs = mlir.example_hf_step()
         text = mlir.export_mlir(model, args, kwargs)
         assert torch._dynamo.utils.counters["mla_compile"][COUNTER] == 1
-        assert text.count('torch.operator "torch.mla.decode_project"') == 1
+        assert text.count('torch.operator "torch.mla.decode"') == 1
         assert "overwrites %arg2 :" in text and "overwrites %arg3 :" in text
-        # mla.decode_project reads the latent cache AFTER this step's write (the new token is attended)
+        # mla.decode reads the latent cache AFTER this step's write (the new token is attended)
         written = {m.group(2): m.group(1) for m in
                    re.finditer(r"torch\.overwrite\.tensor\.contents (%[\w#]+) overwrites (%arg\d+)", text)}
-        dec = re.search(r'torch\.operator "torch\.mla\.decode_project"\((%[\w#.-]+), (%[\w#.-]+), (%[\w#.-]+), (%[\w#.-]+),',
-                        text)
+        dec = re.search(r'torch\.operator "torch\.mla\.decode"\((%[\w#.-]+), (%[\w#.-]+), (%[\w#.-]+), (%[\w#.-]+),', text)
         assert depends_on(text, dec.group(3), written["%arg2"]), "decode must read the written latent cache"
         assert depends_on(text, dec.group(4), written["%arg3"]), "decode must read the written rope cache"
         assert depends_on(text, dec.group(1), "%arg10"), "q_nope is absorbed through kv_b_proj (W_UK)"
@@ -225,6 +224,6 @@ class TestHFDecodeStep(expecttest.TestCase):
     torch.overwrite.tensor.contents %3 overwrites %arg1 : !torch.vtensor<[],si64>, !torch.tensor<[],si64>
     torch.overwrite.tensor.contents %4 overwrites %arg2 : !torch.vtensor<[2,1,8,16],f32>, !torch.tensor<[2,1,8,16],f32>
     torch.overwrite.tensor.contents %5 overwrites %arg3 : !torch.vtensor<[2,1,8,8],f32>, !torch.tensor<[2,1,8,8],f32>
-    %6 = torch.operator "torch.mla.decode_project"(%7, %8, %9, %10, %11, %12, %13, %14) : (!torch.vtensor<[2,2,16],f32>, !torch.vtensor<[2,2,8],f32>, !torch.vtensor<[16,1,16],f32>, !torch.vtensor<[16,1,8],f32>, !torch.vtensor<[2,8],si32>, !torch.vtensor<[2],si32>, !torch.float, !torch.vtensor<[2,8,16],f32>) -> !torch.vtensor<[2,2,8],f32>
-    return %15 : !torch.vtensor<[2,1,64],f32>
+    %6:2 = torch.operator "torch.mla.decode"(%7, %8, %9, %10, %11, %12, %13) : (!torch.vtensor<[2,2,16],f32>, !torch.vtensor<[2,2,8],f32>, !torch.vtensor<[16,1,16],f32>, !torch.vtensor<[16,1,8],f32>, !torch.vtensor<[2,8],si32>, !torch.vtensor<[2],si32>, !torch.float) -> (!torch.vtensor<[2,2,16],f32>, !torch.vtensor<[2,2],f32>)
+    return %14 : !torch.vtensor<[2,1,64],f32>
 """)

@@ -45,15 +45,6 @@ def test_opcheck_decode(PS, H, R, P, lens, transposed_q):
 
 
 @pytest.mark.parametrize("PS,H,R,P,lens", SHAPES, ids=IDS)
-def test_opcheck_decode_project(PS, H, R, P, lens):
-    g, c, k, bt, sl = paged(lens, PS, R, P, seed=2)
-    B = len(lens)
-    q_nope = torch.randn(H, B, R, generator=g).transpose(0, 1)
-    w_uv = torch.randn(H, 7 + 5, R, generator=g)[:, 7:]  # [H, V=5, R], a strided slice like the pass's
-    opcheck(torch.ops.mla.decode_project.default, (q_nope, torch.randn(B, H, P, generator=g), c, k, bt, sl, 0.2, w_uv))
-
-
-@pytest.mark.parametrize("PS,H,R,P,lens", SHAPES, ids=IDS)
 def test_opcheck_sparse_decode(PS, H, R, P, lens):
     g, c, k, bt, sl = paged(lens, PS, R, P, seed=1)
     B = len(lens)

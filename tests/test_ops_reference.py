@@ -95,38 +95,6 @@ def test_decode_fuzz_slow(lens, PS, H, R, P, dtype, seed, shuffle, sm_scale, ext
     run_decode(lens, PS, H, R, P, dtype, seed, shuffle, sm_scale, extra_cols)
 
 
-# -------------------------------------------------------------------------------------- decode_project
-def run_decode_project(lens, PS, H, R, P, V, dtype, seed, strided_w=False):
-    """decode then the per-head W_UV projection, against the float64 reference (empty rows exactly 0)."""
-    g = torch.Generator().manual_seed(seed)
-    _, (ckv_c, kpe_c), bt, sl, _ = ref.build_paged(lens, PS, (R, P), dtype, generator=g, shuffle=True)
-    B = len(lens)
-    q_nope = torch.randn(B, H, R, generator=g).to(dtype)
-    q_pe = torch.randn(B, H, P, generator=g).to(dtype)
-    # W_UV as the pass hands it over: the value rows of kv_b_proj's weight [H, nope + V, R] (a strided slice)
-    w = (torch.randn(H, 3 + V, R, generator=g) * R ** -0.5).to(dtype)
-    w_uv = w[:, 3:] if strided_w else w[:, 3:].contiguous()
-    out = torch.ops.mla.decode_project(q_nope, q_pe, ckv_c, kpe_c, bt, sl, 0.3, w_uv)
-    r_out, _ = ref.ref_decode(q_nope, q_pe, ckv_c, kpe_c, bt, sl, 0.3)
-    want = torch.einsum("bhr,hvr->bhv", r_out, w_uv.double())
-    assert out.dtype == dtype and out.shape == (B, H, V) and out.is_contiguous()
-    assert not torch.isnan(out).any()
-    empty = torch.tensor(lens) == 0
-    assert (out[empty] == 0).all()
-    assert ref.rel_err(out, want) < TOL[dtype], (lens, PS, H, R, P, V, dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_project_fixed_real_dims(dtype):
-    run_decode_project([0, 1, 64, 130], 64, 16, 512, 64, 128, dtype, seed=7, strided_w=True)
-
-
-@given(lens=LENS, PS=PAGE_SIZES, H=st.integers(1, 4), R=st.integers(1, 16), P=st.integers(1, 8), V=st.integers(1, 9),
-       dtype=DTYPES, seed=st.integers(0, 2**31 - 1), strided_w=st.booleans())
-def test_decode_project_fuzz(**kw):
-    run_decode_project(**kw)
-
-
 # ---------------------------------------------------------------------------------------- sparse_decode
 def run_sparse(lens, PS, H, R, P, K, dtype, seed, shuffle=True, sm_scale=0.3, neg_frac=0.3):
     """Indices: a random subset (no repeats) of all filled slots plus -1 entries, in random order."""

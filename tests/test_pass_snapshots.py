@@ -136,5 +136,10 @@ class TestPassSnapshots(expecttest.TestCase):
 %25 = aten.add.Tensor(%22, %24) -> [2, 16] int32
 %26 = aten.reshape.default(%in, [32, 1, 512]) -> [32, 1, 512] float32
 %27 = aten.reshape.default(%in, [32, 1, 64]) -> [32, 1, 64] float32
-%28 = mla.decode_project.default(%10, %4, %26, %27, %25, %15, 0.0721688, %7) -> [2, 4, 128] float32
-%29 = aten.unsqueeze.default(%28, 2) -> [2, 4, 1, 128] float32""")
+%28 = mla.decode.default(%10, %4, %26, %27, %25, %15, 0.0721688) -> ([2, 4, 512], [2, 4])
+%29 = _operator.getitem(%28, 0) -> [2, 4, 512] float32
+%30 = aten.transpose.int(%29, 0, 1) -> [4, 2, 512] float32
+%31 = aten.transpose.int(%7, 1, 2) -> [4, 512, 128] float32
+%32 = aten.bmm.default(%30, %31) -> [4, 2, 128] float32
+%33 = aten.transpose.int(%32, 0, 1) -> [2, 4, 128] float32
+%34 = aten.unsqueeze.default(%33, 2) -> [2, 4, 1, 128] float32""")

@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CHECKS = ["decode", "decode_project", "decode_tma", "decode_strided_q", "decode_fp32_odd_dims", "sparse_decode",
+CHECKS = ["decode", "decode_tma", "decode_strided_q", "decode_fp32_odd_dims", "sparse_decode",
           "merge_states", "cache_write", "indexer_topk", "k_only_indices", "fused_linear",
           "linear_partials"]
 
@@ -95,30 +95,6 @@ def check_decode():
     # bf16, two head blocks (H=20 > BLOCK_H 16, masked tail), page sizes 1 and 16, a 0-length row, 1 and 3 splits
     _check_decode(20, 32, 16, 16, torch.bfloat16, [37, 0, 5], [1, 3], 2e-2)
     _check_decode(4, 32, 16, 1, torch.float16, [9, 3], [2], 5e-3)
-
-
-def check_decode_project():
-    import torch
-
-    import reference as ref
-    from mla_compile.kernels import decode as K
-
-    # stage 1 into fp32 partials (1 split too), the merge + W_UV kernel; a 0-length row; W_UV a strided slice of
-    # kv_b_proj's weight; R off a power of two (masked width), V off the V block
-    gen = torch.Generator().manual_seed(8)
-    for dtype, tol, R in ((torch.float32, 1e-5, 32), (torch.bfloat16, 2e-2, 24)):
-        bt, _, _ = _batch([37, 0, 20], 3, R, 16, 4, dtype, gen)
-        qn = torch.randn(3, 3, R, generator=gen).to(dtype)
-        qp = torch.randn(3, 3, 16, generator=gen).to(dtype)
-        w_uv = torch.randn(3, 5 + 11, R, generator=gen).to(dtype)[:, 5:]
-        lat, _ = ref.ref_decode(qn, qp, bt.ckv_cache, bt.kpe_cache, bt.block_table, bt.seq_lens, 0.2)
-        want = torch.einsum("bhr,hvr->bhv", lat, w_uv.double())
-        for splits in (1, 3, None):
-            out = K.decode_project(qn, qp, bt.ckv_cache, bt.kpe_cache, bt.block_table, bt.seq_lens, 0.2, w_uv,
-                                   cfg=K.DecodeConfig(block_h=16, block_n=16), splits=splits)
-            assert out.dtype == dtype and out.shape == (3, 3, 11) and out.is_contiguous()
-            assert not out[1].any(), "empty row must be 0"
-            assert _rel(out, want) < tol, f"{dtype} splits={splits}: rel err {_rel(out, want):.2e}"
 
 
 def check_decode_tma():

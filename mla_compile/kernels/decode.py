@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._util import block, dot_mode, has_tma, mma, sm_count
-from .merge import merge_into, merge_project_into
+from .merge import merge_into
 
 _LOG2E = 1.4426950408889634
 
@@ -307,11 +307,13 @@ def _unit_inner_stride(t):
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-def _stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, capacity,
-            cfg: DecodeConfig | None, splits: int | None, out=None, lse=None):
-    """Stage 1 into fp32 partials (o [ns, B, H, R], l [ns, B, H]), or, with one split and `out`/`lse` given,
-    straight into them. Returns (o, l)."""
+def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, capacity,
+            cfg: DecodeConfig | None, splits: int | None):
     B, H, R = q_nope.shape
+    out = q_nope.new_empty(q_nope.shape)  # contiguous, as the fake impl says (empty_like would copy q's strides)
+    lse = torch.empty((B, H), dtype=torch.float32, device=q_nope.device)
+    if B * H == 0:
+        return out, lse
     # q is read with any batch/head strides; the ops are flexible_layout, so Inductor may also hand over strided
     # lengths / tables. The kernels need unit inner strides only: copy just what lacks them
     q_nope, q_pe, seq_lens, block_table, indices = map(_unit_inner_stride, (q_nope, q_pe, seq_lens, block_table,
@@ -322,7 +324,7 @@ def _stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
     # an index list (sparse_decode) gathers every token through a table load, as a page-1 token table does
     cfg = cfg or default_config(H, R, 1 if indices is not None else ckv_cache.shape[1])
     ns = splits or num_splits(B, H, capacity, q_nope.device, cfg)
-    if ns == 1 and out is not None:
+    if ns == 1:
         o, l = out, lse
         s_on = s_ln = 0
     else:
@@ -335,35 +337,9 @@ def _stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
     else:
         _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, o, l, s_on,
                         s_ln, ns, cfg)
-    return o, l
-
-
-def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, capacity,
-            cfg: DecodeConfig | None, splits: int | None):
-    B, H, R = q_nope.shape
-    out = q_nope.new_empty(q_nope.shape)  # contiguous, as the fake impl says (empty_like would copy q's strides)
-    lse = torch.empty((B, H), dtype=torch.float32, device=q_nope.device)
-    if B * H == 0:
-        return out, lse
-    o, l = _stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, capacity, cfg,
-                   splits, out, lse)
-    if o is not out:
+    if ns > 1:
         merge_into(o, l, out, lse)
     return out, lse
-
-
-def decode_project(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, w_uv, *, cfg=None,
-                   splits=None):
-    """`mla::decode_project` on the GPU: stage 1 into fp32 partials, then one kernel merges them and projects
-    through w_uv [H, V, R]: out [B, H, V] in q's dtype."""
-    B, H, R = q_nope.shape
-    out = q_nope.new_empty((B, H, w_uv.shape[1]))
-    if out.numel() == 0:
-        return out
-    capacity = block_table.shape[1] * ckv_cache.shape[1]
-    o, l = _stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, None, sm_scale, capacity, cfg, splits)
-    merge_project_into(o, l, w_uv, out)
-    return out
 
 
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, *, cfg=None, splits=None):

@@ -47,19 +47,6 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
     return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
 
 
-# decode_project fuses the split merge with the W_UV projection in one program per (request, head), which reads
-# its head's W_UV [V, R] once per request: cheap at few heads (the HF H=16 step), but at 128 heads the weight
-# reads dwarf a batched GEMM's; there the op runs decode + one bmm.
-_PROJECT_FUSED_MAX_HEADS = 32
-
-
-def decode_project(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, w_uv):
-    if q_nope.shape[1] <= _PROJECT_FUSED_MAX_HEADS and decode_backend(q_nope, ckv_cache) == "triton":
-        return _decode.decode_project(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, w_uv)
-    out, _ = decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
-    return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).contiguous()
-
-
 def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
     return _decode.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
 

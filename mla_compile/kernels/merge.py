@@ -67,67 +67,6 @@ def _merge_kernel(O, L, Out, Lse, N, H, R,
         tl.store(Lse + b * s_lseb + h * s_lseh, tl.where(total > 0, m + tl.log(total), float("-inf")))
 
 
-@triton.jit
-def _merge_project_kernel(O, L, W, Out, N, H, R, V,
-                          s_on, s_ob, s_oh, s_ln, s_lb, s_lh, s_wh, s_wv, s_outb, s_outh,
-                          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One program per (b, h): the LSE merge of N partial latent outs (as `_merge_kernel`, whole R in fp32),
-    then out[b, h, :] = merged @ W[h]^T over W [H, V, R], stored once in Out's dtype."""
-    bh = tl.program_id(0)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < R
-    l_base = L + b * s_lb + h * s_lh
-    o_base = O + b * s_ob + h * s_oh
-    m_vec = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        n = n0 + offs_n
-        lse = tl.load(l_base + n * s_ln, mask=n < N, other=float("-inf"))
-        m_vec = tl.maximum(m_vec, tl.where(tl.abs(lse) < float("inf"), lse, float("-inf")))
-    m = tl.max(m_vec, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    tot_vec = tl.zeros([BLOCK_N], tl.float32)
-    acc = tl.zeros([BLOCK_R], tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        n = n0 + offs_n
-        lse = tl.load(l_base + n * s_ln, mask=n < N, other=float("-inf"))
-        ok = tl.abs(lse) < float("inf")
-        w = tl.where(ok, tl.exp(lse - m), 0.0)
-        o = tl.load(o_base + n[:, None].to(tl.int64) * s_on + offs_r[None, :], mask=ok[:, None] & mask_r[None, :],
-                    other=0.0)
-        acc += tl.sum(w[:, None] * o, 0)
-        tot_vec += w
-    total = tl.sum(tot_vec, 0)
-    lat = acc / tl.where(total > 0, total, 1.0)  # an empty row: 0
-    w_base = W + h * s_wh
-    for v0 in range(0, V, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
-        wt = tl.load(w_base + offs_v[:, None].to(tl.int64) * s_wv + offs_r[None, :],
-                     mask=(offs_v < V)[:, None] & mask_r[None, :], other=0.0)
-        y = tl.sum(wt.to(tl.float32) * lat[None, :], 1)
-        tl.store(Out + b * s_outb + h * s_outh + offs_v, y.to(Out.dtype.element_ty), mask=offs_v < V)
-
-
-def merge_project_into(outs: torch.Tensor, lses: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """outs fp32 [N, B, H, R], lses [N, B, H], w [H, V, R] (last dims contiguous) -> out [B, H, V] (contiguous)."""
-    N, B, H, R = outs.shape
-    V = w.shape[1]
-    if B * H * V == 0:
-        return
-    w = w if w.stride(-1) == 1 else w.contiguous()
-    assert outs.stride(-1) == 1 and out.is_contiguous()
-    block_r = triton.next_power_of_2(max(R, 1))
-    block_n = max(1, min(triton.next_power_of_2(N), _TILE // block_r))
-    block_v = max(1, min(triton.next_power_of_2(V), _TILE // block_r))
-    _merge_project_kernel[(B * H,)](outs, lses, w, out, N, H, R, V,
-                                    outs.stride(0), outs.stride(1), outs.stride(2),
-                                    lses.stride(0), lses.stride(1), lses.stride(2),
-                                    w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-                                    BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_V=block_v, num_warps=4)
-
-
 _TILE = 8192  # elements of one [parts, R] tile per program (keeps it in registers)
 
 

@@ -1,5 +1,4 @@
-"""`mla::decode` and `mla::sparse_decode`: absorbed-MLA decode attention over the paged latent cache;
-`mla::decode_project`: the same attention with its output taken through the per-head up-projection W_UV.
+"""`mla::decode` and `mla::sparse_decode`: absorbed-MLA decode attention over the paged latent cache.
 
 Registration choice: `torch.library.custom_op` + `register_kernel("cpu"/"cuda")`. Each op is one opaque
 node to Inductor (an extern call), which is what we want for a hand-tuned attention kernel: Inductor has
@@ -69,9 +68,8 @@ def token_slots(block_table: torch.Tensor, page_size: int, num_tokens: int) -> t
     return block_table.long()[:, t // page_size] * page_size + t % page_size
 
 
-def attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale, out_dtype=None):
-    """Attention of every head over the listed slots; `valid` masks slots out. fp32 math, (out, lse); out in
-    `out_dtype` (default q's dtype)."""
+def attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale):
+    """Attention of every head over the listed slots; `valid` masks slots out. fp32 math, (out, lse)."""
     R, P = ckv_cache.shape[-1], kpe_cache.shape[-1]
     safe = torch.where(valid, slots, torch.zeros_like(slots))
     keep = valid[..., None]
@@ -84,7 +82,7 @@ def attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale, out
     lse = torch.logsumexp(scores, dim=-1)  # -inf for rows with no valid slot
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
     out = torch.einsum("bht,btr->bhr", probs, ckv)
-    return out.to(out_dtype or q_nope.dtype).contiguous(), lse.contiguous()
+    return out.to(q_nope.dtype).contiguous(), lse.contiguous()
 
 
 # --------------------------------------------------------------------------------------------- mla::decode
@@ -106,15 +104,11 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
     and lse float32 [B, H] = logsumexp(scores) (natural log). A row with seq_lens 0 gives (0, -inf).
     """
     check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
-    return _decode_reference(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
-
-
-def _decode_reference(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, out_dtype=None):
     page_size = ckv_cache.shape[1]
     T = int(seq_lens.max()) if seq_lens.numel() else 0  # CPU: reading lengths is free; gather only what is used
     slots = token_slots(block_table, page_size, T)
     valid = torch.arange(T, device=seq_lens.device)[None, :] < seq_lens.long()[:, None]
-    return attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale, out_dtype)
+    return attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale)
 
 
 @decode.register_fake
@@ -168,49 +162,3 @@ def _(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
     from ..kernels import dispatch
 
     return dispatch.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
-
-
-# ------------------------------------------------------------------------------------- mla::decode_project
-def check_decode_project_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, w_uv):
-    check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
-    C.check_tensor(w_uv, "w_uv", 3, (q_nope.dtype,))
-    C.check_dim(w_uv, "w_uv", 0, q_nope.shape[1], "the number of heads")
-    C.check_dim(w_uv, "w_uv", 2, q_nope.shape[2], "q_nope.shape[2] (R)")
-    C.check_same_device(dict(q_nope=q_nope, w_uv=w_uv))
-
-
-@torch.library.custom_op(
-    "mla::decode_project",
-    mutates_args=(),
-    device_types="cpu",
-    tags=(torch.Tag.flexible_layout,),  # q and w_uv come as strided views (a permuted bmm output, a weight slice)
-    schema="(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor block_table, "
-           "Tensor seq_lens, float sm_scale, Tensor w_uv) -> Tensor",
-)
-def decode_project(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, w_uv):
-    """`mla::decode` followed by absorbed MLA's per-head up-projection: out[b, h] = attn[b, h] @ w_uv[h]^T.
-
-    Shapes: as `mla::decode`, plus w_uv [H, V, R] in q's dtype (W_UV: kv_b_proj's value rows per head);
-    returns out [B, H, V] in q's dtype, contiguous. The latent attention output stays in fp32 up to the
-    projection (one rounding, at the end). A row with seq_lens 0 gives 0. No lse: a projected output cannot be
-    merged with others (DCP uses `mla::dcp_decode`). On CUDA the split-KV merge and the projection are one
-    kernel, which saves the merge launch, the cuBLAS bmm and the copy that laid its output out for o_proj.
-    """
-    check_decode_project_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, w_uv)
-    attn, _ = _decode_reference(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, torch.float32)
-    return torch.einsum("bhr,hvr->bhv", attn, w_uv.float()).to(q_nope.dtype).contiguous()
-
-
-@decode_project.register_fake
-def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, w_uv):
-    check_decode_project_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, w_uv)
-    B, H, _ = q_nope.shape
-    return q_nope.new_empty((B, H, w_uv.shape[1]))
-
-
-@decode_project.register_kernel("cuda")
-def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, w_uv):
-    check_decode_project_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, w_uv)
-    from ..kernels import dispatch
-
-    return dispatch.decode_project(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, w_uv)

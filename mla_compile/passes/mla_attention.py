@@ -18,11 +18,8 @@ What it matches (HF `DeepseekV3Attention` / `DeepseekV32Attention` / `GlmMoeDsaA
 with Q [B, H, 1, nope + P] (decode: one query token). It is replaced by (W = W_kv_b.view(H, nope + v, R))::
 
     q_abs    = Q[:, :, 0, :nope] @ W[:, :nope]                            # [B, H, R]  (W_UK absorbed)
-    out      = mla.decode_project(q_abs, Q[:, :, 0, nope:], c, kpe, block_table, seq_lens, s, W[:, nope:])
-    out      = out.unsqueeze(2)                                          # [B, H, 1, v]
-
-(`decode_project` = `lat, _ = mla.decode(...)` then `lat @ W_UV^T` per head, W_UV = W[:, nope:]; DCP keeps
-`mla.dcp_decode` + that bmm, DSA sparse graphs `mla.sparse_decode` + the bmm.)
+    lat, _   = mla.decode(q_abs, Q[:, :, 0, nope:], c, kpe, block_table, seq_lens, s)
+    out      = (lat @ W[:, nope:].T).unsqueeze(2)                         # [B, H, 1, v] (W_UV)
 
 so the per-step `kv_b_proj` over the whole cache disappears. Exact algebra: q.(W_UK c) = (W_UK^T q).c and
 softmax.(W_UV c) = W_UV (softmax.c).
@@ -667,21 +664,15 @@ def _emit(b: Builder, site: Site, src: LatentSource, memo: dict) -> fx.Node:
             res = b.call(torch.ops.mla.dcp_decode.default, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale,
                          src.dcp_size, src.dcp_rank, src.group_name)
         else:
-            # attention + W_UV in one op: on CUDA the split merge and the projection share one kernel
-            out = b.call(torch.ops.mla.decode_project.default, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale,
-                         w_uv)  # [B, H, v]
-            return _checked_output(site, b.call(aten.unsqueeze.default, out, 2))
+            res = b.call(torch.ops.mla.decode.default, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale)
     lat = b.item(res, 0)  # [B, H, R]
     out = b.call(aten.bmm.default, b.call(aten.transpose.int, lat, 0, 1),
                  b.call(aten.transpose.int, w_uv, 1, 2))  # [H, B, v]
     out = b.call(aten.transpose.int, out, 0, 1)
-    return _checked_output(site, b.call(aten.unsqueeze.default, out, 2))  # [B, H, 1, v]
-
-
-def _checked_output(site: Site, out: fx.Node) -> fx.Node:
-    ov, nv = _val(site.out), _val(out)
-    if tuple(ov.shape) != tuple(nv.shape) or ov.dtype != nv.dtype:
-        raise NoMatch(f"rewritten output {tuple(nv.shape)} differs from attention's {tuple(ov.shape)}")
+    out = b.call(aten.unsqueeze.default, out, 2)  # [B, H, 1, v]
+    ov = _val(site.out)
+    if tuple(ov.shape) != (B, H, 1, v_dim) or ov.dtype != _val(out).dtype:
+        raise NoMatch(f"rewritten output {tuple(_val(out).shape)} differs from attention's {tuple(ov.shape)}")
     return out
 
 

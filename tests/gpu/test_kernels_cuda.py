@@ -415,37 +415,3 @@ def test_linear_partials_cuda_graph_replay():
         torch.cuda.synchronize()
         want = x.double() @ torch.cat(ws).double().T
         assert ((p.sum(0).double() - want).abs().max() / want.abs().max()).item() < 1e-5
-
-
-# --------------------------------------------------------------------------------------- decode_project
-def _project_ref(b, qn, qp, lens, scale, w_uv):
-    lat, _ = ref.ref_decode(qn.cpu(), qp.cpu(), b.ckv_cache.cpu(), b.kpe_cache.cpu(), b.block_table.cpu(),
-                            lens.cpu(), scale)
-    return torch.einsum("bhr,hvr->bhv", lat, w_uv.cpu().double())
-
-
-@pytest.mark.parametrize("PS", [1, 64])
-@pytest.mark.parametrize("H", [16, 128])  # 128 heads: decode + bmm inside the op (dispatch.py)
-def test_decode_project(H, PS):
-    lens = [0, 1, 777, 64, 1500, 0, 33]
-    b, qn, qp = make_batch(lens, H, 512, 64, PS, torch.bfloat16, seed=H + PS)
-    w = (torch.randn(H, 256, 512, device=DEV) * 512 ** -0.5).to(torch.bfloat16)
-    w_uv = w[:, 128:]  # kv_b_proj's value rows, as the pass slices them
-    out = torch.ops.mla.decode_project(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.07, w_uv)
-    want = _project_ref(b, qn, qp, b.seq_lens, 0.07, w_uv)
-    assert out.shape == (7, H, 128) and out.dtype == torch.bfloat16 and out.is_contiguous()
-    assert not out[[0, 5]].any(), "empty rows must be 0"
-    assert _rel(out, want) < 1e-2
-
-
-def test_decode_project_cuda_graph_replay():
-    b, qn, qp = make_batch([900, 400, 1200, 64], 16, 512, 64, 1, torch.bfloat16, seed=11)
-    w_uv = (torch.randn(16, 128, 512, device=DEV) * 0.05).to(torch.bfloat16)
-    lens = b.seq_lens
-    graph, (out,) = capture(lambda: (torch.ops.mla.decode_project(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table,
-                                                                  lens, 0.1, w_uv),))
-    for new in ([900, 400, 1200, 64], [0, 1, 700, 64], [17, 0, 0, 3]):
-        lens.copy_(torch.tensor(new, dtype=torch.int32))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert _rel(out, _project_ref(b, qn, qp, lens, 0.1, w_uv)) < 1e-2, new
