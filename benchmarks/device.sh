@@ -83,7 +83,7 @@ stage_dsa() {
 }
 
 # HF (issue 5): DeepseekV3 decode tokens/s, eager vs torch.compile default vs mla_dcp (HF_ARGS e.g. "--kv 4096")
-stage_hf() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_HF:-400}" python3 benchmarks/hf_decode.py "$OUT/hf.json" ${HF_ARGS:-}; }
+stage_hf() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_HF:-400}" python3 benchmarks/hf_decode.py "$OUT/${HF_OUT:-hf.json}" ${HF_ARGS:-}; }
 
 # compile (issue 7): compile time, graphs, cudagraph recordings, FX-graph-cache hits of a second process
 stage_compile() { timeout "${T_COMPILE:-300}" python3 benchmarks/compile_suite.py "$OUT/compile.json" ${COMPILE_ARGS:-}; }

@@ -2,7 +2,7 @@
 
 usage:  python benchmarks/hf_decode.py OUT.json [--heads 16 128] [--kv 4096 32768] [--batch 8] [--layers 4]
                                                 [--modes eager default mla] [--steps 30] [--check-steps 4]
-                                                [--mask input|static] [--mla-options JSON]
+                                                [--mask input|static] [--step model|greedy] [--mla-options JSON]
         python benchmarks/hf_decode.py OUT.json --smoke      # tiny shapes, CPU ok (checks the script itself)
 
 Model: DeepseekV3ForCausalLM, real MLA dims (kv_lora 512, rope 64, nope 128, v 128, q_lora 1536), hidden 2048,
@@ -15,6 +15,11 @@ from that same state:
   default  torch.compile(model, mode="reduce-overhead")                 (Inductor + CUDA-graph trees)
   mla      torch.compile(model, backend="mla_dcp", mode="reduce-overhead") (absorbed mla.decode, CUDA graphs)
            (`--mla-options` adds backend options, e.g. '{"triton.enable_pdl": true}')
+
+`--step greedy` compiles (and runs eagerly, for eager) a step function instead of the model: the same HF model
+call plus the greedy pick (argmax over the last logits) inside, as gpt-fast / serving loops do; by default the
+pick runs eagerly after the compiled model (what an HF user gets), costing every mode the same ~10 us argmax
+and a few launch gaps between graphs per step.
 
 The attention mask is one tensor for the whole run (all ones: no padding). `--mask input` hands it over as a
 plain tensor, which the CUDA-graph trees copy into their own buffer before every replay (2 MB at 32K: ~18 us a
@@ -82,8 +87,17 @@ def filled_cache(model, B: int, kv_len: int, max_len: int, device, seed: int = 1
     return cache
 
 
-def decode(fn, cache, tok, mask, start: int, steps: int, keep_logits: bool = False, forced=None):
-    """`steps` greedy steps from position `start` (or teacher-forced on `forced` [B, steps]): logits list."""
+def greedy_step(model):
+    """The decode step with the greedy pick inside (`--step greedy`): (last logits, next token)."""
+    def step(input_ids, attention_mask, cache_position, **cache):
+        logits = model(input_ids, attention_mask=attention_mask, cache_position=cache_position, **cache).logits[:, -1]
+        return logits, logits.argmax(-1, keepdim=True)
+    return step
+
+
+def decode(fn, cache, tok, mask, start: int, steps: int, keep_logits: bool = False, forced=None, model=None):
+    """`steps` greedy steps from position `start` (or teacher-forced on `forced` [B, steps]): logits list.
+    fn: the model (compiled or not), or with `model` given a `greedy_step(model)` function (compiled or not)."""
     logits = []
     # positions live on the device: a host tensor per step would be a blocking copy (a sync every step that
     # exposes all host overhead, as no serving loop does); the same loop runs every mode
@@ -93,11 +107,14 @@ def decode(fn, cache, tok, mask, start: int, steps: int, keep_logits: bool = Fal
             if forced is not None:
                 tok = forced[:, i:i + 1]
             pos = positions[i:i + 1].clone()
-            out = fn(tok, attention_mask=mask, **cache_kwargs(fn, cache), cache_position=pos)
-            lg = out.logits[:, -1]
+            if model is not None:
+                lg, nxt = fn(tok, mask, pos, **cache_kwargs(model, cache))
+            else:
+                lg = fn(tok, attention_mask=mask, **cache_kwargs(fn, cache), cache_position=pos).logits[:, -1]
+                nxt = lg.argmax(-1, keepdim=True)
             if keep_logits:
                 logits.append(lg.float().clone())
-            tok = lg.argmax(-1, keepdim=True)
+            tok = nxt
     return logits
 
 
@@ -143,7 +160,8 @@ def run_case(H, kv_len, args, device, dtype, modes, log, result, save):
         torch._dynamo.mark_static_address(mask)
     tok = torch.randint(1, args.vocab, (B, 1), device=device, generator=torch.Generator(device=device).manual_seed(2))
     result.update({"H": H, "kv_len": kv_len, "batch": B, "layers": args.layers, "hidden": args.hidden,
-                   "dtype": str(dtype).replace("torch.", ""), "mask": args.mask, "mla_options": args.mla_options,
+                   "dtype": str(dtype).replace("torch.", ""), "mask": args.mask, "step": args.step,
+                   "mla_options": args.mla_options,
                    "modes": {}})
     snapshot = [(lay.keys.clone(), lay.values.clone()) for lay in cache.layers]
 
@@ -159,12 +177,14 @@ def run_case(H, kv_len, args, device, dtype, modes, log, result, save):
         torch._dynamo.utils.counters.clear()
         entry = {}
         try:
+            target = greedy_step(model) if args.step == "greedy" else model
+            step_model = model if args.step == "greedy" else None
             if mode == "eager":
-                fn = model
+                fn = target
             elif mode == "default":
-                fn = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+                fn = torch.compile(target, mode="reduce-overhead", fullgraph=True)
             elif mode == "mla":
-                fn = torch.compile(model, backend="mla_dcp", options={"mode": "reduce-overhead", **args.mla_options},
+                fn = torch.compile(target, backend="mla_dcp", options={"mode": "reduce-overhead", **args.mla_options},
                                    fullgraph=True)
             else:
                 raise ValueError(f"unknown mode {mode}")
@@ -172,7 +192,8 @@ def run_case(H, kv_len, args, device, dtype, modes, log, result, save):
             restore()
             t0 = time.perf_counter()
             forced = ref_tokens if mode != "eager" else None  # same inputs every step as eager's greedy path
-            logits = decode(fn, cache, tok, mask, kv_len, args.check_steps, keep_logits=True, forced=forced)
+            logits = decode(fn, cache, tok, mask, kv_len, args.check_steps, keep_logits=True, forced=forced,
+                            model=step_model)
             sync(device)
             entry["first_steps_s"] = time.perf_counter() - t0  # includes compilation / graph capture
             if mode == "eager":
@@ -200,7 +221,7 @@ def run_case(H, kv_len, args, device, dtype, modes, log, result, save):
                 rewind(cache, kv_len + args.check_steps)
                 sync(device)
                 t0 = time.perf_counter()
-                decode(fn, cache, tok, mask, kv_len + args.check_steps, args.steps)
+                decode(fn, cache, tok, mask, kv_len + args.check_steps, args.steps, model=step_model)
                 sync(device)
                 if rep:
                     times.append((time.perf_counter() - t0) / args.steps)
@@ -243,6 +264,9 @@ def main(argv=None):
     ap.add_argument("--modes", nargs="+", default=["eager", "default", "mla"])
     ap.add_argument("--mask", choices=["input", "static"], default="input",
                     help="how the attention mask reaches the compiled modes (see the module docstring)")
+    ap.add_argument("--step", choices=["model", "greedy"], default="model",
+                    help="what each mode compiles: the HF model (the greedy pick runs eagerly after it), or a step "
+                         "function = model + greedy pick (one graph, as serving loops compile it)")
     ap.add_argument("--mla-options", type=json.loads, default={}, help="JSON dict of extra mla_dcp options")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU ok, fp32): checks the script")
     ap.add_argument("--no-fp32-ref", dest="fp32_ref", action="store_false",
