@@ -114,7 +114,8 @@ def decode(fn, cache, tok, mask, start: int, steps: int, keep_logits: bool = Fal
                 nxt = lg.argmax(-1, keepdim=True)
             if keep_logits:
                 logits.append(lg.float().clone())
-            tok = nxt
+            # a compiled step's token is a CUDA-graph output, which its next replay overwrites: feed a copy
+            tok = nxt.clone() if model is not None else nxt
     return logits
 
 
