@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -37,3 +38,20 @@ def test_gap_stats_buckets_and_largest_gaps():
     assert b["1-2us"]["count_per_step"] == b["5-20us"]["count_per_step"] == 0
     assert stats["largest"][0] == {"us": 30, "after": "c", "before": "a"}
     assert sum(v["us_per_step"] for v in b.values()) == pytest.approx((90 - 2 * 26.5) / 2)  # span - busy
+
+
+@pytest.mark.parametrize("step", ["model", "greedy"])
+def test_hf_decode_smoke_both_step_kinds(tmp_path, step):
+    """The HF benchmark's harness on tiny shapes (CPU): every mode runs, mla rewrites the layer and matches eager,
+    with the greedy pick after the compiled model or inside a compiled step function."""
+    import hf_decode
+
+    out = tmp_path / "hf.json"
+    torch._dynamo.reset()
+    assert hf_decode.main([str(out), "--smoke", "--mask", "static", "--step", step]) == 0
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["step"] == step and case["mask"] == "static"
+    modes = case["modes"]
+    assert set(modes) == {"eager", "default", "mla"} and not any("error" in m for m in modes.values())
+    assert modes["mla"]["rewrites"] == 1 and modes["mla"]["ok"] and modes["default"]["ok"]
+    assert modes["mla"]["token_steps_agree"] == "2/2"
