@@ -2,6 +2,7 @@
 
 usage: python benchmarks/decode_sweep.py OUT.json [--quick]
        python benchmarks/decode_sweep.py OUT.json --splits 8 16 33   # the default configs at forced split counts
+       python benchmarks/decode_sweep.py OUT.json --scaling          # stage 1 / merge time vs kv_len (fixed cost)
        python benchmarks/decode_sweep.py OUT.json --aot     # no GPU: each config compiled for sm_90a
                                                              # (kernel, registers, spills, PTX instructions)
 
@@ -185,11 +186,70 @@ def split_probe(path: str, split_counts: list[int]) -> None:
                 json.dump(res, fh, indent=1)
 
 
+SCALING_LENS = [8192, 16384, 32768, 65536, 131072]
+
+
+def scaling_probe(path: str) -> None:
+    """H=16, B=8, page-1 token table (the HF path) and page 64: stage 1 alone, the merge alone and the whole op
+    by CUDA-graph replay at growing kv_len (same split count), then a least-squares fit t = fixed + bytes / bw per
+    part: where a 32K decode's distance from copy bandwidth goes (a per-launch fixed cost, or a lower rate)."""
+    x = torch.randn(1 << 29, device="cuda", dtype=torch.float16)
+    y = torch.empty_like(x)
+    copy_bw = 2 * x.numel() * 2 / (do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)
+    del x, y
+    H, B = 16, 8
+    pages = B * max(SCALING_LENS) // PS
+    ckv = torch.empty(pages, PS, R, dtype=DT, device="cuda").normal_()
+    kpe = torch.empty(pages, PS, P, dtype=DT, device="cuda").normal_()
+    qn = torch.randn(B, H, R, dtype=DT, device="cuda")
+    qp = torch.randn(B, H, P, dtype=DT, device="cuda")
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bw_TBps": copy_bw / 1e12,
+           "H": H, "B": B, "rows": [], "fits": {}}
+    for layout in ("page1", "page64"):
+        for L in SCALING_LENS:
+            table = torch.randperm(pages, device="cuda")[: B * L // PS].view(B, L // PS).int()
+            lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+            c, k, t = ckv, kpe, table
+            if layout == "page1":
+                t = (table.long()[:, :, None] * PS + torch.arange(PS, device="cuda")).view(B, L).int()
+                c, k = ckv.view(-1, 1, R), kpe.view(-1, 1, P)
+            cfg = D.default_config(H, R, c.shape[1])
+            ns = D.num_splits(B, H, L, qn.device, cfg)  # capacity = L: the policy's count for this length
+            o = torch.empty((ns, B, H, R), dtype=torch.float32, device="cuda")
+            lo = torch.empty((ns, B, H), dtype=torch.float32, device="cuda")
+            out, lse = torch.empty_like(qn), torch.empty((B, H), dtype=torch.float32, device="cuda")
+            stage1 = lambda: D._launch_pointer(qn, qp, c, k, t, lens, None, 0.07, o, lo, o.stride(0),  # noqa: E731
+                                               lo.stride(0), ns, cfg)
+            merge = lambda: D.merge_into(o, lo, out, lse)  # noqa: E731
+            whole = lambda: D.decode(qn, qp, c, k, t, lens, 0.07, cfg=cfg, splits=ns)  # noqa: E731
+            row = {"layout": layout, "L": L, "splits": ns, "bytes": D.kv_bytes(B, L, R, P, 2)}
+            for name, fn in (("stage1", stage1), ("merge", merge), ("whole", whole)):
+                row[name + "_us"] = do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3
+            row["whole_bw_frac"] = row["bytes"] / (row["whole_us"] * 1e-6) / copy_bw
+            res["rows"].append(row)
+            print(f"{layout} L={L // 1024}K splits={ns}: stage1 {row['stage1_us']:.1f} merge {row['merge_us']:.1f} "
+                  f"whole {row['whole_us']:.1f} us ({row['whole_bw_frac']:.2f} of copy bw)", flush=True)
+        rows = [r for r in res["rows"] if r["layout"] == layout]
+        for part in ("stage1", "whole"):
+            xs = torch.tensor([r["bytes"] for r in rows], dtype=torch.float64)
+            ts = torch.tensor([r[part + "_us"] for r in rows], dtype=torch.float64)
+            A = torch.stack([torch.ones_like(xs), xs], 1)
+            fixed, per_byte = torch.linalg.lstsq(A, ts[:, None]).solution[:, 0].tolist()
+            res["fits"][f"{layout} {part}"] = {"fixed_us": fixed, "rate_TBps": 1e-6 / per_byte / 1e12,
+                                              "rate_frac_of_copy": 1e-6 / per_byte / copy_bw}
+            print(f"  fit {layout} {part}: fixed {fixed:.1f} us + bytes at {1e-6 / per_byte / 1e12:.2f} TB/s "
+                  f"({1e-6 / per_byte / copy_bw:.2f} of copy bw)", flush=True)
+        with open(path, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+
 def main(argv):
     args = [a for a in argv if not a.startswith("--") and not a.isdigit()]
     path = args[0] if args else os.path.join(os.environ.get("OUT", "."), "decode_sweep.json")
     if "--aot" in argv:
         return aot_report(path)
+    if "--scaling" in argv:
+        return scaling_probe(path)
     if "--splits" in argv:
         return split_probe(path, [int(a) for a in argv[argv.index("--splits") + 1:] if a.isdigit()])
     quick = "--quick" in argv
