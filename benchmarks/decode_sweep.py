@@ -143,6 +143,13 @@ def aot_report(path: str) -> None:
         json.dump({"aot_sm90": res}, fh, indent=1)
 
 
+def copy_bandwidth() -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + write), the reference the bandwidth fractions use."""
+    x = torch.randn(1 << 29, device="cuda", dtype=torch.float16)
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 2 / (do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)
+
+
 SPLIT_SHAPES = [(16, 8, 32768), (16, 8, 131072), (16, 32, 32768), (128, 8, 32768), (128, 8, 131072)]
 
 
@@ -151,10 +158,7 @@ def split_probe(path: str, split_counts: list[int]) -> None:
     (stage 1 + merge) by CUDA-graph replay, page 64 and, at H=16, the page-1 token table."""
     from mla_compile.kernels._util import sm_count
 
-    x = torch.randn(1 << 29, device="cuda", dtype=torch.float16)
-    y = torch.empty_like(x)
-    copy_bw = 2 * x.numel() * 2 / (do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)
-    del x, y
+    copy_bw = copy_bandwidth()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bw_TBps": copy_bw / 1e12,
            "sms": sm_count(torch.device("cuda")), "rows": []}
     pages = max(b * n for _, b, n in SPLIT_SHAPES) // PS
@@ -193,10 +197,7 @@ def scaling_probe(path: str) -> None:
     """H=16, B=8, page-1 token table (the HF path) and page 64: stage 1 alone, the merge alone and the whole op
     by CUDA-graph replay at growing kv_len (same split count), then a least-squares fit t = fixed + bytes / bw per
     part: where a 32K decode's distance from copy bandwidth goes (a per-launch fixed cost, or a lower rate)."""
-    x = torch.randn(1 << 29, device="cuda", dtype=torch.float16)
-    y = torch.empty_like(x)
-    copy_bw = 2 * x.numel() * 2 / (do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)
-    del x, y
+    copy_bw = copy_bandwidth()
     H, B = 16, 8
     pages = B * max(SCALING_LENS) // PS
     ckv = torch.empty(pages, PS, R, dtype=DT, device="cuda").normal_()
@@ -254,10 +255,7 @@ def main(argv):
         return split_probe(path, [int(a) for a in argv[argv.index("--splits") + 1:] if a.isdigit()])
     quick = "--quick" in argv
     t_start = time.time()
-    x = torch.randn(1 << 29, device="cuda", dtype=torch.float16)
-    y = torch.empty_like(x)
-    copy_bw = 2 * x.numel() * 2 / (do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)
-    del x, y
+    copy_bw = copy_bandwidth()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bw_TBps": copy_bw / 1e12,
            "checks": {}, "rows": []}
     max_tokens = max(b * n for hs in SHAPES.values() for b, n in hs)
