@@ -1,7 +1,7 @@
 """Where an HF DeepseekV3 `mla_dcp` decode step spends its time (torch.profiler; not a test).
 
 usage: python benchmarks/hf_profile.py OUT.json [--heads 16] [--kv 4096 32768] [--batch 8] [--layers 4]
-                                           [--variants input static static+pdl]
+                                           [--variants input static static+pdl] [--step model|greedy]
 
 The model and cache are those of benchmarks/hf_decode.py. After warm-up (compile + CUDA-graph recording) it
 times `--steps` steps by wall clock, then profiles 5 steps and reports per step: wall time, summed GPU kernel
@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_decode import build_model, decode, filled_cache, rewind  # noqa: E402
+from hf_decode import build_model, decode, filled_cache, greedy_step, rewind  # noqa: E402
 
 
 # kernel name -> where its time goes (first match wins); everything else is Inductor's fused small kernels
@@ -84,19 +84,22 @@ def profile_case(H, kv, args, device, variant="input"):
     if static_mask:
         torch._dynamo.mark_static_address(mask)
     tok = torch.ones(B, 1, dtype=torch.long, device=device)
-    fn = torch.compile(model, backend="mla_dcp", options={"mode": "reduce-overhead", **options}, fullgraph=True)
-    decode(fn, cache, tok, mask, kv, 4)  # compile + record
+    step_model = model if args.step == "greedy" else None  # --step greedy: model + argmax as one compiled step
+    target = greedy_step(model) if step_model is not None else model
+    fn = torch.compile(target, backend="mla_dcp", options={"mode": "reduce-overhead", **options}, fullgraph=True)
+    run = lambda steps: decode(fn, cache, tok, mask, kv, steps, model=step_model)  # noqa: E731
+    run(4)  # compile + record
     rewind(cache, kv)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    decode(fn, cache, tok, mask, kv, args.steps)
+    run(args.steps)
     torch.cuda.synchronize()
     wall_us = (time.perf_counter() - t0) / args.steps * 1e6
     rewind(cache, kv)
     n = 5
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
-        decode(fn, cache, tok, mask, kv, n)
+        run(n)
         torch.cuda.synchronize()
     kernels = collections.defaultdict(lambda: [0, 0.0])
     spans = []
@@ -108,7 +111,7 @@ def profile_case(H, kv, args, device, variant="input"):
             spans.append((e.time_range.start, e.time_range.end, e.name))
     gpu_us = sum(v[1] for v in kernels.values()) / n
     top = sorted(kernels.items(), key=lambda kv_: -kv_[1][1])[:30]
-    row = {"variant": variant, "H": H, "kv_len": kv, "batch": B, "wall_us_per_step": wall_us, "gpu_kernel_us_per_step": gpu_us,
+    row = {"variant": variant, "step": args.step, "H": H, "kv_len": kv, "batch": B, "wall_us_per_step": wall_us, "gpu_kernel_us_per_step": gpu_us,
            "kernels_per_step": sum(v[0] for v in kernels.values()) / n,
            "top": [{"name": k, "calls_per_step": v[0] / n, "us_per_step": v[1] / n} for k, v in top]}
     row["gaps"] = gap_stats(spans, n)
@@ -139,6 +142,8 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--variants", nargs="+", default=["input"], choices=sorted(VARIANTS))
+    ap.add_argument("--step", choices=["model", "greedy"], default="model",
+                    help="profile the compiled model (argmax eagerly after it) or model + argmax as one step")
     args = ap.parse_args(argv)
     import mla_compile  # noqa: F401
 
