@@ -270,3 +270,18 @@ def test_split_k_through_inductor_and_autograd():
     sum(o.square().sum() for o in want).backward()
     for a, b in zip(got, [x.grad] + [p.grad for p in model.parameters()]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_hf_decode_split_k_partials_matches_eager():
+    """Hidden 1024 (K split in 2 for q_a + kv_a): HF decode through mla.linear_partials + graph adds equals eager."""
+    model = M.deepseek_v3(num_layers=1, hidden=1024)
+    L, steps = 32, 4
+    ids, mask = M.batch(L=L)
+    ref_t, ref_l = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), steps)
+    compiled = torch.compile(model, backend="mla_dcp", fullgraph=True, options={"fuse_linears": "always"})
+    t, logits = M.greedy(compiled, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), steps,
+                         prefill=model)
+    assert torch.equal(t, ref_t)
+    assert M.rel_err(logits, ref_l) < 1e-4
+    assert COUNTERS["mla_compile"][SPLIT_COUNTER] >= 1
+    assert COUNTERS["mla_compile"]["mla_attention_rewritten"] == 1
