@@ -50,12 +50,16 @@ def categorize(row: dict) -> dict:
     return out
 
 
-# variant -> (mask marked static?, backend options)
+# variant -> (mask marked static?, backend options, experiment: (module, attribute, value) set for the variant)
 VARIANTS = {
-    "input": (False, {}),
-    "static": (True, {}),
-    "static+pdl": (True, {"triton.enable_pdl": True}),
-    "static+combo": (True, {"combo_kernels": True}),
+    "input": (False, {}, None),
+    "static": (True, {}, None),
+    "static+pdl": (True, {"triton.enable_pdl": True}, None),
+    "static+nocombo": (True, {"combo_kernels": False}, None),
+    # lone linears with a K >= 1024 (q_b, o_proj, lm_head) also to the few-token kernel / split-K partials; the
+    # product routes only K >= 8192 there (linear_sweep round 2: alone, with its summing launch, o_proj was ~5%
+    # behind cuBLAS; without that launch it may not be)
+    "static+lone_linears": (True, {}, ("mla_compile.passes.fused_linear", "_MIN_K_ALONE", 1024)),
 }
 GAP_BUCKETS_US = (1.0, 2.0, 5.0, 20.0)
 
@@ -80,7 +84,22 @@ def profile_case(H, kv, args, device, variant="input"):
     model = build_model(H, args.layers, args.hidden, args.vocab, torch.bfloat16, device)
     cache = filled_cache(model, B, kv, max_len, device)
     mask = torch.ones(B, max_len, dtype=torch.long, device=device)
-    static_mask, options = VARIANTS[variant]
+    static_mask, options, experiment = VARIANTS[variant]
+    if experiment is not None:
+        import importlib
+
+        module, attr, value = experiment
+        saved = getattr(importlib.import_module(module), attr)
+        setattr(importlib.import_module(module), attr, value)
+    try:
+        return _profile(H, kv, args, device, variant, model, cache, mask, static_mask, options)
+    finally:
+        if experiment is not None:
+            setattr(importlib.import_module(module), attr, saved)
+
+
+def _profile(H, kv, args, device, variant, model, cache, mask, static_mask, options):
+    B = args.batch
     if static_mask:
         torch._dynamo.mark_static_address(mask)
     tok = torch.ones(B, 1, dtype=torch.long, device=device)
