@@ -143,6 +143,12 @@ def aot_report(path: str) -> None:
         json.dump({"aot_sm90": res}, fh, indent=1)
 
 
+def token_table(table: torch.Tensor) -> torch.Tensor:
+    """The same tokens as a page-PS block table, as a page-size-1 token table (what the HF pass emits)."""
+    B = table.shape[0]
+    return (table.long()[:, :, None] * PS + torch.arange(PS, device=table.device)).view(B, -1).int()
+
+
 def copy_bandwidth() -> float:
     """Bytes/s of a 1 GiB device-to-device copy (read + write), the reference the bandwidth fractions use."""
     x = torch.randn(1 << 29, device="cuda", dtype=torch.float16)
@@ -169,7 +175,7 @@ def split_probe(path: str, split_counts: list[int]) -> None:
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
         qn = torch.randn(B, H, R, dtype=DT, device="cuda")
         qp = torch.randn(B, H, P, dtype=DT, device="cuda")
-        tok = (table.long()[:, :, None] * PS + torch.arange(PS, device="cuda")).view(B, L).int()
+        tok = token_table(table)
         layouts = {"page64": (ckv, kpe, table)}
         if H == 16:
             layouts["page1"] = (ckv.view(-1, 1, R), kpe.view(-1, 1, P), tok)
@@ -212,7 +218,7 @@ def scaling_probe(path: str) -> None:
             lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
             c, k, t = ckv, kpe, table
             if layout == "page1":
-                t = (table.long()[:, :, None] * PS + torch.arange(PS, device="cuda")).view(B, L).int()
+                t = token_table(table)
                 c, k = ckv.view(-1, 1, R), kpe.view(-1, 1, P)
             cfg = D.default_config(H, R, c.shape[1])
             ns = D.num_splits(B, H, L, qn.device, cfg)  # capacity = L: the policy's count for this length
@@ -280,7 +286,7 @@ def main(argv):
                 fn = lambda c=cfg: D.decode(qn, qp, ckv, kpe, table, lens, 0.07, cfg=c)  # noqa: E731
                 row["us"][name] = do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3
             if H == 16:  # the same tokens through a page-size-1 token table (the HF StaticCache path)
-                tok = (table.long()[:, :, None] * PS + torch.arange(PS, device="cuda")).view(B, L).int()
+                tok = token_table(table)
                 c1, k1 = ckv.view(-1, 1, R), kpe.view(-1, 1, P)
                 for name, cfg in page1.items():
                     fn = lambda c=cfg: D.decode(qn, qp, c1, k1, tok, lens, 0.07, cfg=c)  # noqa: E731

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -85,17 +87,10 @@ def profile_case(H, kv, args, device, variant="input"):
     cache = filled_cache(model, B, kv, max_len, device)
     mask = torch.ones(B, max_len, dtype=torch.long, device=device)
     static_mask, options, experiment = VARIANTS[variant]
-    if experiment is not None:
-        import importlib
-
-        module, attr, value = experiment
-        saved = getattr(importlib.import_module(module), attr)
-        setattr(importlib.import_module(module), attr, value)
-    try:
+    patch = contextlib.nullcontext() if experiment is None else mock.patch(f"{experiment[0]}.{experiment[1]}",
+                                                                            experiment[2])
+    with patch:
         return _profile(H, kv, args, device, variant, model, cache, mask, static_mask, options)
-    finally:
-        if experiment is not None:
-            setattr(importlib.import_module(module), attr, saved)
 
 
 def _profile(H, kv, args, device, variant, model, cache, mask, static_mask, options):

@@ -74,7 +74,7 @@ def fused_linear(x, weights):
     does not send those here). Otherwise F.linear per weight."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
-    if x2.shape[0] > _linear.MAX_M or x.dtype not in (torch.float16, torch.bfloat16):
+    if not _few_token(x2):
         return [torch.nn.functional.linear(x, w) for w in weights]
     outs = []
     for i in range(0, len(weights), 2):
@@ -85,10 +85,13 @@ def fused_linear(x, weights):
 def linear_partials(x, weights, splits):
     """Up to 16 rows in fp16/bf16: the few-token kernel writes the partials (one launch per pair of weights);
     otherwise the op's definition in torch ops."""
-    if x.shape[0] > _linear.MAX_M or x.dtype not in (torch.float16, torch.bfloat16):
+    if not _few_token(x):
         from ..ops.linear import _partials
 
         return _partials(x, weights, splits)
-    from ..ops.linear import K_ALIGN
+    return _linear.linear_partials(x, weights, splits)
 
-    return _linear.linear_partials(x, weights, splits, align=K_ALIGN)
+
+def _few_token(x2) -> bool:
+    """x [M, K] within the few-token kernel's range: at most MAX_M rows of fp16 / bf16."""
+    return x2.shape[0] <= _linear.MAX_M and x2.dtype in (torch.float16, torch.bfloat16)

@@ -11,12 +11,14 @@ K is split across programs too: each split writes fp32 partials and one more lau
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+from ..ops.linear import K_ALIGN, split_width
 from ._util import dot_mode, mma
 
 MAX_M = 16  # the MMA's N side; more tokens belong to a normal GEMM
@@ -127,7 +129,7 @@ def _launch(x, weights, ys, k_split: int, splits: int, cfg: LinearConfig, s_ys: 
 
 
 def linear_partials(x: torch.Tensor, weights: list[torch.Tensor], splits: int, cfg: LinearConfig | None = None,
-                    align: int = 128) -> torch.Tensor:
+                    align: int = K_ALIGN) -> torch.Tensor:
     """fp32 [splits, M, sum N_i]: partial s = x[:, r_s] @ [W_0 | W_1 | ...][:, r_s]^T over the K range
     r_s = [s * w, min((s + 1) * w, K)), w = `split_width(K, splits, align)` (empty ranges give zeros); their sum
     is x @ W^T. x [M, K] (M <= 16), weights [N_i, K] (any strides)."""
@@ -140,16 +142,9 @@ def linear_partials(x: torch.Tensor, weights: list[torch.Tensor], splits: int, c
     k_split = split_width(K, splits, align)
     if k_split % cfg.block_k:
         raise ValueError(f"cfg: block_k {cfg.block_k} must divide the split width {k_split}")
-    cols = [0]
-    for w in weights:
-        cols.append(cols[-1] + w.shape[0])
+    cols = list(itertools.accumulate((w.shape[0] for w in weights), initial=0))
     _launch(x, weights, [part[:, :, lo:hi] for lo, hi in zip(cols, cols[1:])], k_split, splits, cfg, part.stride(0))
     return part
-
-
-def split_width(K: int, splits: int, align: int) -> int:
-    """K per split: whole `align`-wide steps, so only the last non-empty split can be short."""
-    return triton.cdiv(triton.cdiv(K, splits), align) * align
 
 
 def linear_small_m(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig | None = None,

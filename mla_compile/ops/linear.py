@@ -84,10 +84,15 @@ fused_linear.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------------------------- linear_partials
+def split_width(K: int, splits: int, align: int = K_ALIGN) -> int:
+    """K per split: ceil(K / splits) rounded up to whole `align`-wide steps, so only the last non-empty split
+    can be short."""
+    return -(-(-(-K // splits)) // align) * align
+
+
 def split_ranges(K: int, splits: int) -> list[tuple[int, int]]:
-    """The K range of each partial: `splits` ranges of w = ceil(ceil(K / splits) / K_ALIGN) * K_ALIGN, the last
-    ones short or empty."""
-    w = -(-(-(-K // splits)) // K_ALIGN) * K_ALIGN if K else 0
+    """The K range of each partial: `splits` ranges of `split_width(K, splits)`, the last ones short or empty."""
+    w = split_width(K, splits)
     return [(min(s * w, K), min((s + 1) * w, K)) for s in range(splits)]
 
 
