@@ -52,17 +52,36 @@ def categorize(row: dict) -> dict:
     return out
 
 
-# variant -> (mask marked static?, backend options, experiment: (module, attribute, value) set for the variant)
+# variant -> (mask marked static?, backend options, experiment: {"module.attribute" or "$ENV_VAR": value} set
+# for the variant)
+_PDL_OURS = {"$MLA_COMPILE_PDL": "1"}
 VARIANTS = {
-    "input": (False, {}, None),
-    "static": (True, {}, None),
-    "static+pdl": (True, {"triton.enable_pdl": True}, None),
-    "static+nocombo": (True, {"combo_kernels": False}, None),
-    # lone linears with a K >= 1024 (q_b, o_proj, lm_head) also to the few-token kernel / split-K partials; the
-    # product routes only K >= 8192 there (linear_sweep round 2: alone, with its summing launch, o_proj was ~5%
-    # behind cuBLAS; without that launch it may not be)
-    "static+lone_linears": (True, {}, ("mla_compile.passes.fused_linear", "_MIN_K_ALONE", 1024)),
+    "input": (False, {}, {}),
+    "static": (True, {}, {}),
+    "static+pdl": (True, {"triton.enable_pdl": True}, {}),  # Inductor's kernels only
+    "static+pdl_ours": (True, {}, _PDL_OURS),  # our Triton kernels only
+    "static+pdl_all": (True, {"triton.enable_pdl": True}, _PDL_OURS),
+    "static+nocombo": (True, {"combo_kernels": False}, {}),
+    # lone linears with a K >= 1024 (q_b, o_proj, lm_head) also to the few-token kernel / split-K partials
+    # (session 6 call 1: 744 vs 727 us wall - slower)
+    "static+lone_linears": (True, {}, {"mla_compile.passes.fused_linear._MIN_K_ALONE": 1024}),
+    # W_UK / W_UV as Inductor reductions instead of cuBLAS bmms (+ the transpose copy after W_UV)
+    "static+absorb_reduce": (True, {}, {"mla_compile.passes.mla_attention._ABSORB": "reduce"}),
+    "static+absorb_reduce+pdl_all": (True, {"triton.enable_pdl": True},
+                                     {"mla_compile.passes.mla_attention._ABSORB": "reduce", **_PDL_OURS}),
 }
+
+
+def experiment_patches(experiment: dict) -> contextlib.ExitStack:
+    """The variant's experiment as one context: environment variables ("$NAME") and module attributes."""
+    stack = contextlib.ExitStack()
+    env = {k[1:]: v for k, v in experiment.items() if k.startswith("$")}
+    if env:
+        stack.enter_context(mock.patch.dict(os.environ, env))
+    for target, value in experiment.items():
+        if not target.startswith("$"):
+            stack.enter_context(mock.patch(target, value))
+    return stack
 GAP_BUCKETS_US = (1.0, 2.0, 5.0, 20.0)
 
 
@@ -87,9 +106,7 @@ def profile_case(H, kv, args, device, variant="input"):
     cache = filled_cache(model, B, kv, max_len, device)
     mask = torch.ones(B, max_len, dtype=torch.long, device=device)
     static_mask, options, experiment = VARIANTS[variant]
-    patch = contextlib.nullcontext() if experiment is None else mock.patch(f"{experiment[0]}.{experiment[1]}",
-                                                                            experiment[2])
-    with patch:
+    with experiment_patches(experiment):
         return _profile(H, kv, args, device, variant, model, cache, mask, static_mask, options)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +26,19 @@ def test_profile_categories_split_the_step_exactly():
     assert cats["projections"] > sum(k["us_per_step"] for k in row["top"] if k["name"] == "_linear_kernel")
     assert 0 < cats["harness (mask copy, argmax)"] < 40
     assert all(v > 0 for v in cats.values())
+
+
+def test_profile_variant_experiments_patch_env_and_attributes_then_restore(monkeypatch):
+    from mla_compile.passes import fused_linear
+
+    monkeypatch.delenv("MLA_COMPILE_PDL", raising=False)
+    before = fused_linear._MIN_K_ALONE
+    for name, (_, _, experiment) in hf_profile.VARIANTS.items():  # every target names something that exists
+        with hf_profile.experiment_patches(experiment):
+            pass
+    with hf_profile.experiment_patches({"$MLA_COMPILE_PDL": "1", "mla_compile.passes.fused_linear._MIN_K_ALONE": 3}):
+        assert os.environ["MLA_COMPILE_PDL"] == "1" and fused_linear._MIN_K_ALONE == 3
+    assert "MLA_COMPILE_PDL" not in os.environ and fused_linear._MIN_K_ALONE == before
 
 
 def test_gap_stats_buckets_and_largest_gaps():

@@ -89,6 +89,14 @@ def test_bf16_decode_within_tolerance(impl):
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
 
 
+def test_absorbed_projections_as_reductions_match_eager(monkeypatch):
+    """The pass's "reduce" spelling of W_UK / W_UV (fp32 multiply + sum, for Inductor to generate) computes what
+    the bmm spelling does."""
+    monkeypatch.setattr(mla_attention, "_ABSORB", "reduce")
+    model = M.deepseek_v3(num_layers=2)
+    _check(model, 2, lambda: StaticCache(config=model.config, max_cache_len=32), L=32)
+
+
 def test_paged_cache_single_rank():
     from mla_compile.integrations.hf import MLAPagedCache
 

@@ -30,6 +30,36 @@ def has_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+PDL_ENV = "MLA_COMPILE_PDL"  # "1": launch our kernels with programmatic dependent launch (sm_90+), "0": never
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Launch arguments for programmatic dependent launch (Hopper+), {} where it is off. With it, a kernel's
+    programs may be scheduled while the kernel before it on the stream drains (its launch latency and the
+    predecessor's tail overlap: the ~0.5 us idle gaps between the kernels of a CUDA graph); the kernel must start
+    with `pdl_enter`. CUDA graphs capture it as a programmatic edge."""
+    if os.environ.get(PDL_ENV, "0") != "1" or not _pdl_capable(device):
+        return {}
+    return {"PDL": True, "launch_pdl": True}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """First statement of every kernel launched with `pdl_launch`: wait until the previous kernel on the stream
+    has completed and its writes are visible (before ANY memory access: reads of its outputs, and writes to memory
+    it may still read), then let the next kernel launch. Releasing dependents only after the wait keeps the
+    ordering transitive for kernels that skip the wait (Inductor emits one only when it reads its predecessor's
+    outputs). A no-op when PDL is off."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 def dot_mode(dtype: torch.dtype) -> dict:
     """Constexprs for `mma`: fp32 inputs use exact (ieee) products rather than tf32. Triton 3.6's CPU
     interpreter computes bf16 tl.dot wrongly (it multiplies the raw bits), so under TRITON_INTERPRET=1

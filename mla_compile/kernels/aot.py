@@ -60,22 +60,24 @@ def compile_sm90(kernel, constexprs: dict, descriptors: dict, num_warps: int, nu
             "spill_bytes": int(re.findall(r"(\d+) bytes spill stores", report)[-1])}
 
 
-def stage1_sm90(cfg: D.DecodeConfig, R: int = 512, P: int = 64, page_size: int = 64, sparse: bool = False) -> dict:
+def stage1_sm90(cfg: D.DecodeConfig, R: int = 512, P: int = 64, page_size: int = 64, sparse: bool = False,
+                pdl: bool = False) -> dict:
     """The stage-1 kernel `decode` would launch for this config and cache layout (bf16, row-contiguous caches),
-    compiled for sm_90a; adds "kernel" ("tma" / "pointer") and "instructions" (PTX instruction count)."""
+    compiled for sm_90a (`pdl`: as launched with programmatic dependent launch); adds "kernel" ("tma" /
+    "pointer") and "instructions" (PTX instruction count)."""
     tma = not sparse and D.tma_tiles_fit(cfg, page_size, R, P)
     if tma:
         desc = {"CkvDesc": f"tensordesc<bf16[{cfg.block_n}, {R // 2}]>", "KpeDesc": f"tensordesc<bf16[{cfg.block_n}, {P}]>"}
-        out = compile_sm90(D._stage1_tma_kernel, D.tma_constexprs(cfg, R, P, torch.bfloat16), desc, cfg.num_warps,
-                           cfg.num_stages)
-    else:
-        out = compile_sm90(D._stage1_kernel, D.pointer_constexprs(cfg, R, P, page_size, sparse, torch.bfloat16), {},
+        out = compile_sm90(D._stage1_tma_kernel, dict(D.tma_constexprs(cfg, R, P, torch.bfloat16), PDL=pdl), desc,
                            cfg.num_warps, cfg.num_stages)
+    else:
+        out = compile_sm90(D._stage1_kernel, dict(D.pointer_constexprs(cfg, R, P, page_size, sparse, torch.bfloat16),
+                                                  PDL=pdl), {}, cfg.num_warps, cfg.num_stages)
     ops = collections.Counter(re.findall(r"^\s+(?:@!?%p\d+ )?([a-z]+[a-z0-9._:]*)", out["ptx"], re.M))
     return dict(out, kernel="tma" if tma else "pointer", instructions=sum(ops.values()))
 
 
-def linear_sm90(M: int, K: int, N: int, cfg=None) -> dict:
+def linear_sm90(M: int, K: int, N: int, cfg=None, pdl: bool = False) -> dict:
     """The few-token linear kernel (kernels/linear.py) that `fused_linear` launches for x [M, K] and a weight
     pair of N rows in all (bf16, row-contiguous), compiled for sm_90a. Unit strides are constexprs, as Triton
     specialises them at launch."""
@@ -86,6 +88,6 @@ def linear_sm90(M: int, K: int, N: int, cfg=None) -> dict:
     out_ty = "*fp32" if cfg.split_k > 1 else "*bf16"
     ptrs.update(Y0=out_ty, Y1=out_ty)
     constexprs = dict(BLOCK_M=Lin.MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-                      s_xk=1, s_w0k=1, s_w1k=1, s_y0n=1, s_y1n=1)
+                      s_xk=1, s_w0k=1, s_w1k=1, s_y0n=1, s_y1n=1, PDL=pdl)
     divisible = set(ptrs) | {"s_xm", "s_w0n", "s_w1n", "s_y0m", "s_y1m", "s_ys", "K", "k_split"}
     return compile_sm90(Lin._linear_kernel, constexprs, ptrs, cfg.num_warps, cfg.num_stages, divisible)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._util import pdl_enter, pdl_launch
+
 
 @triton.jit
 def _cache_write_kernel(Ckv, Kpe, SrcC, SrcK, Slots, R, P, PS,
                         s_cp, s_cs, s_kp, s_ks, s_sc, s_sk,
-                        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t)
     if slot >= 0:  # -1: token owned by another DCP rank (or padding)
@@ -34,4 +37,4 @@ def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots) -> None:
                               ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
                               ckv.stride(0), kpe.stride(0),
                               BLOCK_R=triton.next_power_of_2(max(R, 1)), BLOCK_P=triton.next_power_of_2(max(P, 1)),
-                              num_warps=4)
+                              num_warps=4, **pdl_launch(ckv.device))

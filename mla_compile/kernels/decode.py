@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import block, dot_mode, has_tma, mma, sm_count
+from ._util import block, dot_mode, has_tma, mma, pdl_enter, pdl_launch, sm_count
 from .merge import merge_into
 
 _LOG2E = 1.4426950408889634
@@ -105,11 +105,12 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L,
                    s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
                    n_splits, SPARSE: tl.constexpr, PS: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, RH: tl.constexpr, BLOCK_P: tl.constexpr,
-                   DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                   DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     """Any page size, any R/P (masked to RH-wide halves), and sparse index lists: every tile by pointers.
     R and P are constexprs: with R == 2 * RH the width masks fold away, so tile loads vectorise (16 B) and
     pipeline as async copies (a runtime R leaves 2-byte loads); the page size is one too (token // PS and
     token % PS become shifts for powers of two)."""
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -150,10 +151,11 @@ def _stage1_tma_kernel(Qn, Qp, CkvDesc, KpeDesc, Ckv, Kpe, Table, Lens, O, L,
                        s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
                        n_splits, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        RH: tl.constexpr, P: tl.constexpr, Q_IN_LOOP: tl.constexpr,
-                       DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                       DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     """Paged decode with whole tiles inside one page (PS % BLOCK_N == 0): each full tile is one TMA box
     per latent half (boxes are <= 256 wide) and one for the rope part; the partial last tile of a split
     uses masked loads, so slots past seq_len (which may hold NaN) are never read."""
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -282,7 +284,8 @@ def _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1), block_table.stride(0),
         s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
-        n_splits=ns, **tma_constexprs(cfg, R, P, q_nope.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        n_splits=ns, **tma_constexprs(cfg, R, P, q_nope.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch(q_nope.device))
 
 
 def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, o, l, s_on,
@@ -300,7 +303,7 @@ def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, i
         table.stride(0),
         s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
         n_splits=ns, **pointer_constexprs(cfg, R, P, ckv_cache.shape[1], sparse, q_nope.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q_nope.device))
 
 
 def _unit_inner_stride(t):

@@ -11,14 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import block, dot_mode, mma
+from ._util import block, dot_mode, mma, pdl_enter, pdl_launch
 
 
 @triton.jit
 def _indexer_logits_kernel(Q, W, K, Table, Lens, Score, scale, Hi, Di, PS, T, topk,
                            s_qb, s_qh, s_wb, s_kp, s_ks, s_tb, s_sb,
                            BLOCK_HI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                           DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                           DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     n = tl.load(Lens + b)
@@ -44,7 +45,8 @@ def _indexer_logits_kernel(Q, W, K, Table, Lens, Score, scale, Hi, Di, PS, T, to
 
 
 @triton.jit
-def _k_only_kernel(Table, Lens, Out, PS, capacity, topk, s_tb, s_ob, BLOCK: tl.constexpr):
+def _k_only_kernel(Table, Lens, Out, PS, capacity, topk, s_tb, s_ob, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n = tl.minimum(tl.load(Lens + b), capacity)
@@ -73,7 +75,7 @@ def indexer_scores(q, weights, k_cache, block_table, seq_lens, sm_scale, topk) -
                                  q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1),
                                  block_table.stride(0), score.stride(0),
                                  BLOCK_HI=block(Hi), BLOCK_D=block(Di), BLOCK_T=block_t, **dot_mode(q.dtype),
-                                 num_warps=4)
+                                 num_warps=4, **pdl_launch(q.device))
     return score
 
 
@@ -100,5 +102,6 @@ def k_only_indices(block_table, seq_lens, page_size, topk) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(topk))
     _k_only_kernel[(B, triton.cdiv(topk, block))](block_table, seq_lens, out, page_size,
                                                   block_table.shape[1] * page_size, topk,
-                                                  block_table.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+                                                  block_table.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+                                                  **pdl_launch(block_table.device))
     return out

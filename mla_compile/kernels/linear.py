@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..ops.linear import K_ALIGN, split_width
-from ._util import dot_mode, mma
+from ._util import dot_mode, mma, pdl_enter, pdl_launch
 
 MAX_M = 16  # the MMA's N side; more tokens belong to a normal GEMM
 
@@ -66,9 +66,10 @@ def _rows_times_x(X, W, Y, M, N, k_lo, k_hi, n0, s_xm, s_xk, s_wn, s_wk, s_ym, s
 def _linear_kernel(X, W0, W1, Y0, Y1, M, N0, N1, K, k_split,
                    s_xm, s_xk, s_w0n, s_w0k, s_w1n, s_w1k, s_ys, s_y0m, s_y0n, s_y1m, s_y1n,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                   DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                   DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     """Programs [0, cdiv(N0, BLOCK_N)) own rows of W0, the rest rows of W1 (N1 = 0: one weight); axis 1 splits
     K in k_split-wide ranges, each writing its own partial at Y + split * s_ys (s_ys = 0: no split)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     k_lo = split * k_split
@@ -83,8 +84,9 @@ def _linear_kernel(X, W0, W1, Y0, Y1, M, N0, N1, K, k_split,
 
 
 @triton.jit
-def _sum_splits_kernel(P, Y0, Y1, S, N0, N1, s_ps, s_pm, s_y0m, s_y1m, BLOCK: tl.constexpr):
+def _sum_splits_kernel(P, Y0, Y1, S, N0, N1, s_ps, s_pm, s_y0m, s_y1m, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Y0 | Y1 [m, :] = sum over splits of P[:, m, :] (P's columns: W0's rows, then W1's), cast once."""
+    pdl_enter(PDL)
     m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N0 + N1
@@ -125,7 +127,7 @@ def _launch(x, weights, ys, k_split: int, splits: int, cfg: LinearConfig, s_ys: 
                              s_ys, y0.stride(-2), y0.stride(-1), y1.stride(-2), y1.stride(-1),
                              BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                              EVEN_K=K % cfg.block_k == 0, **dot_mode(x.dtype), num_warps=cfg.num_warps,
-                             num_stages=cfg.num_stages)
+                             num_stages=cfg.num_stages, **pdl_launch(x.device))
 
 
 def linear_partials(x: torch.Tensor, weights: list[torch.Tensor], splits: int, cfg: LinearConfig | None = None,
@@ -166,5 +168,6 @@ def linear_small_m(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConf
     o0, o1 = outs[0], outs[-1]  # row-major (made here, or the caller's contiguous buffers)
     block = 512
     _sum_splits_kernel[(M, triton.cdiv(n0 + n1, block))](part, o0, o1, splits, n0, n1, part.stride(0),
-                                                         part.stride(1), o0.stride(0), o1.stride(0), BLOCK=block)
+                                                         part.stride(1), o0.stride(0), o1.stride(0), BLOCK=block,
+                                                         **pdl_launch(x.device))
     return outs

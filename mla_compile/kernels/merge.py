@@ -11,13 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import sm_count
+from ._util import pdl_enter, pdl_launch, sm_count
 
 
 @triton.jit
 def _merge_kernel(O, L, Out, Lse, N, H, R,
                   s_on, s_ob, s_oh, s_ln, s_lb, s_lh, s_outb, s_outh, s_lseb, s_lseh,
-                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ONE_PASS: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     bh = tl.program_id(0)
     rb = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -85,7 +86,8 @@ def merge_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: t
                         outs.stride(0), outs.stride(1), outs.stride(2),
                         lses.stride(0), lses.stride(1), lses.stride(2),
                         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-                        BLOCK_N=block_n, BLOCK_R=block_r, ONE_PASS=N <= block_n, num_warps=4)
+                        BLOCK_N=block_n, BLOCK_R=block_r, ONE_PASS=N <= block_n, num_warps=4,
+                        **pdl_launch(outs.device))
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor):

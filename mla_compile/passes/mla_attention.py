@@ -640,6 +640,28 @@ def _q_part(b: Builder, q: fx.Node, start: int, width: int) -> fx.Node:
     return b.call(aten.slice.Tensor, b.call(aten.select.int, q, 2, 0), 2, start, start + width)
 
 
+_ABSORB = "bmm"  # how the absorbed projections are written: "bmm" (cuBLAS) or "reduce" (Inductor-generated)
+
+
+def _per_head_matmul(b: Builder, x: fx.Node, w: fx.Node, contract_last: bool) -> fx.Node:
+    """y[b, h] = x[b, h] @ w[h] (w [H, K, N]), or x[b, h] @ w[h]^T with contract_last (w [H, N, K]): [B, H, N].
+    "reduce" writes it as an fp32 multiply + sum, which Inductor generates as one kernel that reads x in place and
+    writes y in [B, H, N] order (the bmm needs [H, B, *] operands and a transpose copy after)."""
+    if _ABSORB == "reduce":
+        xf = b.call(aten._to_copy.default, x, dtype=torch.float32)
+        wf = b.call(aten._to_copy.default, w, dtype=torch.float32)
+        if contract_last:  # [B, H, 1, K] * [1, H, N, K] summed over K
+            prod = b.call(aten.mul.Tensor, b.call(aten.unsqueeze.default, xf, 2), b.call(aten.unsqueeze.default, wf, 0))
+            y = b.call(aten.sum.dim_IntList, prod, [3])
+        else:  # [B, H, K, 1] * [1, H, K, N] summed over K
+            prod = b.call(aten.mul.Tensor, b.call(aten.unsqueeze.default, xf, 3), b.call(aten.unsqueeze.default, wf, 0))
+            y = b.call(aten.sum.dim_IntList, prod, [2])
+        return b.call(aten._to_copy.default, y, dtype=_val(x).dtype)
+    xt = b.call(aten.transpose.int, x, 0, 1)
+    y = b.call(aten.bmm.default, xt, b.call(aten.transpose.int, w, 1, 2) if contract_last else w)  # [H, B, N]
+    return b.call(aten.transpose.int, y, 0, 1)
+
+
 def _emit(b: Builder, site: Site, src: LatentSource, memo: dict) -> fx.Node:
     """The absorbed computation; returns the node replacing the attention output [B, H, 1, v]."""
     B, H, _, _ = _shape(site.q)
@@ -652,8 +674,7 @@ def _emit(b: Builder, site: Site, src: LatentSource, memo: dict) -> fx.Node:
     w = b.call(aten.reshape.default, site.weight, [H, nope + v_dim, R])
     w_uk = b.call(aten.slice.Tensor, w, 1, 0, nope)  # [H, nope, R]
     w_uv = b.call(aten.slice.Tensor, w, 1, nope, nope + v_dim)  # [H, v, R]
-    q_abs = b.call(aten.bmm.default, b.call(aten.transpose.int, q_nope, 0, 1), w_uk)  # [H, B, R]
-    q_abs = b.call(aten.transpose.int, q_abs, 0, 1)  # [B, H, R]
+    q_abs = _per_head_matmul(b, q_nope, w_uk, contract_last=False)  # [B, H, R]
     if site.sparse is not None:  # DSA sparse graph: HF's indexer -> dsa.indexer_topk, attention over its slots
         idx = _emit_sparse_indices(b, site, src, B, L, memo)
         ckv, kpe = _flat_latent(b, src, B, L, R, P)
@@ -666,9 +687,7 @@ def _emit(b: Builder, site: Site, src: LatentSource, memo: dict) -> fx.Node:
         else:
             res = b.call(torch.ops.mla.decode.default, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale)
     lat = b.item(res, 0)  # [B, H, R]
-    out = b.call(aten.bmm.default, b.call(aten.transpose.int, lat, 0, 1),
-                 b.call(aten.transpose.int, w_uv, 1, 2))  # [H, B, v]
-    out = b.call(aten.transpose.int, out, 0, 1)
+    out = _per_head_matmul(b, lat, w_uv, contract_last=True)  # [B, H, v]
     out = b.call(aten.unsqueeze.default, out, 2)  # [B, H, 1, v]
     ov = _val(site.out)
     if tuple(ov.shape) != (B, H, 1, v_dim) or ov.dtype != _val(out).dtype:
