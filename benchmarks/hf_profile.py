@@ -1,7 +1,7 @@
 """Where an HF DeepseekV3 `mla_dcp` decode step spends its time (torch.profiler; not a test).
 
 usage: python benchmarks/hf_profile.py OUT.json [--heads 16] [--kv 4096 32768] [--batch 8] [--layers 4]
-                                           [--variants input static static+pdl] [--step model|greedy]
+                                           [--variants input static static+nopdl ...] [--step model|greedy]
 
 The model and cache are those of benchmarks/hf_decode.py. After warm-up (compile + CUDA-graph recording) it
 times `--steps` steps by wall clock, then profiles 5 steps and reports per step: wall time, summed GPU kernel
@@ -54,21 +54,22 @@ def categorize(row: dict) -> dict:
 
 # variant -> (mask marked static?, backend options, experiment: {"module.attribute" or "$ENV_VAR": value} set
 # for the variant)
-_PDL_OURS = {"$MLA_COMPILE_PDL": "1"}
+# programmatic dependent launch is on by default (ours and Inductor's): a kernel's profiled time then includes
+# waiting for its predecessor, so per-kernel attribution wants "static+nopdl"
+_NO_PDL_OURS = {"$MLA_COMPILE_PDL": "0"}
 VARIANTS = {
     "input": (False, {}, {}),
     "static": (True, {}, {}),
-    "static+pdl": (True, {"triton.enable_pdl": True}, {}),  # Inductor's kernels only
-    "static+pdl_ours": (True, {}, _PDL_OURS),  # our Triton kernels only
-    "static+pdl_all": (True, {"triton.enable_pdl": True}, _PDL_OURS),
+    "static+nopdl": (True, {"triton.enable_pdl": False}, _NO_PDL_OURS),
+    "static+pdl_inductor_only": (True, {}, _NO_PDL_OURS),
+    "static+pdl_ours_only": (True, {"triton.enable_pdl": False}, {}),
     "static+nocombo": (True, {"combo_kernels": False}, {}),
     # lone linears with a K >= 1024 (q_b, o_proj, lm_head) also to the few-token kernel / split-K partials
     # (session 6 call 1: 744 vs 727 us wall - slower)
     "static+lone_linears": (True, {}, {"mla_compile.passes.fused_linear._MIN_K_ALONE": 1024}),
-    # W_UK / W_UV as Inductor reductions instead of cuBLAS bmms (+ the transpose copy after W_UV)
+    # W_UK / W_UV as Inductor reductions instead of cuBLAS bmms (+ the transpose copy after W_UV); session 6 call
+    # 3: 747 vs 736 us wall, the two reductions 60 us vs 32 for bmms + copy - slower
     "static+absorb_reduce": (True, {}, {"mla_compile.passes.mla_attention._ABSORB": "reduce"}),
-    "static+absorb_reduce+pdl_all": (True, {"triton.enable_pdl": True},
-                                     {"mla_compile.passes.mla_attention._ABSORB": "reduce", **_PDL_OURS}),
 }
 
 

@@ -173,7 +173,7 @@ def test_inductor_patches_cuda_defaults_then_mode_then_user():
 
     opts = BackendOptions()
     cuda = config_patches(opts, "reduce-overhead", {}, on_cuda=True)
-    assert cuda["combo_kernels"] is True and cuda["triton.cudagraphs"] is True
+    assert cuda["combo_kernels"] is True and cuda["triton.enable_pdl"] is True and cuda["triton.cudagraphs"] is True
     assert "combo_kernels" not in config_patches(opts, None, {}, on_cuda=False)  # CPU: Inductor's own defaults
     assert config_patches(opts, None, {"combo_kernels": False}, on_cuda=True)["combo_kernels"] is False
     assert set(CUDA_INDUCTOR_DEFAULTS) <= set(torch._inductor.config.get_config_copy())  # real Inductor keys

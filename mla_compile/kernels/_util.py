@@ -30,7 +30,9 @@ def has_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-PDL_ENV = "MLA_COMPILE_PDL"  # "1": launch our kernels with programmatic dependent launch (sm_90+), "0": never
+# programmatic dependent launch for our kernels: "auto" (default) / "1" on sm_90+, "0" never. HF DeepSeek-V3 step
+# (H 16, batch 8, 32K, H200): 736 -> 725 us, 716 with Inductor's kernels too (session 6, benchmarks/RESULTS.md)
+PDL_ENV = "MLA_COMPILE_PDL"
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,7 +45,7 @@ def pdl_launch(device: torch.device) -> dict:
     programs may be scheduled while the kernel before it on the stream drains (its launch latency and the
     predecessor's tail overlap: the ~0.5 us idle gaps between the kernels of a CUDA graph); the kernel must start
     with `pdl_enter`. CUDA graphs capture it as a programmatic edge."""
-    if os.environ.get(PDL_ENV, "0") != "1" or not _pdl_capable(device):
+    if os.environ.get(PDL_ENV, "auto") not in ("auto", "1") or not _pdl_capable(device):
         return {}
     return {"PDL": True, "launch_pdl": True}
 

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (MLA_COMPILE_PDL=1, kernels/_util.py): each of our kernels may be scheduled
+"""Programmatic dependent launch (on by default for sm_90+; MLA_COMPILE_PDL, kernels/_util.py): each of our kernels may be scheduled
 while the kernel before it on the stream drains, and waits for it before touching memory. A missing or late wait
 is a race, not an error: these tests capture chains where every op reads what the kernel right before it wrote
 (and overwrites buffers the one before read), replay them with new inputs many times, and check every replay
@@ -50,9 +50,10 @@ def _compiled_with_pdl(kernel) -> list[bool]:
     return [k.metadata.launch_pdl for cache in kernel.device_caches.values() for k in cache[0].values()]
 
 
-def test_our_launches_carry_pdl_only_when_asked(monkeypatch):
+def test_our_launches_carry_pdl_unless_turned_off(monkeypatch):
     from mla_compile.kernels import _util, linear
 
+    monkeypatch.delenv("MLA_COMPILE_PDL")  # the default ("auto"): on for sm_90+
     assert _util.pdl_launch(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
     x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
     torch.ops.mla.fused_linear(x, [torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)])
