@@ -199,6 +199,16 @@ def split_probe(path: str, split_counts: list[int]) -> None:
 SCALING_LENS = [8192, 16384, 32768, 65536, 131072]
 
 
+def fit_fixed_and_rate(rows: list[dict], part: str, copy_bw: float) -> dict:
+    """Least squares t_us = fixed + bytes / rate over `rows` ({"bytes", part + "_us"}); copy_bw in bytes/s."""
+    xs = torch.tensor([r["bytes"] for r in rows], dtype=torch.float64)
+    ts = torch.tensor([r[part + "_us"] for r in rows], dtype=torch.float64)
+    A = torch.stack([torch.ones_like(xs), xs], 1)
+    fixed, us_per_byte = torch.linalg.lstsq(A, ts[:, None]).solution[:, 0].tolist()
+    rate = 1e6 / us_per_byte  # bytes/s
+    return {"fixed_us": fixed, "rate_TBps": rate / 1e12, "rate_frac_of_copy": rate / copy_bw}
+
+
 def scaling_probe(path: str) -> None:
     """H=16, B=8, page-1 token table (the HF path) and page 64: stage 1 alone, the merge alone and the whole op
     by CUDA-graph replay at growing kv_len (same split count), then a least-squares fit t = fixed + bytes / bw per
@@ -238,14 +248,10 @@ def scaling_probe(path: str) -> None:
                   f"whole {row['whole_us']:.1f} us ({row['whole_bw_frac']:.2f} of copy bw)", flush=True)
         rows = [r for r in res["rows"] if r["layout"] == layout]
         for part in ("stage1", "whole"):
-            xs = torch.tensor([r["bytes"] for r in rows], dtype=torch.float64)
-            ts = torch.tensor([r[part + "_us"] for r in rows], dtype=torch.float64)
-            A = torch.stack([torch.ones_like(xs), xs], 1)
-            fixed, per_byte = torch.linalg.lstsq(A, ts[:, None]).solution[:, 0].tolist()
-            res["fits"][f"{layout} {part}"] = {"fixed_us": fixed, "rate_TBps": 1e-6 / per_byte / 1e12,
-                                              "rate_frac_of_copy": 1e-6 / per_byte / copy_bw}
-            print(f"  fit {layout} {part}: fixed {fixed:.1f} us + bytes at {1e-6 / per_byte / 1e12:.2f} TB/s "
-                  f"({1e-6 / per_byte / copy_bw:.2f} of copy bw)", flush=True)
+            fit = fit_fixed_and_rate(rows, part, copy_bw)
+            res["fits"][f"{layout} {part}"] = fit
+            print(f"  fit {layout} {part}: fixed {fit['fixed_us']:.1f} us + bytes at {fit['rate_TBps']:.2f} TB/s "
+                  f"({fit['rate_frac_of_copy']:.2f} of copy bw)", flush=True)
         with open(path, "w") as fh:
             json.dump(res, fh, indent=1)
 

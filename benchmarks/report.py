@@ -273,6 +273,9 @@ def hf_block(d: dict) -> list[str]:
                   str(mla.get("rewrites", "-"))]
         rows.append(cells)
     out += md_table(hdr, rows)
+    notes = [f"H={c['H']} {kv(c['kv_len'])}: from {c['note']}" for c in d.get("cases", []) if c.get("note")]
+    if notes:  # rows carried over from an earlier run
+        out += [""] + [f"- {n}" for n in notes]
     errs = [f"H={c['H']} {kv(c['kv_len'])} {m}: {e['error'][:160]}" for c in d.get("cases", [])
             for m, e in c.get("modes", {}).items() if "error" in e]
     if errs:

@@ -69,3 +69,14 @@ def test_hf_decode_smoke_both_step_kinds(tmp_path, step):
     assert set(modes) == {"eager", "default", "mla"} and not any("error" in m for m in modes.values())
     assert modes["mla"]["rewrites"] == 1 and modes["mla"]["ok"] and modes["default"]["ok"]
     assert modes["mla"]["token_steps_agree"] == "2/2"
+
+
+def test_scaling_fit_recovers_fixed_cost_and_rate():
+    import decode_sweep
+
+    copy_bw = 4.0e12
+    rows = [{"bytes": b, "stage1_us": 12.5 + b / 3.6e12 * 1e6} for b in (7.5e7, 1.5e8, 3.0e8, 6.0e8)]
+    fit = decode_sweep.fit_fixed_and_rate(rows, "stage1", copy_bw)
+    assert abs(fit["fixed_us"] - 12.5) < 1e-6 and abs(fit["rate_TBps"] - 3.6) < 1e-9
+    assert abs(fit["rate_frac_of_copy"] - 0.9) < 1e-9
+
