@@ -36,13 +36,15 @@ def base():
         k_only_indices=dict(block_table=bt, seq_lens=sl, page_size=PS, topk=8),
         fused_linear=dict(x=torch.randn(B, 1, 16), weights=[torch.randn(8, 16), torch.randn(4, 16)]),
         linear_partials=dict(x=torch.randn(B, 16), weights=[torch.randn(8, 16), torch.randn(4, 16)], splits=2),
+        per_head_linear=dict(x=torch.randn(B, H, 16), weight=torch.randn(H, 8, 16)),
     ), num_pages
 
 
 OPS = dict(decode=torch.ops.mla.decode, sparse_decode=torch.ops.mla.sparse_decode,
            merge_states=torch.ops.mla.merge_states, cache_write=torch.ops.mla.cache_write,
            indexer_topk=torch.ops.dsa.indexer_topk, k_only_indices=torch.ops.dsa.k_only_indices,
-           fused_linear=torch.ops.mla.fused_linear, linear_partials=torch.ops.mla.linear_partials)
+           fused_linear=torch.ops.mla.fused_linear, linear_partials=torch.ops.mla.linear_partials,
+           per_head_linear=torch.ops.mla.per_head_linear)
 
 BASE, NUM_PAGES = base()
 CAP = BASE["decode"]["block_table"].shape[1] * PS  # block table capacity
@@ -167,6 +169,14 @@ CASES = [
     ("linear_partials", dict(splits=0), "splits", True),
     ("linear_partials", dict(splits=65), "splits", True),
     ("linear_partials", dict(weights=[f32(8, 15)]), "weights[0]", True),
+    # ---- per_head_linear
+    ("per_head_linear", dict(x=f32(B, 16)), "x", True),
+    ("per_head_linear", dict(x=torch.randint(0, 2, (B, H, 16))), "x", True),
+    ("per_head_linear", dict(weight=f32(H, 8, 16).double()), "weight", True),
+    ("per_head_linear", dict(weight=f32(8, 16)), "weight", True),
+    ("per_head_linear", dict(weight=f32(H + 1, 8, 16)), "weight", True),
+    ("per_head_linear", dict(weight=f32(H, 8, 15)), "weight", True),
+    ("per_head_linear", dict(weight=f32(H, 8, 16).to(META)), "weight", True),
 ]
 
 

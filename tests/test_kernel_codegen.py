@@ -54,7 +54,17 @@ def test_few_token_linear_streams_weights_in_16_byte_async_copies(M, K, N):
 _MEMORY_OP = re.compile(r"^\s+(?:@!?%p\d+ )?(?:ld\.global|st\.global|cp\.async|atom|red\.global)", re.M)
 
 
-@pytest.mark.parametrize("kernel", ["stage1 page 1", "stage1 page 64", "stage1 H=128 tma", "linear split-K"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_per_head_linear_compiles_to_tensor_core_mma_without_spills(transposed):
+    """W_UV (K-contiguous rows) and W_UK (a transposed weight view): vectorised weight loads, MMA, no spills."""
+    out = aot.per_head_linear_sm90(transposed, K=512 if not transposed else 128)
+    assert "mma.sync" in out["ptx"]
+    assert not re.search(r"ld\.global(\.[a-z:0-9]+)*\.[bu]16 ", out["ptx"]), "2-byte global loads"
+    assert out["spill_bytes"] == 0, out["registers"]
+
+
+@pytest.mark.parametrize("kernel", ["stage1 page 1", "stage1 page 64", "stage1 H=128 tma", "linear split-K",
+                                    "per-head linear"])
 def test_pdl_kernels_wait_for_the_previous_kernel_before_any_memory_access(kernel):
     """Launched with programmatic dependent launch (MLA_COMPILE_PDL=1), a kernel may start while its predecessor
     still runs: `griddepcontrol.wait` must come before every global load / store / async copy (RAW and WAR), and
@@ -62,7 +72,8 @@ def test_pdl_kernels_wait_for_the_previous_kernel_before_any_memory_access(kerne
     build = {"stage1 page 1": lambda pdl: aot.stage1_sm90(D.default_config(16, 512, 1), page_size=1, pdl=pdl),
              "stage1 page 64": lambda pdl: aot.stage1_sm90(D.default_config(16, 512, 64), page_size=64, pdl=pdl),
              "stage1 H=128 tma": lambda pdl: aot.stage1_sm90(D.default_config(128, 512, 64), page_size=64, pdl=pdl),
-             "linear split-K": lambda pdl: aot.linear_sm90(8, 8192, 2048, pdl=pdl)}[kernel]
+             "linear split-K": lambda pdl: aot.linear_sm90(8, 8192, 2048, pdl=pdl),
+             "per-head linear": lambda pdl: aot.per_head_linear_sm90(True, K=128, pdl=pdl)}[kernel]
     ptx = build(True)["ptx"]
     wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     first_access = _MEMORY_OP.search(ptx)

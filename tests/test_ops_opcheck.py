@@ -152,3 +152,20 @@ def test_linear_partials_gradients_match_linear():
     x = torch.randn(3, 300, generator=g, dtype=torch.float64, requires_grad=True)
     ws = [torch.randn(n, 300, generator=g, dtype=torch.float64, requires_grad=True) for n in (4, 6)]
     torch.autograd.gradcheck(lambda x, a, b: torch.ops.mla.linear_partials(x, [a, b], 3), (x, *ws))
+
+
+@pytest.mark.parametrize("B,H,K,N", [(8, 4, 128, 32), (1, 3, 70, 9), (0, 2, 8, 3), (2, 2, 0, 3)])
+def test_opcheck_per_head_linear(B, H, K, N):
+    g = torch.Generator().manual_seed(B + H + K)
+    x = torch.randn(B, H, K, generator=g)
+    opcheck(torch.ops.mla.per_head_linear.default, (x, torch.randn(H, N, K, generator=g)))
+    wt = torch.randn(H, K, N, generator=g).transpose(1, 2)  # W_UK's layout: a transposed view
+    opcheck(torch.ops.mla.per_head_linear.default, (x, wt))
+
+
+def test_per_head_linear_gradients():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 4, 10, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 6, 10, generator=g, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda x, w: torch.ops.mla.per_head_linear(x, w), (x, w))
+

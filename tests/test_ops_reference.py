@@ -396,3 +396,23 @@ def run_linear_partials(M, K, Ns, splits, dtype, seed):
        splits=st.integers(1, 8), dtype=DTYPES, seed=st.integers(0, 2**31 - 1))
 def test_linear_partials_fuzz(**kw):
     run_linear_partials(**kw)
+
+
+# -------------------------------------------------------------------------------------------- per_head_linear
+def run_per_head_linear(B, H, K, N, transposed, dtype, seed):
+    """y[b, h] = x[b, h] @ W[h]^T vs float64, for a weight in linear layout or a transposed view (W_UK's)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, H, K, generator=g).to(dtype)
+    w = torch.randn(H, K, N, generator=g).to(dtype).transpose(1, 2) if transposed else \
+        torch.randn(H, N, K, generator=g).to(dtype)
+    y = torch.ops.mla.per_head_linear(x, w)
+    want = torch.einsum("bhk,hnk->bhn", x.double(), w.double())
+    assert y.shape == (B, H, N) and y.dtype == dtype and y.is_contiguous()
+    assert ref.rel_err(y, want) < TOL[dtype] if want.abs().sum() else not y.any()
+
+
+@given(B=st.integers(0, 17), H=st.integers(1, 6), K=st.integers(0, 300), N=st.integers(1, 40),
+       transposed=st.booleans(), dtype=DTYPES, seed=st.integers(0, 2**31 - 1))
+def test_per_head_linear_fuzz(**kw):
+    run_per_head_linear(**kw)
+

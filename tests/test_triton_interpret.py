@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHECKS = ["decode", "decode_tma", "decode_strided_q", "decode_fp32_odd_dims", "sparse_decode",
           "merge_states", "cache_write", "indexer_topk", "k_only_indices", "fused_linear",
-          "linear_partials"]
+          "linear_partials", "per_head_linear"]
 
 
 @pytest.fixture(scope="module")
@@ -311,6 +311,28 @@ def check_linear_partials():
                     assert not p[s].any(), f"empty split {s} is not zero"
                 else:
                     assert _rel(p[s], want) < 1e-5, f"M={M} K={K} split {s} {dtype}: rel err {_rel(p[s], want):.2e}"
+
+
+def check_per_head_linear():
+    import torch
+
+    from mla_compile.kernels.linear import per_head_linear
+
+    gen = torch.Generator().manual_seed(8)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        # (M, H, K, N, block_n): W_UV-like (K on the 128 grid), W_UK-like (transposed weight view), a masked K tail,
+        # rows off the row block, 1 and 16 tokens
+        for M, H, K, N, block_n in ((8, 3, 256, 40, 32), (1, 2, 70, 17, 16), (16, 2, 128, 64, 16)):
+            q = torch.randn(M, 1, H * (K + 24), generator=gen).to(dtype)  # x as HF's strided q_nope view
+            x = q.view(M, H, K + 24)[:, :, :K]
+            for w in (torch.randn(H, N, K, generator=gen).to(dtype),
+                      torch.randn(H, K, N, generator=gen).to(dtype).transpose(1, 2)):
+                y = per_head_linear(x, w, block_n=block_n)
+                want = torch.einsum("bhk,hnk->bhn", x.double(), w.double())
+                assert y.shape == (M, H, N) and y.is_contiguous() and y.dtype == dtype
+                assert _rel(y, want) < tol, f"M={M} H={H} K={K} N={N} {dtype}: rel err {_rel(y, want):.2e}"
+        y = per_head_linear(torch.randn(4, 2, 0).to(dtype), torch.randn(2, 5, 0).to(dtype))
+        assert y.shape == (4, 2, 5) and not y.any()
 
 
 def _patch_interpreter_for_numpy2():

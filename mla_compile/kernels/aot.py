@@ -91,3 +91,17 @@ def linear_sm90(M: int, K: int, N: int, cfg=None, pdl: bool = False) -> dict:
                       s_xk=1, s_w0k=1, s_w1k=1, s_y0n=1, s_y1n=1, PDL=pdl)
     divisible = set(ptrs) | {"s_xm", "s_w0n", "s_w1n", "s_y0m", "s_y1m", "s_ys", "K", "k_split"}
     return compile_sm90(Lin._linear_kernel, constexprs, ptrs, cfg.num_warps, cfg.num_stages, divisible)
+
+
+def per_head_linear_sm90(transposed: bool, block_n: int = 16, K: int = 512, pdl: bool = False) -> dict:
+    """`mla::per_head_linear`'s kernel as launched for MLA's W_UV (weight rows K-contiguous) or, `transposed`, W_UK
+    (a transposed view: N contiguous), bf16, compiled for sm_90a."""
+    from . import linear as Lin
+
+    ptrs = {"X": "*bf16", "W": "*bf16", "Y": "*bf16"}
+    unit = {"s_xk": 1, "s_yn": 1, **({"s_wn": 1} if transposed else {"s_wk": 1})}
+    block_k = min(128, K)
+    constexprs = dict(BLOCK_M=Lin.MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, PDL=pdl, **unit)
+    divisible = set(ptrs) | {"s_xm", "s_xh", "s_wh", "s_wn", "s_wk", "s_ym", "s_yh", "K", "N"} - set(unit)
+    return compile_sm90(Lin._per_head_kernel, constexprs, ptrs, 4, 3, divisible)
+

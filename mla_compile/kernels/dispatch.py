@@ -74,7 +74,7 @@ def fused_linear(x, weights):
     does not send those here). Otherwise F.linear per weight."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
-    if not _few_token(x2):
+    if not _few_token(x2.shape[0], x2.dtype):
         return [torch.nn.functional.linear(x, w) for w in weights]
     outs = []
     for i in range(0, len(weights), 2):
@@ -85,13 +85,23 @@ def fused_linear(x, weights):
 def linear_partials(x, weights, splits):
     """Up to 16 rows in fp16/bf16: the few-token kernel writes the partials (one launch per pair of weights);
     otherwise the op's definition in torch ops."""
-    if not _few_token(x):
+    if not _few_token(x.shape[0], x.dtype):
         from ..ops.linear import _partials
 
         return _partials(x, weights, splits)
     return _linear.linear_partials(x, weights, splits)
 
 
-def _few_token(x2) -> bool:
-    """x [M, K] within the few-token kernel's range: at most MAX_M rows of fp16 / bf16."""
-    return x2.shape[0] <= _linear.MAX_M and x2.dtype in (torch.float16, torch.bfloat16)
+def per_head_linear(x, weight):
+    """Up to 16 rows in fp16/bf16: one few-token launch over (head, row block) writing [B, H, N] directly;
+    otherwise the op's definition (bmm over heads)."""
+    if not _few_token(x.shape[0], x.dtype):
+        from ..ops.linear import _per_head
+
+        return _per_head(x, weight)
+    return _linear.per_head_linear(x, weight)
+
+
+def _few_token(rows: int, dtype: torch.dtype) -> bool:
+    """Within the few-token kernels' range: at most MAX_M rows of fp16 / bf16."""
+    return rows <= _linear.MAX_M and dtype in (torch.float16, torch.bfloat16)

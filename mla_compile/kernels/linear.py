@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..ops.linear import K_ALIGN, split_width
-from ._util import dot_mode, mma, pdl_enter, pdl_launch
+from ._util import dot_mode, mma, pdl_enter, pdl_launch, sm_count
 
 MAX_M = 16  # the MMA's N side; more tokens belong to a normal GEMM
 
@@ -81,6 +81,17 @@ def _linear_kernel(X, W0, W1, Y0, Y1, M, N0, N1, K, k_split,
     else:
         _rows_times_x(X, W1, Y1 + split * s_ys, M, N1, k_lo, k_hi, (pid - nb0) * BLOCK_N, s_xm, s_xk, s_w1n,
                       s_w1k, s_y1m, s_y1n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
+
+
+@triton.jit
+def _per_head_kernel(X, W, Y, M, N, K, s_xm, s_xh, s_xk, s_wh, s_wn, s_wk, s_ym, s_yh, s_yn,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (head h, row block): Y[:, h, rows] = X[:, h, :] @ W[h, rows, :]^T (`mla::per_head_linear`)."""
+    pdl_enter(PDL)
+    h = tl.program_id(0).to(tl.int64)
+    _rows_times_x(X + h * s_xh, W + h * s_wh, Y + h * s_yh, M, N, 0, K, tl.program_id(1) * BLOCK_N, s_xm, s_xk,
+                  s_wn, s_wk, s_ym, s_yn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
 
 
 @triton.jit
@@ -171,3 +182,23 @@ def linear_small_m(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConf
                                                          part.stride(1), o0.stride(0), o1.stride(0), BLOCK=block,
                                                          **pdl_launch(x.device))
     return outs
+
+
+def per_head_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None) -> torch.Tensor:
+    """x [M, H, K] (M <= 16, any strides), weight [H, N, K] (any strides) -> y [M, H, N] contiguous,
+    y[:, h] = x[:, h] @ weight[h]^T: one launch over (head, row block), the absorbed MLA projections' shape
+    (H 16-128 heads of a [128, 512] weight). Row blocks of 32, or 16 when 32 leave most SMs idle."""
+    M, H, K = x.shape
+    N = weight.shape[1]
+    y = x.new_empty((M, H, N))
+    if M * H * N == 0 or K == 0:
+        return y.zero_()
+    if block_n is None:
+        block_n = 32 if H * triton.cdiv(N, 32) >= sm_count(x.device) else 16
+    block_k = min(128, max(16, triton.next_power_of_2(K)))
+    _per_head_kernel[(H, triton.cdiv(N, block_n))](
+        x, weight, y, M, N, K, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
+        weight.stride(2), y.stride(0), y.stride(1), y.stride(2), BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=K % block_k == 0, **dot_mode(x.dtype), num_warps=4, num_stages=3, **pdl_launch(x.device))
+    return y
+

@@ -1,5 +1,6 @@
-"""`mla::fused_linear`: x @ W_i^T for several bias-free weights that share x, as one op; and
-`mla::linear_partials`: the same product as split-K partial sums, for the graph to add up where it is used.
+"""`mla::fused_linear`: x @ W_i^T for several bias-free weights that share x, as one op;
+`mla::linear_partials`: the same product as split-K partial sums, for the graph to add up where it is used; and
+`mla::per_head_linear`: one weight per head (the absorbed MLA projections W_UK / W_UV).
 
 The decode step of an MLA layer reads q_a_proj and kv_a_proj_with_mqa (and an MLP's gate_proj and up_proj) with
 the same few rows of x. Two cuBLAS launches of a narrow weight each pay the fixed cost of a small GEMM (~5.5 us
@@ -171,3 +172,66 @@ def _partials_backward(ctx, grad):
 
 
 linear_partials.register_autograd(_partials_backward, setup_context=_partials_setup_context)
+
+
+# --------------------------------------------------------------------------------------------- per_head_linear
+def check_per_head_linear_args(x, weight):
+    C.check(isinstance(x, torch.Tensor), "x", f"expected a Tensor, got {type(x).__name__}")
+    C.check(x.dim() == 3 and x.is_floating_point(), "x",
+            f"expected a float tensor [B, H, K], got shape {tuple(x.shape)} dtype {x.dtype}")
+    C.check_tensor(weight, "weight", 3, x.dtype)
+    C.check_dim(weight, "weight", 0, x.shape[1], "x.shape[1] (heads H)")
+    C.check_dim(weight, "weight", 2, x.shape[2], "x.shape[2] (K)")
+    C.check_same_device(dict(x=x, weight=weight))
+
+
+def _per_head(x, weight):
+    """The definition in torch ops (the CPU impl, and the CUDA impl outside the kernel's range)."""
+    return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1).contiguous()
+
+
+@torch.library.custom_op(
+    "mla::per_head_linear",
+    mutates_args=(),
+    device_types="cpu",
+    schema="(Tensor x, Tensor weight) -> Tensor",
+)
+def per_head_linear(x, weight):
+    """y[:, h] = x[:, h] @ weight[h]^T: a bias-free linear per head (MLA's absorbed W_UK / W_UV, read from
+    kv_b_proj's weight as strided views).
+
+    Shapes: x [B, H, K] (float, any strides), weight [H, N, K] in x's dtype (any strides: W_UK is a transposed
+    view); returns [B, H, N] contiguous, in x's dtype. The layout the next op wants, where `bmm` over heads gives
+    [H, B, N] and a transpose copy.
+    """
+    check_per_head_linear_args(x, weight)
+    return _per_head(x, weight)
+
+
+@per_head_linear.register_fake
+def _(x, weight):
+    check_per_head_linear_args(x, weight)
+    return x.new_empty((x.shape[0], x.shape[1], weight.shape[1]))
+
+
+@per_head_linear.register_kernel("cuda")
+def _(x, weight):
+    check_per_head_linear_args(x, weight)
+    from ..kernels import dispatch
+
+    return dispatch.per_head_linear(x, weight)
+
+
+def _per_head_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _per_head_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad_x = torch.einsum("bhn,hnk->bhk", grad, weight)
+    grad_w = torch.einsum("bhn,bhk->hnk", grad, x)
+    return grad_x, grad_w
+
+
+per_head_linear.register_autograd(_per_head_backward, setup_context=_per_head_setup_context)
+

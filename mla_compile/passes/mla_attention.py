@@ -640,13 +640,19 @@ def _q_part(b: Builder, q: fx.Node, start: int, width: int) -> fx.Node:
     return b.call(aten.slice.Tensor, b.call(aten.select.int, q, 2, 0), 2, start, start + width)
 
 
-_ABSORB = "bmm"  # how the absorbed projections are written: "bmm" (cuBLAS) or "reduce" (Inductor-generated)
+# how the absorbed projections are written: "bmm" (cuBLAS over heads, then a transpose copy), "per_head_linear"
+# (`mla.per_head_linear`: one few-token launch writing [B, H, N]; not yet measured on the GPU) or "reduce"
+# (an Inductor-generated reduction; measured slower, session 6)
+_ABSORB = "bmm"
 
 
 def _per_head_matmul(b: Builder, x: fx.Node, w: fx.Node, contract_last: bool) -> fx.Node:
     """y[b, h] = x[b, h] @ w[h] (w [H, K, N]), or x[b, h] @ w[h]^T with contract_last (w [H, N, K]): [B, H, N].
     "reduce" writes it as an fp32 multiply + sum, which Inductor generates as one kernel that reads x in place and
     writes y in [B, H, N] order (the bmm needs [H, B, *] operands and a transpose copy after)."""
+    if _ABSORB == "per_head_linear":
+        weight = w if contract_last else b.call(aten.transpose.int, w, 1, 2)  # [H, N, K]
+        return b.call(torch.ops.mla.per_head_linear.default, x, weight)
     if _ABSORB == "reduce":
         xf = b.call(aten._to_copy.default, x, dtype=torch.float32)
         wf = b.call(aten._to_copy.default, w, dtype=torch.float32)

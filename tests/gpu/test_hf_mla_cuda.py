@@ -61,3 +61,24 @@ def test_hf_decode_cuda_split_k_partials_and_combo_kernels():
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 1
     assert M.rel_err(logits, ref_l) < 2e-2
     assert (logits.argmax(-1) == ref_l.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_hf_decode_cuda_absorbed_projections_as_per_head_linear(monkeypatch, dtype, tol):
+    """The pass's `per_head_linear` spelling of W_UK / W_UV (the few-token Triton kernel in bf16; fp32 takes the
+    op's bmm definition) under Inductor + CUDA-graph trees, against eager HF."""
+    from transformers import StaticCache
+
+    monkeypatch.setattr(mla_attention, "_ABSORB", "per_head_linear")
+    torch._dynamo.reset()
+    COUNTERS.clear()
+    model = M.deepseek_v3(num_layers=2, heads=16, hidden=256, dtype=dtype).cuda()
+    L = 96
+    ids, mask = M.batch(B=4, T=7, L=L, pad=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    ref_t, ref_l = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), STEPS)
+    compiled = torch.compile(model, backend="mla_dcp", mode="reduce-overhead", fullgraph=True)
+    logits = M.forced(compiled, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), ref_t)
+    assert M.rel_err(logits, ref_l) < tol
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
+

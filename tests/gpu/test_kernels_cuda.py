@@ -415,3 +415,35 @@ def test_linear_partials_cuda_graph_replay():
         torch.cuda.synchronize()
         want = x.double() @ torch.cat(ws).double().T
         assert ((p.sum(0).double() - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+# --------------------------------------------------------------------------------------- per_head_linear
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,H", [(1, 16), (8, 16), (16, 128), (17, 16)])  # 17 rows: the bmm definition
+@pytest.mark.parametrize("which", ["W_UV", "W_UK"])
+def test_per_head_linear(which, B, H, dtype):
+    """MLA's absorbed projections from a kv_b_proj weight [H * 256, 512]: W_UV (K = 512, linear layout) and W_UK
+    (a transposed view) on a strided q_nope; float64 reference."""
+    g = torch.Generator(device="cuda").manual_seed(B * H)
+    w = (torch.randn(H, 256, 512, device="cuda", generator=g) * 0.05).to(dtype)
+    if which == "W_UV":
+        x, weight = torch.randn(B, H, 512, device="cuda", generator=g).to(dtype), w[:, 128:]
+    else:
+        q = torch.randn(B, 1, H * 192, device="cuda", generator=g).to(dtype)
+        x, weight = q.view(B, H, 192)[:, :, :128], w[:, :128].transpose(1, 2)
+    y = torch.ops.mla.per_head_linear(x, weight)
+    want = torch.einsum("bhk,hnk->bhn", x.double(), weight.double())
+    assert y.shape == want.shape and y.is_contiguous() and y.dtype == dtype
+    assert _rel(y, want) < TOL[dtype]
+
+
+def test_per_head_linear_cuda_graph_replay():
+    x = torch.randn(8, 16, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(16, 128, 512, device="cuda", dtype=torch.bfloat16) * 0.05
+    graph, y = capture(lambda: torch.ops.mla.per_head_linear(x, w))
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel(y, torch.einsum("bhk,hnk->bhn", x.double(), w.double())) < 2e-2
+
