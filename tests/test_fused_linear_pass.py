@@ -165,6 +165,30 @@ def test_lone_linear_goes_to_the_op_only_with_a_long_k():
     assert sum(n.target is torch.ops.aten.add.Tensor for n in gm.graph.nodes) == 7
 
 
+def test_lone_linear_n_cap_experiment(monkeypatch):
+    """hf_profile's `static+lone_small`: every K, but a lone linear wider than the cap stays a linear."""
+    from mla_compile.passes import fused_linear
+
+    monkeypatch.setattr(fused_linear, "_MIN_K_ALONE", 16)
+    monkeypatch.setattr(fused_linear, "_MAX_N_ALONE", 8)
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.narrow, self.wide = nn.Linear(16, 8, bias=False), nn.Linear(16, 9, bias=False)
+
+        def forward(self, x, y):
+            return self.narrow(x).sum(-1) + self.wide(y).sum(-1)
+
+    model = Two()
+    x, y = torch.randn(2, 16), torch.randn(2, 16)
+    gm, out = dynamo_graph(model, x, y)
+    torch.testing.assert_close(out, model(x, y))
+    assert COUNTERS["mla_compile"][COUNTER] == 1
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)] == [
+        torch.ops.mla.fused_linear.default, torch._C._nn.linear]
+
+
 class RandomLinears(nn.Module):
     """Linears over a few inputs, some sharing x, some with a bias, one consuming another's output."""
 

@@ -41,6 +41,7 @@ WHERE = ("auto", "always", "never")
 _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
 _MAX_ROWS = 16  # kernels/linear.py MAX_M
 _MIN_K_ALONE = 8192  # a linear without a partner is only worth it with a long K
+_MAX_N_ALONE = None  # experiments: also cap a lone linear's N (lm_head's wide GEMM suits cuBLAS)
 
 
 def _worth_it(x: torch.Tensor) -> bool:
@@ -48,6 +49,11 @@ def _worth_it(x: torch.Tensor) -> bool:
     rows = math.prod(x.shape[:-1])
     return (x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16) and isinstance(rows, int)
             and rows <= _MAX_ROWS)
+
+
+def _lone_worth_it(w: torch.Tensor) -> bool:
+    """A linear without a partner goes to the few-token kernel only with a long K (and, in experiments, N capped)."""
+    return w.shape[1] >= _MIN_K_ALONE and (_MAX_N_ALONE is None or w.shape[0] <= _MAX_N_ALONE)
 
 
 def _candidate(node: fx.Node, where: str):
@@ -119,7 +125,7 @@ def fuse_shared_input_linears(gm: fx.GraphModule | fx.Graph, where: str = "auto"
         x = arg(first, 0, "input")  # not the group's key: an earlier rewrite may have replaced that node
         # the op goes where the first linear was: every weight must already exist there
         members = [(n, w) for n, w in members if n is first or order[w] < order[first]]
-        if len(members) < 2 and meta_val(members[0][1]).shape[1] < _MIN_K_ALONE:
+        if len(members) < 2 and not _lone_worth_it(meta_val(members[0][1])):
             continue
         fake_mode = fake_mode or fake_mode_of(graph)
         b = Builder(graph, first, fake_mode, first)
