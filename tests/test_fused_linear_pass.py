@@ -144,23 +144,30 @@ def test_training_graph_gradients_match_eager():
         torch.testing.assert_close(a, b)
 
 
-def test_lone_linear_goes_to_the_op_only_with_a_long_k():
-    class Two(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.long, self.short = nn.Linear(8192, 4, bias=False), nn.Linear(16, 4, bias=False)
+class TwoLoneLinears(nn.Module):
+    """Two bias-free linears over different inputs: each alone, (K, N) given per linear."""
 
-        def forward(self, x, y):
-            return self.long(x).sum(-1) + self.short(y).sum(-1)
+    def __init__(self, a, b):
+        super().__init__()
+        self.a, self.b = nn.Linear(*a, bias=False), nn.Linear(*b, bias=False)
 
-    model = Two()
-    x, y = torch.randn(2, 8192), torch.randn(2, 16)
+    def forward(self, x, y):
+        return self.a(x).sum(-1) + self.b(y).sum(-1)
+
+
+def _lone_linears_graph(a, b):
+    model = TwoLoneLinears(a, b)
+    x, y = torch.randn(2, a[0]), torch.randn(2, b[0])
     gm, out = dynamo_graph(model, x, y)
     torch.testing.assert_close(out, model(x, y))
+    return [n.target for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)], gm
+
+
+def test_lone_linear_goes_to_the_op_only_with_a_long_k():
+    linears, gm = _lone_linears_graph((8192, 4), (16, 4))
     assert COUNTERS["mla_compile"][COUNTER] == 1
     # 2 rows x K 8192 over 4 weight rows: the kernel policy splits K 8 ways -> partials + adds in the graph
-    assert [n.target for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)] == [
-        torch.ops.mla.linear_partials.default, torch._C._nn.linear]
+    assert linears == [torch.ops.mla.linear_partials.default, torch._C._nn.linear]
     assert COUNTERS["mla_compile"][SPLIT_COUNTER] == 1
     assert sum(n.target is torch.ops.aten.add.Tensor for n in gm.graph.nodes) == 7
 
@@ -171,22 +178,9 @@ def test_lone_linear_n_cap_experiment(monkeypatch):
 
     monkeypatch.setattr(fused_linear, "_MIN_K_ALONE", 16)
     monkeypatch.setattr(fused_linear, "_MAX_N_ALONE", 8)
-
-    class Two(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.narrow, self.wide = nn.Linear(16, 8, bias=False), nn.Linear(16, 9, bias=False)
-
-        def forward(self, x, y):
-            return self.narrow(x).sum(-1) + self.wide(y).sum(-1)
-
-    model = Two()
-    x, y = torch.randn(2, 16), torch.randn(2, 16)
-    gm, out = dynamo_graph(model, x, y)
-    torch.testing.assert_close(out, model(x, y))
+    linears, _ = _lone_linears_graph((16, 8), (16, 9))  # N 8 within the cap, N 9 above it
     assert COUNTERS["mla_compile"][COUNTER] == 1
-    assert [n.target for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)] == [
-        torch.ops.mla.fused_linear.default, torch._C._nn.linear]
+    assert linears == [torch.ops.mla.fused_linear.default, torch._C._nn.linear]
 
 
 class RandomLinears(nn.Module):

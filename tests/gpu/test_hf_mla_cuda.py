@@ -21,21 +21,25 @@ STEPS = 12
 COUNTERS = torch._dynamo.utils.counters
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_hf_decode_cuda_matches_eager(impl, dtype, tol):
+def _compiled_vs_eager(model, L=96, steps=STEPS):
+    """(compiled logits teacher-forced on eager's greedy tokens, eager logits): bf16 greedy paths may part at
+    near-ties, so the compiled model is fed eager's tokens."""
     from transformers import StaticCache
 
     torch._dynamo.reset()
     COUNTERS.clear()
-    model = M.deepseek_v3(num_layers=2, heads=16, hidden=256, attn_impl=impl, dtype=dtype).cuda()
-    L = 96
+    model = model.cuda()
     ids, mask = M.batch(B=4, T=7, L=L, pad=3)
     ids, mask = ids.cuda(), mask.cuda()
-    ref_t, ref_l = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), STEPS)
+    ref_t, ref_l = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), steps)
     compiled = torch.compile(model, backend="mla_dcp", mode="reduce-overhead", fullgraph=True)
-    # teacher-forced on eager's tokens: bf16 greedy paths may part at near-ties
-    logits = M.forced(compiled, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), ref_t)
+    return M.forced(compiled, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), ref_t), ref_l
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_hf_decode_cuda_matches_eager(impl, dtype, tol):
+    logits, ref_l = _compiled_vs_eager(M.deepseek_v3(num_layers=2, heads=16, hidden=256, attn_impl=impl, dtype=dtype))
     assert M.rel_err(logits, ref_l) < tol
     assert (logits.argmax(-1) == ref_l.argmax(-1)).float().mean() >= (1.0 if dtype == torch.float32 else 0.9)
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
@@ -44,19 +48,10 @@ def test_hf_decode_cuda_matches_eager(impl, dtype, tol):
 def test_hf_decode_cuda_split_k_partials_and_combo_kernels():
     """Hidden 2048: the fused q_a + kv_a pair splits K (mla.linear_partials + graph adds folded into the RMSNorms)
     under the CUDA defaults (combo kernels on); bf16 logits follow eager HF."""
-    from transformers import StaticCache
-
     from mla_compile.passes.fused_linear import SPLIT_COUNTER
 
-    torch._dynamo.reset()
-    COUNTERS.clear()
-    model = M.deepseek_v3(num_layers=1, heads=16, hidden=2048, dtype=torch.bfloat16).cuda()
-    L = 64
-    ids, mask = M.batch(B=4, T=7, L=L, pad=3)
-    ids, mask = ids.cuda(), mask.cuda()
-    ref_t, ref_l = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), 8)
-    compiled = torch.compile(model, backend="mla_dcp", mode="reduce-overhead", fullgraph=True)
-    logits = M.forced(compiled, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), ref_t)
+    model = M.deepseek_v3(num_layers=1, heads=16, hidden=2048, dtype=torch.bfloat16)
+    logits, ref_l = _compiled_vs_eager(model, L=64, steps=8)
     assert COUNTERS["mla_compile"][SPLIT_COUNTER] >= 1  # the decode graph's q_a + kv_a (and down_proj if split)
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 1
     assert M.rel_err(logits, ref_l) < 2e-2
@@ -67,18 +62,8 @@ def test_hf_decode_cuda_split_k_partials_and_combo_kernels():
 def test_hf_decode_cuda_absorbed_projections_as_per_head_linear(monkeypatch, dtype, tol):
     """The pass's `per_head_linear` spelling of W_UK / W_UV (the few-token Triton kernel in bf16; fp32 takes the
     op's bmm definition) under Inductor + CUDA-graph trees, against eager HF."""
-    from transformers import StaticCache
-
     monkeypatch.setattr(mla_attention, "_ABSORB", "per_head_linear")
-    torch._dynamo.reset()
-    COUNTERS.clear()
-    model = M.deepseek_v3(num_layers=2, heads=16, hidden=256, dtype=dtype).cuda()
-    L = 96
-    ids, mask = M.batch(B=4, T=7, L=L, pad=3)
-    ids, mask = ids.cuda(), mask.cuda()
-    ref_t, ref_l = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), STEPS)
-    compiled = torch.compile(model, backend="mla_dcp", mode="reduce-overhead", fullgraph=True)
-    logits = M.forced(compiled, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), ref_t)
+    logits, ref_l = _compiled_vs_eager(M.deepseek_v3(num_layers=2, heads=16, hidden=256, dtype=dtype))
     assert M.rel_err(logits, ref_l) < tol
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
 
