@@ -352,7 +352,7 @@ def compile_block(d: dict) -> list[str]:
            ""]
     hdr = ["target", "graphs", "cudagraph recordings", "cold 1st call s", "warm 1st call s", "cold 2nd graph s",
            "warm 2nd graph s", "warm step ms (min / median)", "warm FX cache hit / miss / bypass", "warm AOT cache hit / miss",
-           "rewrites", "cache reused"]
+           "mla_compile counters (cold)", "cache reused"]
     rows = []
     for r in d.get("rows", []):
         c, w = r.get("cold", {}), r.get("warm", {})
@@ -365,7 +365,8 @@ def compile_block(d: dict) -> list[str]:
                      num(w.get("second_graph_s")), f"{num(w.get('step_ms_min'), '{:.2f}')} / {num(w.get('step_ms'), '{:.2f}')}",
                      f"{w['fxgraph_cache_hit']} / {w['fxgraph_cache_miss']} / {w['fxgraph_cache_bypass']}",
                      f"{w['aot_autograd_cache_hit']} / {w['aot_autograd_cache_miss']}",
-                     str(sum(c.get("mla_compile", {}).values())), "yes" if r.get("cache_ok") else "**no**"])
+                     ", ".join(f"{k} {v}" for k, v in sorted(c.get("mla_compile", {}).items())) or "-",
+                     "yes" if r.get("cache_ok") else "**no**"])
     out += md_table(hdr, rows)
     notes = [r["cache_note"] for r in d.get("rows", []) if r.get("cache_note")]
     out += [""] + [f"- {n}" for n in notes] if notes else []
