@@ -1,7 +1,7 @@
 """HF DeepseekV3 decode throughput: eager HF vs torch.compile (default, reduce-overhead) vs backend="mla_dcp".
 
 usage:  python benchmarks/hf_decode.py OUT.json [--heads 16 128] [--kv 4096 32768] [--batch 8] [--layers 4]
-                                                [--modes eager default mla] [--steps 30] [--check-steps 4]
+                                                [--modes eager default mla] [--steps 30] [--check-steps 4] [--runs 3]
                                                 [--mask input|static] [--step model|greedy] [--mla-options JSON]
         python benchmarks/hf_decode.py OUT.json --smoke      # tiny shapes, CPU ok (checks the script itself)
 
@@ -26,7 +26,7 @@ plain tensor, which the CUDA-graph trees copy into their own buffer before every
 step, every compiled mode); `--mask static` marks it static (`torch._dynamo.mark_static_address`), as a serving
 loop's persistent mask buffer would be: no copy. The same mask goes to every mode.
 
-Reported per (H, kv_len, mode): ms/step (median of 3 timed runs of `--steps` steps, after warm-up) and decode
+Reported per (H, kv_len, mode): ms/step (median of `--runs` timed runs, default 3, of `--steps` steps, after warm-up) and decode
 tokens/s = batch / step time; speedup of mla over default. Correctness: the first `--check-steps` steps' logits
 of default and mla vs eager from the same filled cache, teacher-forced on eager's greedy tokens: max relative
 error (bf16 tolerance 2e-2: "ok") and the steps whose argmax agrees. Every mode (eager included) is also
@@ -216,9 +216,9 @@ def run_case(H, kv_len, args, device, dtype, modes, log, result, save):
             if ref32_logits is not None:
                 entry["max_rel_err_vs_fp32"] = max_rel_err(logits, ref32_logits)
             entry["rewrites"] = int(torch._dynamo.utils.counters["mla_compile"].get("mla_attention_rewritten", 0))
-            # timing: warm-up, then 3 timed runs of `steps` steps (the cache keeps growing; rewound each run)
+            # timing: warm-up, then `runs` timed runs of `steps` steps (the cache keeps growing; rewound each run)
             times = []
-            for rep in range(4):
+            for rep in range(args.runs + 1):
                 rewind(cache, kv_len + args.check_steps)
                 sync(device)
                 t0 = time.perf_counter()
@@ -262,6 +262,7 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--check-steps", type=int, default=4)
+    ap.add_argument("--runs", type=int, default=3, help="timed runs per mode (ms/step is their median)")
     ap.add_argument("--modes", nargs="+", default=["eager", "default", "mla"])
     ap.add_argument("--mask", choices=["input", "static"], default="input",
                     help="how the attention mask reaches the compiled modes (see the module docstring)")

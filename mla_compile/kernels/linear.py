@@ -6,6 +6,7 @@ them. Here two weights sharing x are one launch over the union of their row bloc
 projection of vLLM / SGLang without concatenating weights. Each program owns BLOCK_N weight rows; tokens are
 the MMA's N side (padded to 16). When the row blocks are too few to keep the SMs streaming (long K, few rows),
 K is split across programs too: each split writes fp32 partials and one more launch sums them and casts.
+`per_head_linear` runs the same row-block product with one weight per head (MLA's absorbed W_UK / W_UV).
 """
 
 from __future__ import annotations
