@@ -70,9 +70,6 @@ VARIANTS = {
     # the same without lm_head (q_b, o_proj only): with PDL on, ours overlap their neighbours, cuBLAS does not
     "static+lone_small": (True, {}, {"mla_compile.passes.fused_linear._MIN_K_ALONE": 1024,
                                      "mla_compile.passes.fused_linear._MAX_N_ALONE": 8192}),
-    # W_UK / W_UV as Inductor reductions instead of cuBLAS bmms (+ the transpose copy after W_UV); session 6 call
-    # 3: 747 vs 736 us wall, the two reductions 60 us vs 32 for bmms + copy - slower
-    "static+absorb_reduce": (True, {}, {"mla_compile.passes.mla_attention._ABSORB": "reduce"}),
     # W_UK / W_UV through `mla.per_head_linear` (few-token Triton, [B, H, N] out: no transpose copy, PDL-aware)
     "static+absorb_kernel": (True, {}, {"mla_compile.passes.mla_attention._ABSORB": "per_head_linear"}),
 }

@@ -1,5 +1,5 @@
 """FX node helpers shared by the passes: argument lookup, example values, static shapes, the "no match" error,
-and the `Builder` that inserts nodes with their example values."""
+the `Builder` that inserts nodes with their example values, and the end of an edit (`finish_edits`)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,17 @@ class Builder:
 
 def _flatten(x) -> list:
     return [t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def graph_of(gm: fx.GraphModule | fx.Graph) -> fx.Graph:
+    return gm if isinstance(gm, fx.Graph) else gm.graph
+
+
+def finish_edits(graph: fx.Graph) -> None:
+    """After a pass changed `graph`: check it, and regenerate its module's code (when it has one)."""
+    graph.lint()
+    if graph.owning_module is not None:
+        graph.owning_module.recompile()
 
 
 def fake_mode_of(graph: fx.Graph):

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch.ops import aten
 
-from ._fx import Builder, arg, fake_mode_of, meta_val
+from ._fx import Builder, arg, fake_mode_of, finish_edits, graph_of, meta_val
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def fuse_shared_input_linears(gm: fx.GraphModule | fx.Graph, where: str = "auto"
     returns the number of groups rewritten."""
     if where not in WHERE:
         raise ValueError(f"fuse_linears: expected one of {WHERE}, got {where!r}")
-    graph = gm if isinstance(gm, fx.Graph) else gm.graph
+    graph = graph_of(gm)
     if where == "never":
         return 0
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -145,8 +145,6 @@ def fuse_shared_input_linears(gm: fx.GraphModule | fx.Graph, where: str = "auto"
                  f"mla.linear_partials x{splits} + adds" if splits > 1 else "mla.fused_linear",
                  ", ".join(w.name for _, w in members))
     if fused:
-        graph.lint()
-        if graph.owning_module is not None:
-            graph.owning_module.recompile()
+        finish_edits(graph)
         torch._dynamo.utils.counters["mla_compile"][COUNTER] += fused
     return fused

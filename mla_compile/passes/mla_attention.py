@@ -68,7 +68,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ._fx import Builder, NoMatch, arg, fake_mode_of, meta_val, static_shape, val as _val
+from ._fx import Builder, NoMatch, arg, fake_mode_of, finish_edits, graph_of, meta_val, static_shape, val as _val
 
 log = logging.getLogger(__name__)
 
@@ -640,29 +640,17 @@ def _q_part(b: Builder, q: fx.Node, start: int, width: int) -> fx.Node:
     return b.call(aten.slice.Tensor, b.call(aten.select.int, q, 2, 0), 2, start, start + width)
 
 
-# how the absorbed projections are written: "bmm" (cuBLAS over heads, then a transpose copy), "per_head_linear"
-# (`mla.per_head_linear`: one few-token launch writing [B, H, N]; not yet measured on the GPU) or "reduce"
-# (an Inductor-generated reduction; measured slower, session 6)
+# how the absorbed projections are written: "bmm" (cuBLAS over heads, then a transpose copy) or "per_head_linear"
+# (`mla.per_head_linear`: one few-token launch writing [B, H, N]; not yet measured on the GPU). An Inductor-generated
+# multiply + sum was measured slower (session 6: 747 vs 736 us a step) and removed.
 _ABSORB = "bmm"
 
 
 def _per_head_matmul(b: Builder, x: fx.Node, w: fx.Node, contract_last: bool) -> fx.Node:
-    """y[b, h] = x[b, h] @ w[h] (w [H, K, N]), or x[b, h] @ w[h]^T with contract_last (w [H, N, K]): [B, H, N].
-    "reduce" writes it as an fp32 multiply + sum, which Inductor generates as one kernel that reads x in place and
-    writes y in [B, H, N] order (the bmm needs [H, B, *] operands and a transpose copy after)."""
+    """y[b, h] = x[b, h] @ w[h] (w [H, K, N]), or x[b, h] @ w[h]^T with contract_last (w [H, N, K]): [B, H, N]."""
     if _ABSORB == "per_head_linear":
         weight = w if contract_last else b.call(aten.transpose.int, w, 1, 2)  # [H, N, K]
         return b.call(torch.ops.mla.per_head_linear.default, x, weight)
-    if _ABSORB == "reduce":
-        xf = b.call(aten._to_copy.default, x, dtype=torch.float32)
-        wf = b.call(aten._to_copy.default, w, dtype=torch.float32)
-        if contract_last:  # [B, H, 1, K] * [1, H, N, K] summed over K
-            prod = b.call(aten.mul.Tensor, b.call(aten.unsqueeze.default, xf, 2), b.call(aten.unsqueeze.default, wf, 0))
-            y = b.call(aten.sum.dim_IntList, prod, [3])
-        else:  # [B, H, K, 1] * [1, H, K, N] summed over K
-            prod = b.call(aten.mul.Tensor, b.call(aten.unsqueeze.default, xf, 3), b.call(aten.unsqueeze.default, wf, 0))
-            y = b.call(aten.sum.dim_IntList, prod, [2])
-        return b.call(aten._to_copy.default, y, dtype=_val(x).dtype)
     xt = b.call(aten.transpose.int, x, 0, 1)
     y = b.call(aten.bmm.default, xt, b.call(aten.transpose.int, w, 1, 2) if contract_last else w)  # [H, B, N]
     return b.call(aten.transpose.int, y, 0, 1)
@@ -792,8 +780,7 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
     """Rewrite every matched decode site of `gm` (a Dynamo graph, or its fx.Graph) in place; returns the
     number rewritten. `example_inputs` is accepted for the backend-hook signature (metadata comes from the
     nodes' `example_value`)."""
-    graph = gm if isinstance(gm, fx.Graph) else gm.graph
-    gm = graph.owning_module
+    graph = graph_of(gm)
     from .dsa_indexer import drop_dense_indexer
 
     dropped = drop_dense_indexer(graph)  # DSA dense graph: HF's index mask is "all selected" -> A alone
@@ -839,9 +826,7 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
                  "dsa.indexer_topk + mla.sparse_decode" if site.sparse is not None
                  else "mla.dcp_decode" if src.kind == "dcp" else "mla.decode")
     if rewritten or dropped:
-        graph.lint()
-        if gm is not None:
-            gm.recompile()
+        finish_edits(graph)
         if rewritten:
             counters[COUNTER] += rewritten
         if sparse:

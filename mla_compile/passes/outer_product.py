@@ -19,7 +19,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ._fx import meta_val
+from ._fx import finish_edits, graph_of, meta_val
 
 COUNTER = "outer_product_matmuls"
 _MATMUL_FUNCTIONS = {operator.matmul, torch.matmul, torch.bmm}
@@ -46,7 +46,7 @@ def _operands(node: fx.Node):
 
 def matmuls_to_outer_products(gm: fx.GraphModule | fx.Graph) -> int:
     """Rewrite every matmul / bmm with a contraction of length 1 into a broadcast multiply; returns the count."""
-    graph = gm if isinstance(gm, fx.Graph) else gm.graph
+    graph = graph_of(gm)
     rewritten = 0
     for node in list(graph.nodes):
         ops = _operands(node)
@@ -60,6 +60,5 @@ def matmuls_to_outer_products(gm: fx.GraphModule | fx.Graph) -> int:
         rewritten += 1
     if rewritten:
         torch._dynamo.utils.counters["mla_compile"][COUNTER] += rewritten
-        if isinstance(gm, fx.GraphModule):
-            gm.recompile()
+        finish_edits(graph)
     return rewritten

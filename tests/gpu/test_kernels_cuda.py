@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.gpu,
 
 import mla_compile  # noqa: E402,F401  (registers the ops)
 import reference as ref  # noqa: E402
+from gpu_util import capture, rel as _rel  # noqa: E402
 from mla_compile import paged  # noqa: E402
 
 DEV = "cuda"
@@ -27,9 +28,6 @@ def _triton_backend(monkeypatch):
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 
 
-def _rel(a, b):
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def assert_attention(out, lse, ref_out, ref_lse, dtype):
@@ -237,19 +235,6 @@ def test_k_only_indices():
 
 
 # ---------------------------------------------------------------------------------------------- CUDA graphs
-def capture(fn):
-    """Capture fn() in a CUDA graph (after a warm-up on a side stream); returns (graph, static outputs)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = fn()
-    return graph, outs
-
-
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 def test_decode_cuda_graph_replay(backend, monkeypatch):
     # flashinfer plans on the host, so under capture the op must fall back to Triton (and still be right)

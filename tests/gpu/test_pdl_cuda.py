@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.gpu,
 
 import mla_compile  # noqa: E402,F401  (registers the ops)
 import reference as ref  # noqa: E402
+from gpu_util import capture, rel as _rel  # noqa: E402
 from mla_compile import paged  # noqa: E402
 
 REPLAYS = 20
@@ -27,23 +28,6 @@ REPLAYS = 20
 def _pdl(monkeypatch):
     monkeypatch.setenv("MLA_COMPILE_PDL", "1")
     monkeypatch.setenv("MLA_COMPILE_DECODE_BACKEND", "triton")
-
-
-def _rel(a, b):
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def _capture(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # compiles every kernel outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = fn()
-    return graph, outs
 
 
 def _compiled_with_pdl(kernel) -> list[bool]:
@@ -79,7 +63,7 @@ def test_linear_chain_each_op_reads_the_previous_kernels_output():
         (h3,) = torch.ops.mla.fused_linear(h2, [w3])
         return h1, h2, h3
 
-    graph, (h1, h2, h3) = _capture(chain)
+    graph, (h1, h2, h3) = capture(chain)
     for i in range(REPLAYS):
         x.copy_(torch.randn(x.shape, device="cuda", generator=g))
         scale.fill_(1.0 + 0.25 * (i % 3))
@@ -115,7 +99,7 @@ def test_decode_right_after_the_q_producer_and_the_cache_write(H, PS):
                                         0.05)
         return out * 1.0, lse
 
-    graph, (out, lse) = _capture(step)
+    graph, (out, lse) = capture(step)
     for i in range(REPLAYS):
         n = [max(1, x - 37 * (i % 4)) for x in full]  # the token written is the last of each request
         pos = torch.tensor([x - 1 for x in n], device="cuda")
