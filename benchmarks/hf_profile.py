@@ -2,6 +2,7 @@
 
 usage: python benchmarks/hf_profile.py OUT.json [--heads 16] [--kv 4096 32768] [--batch 8] [--layers 4]
                                            [--variants input static static+nopdl ...] [--step model|greedy]
+                                           [--ab ROUNDS]
 
 The model and cache are those of benchmarks/hf_decode.py. After warm-up (compile + CUDA-graph recording) it
 times `--steps` steps by wall clock, then profiles 5 steps and reports per step: wall time, summed GPU kernel
@@ -23,12 +24,13 @@ import json
 import os
 import sys
 import time
+import types
 from unittest import mock
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_decode import build_model, decode, filled_cache, greedy_step, rewind  # noqa: E402
+from hf_decode import build_model, decode, filled_cache, greedy_step, rewind, sync  # noqa: E402
 
 
 # kernel name -> where its time goes (first match wins); everything else is Inductor's fused small kernels
@@ -72,6 +74,12 @@ VARIANTS = {
                                      "mla_compile.passes.fused_linear._MAX_N_ALONE": 8192}),
     # W_UK / W_UV through `mla.per_head_linear` (few-token Triton, [B, H, N] out: no transpose copy, PDL-aware)
     "static+absorb_kernel": (True, {}, {"mla_compile.passes.mla_attention._ABSORB": "per_head_linear"}),
+    # our weight kernels without the L2 prefetch of their weight slice before the PDL wait
+    "static+noprefetch": (True, {}, {"$MLA_COMPILE_PDL_PREFETCH": "0"}),
+    # every small projection ours (q_b, o_proj, W_UK, W_UV): the whole layer PDL-chained and prefetching
+    "static+small_ours": (True, {}, {"mla_compile.passes.fused_linear._MIN_K_ALONE": 1024,
+                                     "mla_compile.passes.fused_linear._MAX_N_ALONE": 8192,
+                                     "mla_compile.passes.mla_attention._ABSORB": "per_head_linear"}),
 }
 
 
@@ -165,6 +173,54 @@ def _profile(H, kv, args, device, variant, model, cache, mask, static_mask, opti
     return row
 
 
+def ab_case(H, kv, args, device, variants, rounds: int) -> dict:
+    """Wall time per step of each variant, compiled side by side on one model and cache and timed round-robin
+    (`rounds` x `--steps` steps each): differences of a few us stay visible above the run-to-run drift that
+    separate processes show (session 6: the same build 0.687-0.717 ms across processes)."""
+    B = args.batch
+    model = build_model(H, args.layers, args.hidden, args.vocab, torch.bfloat16, device, small=args.smoke)
+    cache = filled_cache(model, B, kv, kv + 64 * args.steps, device)
+    mask = torch.ones(B, kv + 64 * args.steps, dtype=torch.long, device=device)
+    torch._dynamo.mark_static_address(mask)
+    tok = torch.ones(B, 1, dtype=torch.long, device=device)
+    assert args.step == "greedy", "--ab times the greedy step (--step greedy)"
+    step_model = model
+    runs = {}
+    for variant in variants:
+        static_mask, options, experiment = VARIANTS[variant]
+        assert static_mask, f"--ab compares static-mask variants only, not {variant}"
+        # Dynamo caches compiled code per code object, and a second torch.compile of the same function with other
+        # options reused the first one's: each variant gets a step function with a code object of its own
+        step = greedy_step(model)
+        target = types.FunctionType(step.__code__.replace(co_name=f"step_{len(runs)}"), step.__globals__,
+                                    closure=step.__closure__)
+        with experiment_patches(experiment):  # active while the variant compiles and records its graphs
+            fn = torch.compile(target, backend="mla_dcp", options={"mode": "reduce-overhead", **options},
+                               fullgraph=True)
+            runs[variant] = lambda steps, fn=fn: decode(fn, cache, tok, mask, kv, steps, model=step_model)  # noqa: E731
+            runs[variant](4)
+            rewind(cache, kv)
+    samples = {v: [] for v in variants}
+    for _ in range(rounds):
+        for variant, run in runs.items():
+            sync(device)
+            t0 = time.perf_counter()
+            run(args.steps)
+            sync(device)
+            samples[variant].append((time.perf_counter() - t0) / args.steps * 1e6)
+            rewind(cache, kv)
+    median = {v: sorted(x)[len(x) // 2] for v, x in samples.items()}
+    base = median[variants[0]]
+    for v in variants:
+        print(f"[ab] H={H} kv={kv} {v:24s} median {median[v]:7.1f} us/step ({median[v] - base:+6.1f} vs "
+              f"{variants[0]}), samples {' '.join(f'{x:.0f}' for x in samples[v])}", flush=True)
+    del runs, model, cache
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return {"ab": True, "step": args.step, "H": H, "kv_len": kv, "batch": B, "steps": args.steps, "rounds": rounds,
+            "median_us_per_step": median, "samples_us_per_step": samples}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
@@ -178,8 +234,15 @@ def main(argv=None):
     ap.add_argument("--variants", nargs="+", default=["input"], choices=sorted(VARIANTS))
     ap.add_argument("--step", choices=["model", "greedy"], default="model",
                     help="profile the compiled model (argmax eagerly after it) or model + argmax as one step")
+    ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS",
+                    help="instead of profiling: time the variants side by side, round-robin, ROUNDS rounds")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, CPU ok (checks the script; --ab only)")
     args = ap.parse_args(argv)
     import mla_compile  # noqa: F401
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.smoke:
+        args.heads, args.kv, args.batch, args.layers, args.hidden, args.vocab, args.steps = [4], [64], 2, 1, 64, 128, 2
 
     # variants differ in what the caches do not key on (a static mask was still copied when the graph came from
     # the cache of the "input" variant, session 5 call 1): compile each one from scratch
@@ -188,9 +251,14 @@ def main(argv=None):
     rows = []
     for H in args.heads:
         for kv in args.kv:
+            if args.ab:
+                rows.append(ab_case(H, kv, args, device, args.variants, args.ab))
+                with open(args.out, "w") as fh:
+                    json.dump({"torch": torch.__version__, "rows": rows}, fh, indent=1)
+                continue
             for variant in args.variants:
                 try:
-                    rows.append(profile_case(H, kv, args, torch.device("cuda"), variant))
+                    rows.append(profile_case(H, kv, args, device, variant))
                 except Exception as e:  # noqa: BLE001 - recorded; the next variant still runs
                     rows.append({"variant": variant, "H": H, "kv_len": kv, "error": f"{type(e).__name__}: {e}"[:2000]})
                     print(f"[{variant}] H={H} kv={kv} FAILED: {rows[-1]['error']}", flush=True)

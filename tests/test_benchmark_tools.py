@@ -80,3 +80,18 @@ def test_scaling_fit_recovers_fixed_cost_and_rate():
     assert abs(fit["fixed_us"] - 12.5) < 1e-6 and abs(fit["rate_TBps"] - 3.6) < 1e-9
     assert abs(fit["rate_frac_of_copy"] - 0.9) < 1e-9
 
+
+
+def test_profile_ab_compiles_each_variant_and_times_them_round_robin(tmp_path):
+    """`hf_profile.py --ab`: every variant compiled (its own rewrite of the layer) on one model and cache, each
+    timed once per round."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    out = tmp_path / "ab.json"
+    variants = ["static", "static+small_ours"]
+    assert hf_profile.main([str(out), "--smoke", "--ab", "3", "--variants", *variants, "--step", "greedy"]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["rounds"] == 3 and sorted(row["median_us_per_step"]) == sorted(variants)
+    assert all(len(row["samples_us_per_step"][v]) == 3 and min(row["samples_us_per_step"][v]) > 0 for v in variants)
+    assert counters["mla_compile"]["mla_attention_rewritten"] == len(variants)  # one layer, once per variant

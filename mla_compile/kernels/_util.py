@@ -40,14 +40,21 @@ def _pdl_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def pdl_launch(device: torch.device) -> dict:
+# weight kernels warm L2 with their weight slice before the PDL wait ("1", default) or not ("0")
+PREFETCH_ENV = "MLA_COMPILE_PDL_PREFETCH"
+
+
+def pdl_launch(device: torch.device, prefetch: bool = False) -> dict:
     """Launch arguments for programmatic dependent launch (Hopper+), {} where it is off. With it, a kernel's
     programs may be scheduled while the kernel before it on the stream drains (its launch latency and the
     predecessor's tail overlap: the ~0.5 us idle gaps between the kernels of a CUDA graph); the kernel must start
-    with `pdl_enter`. CUDA graphs capture it as a programmatic edge."""
-    if os.environ.get(PDL_ENV, "auto") not in ("auto", "1") or not _pdl_capable(device):
-        return {}
-    return {"PDL": True, "launch_pdl": True}
+    with `pdl_enter`. CUDA graphs capture it as a programmatic edge. `prefetch`: the kernel takes a PREFETCH
+    constexpr (L2 prefetch of its read-only operands before the wait, `prefetch_l2`); always present then."""
+    on = os.environ.get(PDL_ENV, "auto") in ("auto", "1") and _pdl_capable(device)
+    args = {"PDL": True, "launch_pdl": True} if on else {}
+    if prefetch:
+        args["PREFETCH"] = on and os.environ.get(PREFETCH_ENV, "1") == "1"
+    return args
 
 
 @triton.jit
@@ -60,6 +67,17 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask, fallback):
+    """Hint: bring the 128-byte lines holding `ptrs` (where `mask`) into L2. Only a hint - never a memory access
+    in the PDL sense: L2 is the device's point of coherence, so a line fetched before `pdl_enter`'s wait cannot
+    be stale; masked lanes prefetch `fallback` (a valid address) instead of going out of bounds. For operands no
+    kernel of the step writes (weights), issued before the wait so their DRAM latency overlaps the predecessor."""
+    safe = tl.where(mask, ptrs, fallback)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [safe], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 def dot_mode(dtype: torch.dtype) -> dict:

@@ -42,8 +42,39 @@ def test_our_launches_carry_pdl_unless_turned_off(monkeypatch):
     x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
     torch.ops.mla.fused_linear(x, [torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)])
     assert True in _compiled_with_pdl(linear._linear_kernel)
+    assert _util.pdl_launch(torch.device("cuda"), prefetch=True) == {"PDL": True, "launch_pdl": True, "PREFETCH": True}
+    monkeypatch.setenv("MLA_COMPILE_PDL_PREFETCH", "0")
+    assert _util.pdl_launch(torch.device("cuda"), prefetch=True)["PREFETCH"] is False
     monkeypatch.setenv("MLA_COMPILE_PDL", "0")
     assert _util.pdl_launch(torch.device("cuda")) == {}
+    assert _util.pdl_launch(torch.device("cuda"), prefetch=True) == {"PREFETCH": False}
+
+
+def test_weights_rewritten_between_replays_are_read_fresh():
+    """The weight kernels prefetch their weights into L2 before the PDL wait: only a hint, so weights changed in
+    place between replays (or by the kernel right before) must still be read as they are now."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(8, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(1024, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    wh = torch.randn(16, 512, 128, device="cuda", generator=g).to(torch.bfloat16)
+    xh = torch.randn(8, 16, 128, device="cuda", generator=g).to(torch.bfloat16)
+    scale = torch.ones((), device="cuda")
+
+    def chain():
+        w.mul_(scale.to(w.dtype))  # the kernel right before rewrites the weight
+        (y,) = torch.ops.mla.fused_linear(x, [w])
+        wh.mul_(scale.to(wh.dtype))
+        return y, torch.ops.mla.per_head_linear(xh, wh)
+
+    graph, (y, yh) = capture(chain)
+    for i in range(REPLAYS):
+        w.copy_(torch.randn(w.shape, device="cuda", generator=g))
+        wh.copy_(torch.randn(wh.shape, device="cuda", generator=g))
+        scale.fill_(1.0 + 0.5 * (i % 2))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel(y, x.double() @ w.double().T) < 1e-2, f"replay {i}"
+        assert _rel(yh, torch.einsum("bhk,hnk->bhn", xh.double(), wh.double())) < 1e-2, f"replay {i}"
 
 
 def test_linear_chain_each_op_reads_the_previous_kernels_output():
