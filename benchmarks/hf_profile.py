@@ -74,8 +74,12 @@ VARIANTS = {
                                      "mla_compile.passes.fused_linear._MAX_N_ALONE": 8192}),
     # W_UK / W_UV through `mla.per_head_linear` (few-token Triton, [B, H, N] out: no transpose copy, PDL-aware)
     "static+absorb_kernel": (True, {}, {"mla_compile.passes.mla_attention._ABSORB": "per_head_linear"}),
-    # our weight kernels without the L2 prefetch of their weight slice before the PDL wait
-    "static+noprefetch": (True, {}, {"$MLA_COMPILE_PDL_PREFETCH": "0"}),
+    # our weight kernels prefetch (into L2, before the PDL wait) their whole weight slice / its first 2 K-tiles
+    # (session 7 call 3: the whole slice +62 us a step)
+    "static+prefetch_all": (True, {}, {"$MLA_COMPILE_PDL_PREFETCH": "1000000"}),
+    "static+prefetch_2": (True, {}, {"$MLA_COMPILE_PDL_PREFETCH": "2"}),
+    # the greedy pick as Inductor's one-program-per-row argmax (no two-stage split, passes/split_argmax.py)
+    "static+whole_argmax": (True, {}, {"mla_compile.passes.split_argmax.MAX_ROWS": 0}),
     # every small projection ours (q_b, o_proj, W_UK, W_UV): the whole layer PDL-chained and prefetching
     "static+small_ours": (True, {}, {"mla_compile.passes.fused_linear._MIN_K_ALONE": 1024,
                                      "mla_compile.passes.fused_linear._MAX_N_ALONE": 8192,
@@ -246,26 +250,29 @@ def main(argv=None):
 
     # variants differ in what the caches do not key on (a static mask was still copied when the graph came from
     # the cache of the "input" variant, session 5 call 1): compile each one from scratch
-    torch._inductor.config.force_disable_caches = True
-
-    rows = []
-    for H in args.heads:
-        for kv in args.kv:
-            if args.ab:
-                rows.append(ab_case(H, kv, args, device, args.variants, args.ab))
+    with torch._inductor.config.patch(force_disable_caches=True):
+        rows = []
+        for H in args.heads:
+            for kv in args.kv:
+                if args.ab:
+                    rows.append(ab_case(H, kv, args, device, args.variants, args.ab))
+                else:
+                    rows.extend(profile_variants(H, kv, args, device))
                 with open(args.out, "w") as fh:
                     json.dump({"torch": torch.__version__, "rows": rows}, fh, indent=1)
-                continue
-            for variant in args.variants:
-                try:
-                    rows.append(profile_case(H, kv, args, device, variant))
-                except Exception as e:  # noqa: BLE001 - recorded; the next variant still runs
-                    rows.append({"variant": variant, "H": H, "kv_len": kv, "error": f"{type(e).__name__}: {e}"[:2000]})
-                    print(f"[{variant}] H={H} kv={kv} FAILED: {rows[-1]['error']}", flush=True)
-                    torch._dynamo.reset()
-            with open(args.out, "w") as fh:
-                json.dump({"torch": torch.__version__, "rows": rows}, fh, indent=1)
     return 0
+
+
+def profile_variants(H, kv, args, device) -> list[dict]:
+    rows = []
+    for variant in args.variants:
+        try:
+            rows.append(profile_case(H, kv, args, device, variant))
+        except Exception as e:  # noqa: BLE001 - recorded; the next variant still runs
+            rows.append({"variant": variant, "H": H, "kv_len": kv, "error": f"{type(e).__name__}: {e}"[:2000]})
+            print(f"[{variant}] H={H} kv={kv} FAILED: {rows[-1]['error']}", flush=True)
+            torch._dynamo.reset()
+    return rows
 
 
 if __name__ == "__main__":

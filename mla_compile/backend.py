@@ -92,7 +92,8 @@ def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, opts: BackendOptions
     rewrite_attention: HF MLA decode attention -> absorbed `mla.decode` / `mla.dcp_decode`
     (`passes/mla_attention.py`); sites it cannot prove equivalent are left unchanged and logged.
     fuse_linears: bias-free linears over the same x -> one `mla.fused_linear` (`passes/fused_linear.py`).
-    Always: matmuls with a contraction of length 1 -> broadcast multiplies (`passes/outer_product.py`, exact)."""
+    Always: matmuls with a contraction of length 1 -> broadcast multiplies (`passes/outer_product.py`, exact);
+    argmax / argmin of a few long rows -> two-stage reductions (`passes/split_argmax.py`, exact)."""
     if opts.rewrite_attention:
         from .passes.mla_attention import MLAAttentionPass
 
@@ -103,6 +104,9 @@ def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, opts: BackendOptions
     from .passes.outer_product import matmuls_to_outer_products
 
     matmuls_to_outer_products(gm)
+    from .passes.split_argmax import split_arg_reductions
+
+    split_arg_reductions(gm)
     return gm
 
 

@@ -95,3 +95,4 @@ def test_profile_ab_compiles_each_variant_and_times_them_round_robin(tmp_path):
     assert row["rounds"] == 3 and sorted(row["median_us_per_step"]) == sorted(variants)
     assert all(len(row["samples_us_per_step"][v]) == 3 and min(row["samples_us_per_step"][v]) > 0 for v in variants)
     assert counters["mla_compile"]["mla_attention_rewritten"] == len(variants)  # one layer, once per variant
+    assert not torch._inductor.config.force_disable_caches  # the script's setting ends with it

@@ -55,15 +55,17 @@ def test_tma_needs_hopper(monkeypatch):
 
 
 def test_weight_prefetch_only_rides_on_pdl(monkeypatch):
-    """The L2 weight prefetch is issued before the PDL wait, so it exists only where PDL does: never on CPU
-    (the interpreter has no inline PTX), and MLA_COMPILE_PDL_PREFETCH=0 turns it off alone."""
+    """The L2 weight prefetch (an experiment: MLA_COMPILE_PDL_PREFETCH K-tiles, default 0) is issued before the PDL
+    wait, so it exists only where PDL does: never on CPU (the interpreter has no inline PTX)."""
     from mla_compile.kernels import _util
 
-    assert _util.pdl_launch(torch.device("cpu"), prefetch=True) == {"PREFETCH": False}
+    monkeypatch.setenv(_util.PREFETCH_ENV, "2")
+    assert _util.pdl_launch(torch.device("cpu"), prefetch=True) == {"PREFETCH": 0}
     assert _util.pdl_launch(torch.device("cpu")) == {}
     monkeypatch.setattr(_util, "_pdl_capable", lambda device: True)
-    assert _util.pdl_launch(torch.device("cpu"), prefetch=True) == {"PDL": True, "launch_pdl": True, "PREFETCH": True}
-    monkeypatch.setenv(_util.PREFETCH_ENV, "0")
-    assert _util.pdl_launch(torch.device("cpu"), prefetch=True)["PREFETCH"] is False
+    assert _util.pdl_launch(torch.device("cpu"), prefetch=True) == {"PDL": True, "launch_pdl": True, "PREFETCH": 2}
+    monkeypatch.delenv(_util.PREFETCH_ENV)
+    assert _util.pdl_launch(torch.device("cpu"), prefetch=True)["PREFETCH"] == 0
+    monkeypatch.setenv(_util.PREFETCH_ENV, "2")
     monkeypatch.setenv(_util.PDL_ENV, "0")
-    assert _util.pdl_launch(torch.device("cpu"), prefetch=True) == {"PREFETCH": False}
+    assert _util.pdl_launch(torch.device("cpu"), prefetch=True) == {"PREFETCH": 0}

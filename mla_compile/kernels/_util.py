@@ -40,7 +40,9 @@ def _pdl_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-# weight kernels warm L2 with their weight slice before the PDL wait ("1", default) or not ("0")
+# weight kernels may warm L2 with the first N K-tiles of their weight slice before the PDL wait: "0" (default)
+# none. Session 7 (H200, HF H=16 32K greedy step, side by side): the whole slice cost +62 us a step (758.6 vs
+# 696.2 us) - kept as an experiment, off
 PREFETCH_ENV = "MLA_COMPILE_PDL_PREFETCH"
 
 
@@ -49,11 +51,11 @@ def pdl_launch(device: torch.device, prefetch: bool = False) -> dict:
     programs may be scheduled while the kernel before it on the stream drains (its launch latency and the
     predecessor's tail overlap: the ~0.5 us idle gaps between the kernels of a CUDA graph); the kernel must start
     with `pdl_enter`. CUDA graphs capture it as a programmatic edge. `prefetch`: the kernel takes a PREFETCH
-    constexpr (L2 prefetch of its read-only operands before the wait, `prefetch_l2`); always present then."""
+    constexpr (K-tiles of its weights to prefetch into L2 before the wait, `prefetch_l2`); always present then."""
     on = os.environ.get(PDL_ENV, "auto") in ("auto", "1") and _pdl_capable(device)
     args = {"PDL": True, "launch_pdl": True} if on else {}
     if prefetch:
-        args["PREFETCH"] = on and os.environ.get(PREFETCH_ENV, "1") == "1"
+        args["PREFETCH"] = int(os.environ.get(PREFETCH_ENV, "0")) if on else 0
     return args
 
 

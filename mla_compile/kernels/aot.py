@@ -77,7 +77,7 @@ def stage1_sm90(cfg: D.DecodeConfig, R: int = 512, P: int = 64, page_size: int =
     return dict(out, kernel="tma" if tma else "pointer", instructions=sum(ops.values()))
 
 
-def linear_sm90(M: int, K: int, N: int, cfg=None, pdl: bool = False, prefetch: bool = False) -> dict:
+def linear_sm90(M: int, K: int, N: int, cfg=None, pdl: bool = False, prefetch: int = 0) -> dict:
     """The few-token linear kernel (kernels/linear.py) that `fused_linear` launches for x [M, K] and a weight
     pair of N rows in all (bf16, row-contiguous), compiled for sm_90a. Unit strides are constexprs, as Triton
     specialises them at launch."""
@@ -94,7 +94,7 @@ def linear_sm90(M: int, K: int, N: int, cfg=None, pdl: bool = False, prefetch: b
 
 
 def per_head_linear_sm90(transposed: bool, block_n: int = 16, K: int = 512, pdl: bool = False,
-                         prefetch: bool = False) -> dict:
+                         prefetch: int = 0) -> dict:
     """`mla::per_head_linear`'s kernel as launched for MLA's W_UV (weight rows K-contiguous) or, `transposed`, W_UK
     (a transposed view: N contiguous), bf16, compiled for sm_90a."""
     from . import linear as Lin

@@ -64,10 +64,13 @@ def _rows_times_x(X, W, Y, M, N, k_lo, k_hi, n0, s_xm, s_xk, s_wn, s_wk, s_ym, s
 
 
 @triton.jit
-def _prefetch_rows(W, N, n0, k_lo, k_hi, s_wn, s_wk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """L2 prefetch of W[n0:n0+BLOCK_N, k_lo:k_hi] (the slice `_rows_times_x` will read): one prefetch per 128-byte
-    line along whichever side is contiguous (K for nn.Linear weights, N for a transposed view such as W_UK)."""
+def _prefetch_rows(W, N, n0, k_lo, k_hi, s_wn, s_wk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   TILES: tl.constexpr):
+    """L2 prefetch of the first TILES K-tiles of W[n0:n0+BLOCK_N, k_lo:k_hi] (the slice `_rows_times_x` will read):
+    one prefetch per 128-byte line along whichever side is contiguous (K for nn.Linear weights, N for a transposed
+    view such as W_UK)."""
     LINE: tl.constexpr = 1024 // W.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
+    k_hi = tl.minimum(k_hi, k_lo + TILES * BLOCK_K)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if s_wk == 1:
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -85,7 +88,7 @@ def _linear_kernel(X, W0, W1, Y0, Y1, M, N0, N1, K, k_split,
                    s_xm, s_xk, s_w0n, s_w0k, s_w1n, s_w1k, s_ys, s_y0m, s_y0n, s_y1m, s_y1n,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                    DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr = False,
-                   PREFETCH: tl.constexpr = False):
+                   PREFETCH: tl.constexpr = 0):
     """Programs [0, cdiv(N0, BLOCK_N)) own rows of W0, the rest rows of W1 (N1 = 0: one weight); axis 1 splits
     K in k_split-wide ranges, each writing its own partial at Y + split * s_ys (s_ys = 0: no split)."""
     pid = tl.program_id(0)
@@ -93,11 +96,11 @@ def _linear_kernel(X, W0, W1, Y0, Y1, M, N0, N1, K, k_split,
     k_lo = split * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     nb0 = tl.cdiv(N0, BLOCK_N)
-    if PREFETCH:  # weights: no kernel of the step writes them, so they may stream in while the predecessor runs
+    if PREFETCH > 0:  # weights: no kernel of the step writes them, so they may stream in while the predecessor runs
         if pid < nb0:
-            _prefetch_rows(W0, N0, pid * BLOCK_N, k_lo, k_hi, s_w0n, s_w0k, BLOCK_N, BLOCK_K)
+            _prefetch_rows(W0, N0, pid * BLOCK_N, k_lo, k_hi, s_w0n, s_w0k, BLOCK_N, BLOCK_K, PREFETCH)
         else:
-            _prefetch_rows(W1, N1, (pid - nb0) * BLOCK_N, k_lo, k_hi, s_w1n, s_w1k, BLOCK_N, BLOCK_K)
+            _prefetch_rows(W1, N1, (pid - nb0) * BLOCK_N, k_lo, k_hi, s_w1n, s_w1k, BLOCK_N, BLOCK_K, PREFETCH)
     pdl_enter(PDL)
     if pid < nb0:
         _rows_times_x(X, W0, Y0 + split * s_ys, M, N0, k_lo, k_hi, pid * BLOCK_N, s_xm, s_xk, s_w0n, s_w0k,
@@ -111,11 +114,11 @@ def _linear_kernel(X, W0, W1, Y0, Y1, M, N0, N1, K, k_split,
 def _per_head_kernel(X, W, Y, M, N, K, s_xm, s_xh, s_xk, s_wh, s_wn, s_wk, s_ym, s_yh, s_yn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                      DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr = False,
-                     PREFETCH: tl.constexpr = False):
+                     PREFETCH: tl.constexpr = 0):
     """Program (head h, row block): Y[:, h, rows] = X[:, h, :] @ W[h, rows, :]^T (`mla::per_head_linear`)."""
     h = tl.program_id(0).to(tl.int64)
-    if PREFETCH:
-        _prefetch_rows(W + h * s_wh, N, tl.program_id(1) * BLOCK_N, 0, K, s_wn, s_wk, BLOCK_N, BLOCK_K)
+    if PREFETCH > 0:
+        _prefetch_rows(W + h * s_wh, N, tl.program_id(1) * BLOCK_N, 0, K, s_wn, s_wk, BLOCK_N, BLOCK_K, PREFETCH)
     pdl_enter(PDL)
     _rows_times_x(X + h * s_xh, W + h * s_wh, Y + h * s_yh, M, N, 0, K, tl.program_id(1) * BLOCK_N, s_xm, s_xk,
                   s_wn, s_wk, s_ym, s_yn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)

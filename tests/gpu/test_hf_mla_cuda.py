@@ -67,3 +67,20 @@ def test_hf_decode_cuda_absorbed_projections_as_per_head_linear(monkeypatch, dty
     assert M.rel_err(logits, ref_l) < tol
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
 
+
+
+@pytest.mark.parametrize("vocab", [32768, 129280])
+def test_greedy_pick_split_argmax_cuda(vocab):
+    """The greedy pick over a real vocab through passes/split_argmax.py + Inductor's CUDA reductions under CUDA
+    graphs: the exact token (ties, NaN, inf rows included) of eager argmax, replay after replay."""
+    from test_split_argmax_pass import hard_rows
+    from mla_compile.passes.split_argmax import COUNTER
+
+    torch._dynamo.reset()
+    COUNTERS.clear()
+    step = torch.compile(lambda lg: lg.argmax(-1, keepdim=True), backend="mla_dcp", mode="reduce-overhead",
+                         fullgraph=True)
+    for seed in range(6):
+        x = hard_rows(8, vocab, torch.bfloat16, seed).cuda()
+        assert torch.equal(step(x), x.argmax(-1, keepdim=True)), seed
+    assert COUNTERS["mla_compile"][COUNTER] == 1

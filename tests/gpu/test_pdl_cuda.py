@@ -42,17 +42,18 @@ def test_our_launches_carry_pdl_unless_turned_off(monkeypatch):
     x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
     torch.ops.mla.fused_linear(x, [torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)])
     assert True in _compiled_with_pdl(linear._linear_kernel)
-    assert _util.pdl_launch(torch.device("cuda"), prefetch=True) == {"PDL": True, "launch_pdl": True, "PREFETCH": True}
-    monkeypatch.setenv("MLA_COMPILE_PDL_PREFETCH", "0")
-    assert _util.pdl_launch(torch.device("cuda"), prefetch=True)["PREFETCH"] is False
+    monkeypatch.setenv("MLA_COMPILE_PDL_PREFETCH", "2")
+    assert _util.pdl_launch(torch.device("cuda"), prefetch=True) == {"PDL": True, "launch_pdl": True, "PREFETCH": 2}
     monkeypatch.setenv("MLA_COMPILE_PDL", "0")
     assert _util.pdl_launch(torch.device("cuda")) == {}
-    assert _util.pdl_launch(torch.device("cuda"), prefetch=True) == {"PREFETCH": False}
+    assert _util.pdl_launch(torch.device("cuda"), prefetch=True) == {"PREFETCH": 0}
 
 
-def test_weights_rewritten_between_replays_are_read_fresh():
-    """The weight kernels prefetch their weights into L2 before the PDL wait: only a hint, so weights changed in
-    place between replays (or by the kernel right before) must still be read as they are now."""
+@pytest.mark.parametrize("tiles", ["0", "2", "1000"])
+def test_weights_rewritten_between_replays_are_read_fresh(monkeypatch, tiles):
+    """With MLA_COMPILE_PDL_PREFETCH the weight kernels prefetch weights into L2 before the PDL wait: only a hint,
+    so weights changed in place between replays (or by the kernel right before) must still be read as they are."""
+    monkeypatch.setenv("MLA_COMPILE_PDL_PREFETCH", tiles)
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(8, 2048, device="cuda", generator=g).to(torch.bfloat16)
     w = torch.randn(1024, 2048, device="cuda", generator=g).to(torch.bfloat16)
