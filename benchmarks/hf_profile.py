@@ -66,24 +66,15 @@ VARIANTS = {
     "static+pdl_inductor_only": (True, {}, _NO_PDL_OURS),
     "static+pdl_ours_only": (True, {"triton.enable_pdl": False}, {}),
     "static+nocombo": (True, {"combo_kernels": False}, {}),
-    # lone linears with a K >= 1024 (q_b, o_proj, lm_head) also to the few-token kernel / split-K partials
-    # (session 6 call 1: 744 vs 727 us wall - slower)
-    "static+lone_linears": (True, {}, {"mla_compile.passes.fused_linear._MIN_K_ALONE": 1024}),
-    # the same without lm_head (q_b, o_proj only): with PDL on, ours overlap their neighbours, cuBLAS does not
-    "static+lone_small": (True, {}, {"mla_compile.passes.fused_linear._MIN_K_ALONE": 1024,
-                                     "mla_compile.passes.fused_linear._MAX_N_ALONE": 8192}),
-    # W_UK / W_UV through `mla.per_head_linear` (few-token Triton, [B, H, N] out: no transpose copy, PDL-aware)
-    "static+absorb_kernel": (True, {}, {"mla_compile.passes.mla_attention._ABSORB": "per_head_linear"}),
-    # our weight kernels prefetch (into L2, before the PDL wait) their whole weight slice / its first 2 K-tiles
-    # (session 7 call 3: the whole slice +62 us a step)
-    "static+prefetch_all": (True, {}, {"$MLA_COMPILE_PDL_PREFETCH": "1000000"}),
-    "static+prefetch_2": (True, {}, {"$MLA_COMPILE_PDL_PREFETCH": "2"}),
-    # the greedy pick as Inductor's one-program-per-row argmax (no two-stage split, passes/split_argmax.py)
+    # session 7's defaults undone one at a time: lone linears only with K >= 8192 (q_b, o_proj to cuBLAS); W_UK /
+    # W_UV as cuBLAS bmms; both (session 6's step); and the greedy pick as one whole-row argmax
+    "static+cublas_small": (True, {}, {"mla_compile.passes.fused_linear._MIN_K_ALONE": 8192}),
+    "static+absorb_bmm": (True, {}, {"mla_compile.passes.mla_attention._ABSORB": "bmm"}),
+    "static+session6": (True, {}, {"mla_compile.passes.fused_linear._MIN_K_ALONE": 8192,
+                                   "mla_compile.passes.mla_attention._ABSORB": "bmm"}),
     "static+whole_argmax": (True, {}, {"mla_compile.passes.split_argmax.MAX_ROWS": 0}),
-    # every small projection ours (q_b, o_proj, W_UK, W_UV): the whole layer PDL-chained and prefetching
-    "static+small_ours": (True, {}, {"mla_compile.passes.fused_linear._MIN_K_ALONE": 1024,
-                                     "mla_compile.passes.fused_linear._MAX_N_ALONE": 8192,
-                                     "mla_compile.passes.mla_attention._ABSORB": "per_head_linear"}),
+    # lm_head to the few-token kernel too (session 6 call 1: 744 vs 727 us wall - slower)
+    "static+lone_linears": (True, {}, {"mla_compile.passes.fused_linear._MAX_N_ALONE": 1 << 30}),
 }
 
 

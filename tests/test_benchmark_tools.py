@@ -89,7 +89,7 @@ def test_profile_ab_compiles_each_variant_and_times_them_round_robin(tmp_path):
 
     counters.clear()
     out = tmp_path / "ab.json"
-    variants = ["static", "static+small_ours"]
+    variants = ["static", "static+session6"]
     assert hf_profile.main([str(out), "--smoke", "--ab", "3", "--variants", *variants, "--step", "greedy"]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["rounds"] == 3 and sorted(row["median_us_per_step"]) == sorted(variants)

@@ -163,17 +163,23 @@ def _lone_linears_graph(a, b):
     return [n.target for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)], gm
 
 
-def test_lone_linear_goes_to_the_op_only_with_a_long_k():
+def test_lone_linear_goes_to_the_op_with_k_from_1024_and_n_to_8192():
+    """q_b_proj / o_proj / down_proj shapes go to the op, a short K or lm_head's wide N stay linears."""
+    from mla_compile.passes import fused_linear
+
     linears, gm = _lone_linears_graph((8192, 4), (16, 4))
     assert COUNTERS["mla_compile"][COUNTER] == 1
     # 2 rows x K 8192 over 4 weight rows: the kernel policy splits K 8 ways -> partials + adds in the graph
     assert linears == [torch.ops.mla.linear_partials.default, torch._C._nn.linear]
     assert COUNTERS["mla_compile"][SPLIT_COUNTER] == 1
     assert sum(n.target is torch.ops.aten.add.Tensor for n in gm.graph.nodes) == 7
+    assert fused_linear._lone_worth_it(torch.empty(fused_linear._MAX_N_ALONE, fused_linear._MIN_K_ALONE))
+    assert not fused_linear._lone_worth_it(torch.empty(32768, 2048))  # lm_head
+    assert not fused_linear._lone_worth_it(torch.empty(2048, 512))
 
 
-def test_lone_linear_n_cap_experiment(monkeypatch):
-    """hf_profile's `static+lone_small`: every K, but a lone linear wider than the cap stays a linear."""
+def test_lone_linear_n_cap(monkeypatch):
+    """A lone linear wider than the cap stays a linear."""
     from mla_compile.passes import fused_linear
 
     monkeypatch.setattr(fused_linear, "_MIN_K_ALONE", 16)

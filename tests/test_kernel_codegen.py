@@ -68,20 +68,15 @@ def test_per_head_linear_compiles_to_tensor_core_mma_without_spills(transposed):
 def test_pdl_kernels_wait_for_the_previous_kernel_before_any_memory_access(kernel):
     """Launched with programmatic dependent launch (MLA_COMPILE_PDL=1), a kernel may start while its predecessor
     still runs: `griddepcontrol.wait` must come before every global load / store / async copy (RAW and WAR), and
-    dependents are released only after it (kernels/_util.py pdl_enter). Without PDL, neither instruction. The
-    weight kernels may only warm L2 with their weights before the wait (`prefetch.global.L2`, a hint; an
-    experiment, MLA_COMPILE_PDL_PREFETCH)."""
-    weights = kernel.startswith(("linear", "per-head"))
+    dependents are released only after it (kernels/_util.py pdl_enter). Without PDL, neither instruction."""
     build = {"stage1 page 1": lambda pdl: aot.stage1_sm90(D.default_config(16, 512, 1), page_size=1, pdl=pdl),
              "stage1 page 64": lambda pdl: aot.stage1_sm90(D.default_config(16, 512, 64), page_size=64, pdl=pdl),
              "stage1 H=128 tma": lambda pdl: aot.stage1_sm90(D.default_config(128, 512, 64), page_size=64, pdl=pdl),
-             "linear split-K": lambda pdl: aot.linear_sm90(8, 8192, 2048, pdl=pdl, prefetch=2 * pdl),
-             "per-head linear": lambda pdl: aot.per_head_linear_sm90(True, K=128, pdl=pdl, prefetch=2 * pdl)}[kernel]
+             "linear split-K": lambda pdl: aot.linear_sm90(8, 8192, 2048, pdl=pdl),
+             "per-head linear": lambda pdl: aot.per_head_linear_sm90(True, K=128, pdl=pdl)}[kernel]
     ptx = build(True)["ptx"]
     wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     first_access = _MEMORY_OP.search(ptx)
     assert 0 <= wait < launch, "no wait, or dependents released before it"
     assert first_access is not None and wait < first_access.start(), first_access
-    prefetch = ptx.find("prefetch.global.L2")
-    assert (0 <= prefetch < wait) if weights else prefetch < 0
-    assert "griddepcontrol" not in build(False)["ptx"] and "prefetch" not in build(False)["ptx"]
+    assert "griddepcontrol" not in build(False)["ptx"]

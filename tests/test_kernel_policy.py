@@ -52,20 +52,3 @@ def test_tma_needs_hopper(monkeypatch):
     cfg = D.DecodeConfig(block_n=16, tma=True)
     monkeypatch.setattr(D, "has_tma", lambda device: False)  # e.g. an A100: the pointer kernel runs
     assert not D.tma_eligible(*caches(PS=16), False, cfg)
-
-
-def test_weight_prefetch_only_rides_on_pdl(monkeypatch):
-    """The L2 weight prefetch (an experiment: MLA_COMPILE_PDL_PREFETCH K-tiles, default 0) is issued before the PDL
-    wait, so it exists only where PDL does: never on CPU (the interpreter has no inline PTX)."""
-    from mla_compile.kernels import _util
-
-    monkeypatch.setenv(_util.PREFETCH_ENV, "2")
-    assert _util.pdl_launch(torch.device("cpu"), prefetch=True) == {"PREFETCH": 0}
-    assert _util.pdl_launch(torch.device("cpu")) == {}
-    monkeypatch.setattr(_util, "_pdl_capable", lambda device: True)
-    assert _util.pdl_launch(torch.device("cpu"), prefetch=True) == {"PDL": True, "launch_pdl": True, "PREFETCH": 2}
-    monkeypatch.delenv(_util.PREFETCH_ENV)
-    assert _util.pdl_launch(torch.device("cpu"), prefetch=True)["PREFETCH"] == 0
-    monkeypatch.setenv(_util.PREFETCH_ENV, "2")
-    monkeypatch.setenv(_util.PDL_ENV, "0")
-    assert _util.pdl_launch(torch.device("cpu"), prefetch=True) == {"PREFETCH": 0}

@@ -40,23 +40,14 @@ def _pdl_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-# weight kernels may warm L2 with the first N K-tiles of their weight slice before the PDL wait: "0" (default)
-# none. Session 7 (H200, HF H=16 32K greedy step, side by side): the whole slice cost +62 us a step (758.6 vs
-# 696.2 us) - kept as an experiment, off
-PREFETCH_ENV = "MLA_COMPILE_PDL_PREFETCH"
-
-
-def pdl_launch(device: torch.device, prefetch: bool = False) -> dict:
+def pdl_launch(device: torch.device) -> dict:
     """Launch arguments for programmatic dependent launch (Hopper+), {} where it is off. With it, a kernel's
     programs may be scheduled while the kernel before it on the stream drains (its launch latency and the
     predecessor's tail overlap: the ~0.5 us idle gaps between the kernels of a CUDA graph); the kernel must start
-    with `pdl_enter`. CUDA graphs capture it as a programmatic edge. `prefetch`: the kernel takes a PREFETCH
-    constexpr (K-tiles of its weights to prefetch into L2 before the wait, `prefetch_l2`); always present then."""
-    on = os.environ.get(PDL_ENV, "auto") in ("auto", "1") and _pdl_capable(device)
-    args = {"PDL": True, "launch_pdl": True} if on else {}
-    if prefetch:
-        args["PREFETCH"] = int(os.environ.get(PREFETCH_ENV, "0")) if on else 0
-    return args
+    with `pdl_enter`. CUDA graphs capture it as a programmatic edge."""
+    if os.environ.get(PDL_ENV, "auto") not in ("auto", "1") or not _pdl_capable(device):
+        return {}
+    return {"PDL": True, "launch_pdl": True}
 
 
 @triton.jit
@@ -69,17 +60,6 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs, mask, fallback):
-    """Hint: bring the 128-byte lines holding `ptrs` (where `mask`) into L2. Only a hint - never a memory access
-    in the PDL sense: L2 is the device's point of coherence, so a line fetched before `pdl_enter`'s wait cannot
-    be stale; masked lanes prefetch `fallback` (a valid address) instead of going out of bounds. For operands no
-    kernel of the step writes (weights), issued before the wait so their DRAM latency overlaps the predecessor."""
-    safe = tl.where(mask, ptrs, fallback)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [safe], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 def dot_mode(dtype: torch.dtype) -> dict:

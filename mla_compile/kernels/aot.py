@@ -77,7 +77,7 @@ def stage1_sm90(cfg: D.DecodeConfig, R: int = 512, P: int = 64, page_size: int =
     return dict(out, kernel="tma" if tma else "pointer", instructions=sum(ops.values()))
 
 
-def linear_sm90(M: int, K: int, N: int, cfg=None, pdl: bool = False, prefetch: int = 0) -> dict:
+def linear_sm90(M: int, K: int, N: int, cfg=None, pdl: bool = False) -> dict:
     """The few-token linear kernel (kernels/linear.py) that `fused_linear` launches for x [M, K] and a weight
     pair of N rows in all (bf16, row-contiguous), compiled for sm_90a. Unit strides are constexprs, as Triton
     specialises them at launch."""
@@ -88,13 +88,12 @@ def linear_sm90(M: int, K: int, N: int, cfg=None, pdl: bool = False, prefetch: i
     out_ty = "*fp32" if cfg.split_k > 1 else "*bf16"
     ptrs.update(Y0=out_ty, Y1=out_ty)
     constexprs = dict(BLOCK_M=Lin.MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-                      s_xk=1, s_w0k=1, s_w1k=1, s_y0n=1, s_y1n=1, PDL=pdl, PREFETCH=prefetch)
+                      s_xk=1, s_w0k=1, s_w1k=1, s_y0n=1, s_y1n=1, PDL=pdl)
     divisible = set(ptrs) | {"s_xm", "s_w0n", "s_w1n", "s_y0m", "s_y1m", "s_ys", "K", "k_split"}
     return compile_sm90(Lin._linear_kernel, constexprs, ptrs, cfg.num_warps, cfg.num_stages, divisible)
 
 
-def per_head_linear_sm90(transposed: bool, block_n: int = 16, K: int = 512, pdl: bool = False,
-                         prefetch: int = 0) -> dict:
+def per_head_linear_sm90(transposed: bool, block_n: int = 16, K: int = 512, pdl: bool = False) -> dict:
     """`mla::per_head_linear`'s kernel as launched for MLA's W_UV (weight rows K-contiguous) or, `transposed`, W_UK
     (a transposed view: N contiguous), bf16, compiled for sm_90a."""
     from . import linear as Lin
@@ -102,8 +101,7 @@ def per_head_linear_sm90(transposed: bool, block_n: int = 16, K: int = 512, pdl:
     ptrs = {"X": "*bf16", "W": "*bf16", "Y": "*bf16"}
     unit = {"s_xk": 1, "s_yn": 1, **({"s_wn": 1} if transposed else {"s_wk": 1})}
     block_k = min(128, K)
-    constexprs = dict(BLOCK_M=Lin.MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, PDL=pdl,
-                      PREFETCH=prefetch, **unit)
+    constexprs = dict(BLOCK_M=Lin.MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, PDL=pdl, **unit)
     divisible = set(ptrs) | {"s_xm", "s_xh", "s_wh", "s_wn", "s_wk", "s_ym", "s_yh", "K", "N"} - set(unit)
     return compile_sm90(Lin._per_head_kernel, constexprs, ptrs, 4, 3, divisible)
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..ops.linear import K_ALIGN, split_width
-from ._util import dot_mode, mma, pdl_enter, pdl_launch, prefetch_l2, sm_count
+from ._util import dot_mode, mma, pdl_enter, pdl_launch, sm_count
 
 MAX_M = 16  # the MMA's N side; more tokens belong to a normal GEMM
 
@@ -64,44 +64,18 @@ def _rows_times_x(X, W, Y, M, N, k_lo, k_hi, n0, s_xm, s_xk, s_wn, s_wk, s_ym, s
 
 
 @triton.jit
-def _prefetch_rows(W, N, n0, k_lo, k_hi, s_wn, s_wk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   TILES: tl.constexpr):
-    """L2 prefetch of the first TILES K-tiles of W[n0:n0+BLOCK_N, k_lo:k_hi] (the slice `_rows_times_x` will read):
-    one prefetch per 128-byte line along whichever side is contiguous (K for nn.Linear weights, N for a transposed
-    view such as W_UK)."""
-    LINE: tl.constexpr = 1024 // W.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
-    k_hi = tl.minimum(k_hi, k_lo + TILES * BLOCK_K)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    if s_wk == 1:
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K // LINE) * LINE
-            prefetch_l2(W + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :],
-                        (offs_n < N)[:, None] & (offs_k < k_hi)[None, :], W)
-    else:
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            prefetch_l2(W + n0.to(tl.int64) * s_wn + offs_k.to(tl.int64) * s_wk, offs_k < k_hi, W)
-
-
-@triton.jit
 def _linear_kernel(X, W0, W1, Y0, Y1, M, N0, N1, K, k_split,
                    s_xm, s_xk, s_w0n, s_w0k, s_w1n, s_w1k, s_ys, s_y0m, s_y0n, s_y1m, s_y1n,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                   DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr = False,
-                   PREFETCH: tl.constexpr = 0):
+                   DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     """Programs [0, cdiv(N0, BLOCK_N)) own rows of W0, the rest rows of W1 (N1 = 0: one weight); axis 1 splits
     K in k_split-wide ranges, each writing its own partial at Y + split * s_ys (s_ys = 0: no split)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     k_lo = split * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     nb0 = tl.cdiv(N0, BLOCK_N)
-    if PREFETCH > 0:  # weights: no kernel of the step writes them, so they may stream in while the predecessor runs
-        if pid < nb0:
-            _prefetch_rows(W0, N0, pid * BLOCK_N, k_lo, k_hi, s_w0n, s_w0k, BLOCK_N, BLOCK_K, PREFETCH)
-        else:
-            _prefetch_rows(W1, N1, (pid - nb0) * BLOCK_N, k_lo, k_hi, s_w1n, s_w1k, BLOCK_N, BLOCK_K, PREFETCH)
-    pdl_enter(PDL)
     if pid < nb0:
         _rows_times_x(X, W0, Y0 + split * s_ys, M, N0, k_lo, k_hi, pid * BLOCK_N, s_xm, s_xk, s_w0n, s_w0k,
                       s_y0m, s_y0n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
@@ -113,13 +87,10 @@ def _linear_kernel(X, W0, W1, Y0, Y1, M, N0, N1, K, k_split,
 @triton.jit
 def _per_head_kernel(X, W, Y, M, N, K, s_xm, s_xh, s_xk, s_wh, s_wn, s_wk, s_ym, s_yh, s_yn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr = False,
-                     PREFETCH: tl.constexpr = 0):
+                     DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     """Program (head h, row block): Y[:, h, rows] = X[:, h, :] @ W[h, rows, :]^T (`mla::per_head_linear`)."""
-    h = tl.program_id(0).to(tl.int64)
-    if PREFETCH > 0:
-        _prefetch_rows(W + h * s_wh, N, tl.program_id(1) * BLOCK_N, 0, K, s_wn, s_wk, BLOCK_N, BLOCK_K, PREFETCH)
     pdl_enter(PDL)
+    h = tl.program_id(0).to(tl.int64)
     _rows_times_x(X + h * s_xh, W + h * s_wh, Y + h * s_yh, M, N, 0, K, tl.program_id(1) * BLOCK_N, s_xm, s_xk,
                   s_wn, s_wk, s_ym, s_yn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
 
@@ -168,7 +139,7 @@ def _launch(x, weights, ys, k_split: int, splits: int, cfg: LinearConfig, s_ys: 
                              s_ys, y0.stride(-2), y0.stride(-1), y1.stride(-2), y1.stride(-1),
                              BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                              EVEN_K=K % cfg.block_k == 0, **dot_mode(x.dtype), num_warps=cfg.num_warps,
-                             num_stages=cfg.num_stages, **pdl_launch(x.device, prefetch=True))
+                             num_stages=cfg.num_stages, **pdl_launch(x.device))
 
 
 def linear_partials(x: torch.Tensor, weights: list[torch.Tensor], splits: int, cfg: LinearConfig | None = None,
@@ -229,6 +200,6 @@ def per_head_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None =
     _per_head_kernel[(H, triton.cdiv(N, block_n))](
         x, weight, y, M, N, K, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
         weight.stride(2), y.stride(0), y.stride(1), y.stride(2), BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=K % block_k == 0, **dot_mode(x.dtype), num_warps=4, num_stages=3, **pdl_launch(x.device, prefetch=True))
+        EVEN_K=K % block_k == 0, **dot_mode(x.dtype), num_warps=4, num_stages=3, **pdl_launch(x.device))
     return y
 

@@ -1,12 +1,13 @@
 """Bias-free linears that read the same x -> one `mla.fused_linear` (the fused qkv_a / gate_up projections);
-a lone bias-free linear with a long K (o_proj, down_proj) -> the same op, for its split-K few-token kernel.
+a lone bias-free linear (q_b_proj, o_proj, down_proj) -> the same op, for its (split-K) few-token kernel.
 
 An MLA layer's q_a_proj and kv_a_proj_with_mqa (q_proj and kv_a_proj_with_mqa without q_lora), and an MLP's
 gate_proj and up_proj, multiply the same activations. vLLM and SGLang fuse them by concatenating the weights
 at load time; this pass fuses them in the graph with no copy of the weights: the linears become one op whose
-CUDA impl is one kernel launch per pair (ops/linear.py); alone, a linear goes there only when K >= 8192,
-where splitting K beat cuBLAS on the H200 (down 12.2 vs 13.8 us, o_proj K=16384 20.9 vs 22.7; with K <= 2048
-cuBLAS stays ahead). The op computes exactly what the linears did, so
+CUDA impl is one kernel launch per pair (ops/linear.py); alone, a linear goes there when K >= 1024 and
+N <= 8192 (q_b_proj, o_proj, down_proj): alone on the H200 ours and cuBLAS were close at K <= 2048 (6.0-6.8 vs
+5.7-6.0 us), but in the step ours chain with their neighbours by programmatic dependent launch and cuBLAS's do not
+(see _MIN_K_ALONE). The op computes exactly what the linears did, so
 the rewrite is semantics-preserving wherever it fires; `where` decides only where it is worth firing:
 
   auto:   CUDA, fp16/bf16, x with at most 16 rows (decode batches), where the H200 sweep measured it faster
@@ -40,20 +41,24 @@ SPLIT_COUNTER = "fused_linear_split_k_groups"  # of those, written as linear_par
 WHERE = ("auto", "always", "never")
 _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
 _MAX_ROWS = 16  # kernels/linear.py MAX_M
-_MIN_K_ALONE = 8192  # a linear without a partner is only worth it with a long K
-_MAX_N_ALONE = None  # experiments: also cap a lone linear's N (lm_head's wide GEMM suits cuBLAS)
+# a linear without a partner: K >= 1024 and N <= 8192 (q_b_proj, o_proj, down_proj; not lm_head, whose wide GEMM
+# suits cuBLAS). Session 7 (H200, HF H=16 32K greedy step, side by side, with W_UK / W_UV as mla.per_head_linear):
+# 679.5 vs 689.0 us a step with only K >= 8192 (down_proj); session 6: lm_head too was slower (744 vs 727 us)
+_MIN_K_ALONE = 1024
+_MAX_N_ALONE = 8192
 
 
-def _worth_it(x: torch.Tensor) -> bool:
-    """Where the few-token kernel was measured faster: CUDA, half precision, a decode batch of rows."""
-    rows = math.prod(x.shape[:-1])
+def few_token_worth_it(x: torch.Tensor, rows=None) -> bool:
+    """Where the few-token kernels were measured faster: CUDA, half precision, a decode batch of rows (default:
+    all of x's leading dims)."""
+    rows = math.prod(x.shape[:-1]) if rows is None else rows
     return (x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16) and isinstance(rows, int)
             and rows <= _MAX_ROWS)
 
 
 def _lone_worth_it(w: torch.Tensor) -> bool:
-    """A linear without a partner goes to the few-token kernel only with a long K (and, in experiments, N capped)."""
-    return w.shape[1] >= _MIN_K_ALONE and (_MAX_N_ALONE is None or w.shape[0] <= _MAX_N_ALONE)
+    """A linear without a partner goes to the few-token kernel with K >= _MIN_K_ALONE and N <= _MAX_N_ALONE."""
+    return w.shape[1] >= _MIN_K_ALONE and w.shape[0] <= _MAX_N_ALONE
 
 
 def _candidate(node: fx.Node, where: str):
@@ -65,7 +70,7 @@ def _candidate(node: fx.Node, where: str):
     if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor) and wv.dim() == 2
             and xv.dtype == wv.dtype and xv.device == wv.device):
         return None
-    if where == "auto" and not _worth_it(xv):
+    if where == "auto" and not few_token_worth_it(xv):
         return None
     return x, w
 
@@ -105,7 +110,7 @@ def _summed_partials(b: Builder, x: fx.Node, weights: list[fx.Node], splits: int
 
 
 def fuse_shared_input_linears(gm: fx.GraphModule | fx.Graph, where: str = "auto") -> int:
-    """Fuse every group of >= 2 bias-free linears over the same x node (and route lone ones with K >= 8192);
+    """Fuse every group of >= 2 bias-free linears over the same x node (and route lone ones, `_lone_worth_it`);
     returns the number of groups rewritten."""
     if where not in WHERE:
         raise ValueError(f"fuse_linears: expected one of {WHERE}, got {where!r}")

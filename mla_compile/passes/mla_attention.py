@@ -640,15 +640,26 @@ def _q_part(b: Builder, q: fx.Node, start: int, width: int) -> fx.Node:
     return b.call(aten.slice.Tensor, b.call(aten.select.int, q, 2, 0), 2, start, start + width)
 
 
-# how the absorbed projections are written: "bmm" (cuBLAS over heads, then a transpose copy) or "per_head_linear"
-# (`mla.per_head_linear`: one few-token launch writing [B, H, N]; not yet measured on the GPU). An Inductor-generated
-# multiply + sum was measured slower (session 6: 747 vs 736 us a step) and removed.
-_ABSORB = "bmm"
+# how the absorbed projections are written: "auto" (default): `mla.per_head_linear` (one few-token Triton launch
+# writing [B, H, N], PDL-chained with its neighbours) for CUDA half-precision decode batches, else "bmm" (over
+# heads, then a transpose copy). Session 7 (H200, HF H=16 32K greedy step, side by side): with q_b / o_proj also
+# on the few-token kernel (passes/fused_linear.py) 679.5 vs 689.0 us a step. An Inductor-generated multiply + sum
+# was measured slower (session 6: 747 vs 736 us) and removed.
+_ABSORB = "auto"
+
+
+def _absorb_with_kernel(x: torch.Tensor) -> bool:
+    """x [B, H, K]: per head, B rows."""
+    if _ABSORB != "auto":
+        return _ABSORB == "per_head_linear"
+    from .fused_linear import few_token_worth_it
+
+    return few_token_worth_it(x, rows=x.shape[0])
 
 
 def _per_head_matmul(b: Builder, x: fx.Node, w: fx.Node, contract_last: bool) -> fx.Node:
     """y[b, h] = x[b, h] @ w[h] (w [H, K, N]), or x[b, h] @ w[h]^T with contract_last (w [H, N, K]): [B, H, N]."""
-    if _ABSORB == "per_head_linear":
+    if _absorb_with_kernel(_val(x)):
         weight = w if contract_last else b.call(aten.transpose.int, w, 1, 2)  # [H, N, K]
         return b.call(torch.ops.mla.per_head_linear.default, x, weight)
     xt = b.call(aten.transpose.int, x, 0, 1)

@@ -42,18 +42,13 @@ def test_our_launches_carry_pdl_unless_turned_off(monkeypatch):
     x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
     torch.ops.mla.fused_linear(x, [torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)])
     assert True in _compiled_with_pdl(linear._linear_kernel)
-    monkeypatch.setenv("MLA_COMPILE_PDL_PREFETCH", "2")
-    assert _util.pdl_launch(torch.device("cuda"), prefetch=True) == {"PDL": True, "launch_pdl": True, "PREFETCH": 2}
     monkeypatch.setenv("MLA_COMPILE_PDL", "0")
     assert _util.pdl_launch(torch.device("cuda")) == {}
-    assert _util.pdl_launch(torch.device("cuda"), prefetch=True) == {"PREFETCH": 0}
 
 
-@pytest.mark.parametrize("tiles", ["0", "2", "1000"])
-def test_weights_rewritten_between_replays_are_read_fresh(monkeypatch, tiles):
-    """With MLA_COMPILE_PDL_PREFETCH the weight kernels prefetch weights into L2 before the PDL wait: only a hint,
-    so weights changed in place between replays (or by the kernel right before) must still be read as they are."""
-    monkeypatch.setenv("MLA_COMPILE_PDL_PREFETCH", tiles)
+def test_weights_rewritten_by_the_kernel_right_before_are_read_fresh():
+    """Weights are inputs like any other: rewritten in place by the kernel right before (and between replays),
+    the few-token kernels must read them as they are now (no read of a weight before the PDL wait)."""
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(8, 2048, device="cuda", generator=g).to(torch.bfloat16)
     w = torch.randn(1024, 2048, device="cuda", generator=g).to(torch.bfloat16)
