@@ -12,7 +12,11 @@ kernels by size (so launch gaps inside the graph and host stalls between steps a
 Variants (each a fresh compile of the same model and cache), see VARIANTS: how the harness hands over the
 attention mask (`input`: a plain tensor, copied by the CUDA-graph tree before every replay; `static`: marked
 static, as a serving loop's persistent buffer would be) and backend options (`pdl`: Inductor's programmatic
-dependent launch).
+dependent launch), and experiments that undo one default at a time.
+
+`--ab ROUNDS` (greedy step, static-mask variants) profiles nothing: it compiles every variant on one model and
+cache and times them round-robin, ROUNDS x `--steps` steps each, reporting each variant's median and its difference
+to the first variant - the way to tell a few us apart (separate processes drift by 20-30 us).
 """
 
 from __future__ import annotations

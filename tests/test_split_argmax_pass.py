@@ -66,13 +66,13 @@ class TestSplitArgmaxSnapshot(expecttest.TestCase):
         self.assertEqual(COUNTERS["mla_compile"][COUNTER], 1)
         self.assertExpectedInline(op_lines(gm), """\
 %0 = getitem(l_logits_, [slice(None, None, None), -1])
-%1 = reshape(%0, 8, 32, 1024)
+%1 = reshape(%0, [8, 32, 1024])
 %2 = argmax(%1, -1)
 %3 = amax(%1, -1)
 %4 = argmax(%3, -1, True)
-%5 = gather(%2, -1, %4)
-%6 = mul(%4, 1024)
-%7 = add(%6, %5)""")
+%5 = mul(%4, 1024)
+%6 = gather(%2, -1, %4)
+%7 = add(%5, %6)""")
 
 
 def test_chunk_width_divides_and_prefers_about_1024():

@@ -98,6 +98,25 @@ def finish_edits(graph: fx.Graph) -> None:
         graph.owning_module.recompile()
 
 
+def replace_each(gm, rewrite, counter: str) -> int:
+    """Node-local rewrites: for every node, `rewrite(graph, node)` inserts a replacement before it and returns it
+    (None: the node stays); the node's uses move to the replacement and the node goes. Counted in
+    `counters["mla_compile"][counter]`; returns the count."""
+    graph = graph_of(gm)
+    rewritten = 0
+    for node in list(graph.nodes):
+        new = rewrite(graph, node)
+        if new is None:
+            continue
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        torch._dynamo.utils.counters["mla_compile"][counter] += rewritten
+        finish_edits(graph)
+    return rewritten
+
+
 def fake_mode_of(graph: fx.Graph):
     """The fake mode of the graph's `example_value`s (Dynamo's; not necessarily the ambient one)."""
     for n in graph.nodes:

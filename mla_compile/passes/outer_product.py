@@ -19,7 +19,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ._fx import finish_edits, graph_of, meta_val
+from ._fx import meta_val, replace_each
 
 COUNTER = "outer_product_matmuls"
 _MATMUL_FUNCTIONS = {operator.matmul, torch.matmul, torch.bmm}
@@ -46,19 +46,14 @@ def _operands(node: fx.Node):
 
 def matmuls_to_outer_products(gm: fx.GraphModule | fx.Graph) -> int:
     """Rewrite every matmul / bmm with a contraction of length 1 into a broadcast multiply; returns the count."""
-    graph = graph_of(gm)
-    rewritten = 0
-    for node in list(graph.nodes):
-        ops = _operands(node)
-        if ops is None:
-            continue
-        with graph.inserting_before(node):
-            mul = graph.call_function(operator.mul, ops)
-        mul.meta.update(node.meta)
-        node.replace_all_uses_with(mul)
-        graph.erase_node(node)
-        rewritten += 1
-    if rewritten:
-        torch._dynamo.utils.counters["mla_compile"][COUNTER] += rewritten
-        finish_edits(graph)
-    return rewritten
+    return replace_each(gm, _outer_product, COUNTER)
+
+
+def _outer_product(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
+    ops = _operands(node)
+    if ops is None:
+        return None
+    with graph.inserting_before(node):
+        mul = graph.call_function(operator.mul, ops)
+    mul.meta.update(node.meta)
+    return mul

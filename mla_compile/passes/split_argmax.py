@@ -17,14 +17,13 @@ Runs on the Dynamo graph; counted in `counters["mla_compile"]["split_arg_reducti
 
 from __future__ import annotations
 
-import contextlib
 import math
 import operator
 
 import torch
 import torch.fx as fx
 
-from ._fx import arg, finish_edits, graph_of, meta_val
+from ._fx import Builder, arg, fake_mode_of, meta_val, replace_each
 
 COUNTER = "split_arg_reductions"
 MIN_N = 8192
@@ -63,44 +62,19 @@ def _site(node: fx.Node):
 
 def split_arg_reductions(gm: fx.GraphModule | fx.Graph) -> int:
     """Rewrite every eligible argmax / argmin (see the module docstring); returns the count."""
-    graph = graph_of(gm)
-    rewritten = 0
-    for node in list(graph.nodes):
-        site = _site(node)
-        if site is None:
-            continue
-        kind, x, keepdim, c = site
-        xv = meta_val(x)
-        emit = _emitter(graph, node, getattr(xv, "fake_mode", None) or contextlib.nullcontext())
-        chunks = emit("call_method", "reshape", x, *xv.shape[:-1], xv.shape[-1] // c, c)
-        local = emit("call_function", getattr(torch, kind), chunks, -1)  # [*lead, S]: index in its chunk
-        extreme = emit("call_function", _EXTREME[kind], chunks, -1)  # [*lead, S]: the chunk's value there
-        best = emit("call_function", getattr(torch, kind), extreme, -1, True)  # [*lead, 1]: the first best chunk
-        within = emit("call_function", torch.gather, local, -1, best)
-        index = emit("call_function", operator.add, emit("call_function", operator.mul, best, c), within)
-        if not keepdim:
-            index = emit("call_method", "squeeze", index, -1)
-        node.replace_all_uses_with(index)
-        graph.erase_node(node)
-        rewritten += 1
-    if rewritten:
-        torch._dynamo.utils.counters["mla_compile"][COUNTER] += rewritten
-        finish_edits(graph)
-    return rewritten
+    return replace_each(gm, _two_stage, COUNTER)
 
 
-def _emitter(graph: fx.Graph, anchor: fx.Node, fake_mode):
-    """emit(op, target, *args): a node before `anchor` with its example value (computed under the fake mode) and
-    the anchor's source metadata."""
-    meta = {k: anchor.meta[k] for k in ("stack_trace", "nn_module_stack", "source_fn_stack") if k in anchor.meta}
-
-    def emit(op: str, target, *args) -> fx.Node:
-        with graph.inserting_before(anchor):
-            node = graph.create_node(op, target, args)
-        node.meta.update(meta)
-        vals = fx.node.map_arg(args, meta_val)
-        with fake_mode:
-            node.meta["example_value"] = getattr(vals[0], target)(*vals[1:]) if op == "call_method" else target(*vals)
-        return node
-
-    return emit
+def _two_stage(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
+    site = _site(node)
+    if site is None:
+        return None
+    kind, x, keepdim, c = site
+    xv = meta_val(x)
+    b = Builder(graph, node, fake_mode_of(graph), node)
+    chunks = b.call(torch.reshape, x, (*xv.shape[:-1], xv.shape[-1] // c, c))
+    local = b.call(getattr(torch, kind), chunks, -1)  # [*lead, S]: index in its chunk
+    extreme = b.call(_EXTREME[kind], chunks, -1)  # [*lead, S]: the chunk's value there
+    best = b.call(getattr(torch, kind), extreme, -1, True)  # [*lead, 1]: the first best chunk
+    index = b.call(operator.add, b.call(operator.mul, best, c), b.call(torch.gather, local, -1, best))
+    return index if keepdim else b.call(torch.squeeze, index, -1)
