@@ -188,8 +188,9 @@ def ab_case(H, kv, args, device, variants, rounds: int) -> dict:
     for variant in variants:
         static_mask, options, experiment = VARIANTS[variant]
         assert static_mask, f"--ab compares static-mask variants only, not {variant}"
-        # Dynamo caches compiled code per code object, and a second torch.compile of the same function with other
-        # options reused the first one's: each variant gets a step function with a code object of its own
+        # Dynamo caches compiled code per code object and backend; variants that differ only in module patches or
+        # environment (same backend, equal options) would reuse the first one's code: each variant gets a step
+        # function with a code object of its own
         step = greedy_step(model)
         target = types.FunctionType(step.__code__.replace(co_name=f"step_{len(runs)}"), step.__globals__,
                                     closure=step.__closure__)
