@@ -109,12 +109,24 @@ def gap_stats(events, steps: int) -> dict:
     return {"buckets": buckets, "largest": [{"us": g, "after": a[:80], "before": b[:80]} for g, a, b in largest]}
 
 
-def profile_case(H, kv, args, device, variant="input"):
-    B = args.batch
+def model_cache_mask(H, kv, args, device):
+    """The benchmark model (hf_decode.py's), its StaticCache filled to kv, and an all-ones attention mask."""
     max_len = kv + 64 * args.steps
-    model = build_model(H, args.layers, args.hidden, args.vocab, torch.bfloat16, device)
-    cache = filled_cache(model, B, kv, max_len, device)
-    mask = torch.ones(B, max_len, dtype=torch.long, device=device)
+    model = build_model(H, args.layers, args.hidden, args.vocab, torch.bfloat16, device, small=args.smoke)
+    cache = filled_cache(model, args.batch, kv, max_len, device)
+    return model, cache, torch.ones(args.batch, max_len, dtype=torch.long, device=device)
+
+
+def wall_us_per_step(run, steps: int, device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    run(steps)
+    sync(device)
+    return (time.perf_counter() - t0) / steps * 1e6
+
+
+def profile_case(H, kv, args, device, variant="input"):
+    model, cache, mask = model_cache_mask(H, kv, args, device)
     static_mask, options, experiment = VARIANTS[variant]
     with experiment_patches(experiment):
         return _profile(H, kv, args, device, variant, model, cache, mask, static_mask, options)
@@ -131,11 +143,7 @@ def _profile(H, kv, args, device, variant, model, cache, mask, static_mask, opti
     run = lambda steps: decode(fn, cache, tok, mask, kv, steps, model=step_model)  # noqa: E731
     run(4)  # compile + record
     rewind(cache, kv)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    run(args.steps)
-    torch.cuda.synchronize()
-    wall_us = (time.perf_counter() - t0) / args.steps * 1e6
+    wall_us = wall_us_per_step(run, args.steps, device)
     rewind(cache, kv)
     n = 5
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -177,13 +185,10 @@ def ab_case(H, kv, args, device, variants, rounds: int) -> dict:
     (`rounds` x `--steps` steps each): differences of a few us stay visible above the run-to-run drift that
     separate processes show (session 6: the same build 0.687-0.717 ms across processes)."""
     B = args.batch
-    model = build_model(H, args.layers, args.hidden, args.vocab, torch.bfloat16, device, small=args.smoke)
-    cache = filled_cache(model, B, kv, kv + 64 * args.steps, device)
-    mask = torch.ones(B, kv + 64 * args.steps, dtype=torch.long, device=device)
+    model, cache, mask = model_cache_mask(H, kv, args, device)
     torch._dynamo.mark_static_address(mask)
     tok = torch.ones(B, 1, dtype=torch.long, device=device)
     assert args.step == "greedy", "--ab times the greedy step (--step greedy)"
-    step_model = model
     runs = {}
     for variant in variants:
         static_mask, options, experiment = VARIANTS[variant]
@@ -197,17 +202,13 @@ def ab_case(H, kv, args, device, variants, rounds: int) -> dict:
         with experiment_patches(experiment):  # active while the variant compiles and records its graphs
             fn = torch.compile(target, backend="mla_dcp", options={"mode": "reduce-overhead", **options},
                                fullgraph=True)
-            runs[variant] = lambda steps, fn=fn: decode(fn, cache, tok, mask, kv, steps, model=step_model)  # noqa: E731
+            runs[variant] = lambda steps, fn=fn: decode(fn, cache, tok, mask, kv, steps, model=model)  # noqa: E731
             runs[variant](4)
             rewind(cache, kv)
     samples = {v: [] for v in variants}
     for _ in range(rounds):
         for variant, run in runs.items():
-            sync(device)
-            t0 = time.perf_counter()
-            run(args.steps)
-            sync(device)
-            samples[variant].append((time.perf_counter() - t0) / args.steps * 1e6)
+            samples[variant].append(wall_us_per_step(run, args.steps, device))
             rewind(cache, kv)
     median = {v: sorted(x)[len(x) // 2] for v, x in samples.items()}
     base = median[variants[0]]

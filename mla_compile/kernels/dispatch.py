@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from ..ops.linear import few_token_rows
 from . import cache as _cache
 from . import decode as _decode
 from . import dsa as _dsa
@@ -74,7 +75,7 @@ def fused_linear(x, weights):
     does not send those here). Otherwise F.linear per weight."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
-    if not _few_token(x2.shape[0], x2.dtype):
+    if not few_token_rows(x2.shape[0], x2.dtype):
         return [torch.nn.functional.linear(x, w) for w in weights]
     outs = []
     for i in range(0, len(weights), 2):
@@ -85,7 +86,7 @@ def fused_linear(x, weights):
 def linear_partials(x, weights, splits):
     """Up to 16 rows in fp16/bf16: the few-token kernel writes the partials (one launch per pair of weights);
     otherwise the op's definition in torch ops."""
-    if not _few_token(x.shape[0], x.dtype):
+    if not few_token_rows(x.shape[0], x.dtype):
         from ..ops.linear import _partials
 
         return _partials(x, weights, splits)
@@ -95,13 +96,9 @@ def linear_partials(x, weights, splits):
 def per_head_linear(x, weight):
     """Up to 16 rows in fp16/bf16: one few-token launch over (head, row block) writing [B, H, N] directly;
     otherwise the op's definition (bmm over heads)."""
-    if not _few_token(x.shape[0], x.dtype):
+    if not few_token_rows(x.shape[0], x.dtype):
         from ..ops.linear import _per_head
 
         return _per_head(x, weight)
     return _linear.per_head_linear(x, weight)
 
-
-def _few_token(rows: int, dtype: torch.dtype) -> bool:
-    """Within the few-token kernels' range: at most MAX_M rows of fp16 / bf16."""
-    return rows <= _linear.MAX_M and dtype in (torch.float16, torch.bfloat16)

@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.linear import K_ALIGN, split_width
+from ..ops.linear import FEW_TOKEN_ROWS, K_ALIGN, split_width
 from ._util import dot_mode, mma, pdl_enter, pdl_launch, sm_count
 
-MAX_M = 16  # the MMA's N side; more tokens belong to a normal GEMM
+MAX_M = FEW_TOKEN_ROWS  # the MMA's N side (rows of x padded to it)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,13 @@ import torch.nn.functional as F
 from . import _checks as C
 
 K_ALIGN = 128  # linear_partials: every split's K range is a whole number of these (the kernel's K step)
+FEW_TOKEN_ROWS = 16  # the few-token kernels' row limit (the MMA's N side); more rows belong to a normal GEMM
+
+
+def few_token_rows(rows, dtype: torch.dtype) -> bool:
+    """Inside the few-token Triton kernels' range (the CUDA impls of these ops; the passes that route projections
+    to them): at most FEW_TOKEN_ROWS rows (a static int) of fp16 / bf16."""
+    return isinstance(rows, int) and rows <= FEW_TOKEN_ROWS and dtype in (torch.float16, torch.bfloat16)
 
 
 def check_fused_linear_args(x, weights):

@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 from torch.ops import aten
 
+from ..ops.linear import FEW_TOKEN_ROWS, few_token_rows
 from ._fx import Builder, arg, fake_mode_of, finish_edits, graph_of, meta_val
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,6 @@ COUNTER = "fused_linear_groups"
 SPLIT_COUNTER = "fused_linear_split_k_groups"  # of those, written as linear_partials + adds
 WHERE = ("auto", "always", "never")
 _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
-_MAX_ROWS = 16  # kernels/linear.py MAX_M
 # a linear without a partner: K >= 1024 and N <= 8192 (q_b_proj, o_proj, down_proj; not lm_head, whose wide GEMM
 # suits cuBLAS). Session 7 (H200, HF H=16 32K greedy step, side by side, with W_UK / W_UV as mla.per_head_linear):
 # 679.5 vs 689.0 us a step with only K >= 8192 (down_proj); session 6: lm_head too was slower (744 vs 727 us)
@@ -52,8 +52,7 @@ def few_token_worth_it(x: torch.Tensor, rows=None) -> bool:
     """Where the few-token kernels were measured faster: CUDA, half precision, a decode batch of rows (default:
     all of x's leading dims)."""
     rows = math.prod(x.shape[:-1]) if rows is None else rows
-    return (x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16) and isinstance(rows, int)
-            and rows <= _MAX_ROWS)
+    return x.device.type == "cuda" and few_token_rows(rows, x.dtype)
 
 
 def _lone_worth_it(w: torch.Tensor) -> bool:
@@ -81,7 +80,7 @@ def _split_k(xv: torch.Tensor, weights: list[fx.Node]) -> int:
     rows = math.prod(xv.shape[:-1])
     K = xv.shape[-1]
     N = sum(meta_val(w).shape[0] for w in weights)
-    if not all(isinstance(d, int) for d in (rows, K, N)) or rows > _MAX_ROWS:
+    if not all(isinstance(d, int) for d in (rows, K, N)) or rows > FEW_TOKEN_ROWS:
         return 1
     from ..kernels.linear import default_linear_config  # Triton: imported only once a group is found
 
