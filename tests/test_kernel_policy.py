@@ -52,3 +52,17 @@ def test_tma_needs_hopper(monkeypatch):
     cfg = D.DecodeConfig(block_n=16, tma=True)
     monkeypatch.setattr(D, "has_tma", lambda device: False)  # e.g. an A100: the pointer kernel runs
     assert not D.tma_eligible(*caches(PS=16), False, cfg)
+
+
+@pytest.mark.parametrize("H,B,L,want", [(16, 1, 131072, 256), (16, 8, 32768, 33), (16, 32, 32768, 8),
+                                        (16, 128, 8192, 2), (16, 512, 8192, 1), (16, 32, 256, 4),
+                                        (128, 1, 131072, 66), (128, 8, 32768, 8), (128, 128, 32768, 1)])
+def test_splits_fill_one_wave_of_an_h200(monkeypatch, H, B, L, want):
+    # 132 SMs; the probe (data/session8_call1) found one wave of programs faster than ~two at every shape
+    monkeypatch.setattr(D, "sm_count", lambda device: 132)
+    cfg = D.default_config(H, 512, 64)
+    ns = D.num_splits(B, H, L, torch.device("cpu"), cfg)
+    assert ns == want
+    programs = B * -(-H // cfg.block_h)
+    assert programs * ns <= max(cfg.ctas_per_sm * 132, programs)  # never a second wave of splits
+    assert ns == 1 or -(-L // ns) >= cfg.min_split_tokens

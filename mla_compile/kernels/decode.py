@@ -223,19 +223,14 @@ def default_config(H: int, R: int, page_size: int) -> DecodeConfig:
 
 
 def num_splits(batch: int, heads: int, capacity: int, device: torch.device, cfg: DecodeConfig) -> int:
-    """Splits from shapes only: enough programs to fill the GPU, never splits shorter than min_split_tokens."""
+    """Splits from shapes only: as many as fit in one wave of `ctas_per_sm` programs per SM, never splits shorter
+    than min_split_tokens. One wave, not more: H200 probe 2026-12-01 (session 8, data/session8_call1): H=16 B=32
+    8 splits (256 programs) 88.9 / 310 us at 8K / 32K vs 98.5 / 318 for the ~2-wave 16; B=128 2 splits 316 vs
+    4 323 at 8K; H=128 B=8 8 splits 269 / 1043 vs 16 279 / 1057 at 32K / 128K; B=8 H=16 keeps 33 (= 264 slots)."""
     programs = max(batch * triton.cdiv(heads, cfg.block_h), 1)
     slots = cfg.ctas_per_sm * sm_count(device)
-    want = triton.cdiv(slots, programs)
     cap = max(1, min(triton.cdiv(max(capacity, 1), cfg.min_split_tokens), cfg.max_splits))
-    if want >= cap:
-        return cap
-
-    def wave_use(ns):  # fraction of the last wave's slots that hold work
-        return programs * ns / (triton.cdiv(programs * ns, slots) * slots)
-
-    # between want and 2*want splits, the one that leaves the least idle tail (the first on ties)
-    return max(range(want, min(2 * want, cap) + 1), key=lambda ns: wave_use(ns) - 1e-3 * ns)
+    return max(1, min(slots // programs, cap))
 
 
 def tma_eligible(ckv_cache, kpe_cache, sparse: bool, cfg: DecodeConfig) -> bool:
