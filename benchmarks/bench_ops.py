@@ -10,6 +10,7 @@ Data is random (never zeros); each (batch, kv_len) gets a shuffled block table o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -76,6 +77,8 @@ def bench_decode(results, copy_bw, sweep, shapes):
             run = lambda c=None: D.decode(qn, qp, ckv, kpe, table, lens, scale, cfg=c)  # noqa: E731
             row["triton_ms"] = ms(run)
             row["triton_graph_ms"] = ms(run, graph=True)
+            if cfg.wgmma:  # the Triton TMA kernel the Gluon one replaced, side by side
+                row["triton_tma_graph_ms"] = ms(lambda: run(dataclasses.replace(cfg, wgmma=False)), graph=True)
             if FI.available():
                 try:
                     fi_run = FI.plan(qn, qp, ckv, table, lens, scale).raw

@@ -34,12 +34,13 @@ def available() -> bool:
 
 
 def compile_sm90(kernel, constexprs: dict, descriptors: dict, num_warps: int, num_stages: int,
-                 divisible: set | None = None) -> dict:
+                 divisible: set | None = None, gluon: bool = False) -> dict:
     """`kernel` for sm_90a with a launch's constexprs (bf16 dot mode): {"ptx", "registers", "spill_bytes"}.
     `descriptors` gives argument types by name (default: the decode kernels' pointers, else i32); `divisible`
     the arguments a launch specialises as multiples of 16 (default: the decode kernels')."""
     divisible = _DIVISIBLE if divisible is None else divisible
-    constexprs = dict(constexprs, DOT_PREC="tf32", DOT_UPCAST=False)
+    if not gluon:  # the Triton kernels' dot mode; Gluon kernels pick their MMAs themselves
+        constexprs = dict(constexprs, DOT_PREC="tf32", DOT_UPCAST=False)
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
@@ -48,7 +49,10 @@ def compile_sm90(kernel, constexprs: dict, descriptors: dict, num_warps: int, nu
         signature[name] = descriptors.get(name) or _POINTERS.get(name) or ("fp32" if name == "scale_log2" else "i32")
         if name in divisible:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+    source = ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    compiled = triton.compile(source(kernel, signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     ptx = compiled.asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -56,7 +60,8 @@ def compile_sm90(kernel, constexprs: dict, descriptors: dict, num_warps: int, nu
         f.flush()
         report = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
                                 text=True, check=True).stderr
-    return {"ptx": ptx, "registers": int(re.findall(r"Used (\d+) registers", report)[-1]),
+    return {"ptx": ptx, "ttgir": compiled.asm["ttgir"], "shared_bytes": compiled.metadata.shared,
+            "registers": int(re.findall(r"Used (\d+) registers", report)[-1]),
             "spill_bytes": int(re.findall(r"(\d+) bytes spill stores", report)[-1])}
 
 
@@ -75,6 +80,20 @@ def stage1_sm90(cfg: D.DecodeConfig, R: int = 512, P: int = 64, page_size: int =
                                                   PDL=pdl), {}, cfg.num_warps, cfg.num_stages)
     ops = collections.Counter(re.findall(r"^\s+(?:@!?%p\d+ )?([a-z]+[a-z0-9._:]*)", out["ptx"], re.M))
     return dict(out, kernel="tma" if tma else "pointer", instructions=sum(ops.values()))
+
+
+def wgmma_stage1_sm90(R: int = 512, P: int = 64, page_size: int = 64, dtype: str = "bf16") -> dict:
+    """The Gluon many-head stage-1 kernel (kernels/decode_wgmma.py) compiled for sm_90a."""
+    from triton.experimental.gluon import language as gl
+
+    from . import decode_wgmma as W
+
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    desc = {name: f"tensordesc<{dtype}[{W.BLOCK_N}, {width}],{gl.NVMMASharedLayout.get_default_for([W.BLOCK_N, width], gdt)!r}>"
+            for name, width in (("CkvDesc", R // 2), ("KpeDesc", P))}
+    desc.update({name: f"*{dtype}" for name in ("Qn", "Qp", "Ckv", "Kpe")})
+    constexprs = W.constexprs(R, P, page_size)
+    return compile_sm90(W._stage1_wgmma_kernel, constexprs, desc, W.NUM_WARPS, 1, gluon=True)
 
 
 def linear_sm90(M: int, K: int, N: int, cfg=None, pdl: bool = False) -> dict:

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ._util import block, dot_mode, has_tma, mma, pdl_enter, pdl_launch, sm_count
+from . import decode_wgmma as _wgmma
 from .merge import merge_into
 
 _LOG2E = 1.4426950408889634
@@ -203,6 +204,7 @@ class DecodeConfig:
     min_split_tokens: int = 64
     tma: bool = False  # full tiles by TMA boxes where the layout allows (see tma_eligible)
     q_in_loop: bool = False  # TMA kernel: re-load q every tile (keeps it out of registers)
+    wgmma: bool = False  # the Gluon warpgroup-MMA kernel (decode_wgmma.py) where it is eligible (sm_90, >= 64 heads)
 
 
 def default_config(H: int, R: int, page_size: int) -> DecodeConfig:
@@ -215,7 +217,10 @@ def default_config(H: int, R: int, page_size: int) -> DecodeConfig:
         # many heads (compute-bound): a 64-row tile reaches Hopper's warpgroup MMA and reads each KV tile for
         # 64 heads at once; TMA h64n64w8s2 253-279 TFLOP/s vs 206-215 for the pointer kernel (3 stages there:
         # 2-5% ahead of 2)
-        return DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=stages, ctas_per_sm=1, tma=True)
+        # The Gluon kernel (decode_wgmma.py) takes these shapes on an H200 where eligible; this config is then its
+        # fallback (another GPU, no Gluon)
+        return DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=stages, ctas_per_sm=1, tma=True,
+                            wgmma=True)
     # few heads (bandwidth-bound): the pointer kernel (16-byte async copies, ~220 registers, no spills) with
     # 64-token tiles: 0.79-0.92 of copy bandwidth at kv >= 32K vs 0.71-0.83 for the TMA kernel, whose q operand
     # spills (rounds 7-9); 256 splits: batch 1 at 128K 54 us. Page 64: 2 stages 1.5-6% ahead of 3.
@@ -330,7 +335,9 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
         l = torch.empty((ns, B, H), dtype=torch.float32, device=q_nope.device)
         s_on, s_ln = o.stride(0), l.stride(0)
     sparse = indices is not None
-    if tma_eligible(ckv_cache, kpe_cache, sparse, cfg):
+    if cfg.wgmma and not sparse and _wgmma.eligible(q_nope, ckv_cache, kpe_cache):
+        _wgmma.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns)
+    elif tma_eligible(ckv_cache, kpe_cache, sparse, cfg):
         _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, cfg)
     else:
         _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, o, l, s_on,

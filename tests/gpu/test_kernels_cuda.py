@@ -116,6 +116,9 @@ KERNEL_CONFIGS = {  # name: (H, DecodeConfig fields, page sizes); tma=True confi
     "h128": (128, dict(block_h=64, block_n=32, num_warps=8, num_stages=2, ctas_per_sm=1, tma=True), (32, 64, 128)),
     "ptr-h16": (16, dict(block_h=16, block_n=64, num_warps=4, num_stages=3, max_splits=256), (1, 16, 64)),
     "ptr-h128": (128, dict(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1), (1, 64)),
+    # the Gluon warpgroup-MMA kernel (decode_wgmma.py) on sm_90; elsewhere this config runs the TMA kernel
+    "wgmma-h128": (128, dict(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, tma=True, wgmma=True),
+                   (64, 128)),
 }
 CONFIG_PAGES = [(name, ps) for name, (_, _, pages) in sorted(KERNEL_CONFIGS.items()) for ps in pages]
 
@@ -432,3 +435,37 @@ def test_per_head_linear_cuda_graph_replay():
         torch.cuda.synchronize()
         assert _rel(y, torch.einsum("bhk,hnk->bhn", x.double(), w.double())) < 2e-2
 
+
+
+# ------------------------------------------------------------------------------------------------ Gluon decode
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H,PS", [(128, 64), (64, 128), (96, 64)])
+def test_wgmma_kernel(H, PS, dtype):
+    # the many-head Gluon kernel: lengths on and off tile edges, several tiles per split (the TMA ring wraps), a
+    # partial head block (H=96), forced and policy split counts; unused cache slots hold NaN
+    from mla_compile.kernels import decode as K
+    from mla_compile.kernels import decode_wgmma as W
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("warpgroup MMA: sm_90 only")
+    b, qn, qp = make_batch([0, 1, 63, 64, 65, 777, 4101, 0, 33, 256], H, 512, 64, PS, dtype, seed=H + PS)
+    assert W.eligible(qn, b.ckv_cache, b.kpe_cache)
+    assert K.default_config(H, 512, PS).wgmma
+    want = ref_of(b, qn, qp, 0.08)
+    for splits in (1, 3, 40, None):
+        out, lse = K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.08, splits=splits)
+        assert_attention(out, lse, *want, dtype)
+
+
+def test_wgmma_kernel_large_logits():
+    # scores far from 0 (q scaled up): the online softmax's running max must keep exp2 in range, and rows whose
+    # first tiles hold the largest scores must still weigh later tiles right
+    from mla_compile.kernels import decode as K
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("warpgroup MMA: sm_90 only")
+    b, qn, qp = make_batch([2000, 130, 64], 128, 512, 64, 64, torch.bfloat16, seed=5)
+    qn, qp = qn * 8, qp * 8
+    want = ref_of(b, qn, qp, 0.1)
+    out, lse = K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.1, splits=2)
+    assert_attention(out, lse, *want, torch.bfloat16)

@@ -1,0 +1,240 @@
+"""Many-head paged MLA decode, stage 1, in Gluon: Hopper warpgroup MMAs with their layouts chosen by hand.
+
+Why not the Triton kernel (decode.py `_stage1_tma_kernel`): for the score tile s = q.ckv^T of [64 heads, 64
+tokens], Triton 3.6 lays the MMA out as 8 warps along M (TTGIR: warpsPerCTA [8, 1], instr n = 32), so BOTH
+warpgroups compute the same scores, each reading q and the tile from shared memory at 3 KB per 16-clock
+instruction: 1.5x the tensor work at three times what shared memory serves. H=128 stayed at ~27% of the
+H200's peak (274 TFLOP/s, session 3). Here the two warpgroups split the score tile by tokens (warps [4, 2]) and
+the output by columns, so every product is computed once.
+
+One program per (request, block of 64 heads, KV split), 8 warps. Shared memory holds q (latent halves + rope,
+loaded once) and STAGES tiles of 64 tokens (TMA boxes; the next tile loads while this one computes); p goes
+through shared memory to feed the second MMA from both warpgroups. A split's partial last tile is filled by
+masked loads (slots past seq_len may hold NaN and must never reach an MMA). The program writes the same
+normalised partial out and natural-log lse as the Triton kernels, so decode.py's merge is shared.
+
+Needs sm_90 exactly (warpgroup MMA is Hopper's; Blackwell has tcgen05 instead), bf16 / fp16, whole tiles inside a
+page and the latent in two power-of-two halves: see `eligible`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every shape
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the Triton build
+    gluon = None
+
+BLOCK_H = 64  # one warpgroup MMA's M: heads per program
+BLOCK_N = 64  # tokens per tile
+STAGES = 2
+NUM_WARPS = 8  # two warpgroups
+SMEM_LIMIT = 227 * 1024  # Hopper's largest per-block shared memory
+
+
+def smem_bytes(R: int, P: int, itemsize: int = 2) -> int:
+    """q + STAGES KV tiles + p (+ barriers): what one program allocates."""
+    return itemsize * (BLOCK_H * (R + P) + STAGES * BLOCK_N * (R + P) + BLOCK_H * BLOCK_N) + 64
+
+
+def eligible(q_nope, ckv_cache, kpe_cache) -> bool:
+    """The Gluon kernel serves this call: Gluon present, an sm_90 GPU, fp16/bf16, >= 64 heads, pages of whole
+    64-token tiles, latent halves and rope widths that are powers of two a TMA box and an MMA accept, caches that
+    view as [slots, width] with 16-byte aligned bases, and the tiles fitting shared memory."""
+    if gluon is None or not ckv_cache.is_cuda or torch.cuda.get_device_capability(ckv_cache.device) != (9, 0):
+        return False
+    NP, PS, R = ckv_cache.shape
+    P = kpe_cache.shape[2]
+    pow2 = lambda x: 16 <= x <= 256 and x & (x - 1) == 0  # noqa: E731
+    return (q_nope.dtype in (torch.bfloat16, torch.float16) and ckv_cache.dtype == q_nope.dtype
+            and q_nope.shape[1] >= BLOCK_H and PS % BLOCK_N == 0 and R % 2 == 0 and pow2(R // 2) and pow2(P)
+            and ckv_cache.stride()[:2] == (PS * R, R) and kpe_cache.stride()[:2] == (PS * P, P)
+            and ckv_cache.data_ptr() % 16 == 0 and kpe_cache.data_ptr() % 16 == 0
+            and smem_bytes(R, P) <= SMEM_LIMIT)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _load_rows(base, rows, offs_c, valid, WIDTH: gl.constexpr):
+        """[len(rows), WIDTH] from base + rows[:, None] + offs_c[None, :], zero where not valid."""
+        return gl.load(base + rows[:, None] + offs_c[None, :], mask=valid[:, None] & (offs_c[None, :] < WIDTH),
+                       other=0.0)
+
+    @gluon.jit
+    def _tile_update(q0_s, q1_s, qp_s, c0_t, c1_t, k_t, p_s, valid, m_i, l_i, acc0, acc1, s0, scale_log2,
+                     MASKED: gl.constexpr, O_L: gl.constexpr):
+        """One online-softmax step over the KV tile in shared memory (c0 | c1 latent halves, k rope); s0 is a
+        score-shaped tensor in the score layout (its values are ignored)."""
+        s = warpgroup_mma(q0_s, c0_t.permute((1, 0)), s0, use_acc=False, is_async=True)
+        s = warpgroup_mma(q1_s, c1_t.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(qp_s, k_t.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        s = s * scale_log2
+        if MASKED:
+            s = gl.where(valid[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of only masked slots stays NaN-free
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        # p feeds the second MMA from shared memory: each warpgroup holds half its columns. The first barrier keeps
+        # a warpgroup from overwriting p while the other's previous p.ckv may still read it
+        gl.thread_barrier()
+        p_s.store(p.to(p_s.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        acc0 = warpgroup_mma(p_s, c0_t, acc0 * alpha_o, is_async=True)
+        acc1 = warpgroup_mma(p_s, c1_t, acc1 * alpha_o, is_async=True)
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+        return m_new, l_i, acc0, acc1
+
+    @gluon.jit
+    def _issue_tile(desc_c, desc_k, bar, c0_t, c1_t, k_t, Table, b, s_tb, t0, PS: gl.constexpr, RH: gl.constexpr):
+        """TMA loads of the whole tile starting at token t0 (inside one page) into one stage."""
+        page = gl.load(Table + b * s_tb + t0 // PS)
+        row = page * PS + t0 % PS
+        mbarrier.expect(bar, 2 * desc_c.block_type.nbytes + desc_k.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_c, [row, 0], bar, c0_t)
+        tma.async_copy_global_to_shared(desc_c, [row, RH], bar, c1_t)
+        tma.async_copy_global_to_shared(desc_k, [row, 0], bar, k_t)
+
+    @gluon.jit
+    def _stage1_wgmma_kernel(Qn, Qp, CkvDesc, KpeDesc, Ckv, Kpe, Table, Lens, O, L,
+                             scale_log2, H,
+                             s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
+                             s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
+                             n_splits, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
+                             BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        gl.static_assert(gl.num_warps() == 8, "two warpgroups")
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, BLOCK_N // 2, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, RH // 2, 16])
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte global loads
+        dt: gl.constexpr = CkvDesc.dtype
+
+        b = gl.program_id(0).to(gl.int64)
+        hb = gl.program_id(1)
+        split = gl.program_id(2)
+        n = gl.load(Lens + b)
+        split_len = gl.cdiv(gl.cdiv(n, n_splits), BLOCK_N) * BLOCK_N  # whole tiles: only a split's last is partial
+        start = split * split_len
+        end = gl.minimum(start + split_len, n)
+        n_full = gl.maximum(end - start, 0) // BLOCK_N
+
+        # q -> shared memory once: the A operand of every score MMA
+        offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD))
+        offs_r = gl.arange(0, RH, layout=gl.SliceLayout(0, LD))
+        offs_p = gl.arange(0, P, layout=gl.SliceLayout(0, LD))
+        mask_h = offs_h < H
+        qn_rows = b * s_qnb + offs_h * s_qnh
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RH], dt)
+        qp_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, P], dt)
+        q0_s = gl.allocate_shared_memory(dt, [BLOCK_H, RH], q_sl, _load_rows(Qn, qn_rows, offs_r, mask_h, RH))
+        q1_s = gl.allocate_shared_memory(dt, [BLOCK_H, RH], q_sl, _load_rows(Qn + RH, qn_rows, offs_r, mask_h, RH))
+        qp_s = gl.allocate_shared_memory(dt, [BLOCK_H, P], qp_sl,
+                                         _load_rows(Qp, b * s_qpb + offs_h * s_qph, offs_p, mask_h, P))
+        p_s = gl.allocate_shared_memory(dt, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for(
+            [BLOCK_H, BLOCK_N], dt))
+        c0_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, RH], CkvDesc.layout)
+        c1_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, RH], CkvDesc.layout)
+        k_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, P], KpeDesc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()  # q's stores and the barrier inits before any async-proxy access
+        gl.thread_barrier()
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
+        acc0 = gl.zeros([BLOCK_H, RH], gl.float32, layout=O_L)
+        acc1 = gl.zeros([BLOCK_H, RH], gl.float32, layout=O_L)
+        no_mask = gl.full([BLOCK_N], 1, gl.int1, layout=gl.SliceLayout(0, S_L))
+        s0 = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+
+        if n_full > 0:
+            _issue_tile(CkvDesc, KpeDesc, bars.index(0), c0_s.index(0), c1_s.index(0), k_s.index(0), Table, b,
+                        s_tb, start, PS, RH)
+        for i in range(n_full):
+            st = i % STAGES
+            # the next tile's stage was last read by tile i + 1 - STAGES, whose MMAs have completed
+            if i + 1 < n_full:
+                nx = (i + 1) % STAGES
+                _issue_tile(CkvDesc, KpeDesc, bars.index(nx), c0_s.index(nx), c1_s.index(nx), k_s.index(nx),
+                            Table, b, s_tb, start + (i + 1) * BLOCK_N, PS, RH)
+            mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+            m_i, l_i, acc0, acc1 = _tile_update(q0_s, q1_s, qp_s, c0_s.index(st), c1_s.index(st), k_s.index(st), p_s,
+                                                no_mask, m_i, l_i, acc0, acc1, s0, scale_log2, False, O_L)
+
+        t0 = start + n_full * BLOCK_N
+        if t0 < end:  # the partial last tile: masked loads into stage 0 (idle: every MMA above has completed)
+            offs_t = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+            valid = offs_t < end
+            page = gl.load(Table + b * s_tb + t0 // PS).to(gl.int64)  # the tile lies in one page
+            crow = page * s_cp + (offs_t % PS) * s_cs
+            c0_s.index(0).store(_load_rows(Ckv, crow, offs_r, valid, RH))
+            c1_s.index(0).store(_load_rows(Ckv + RH, crow, offs_r, valid, RH))
+            k_s.index(0).store(_load_rows(Kpe, page * s_kp + (offs_t % PS) * s_ks, offs_p, valid, P))
+            fence_async_shared()
+            gl.thread_barrier()
+            valid_s = (t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))) < end
+            m_i, l_i, acc0, acc1 = _tile_update(q0_s, q1_s, qp_s, c0_s.index(0), c1_s.index(0), k_s.index(0), p_s,
+                                                valid_s, m_i, l_i, acc0, acc1, s0, scale_log2, True, O_L)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        # this split's normalised out and natural-log lse (-inf, out 0 when it saw no token)
+        has = l_i > 0
+        lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        inv = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), gl.SliceLayout(1, O_L))[:, None]
+        oh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
+        orr = gl.arange(0, RH, layout=gl.SliceLayout(0, O_L))
+        o_ptr = O + split.to(gl.int64) * s_on + b * s_ob + oh[:, None] * s_oh + orr[None, :]
+        o_mask = (oh < H)[:, None] & (orr < RH)[None, :]
+        gl.store(o_ptr, acc0 * inv, mask=o_mask)
+        gl.store(o_ptr + RH, acc1 * inv, mask=o_mask)
+        lh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))
+        gl.store(L + split * s_ln + b * s_lb + lh * s_lh, lse, mask=lh < H)
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
+def constexprs(R: int, P: int, page_size: int) -> dict:
+    """The kernel's compile-time arguments (shared with the AOT codegen check)."""
+    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=STAGES)
+
+
+def descriptors(ckv_cache, kpe_cache):
+    NP, PS, R = ckv_cache.shape
+    P = kpe_cache.shape[2]
+    gdt = _gl_dtype(ckv_cache.dtype)
+    c_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R // 2], gdt)
+    k_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, P], gdt)
+    return (TensorDescriptor.from_tensor(ckv_cache.view(NP * PS, R), [BLOCK_N, R // 2], c_layout),
+            TensorDescriptor.from_tensor(kpe_cache.view(NP * PS, P), [BLOCK_N, P], k_layout))
+
+
+def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns):
+    """Stage 1 into o [ns, B, H, R] / l [ns, B, H] (or the final out / lse with ns == 1: s_on = s_ln = 0)."""
+    B, H, R = q_nope.shape
+    NP, PS, _ = ckv_cache.shape
+    P = kpe_cache.shape[2]
+    ckv_desc, kpe_desc = descriptors(ckv_cache, kpe_cache)
+    grid = (B, triton.cdiv(H, BLOCK_H), ns)
+    return _stage1_wgmma_kernel[grid](
+        q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
+        sm_scale * 1.4426950408889634, H,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1), block_table.stride(0),
+        s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
+        ns, **constexprs(R, P, PS), num_warps=NUM_WARPS)
