@@ -69,31 +69,47 @@ if gluon is not None:
 
     @gluon.jit
     def _tile_update(q0_s, q1_s, qp_s, c0_t, c1_t, k_t, p_s, valid, m_i, l_i, acc0, acc1, s0, scale_log2,
-                     MASKED: gl.constexpr, O_L: gl.constexpr):
+                     MASKED: gl.constexpr, O_L: gl.constexpr, PROBE: gl.constexpr):
         """One online-softmax step over the KV tile in shared memory (c0 | c1 latent halves, k rope); s0 is a
-        score-shaped tensor in the score layout (its values are ignored)."""
-        s = warpgroup_mma(q0_s, c0_t.permute((1, 0)), s0, use_acc=False, is_async=True)
-        s = warpgroup_mma(q1_s, c1_t.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(qp_s, k_t.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        score-shaped tensor in the score layout (its values are ignored). l_i is kept score-shaped, each thread
+        summing its own columns: the row sums need no cross-warp reduction until the end. PROBE != 0 drops
+        phases for timing only (benchmarks/wgmma_probe.py; wrong results): 1 softmax, 2 p.ckv, 4 q.ckv^T,
+        8 the accumulator rescale, 16 p's trip through shared memory."""
+        if PROBE & 4:
+            s = s0
+        else:
+            s = warpgroup_mma(q0_s, c0_t.permute((1, 0)), s0, use_acc=False, is_async=True)
+            s = warpgroup_mma(q1_s, c1_t.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(qp_s, k_t.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         s = s * scale_log2
         if MASKED:
             s = gl.where(valid[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of only masked slots stays NaN-free
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        # p feeds the second MMA from shared memory: each warpgroup holds half its columns. The first barrier keeps
-        # a warpgroup from overwriting p while the other's previous p.ckv may still read it
-        gl.thread_barrier()
-        p_s.store(p.to(p_s.dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        acc0 = warpgroup_mma(p_s, c0_t, acc0 * alpha_o, is_async=True)
-        acc1 = warpgroup_mma(p_s, c1_t, acc1 * alpha_o, is_async=True)
-        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+        if PROBE & 1:
+            m_new = m_i
+            alpha = gl.exp2(m_i - m_i)
+            p = s
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of only masked slots stays NaN-free
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha[:, None] + p
+        # p feeds the second MMA from shared memory: each warpgroup holds half its columns. No warpgroup can be
+        # here while the other's previous p.ckv still reads p_s: the row max above is a cross-warpgroup
+        # reduction, so every warp has passed its previous MMA wait
+        if (PROBE & 16) == 0:
+            p_s.store(p.to(p_s.dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+        if (PROBE & 8) == 0:
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            acc0 = acc0 * alpha_o
+            acc1 = acc1 * alpha_o
+        if (PROBE & 2) == 0:
+            acc0 = warpgroup_mma(p_s, c0_t, acc0, is_async=True)
+            acc1 = warpgroup_mma(p_s, c1_t, acc1, is_async=True)
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
         return m_new, l_i, acc0, acc1
 
     @gluon.jit
@@ -112,7 +128,8 @@ if gluon is not None:
                              s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
                              s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
                              n_splits, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
-                             BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                             BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                             PROBE: gl.constexpr = 0):
         gl.static_assert(gl.num_warps() == 8, "two warpgroups")
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, BLOCK_N // 2, 16])
@@ -121,8 +138,8 @@ if gluon is not None:
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte global loads
         dt: gl.constexpr = CkvDesc.dtype
 
-        b = gl.program_id(0).to(gl.int64)
-        hb = gl.program_id(1)
+        hb = gl.program_id(0)  # fastest: a tile's head blocks run on neighbouring SMs and share its L2 copy
+        b = gl.program_id(1).to(gl.int64)
         split = gl.program_id(2)
         n = gl.load(Lens + b)
         split_len = gl.cdiv(gl.cdiv(n, n_splits), BLOCK_N) * BLOCK_N  # whole tiles: only a split's last is partial
@@ -154,7 +171,7 @@ if gluon is not None:
         gl.thread_barrier()
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
-        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
+        l_i = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)  # per-thread partial row sums
         acc0 = gl.zeros([BLOCK_H, RH], gl.float32, layout=O_L)
         acc1 = gl.zeros([BLOCK_H, RH], gl.float32, layout=O_L)
         no_mask = gl.full([BLOCK_N], 1, gl.int1, layout=gl.SliceLayout(0, S_L))
@@ -172,7 +189,7 @@ if gluon is not None:
                             Table, b, s_tb, start + (i + 1) * BLOCK_N, PS, RH)
             mbarrier.wait(bars.index(st), (i // STAGES) & 1)
             m_i, l_i, acc0, acc1 = _tile_update(q0_s, q1_s, qp_s, c0_s.index(st), c1_s.index(st), k_s.index(st), p_s,
-                                                no_mask, m_i, l_i, acc0, acc1, s0, scale_log2, False, O_L)
+                                                no_mask, m_i, l_i, acc0, acc1, s0, scale_log2, False, O_L, PROBE)
 
         t0 = start + n_full * BLOCK_N
         if t0 < end:  # the partial last tile: masked loads into stage 0 (idle: every MMA above has completed)
@@ -187,11 +204,12 @@ if gluon is not None:
             gl.thread_barrier()
             valid_s = (t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))) < end
             m_i, l_i, acc0, acc1 = _tile_update(q0_s, q1_s, qp_s, c0_s.index(0), c1_s.index(0), k_s.index(0), p_s,
-                                                valid_s, m_i, l_i, acc0, acc1, s0, scale_log2, True, O_L)
+                                                valid_s, m_i, l_i, acc0, acc1, s0, scale_log2, True, O_L, PROBE)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
         # this split's normalised out and natural-log lse (-inf, out 0 when it saw no token)
+        l_i = gl.sum(l_i, 1)
         has = l_i > 0
         lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         inv = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), gl.SliceLayout(1, O_L))[:, None]
@@ -224,17 +242,17 @@ def descriptors(ckv_cache, kpe_cache):
             TensorDescriptor.from_tensor(kpe_cache.view(NP * PS, P), [BLOCK_N, P], k_layout))
 
 
-def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns):
+def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, probe=0):
     """Stage 1 into o [ns, B, H, R] / l [ns, B, H] (or the final out / lse with ns == 1: s_on = s_ln = 0)."""
     B, H, R = q_nope.shape
     NP, PS, _ = ckv_cache.shape
     P = kpe_cache.shape[2]
     ckv_desc, kpe_desc = descriptors(ckv_cache, kpe_cache)
-    grid = (B, triton.cdiv(H, BLOCK_H), ns)
+    grid = (triton.cdiv(H, BLOCK_H), B, ns)
     return _stage1_wgmma_kernel[grid](
         q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
         sm_scale * 1.4426950408889634, H,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1), block_table.stride(0),
         s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
-        ns, **constexprs(R, P, PS), num_warps=NUM_WARPS)
+        ns, **constexprs(R, P, PS), PROBE=probe, num_warps=NUM_WARPS)

@@ -1,0 +1,72 @@
+"""Where the Gluon many-head decode kernel's time goes (kernels/decode_wgmma.py; not a test).
+
+usage: python benchmarks/wgmma_probe.py OUT.json
+
+Times stage 1 alone by CUDA-graph replay (`do_bench_cudagraph` median) with phases dropped through the kernel's
+PROBE constexpr (1 softmax, 2 p.ckv, 4 q.ckv^T, 8 the accumulator rescale, 16 p through shared memory; such runs
+compute wrong results and only say what a phase costs), next to the whole op, the Triton TMA kernel and
+FlashInfer at the same shapes. bf16, R 512 / P 64, page 64, shuffled pages, random data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+import mla_compile  # noqa: F401
+from mla_compile.kernels import decode as D
+from mla_compile.kernels import decode_wgmma as W
+from mla_compile.kernels import flashinfer_mla as FI
+
+R, P, PS, H = 512, 64, 64, 128
+DT = torch.bfloat16
+SHAPES = [(8, 131072), (128, 32768)]
+PROBES = {"all phases": 0, "no softmax": 1, "no p.ckv": 2, "no q.ckv^T": 4, "no rescale": 8, "no p via smem": 16,
+          "no rescale, no p via smem": 24, "q.ckv^T only": 1 | 2 | 8 | 16, "p.ckv only": 1 | 4 | 8,
+          "loads and loop only": 31}
+
+
+def us(fn):
+    return do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3
+
+
+def main(path):
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    pages = max(b * n for b, n in SHAPES) // PS
+    ckv = torch.empty(pages, PS, R, dtype=DT, device="cuda").normal_()
+    kpe = torch.empty(pages, PS, P, dtype=DT, device="cuda").normal_()
+    for B, L in SHAPES:
+        table = torch.randperm(pages, device="cuda")[: B * L // PS].view(B, L // PS).int()
+        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        qn = torch.randn(B, H, R, dtype=DT, device="cuda")
+        qp = torch.randn(B, H, P, dtype=DT, device="cuda")
+        cfg = D.default_config(H, R, PS)
+        ns = D.num_splits(B, H, L, qn.device, cfg)
+        o = torch.empty(ns, B, H, R, dtype=torch.float32, device="cuda")
+        lse = torch.empty(ns, B, H, dtype=torch.float32, device="cuda")
+        row = {"B": B, "L": L, "H": H, "splits": ns, "flops": D.flops(B, H, L, R, P), "stage1_us": {}}
+        for name, probe in PROBES.items():
+            row["stage1_us"][name] = us(lambda: W.launch(qn, qp, ckv, kpe, table, lens, 0.07, o, lse, o.stride(0),
+                                                         lse.stride(0), ns, probe=probe))
+        row["op_us"] = us(lambda: D.decode(qn, qp, ckv, kpe, table, lens, 0.07))
+        row["tma_op_us"] = us(lambda: D.decode(qn, qp, ckv, kpe, table, lens, 0.07,
+                                               cfg=dataclasses.replace(cfg, wgmma=False)))
+        if FI.available():
+            fi_run = FI.plan(qn, qp, ckv, table, lens, 0.07).raw
+            fi_run(qn, qp, ckv, kpe)
+            row["flashinfer_us"] = us(lambda: fi_run(qn, qp, ckv, kpe))
+        row["tflops"] = {k: row["flops"] / (v * 1e-6) / 1e12 for k, v in
+                         [("op", row["op_us"]), ("tma_op", row["tma_op_us"]), ("flashinfer", row.get("flashinfer_us"))]
+                         if v}
+        print(json.dumps(row), flush=True)
+        res["rows"].append(row)
+    with open(path, "w") as fh:
+        json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
