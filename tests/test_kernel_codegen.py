@@ -4,7 +4,8 @@ ahead of time (no GPU needed) and its bundled ptxas reports registers and spills
 These guard the properties the H200 sweeps showed the speed depends on (RESULTS.md, decode sweep rounds 6-9, linear
 sweeps 1-2):
 the pointer kernel's cache loads must be 16-byte async copies (a runtime R/P once left 2-byte loads and cost
-~10%), nothing spills, and the H=128 TMA kernel runs Hopper's warpgroup MMA on TMA-loaded tiles.
+~10%), nothing spills, the H=128 TMA kernel runs Hopper's warpgroup MMA on TMA-loaded tiles, and the Gluon kernel
+that replaced it on sm_90 computes each score once.
 """
 
 from __future__ import annotations
@@ -37,6 +38,26 @@ def test_many_heads_tma_kernel_feeds_warpgroup_mma():
     assert "cp.async.bulk.tensor" in out["ptx"], "full tiles are not TMA copies"
     assert "wgmma.mma_async" in out["ptx"], "no warpgroup MMA"
     assert out["spill_bytes"] <= 1024, out["spill_bytes"]  # ptxas' offline count; the H200 reports 0 for this config
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_many_heads_gluon_kernel_computes_each_score_once(dtype):
+    """The Gluon kernel (kernels/decode_wgmma.py) exists because Triton laid the score MMA out as 8 warps along
+    M (warpsPerCTA [8, 1]): both warpgroups computed the same scores. Here the score MMA must split the tile's
+    tokens over the two warpgroups ([4, 2], 32 tokens each) and the output's columns likewise, q and the tiles
+    must fit one SM's shared memory, and nothing may spill."""
+    from mla_compile.kernels import decode_wgmma as W
+
+    out = aot.wgmma_stage1_sm90(dtype=dtype)
+    mma_layouts = set(re.findall(r"nvidia_mma<\{[^}]*warpsPerCTA = (\[\d+, \d+\]), instrShape = (\[[\d, ]+\])", out["ttgir"]))
+    assert mma_layouts == {("[4, 2]", "[16, 32, 16]"), ("[4, 2]", "[16, 128, 16]")}, mma_layouts
+    assert "cp.async.bulk.tensor" in out["ptx"], "full tiles are not TMA copies"
+    # per tile and warpgroup: q.ckv^T = 576 / 16 instructions, p.ckv = 2 x 64 / 16; once for the full tiles'
+    # loop and once for a split's partial last tile
+    assert len(re.findall(r"wgmma\.mma_async", out["ptx"])) == 2 * (576 // 16 + 2 * 64 // 16)
+    assert out["spill_bytes"] == 0, out["registers"]
+    assert out["shared_bytes"] <= W.SMEM_LIMIT
+    assert out["shared_bytes"] >= W.smem_bytes(512, 64) - 64  # q, both stages and p are all there
 
 
 @pytest.mark.parametrize("M,K,N", [(8, 2048, 2112), (8, 2048, 16384), (8, 8192, 2048), (1, 7168, 2112)])
