@@ -3,7 +3,7 @@
 usage: python benchmarks/wgmma_probe.py OUT.json
 
 Times stage 1 alone by CUDA-graph replay (`do_bench_cudagraph` median) with phases dropped through the kernel's
-PROBE constexpr (1 softmax, 2 p.ckv, 4 q.ckv^T, 8 the accumulator rescale, 16 p through shared memory; such runs
+PROBE constexpr, for both loop schedules (PIPE), (1 softmax, 2 p.ckv, 4 q.ckv^T, 8 the accumulator rescale, 16 p through shared memory; such runs
 compute wrong results and only say what a phase costs), next to the whole op, the Triton TMA kernel and
 FlashInfer at the same shapes. bf16, R 512 / P 64, page 64, shuffled pages, random data.
 """
@@ -26,8 +26,8 @@ R, P, PS, H = 512, 64, 64, 128
 DT = torch.bfloat16
 SHAPES = [(8, 131072), (128, 32768)]
 PROBES = {"all phases": 0, "no softmax": 1, "no p.ckv": 2, "no q.ckv^T": 4, "no rescale": 8, "no p via smem": 16,
-          "no rescale, no p via smem": 24, "q.ckv^T only": 1 | 2 | 8 | 16, "p.ckv only": 1 | 4 | 8,
-          "loads and loop only": 31}
+          "q.ckv^T only": 1 | 2 | 8 | 16, "p.ckv only": 1 | 4 | 8, "loads and loop only": 31}
+PIPES = {"": False, "pipe: ": True}  # the kernel's two loop schedules (decode_wgmma.PIPE)
 
 
 def us(fn):
@@ -49,9 +49,11 @@ def main(path):
         o = torch.empty(ns, B, H, R, dtype=torch.float32, device="cuda")
         lse = torch.empty(ns, B, H, dtype=torch.float32, device="cuda")
         row = {"B": B, "L": L, "H": H, "splits": ns, "flops": D.flops(B, H, L, R, P), "stage1_us": {}}
-        for name, probe in PROBES.items():
-            row["stage1_us"][name] = us(lambda: W.launch(qn, qp, ckv, kpe, table, lens, 0.07, o, lse, o.stride(0),
-                                                         lse.stride(0), ns, probe=probe))
+        for tag, pipe in PIPES.items():
+            for name, probe in PROBES.items():
+                row["stage1_us"][tag + name] = us(lambda: W.launch(qn, qp, ckv, kpe, table, lens, 0.07, o, lse,
+                                                                   o.stride(0), lse.stride(0), ns, probe=probe,
+                                                                   pipe=pipe))
         row["op_us"] = us(lambda: D.decode(qn, qp, ckv, kpe, table, lens, 0.07))
         row["tma_op_us"] = us(lambda: D.decode(qn, qp, ckv, kpe, table, lens, 0.07,
                                                cfg=dataclasses.replace(cfg, wgmma=False)))

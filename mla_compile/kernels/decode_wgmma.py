@@ -26,7 +26,7 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve ever
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma, warpgroup_mma_wait)
+                                                                  warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - depends on the Triton build
     gluon = None
@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover - depends on the Triton build
 BLOCK_H = 64  # one warpgroup MMA's M: heads per program
 BLOCK_N = 64  # tokens per tile
 STAGES = 2
+PIPE = False  # keep p.ckv in flight into the next tile's q.ckv^T (see the kernel); False: wait for it per tile
 NUM_WARPS = 8  # two warpgroups
 SMEM_LIMIT = 227 * 1024  # Hopper's largest per-block shared memory
 
@@ -68,20 +69,24 @@ if gluon is not None:
                        other=0.0)
 
     @gluon.jit
-    def _tile_update(q0_s, q1_s, qp_s, c0_t, c1_t, k_t, p_s, valid, m_i, l_i, acc0, acc1, s0, scale_log2,
-                     MASKED: gl.constexpr, O_L: gl.constexpr, PROBE: gl.constexpr):
-        """One online-softmax step over the KV tile in shared memory (c0 | c1 latent halves, k rope); s0 is a
-        score-shaped tensor in the score layout (its values are ignored). l_i is kept score-shaped, each thread
-        summing its own columns: the row sums need no cross-warp reduction until the end. PROBE != 0 drops
-        phases for timing only (benchmarks/wgmma_probe.py; wrong results): 1 softmax, 2 p.ckv, 4 q.ckv^T,
-        8 the accumulator rescale, 16 p's trip through shared memory."""
+    def _scores(q0_s, q1_s, qp_s, c0_t, c1_t, k_t, s0, PROBE: gl.constexpr):
+        """s = q.[c0 | c1 | k]^T for the tile in shared memory, issued asynchronously (wait before use); s0 is a
+        score-shaped tensor in the score layout (its values are ignored)."""
         if PROBE & 4:
             s = s0
         else:
             s = warpgroup_mma(q0_s, c0_t.permute((1, 0)), s0, use_acc=False, is_async=True)
             s = warpgroup_mma(q1_s, c1_t.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma(qp_s, k_t.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        return s
+
+    @gluon.jit
+    def _softmax_pv(s, c0_t, c1_t, p_s, valid, m_i, l_i, acc0, acc1, scale_log2, MASKED: gl.constexpr,
+                    O_L: gl.constexpr, ASYNC_PV: gl.constexpr, PROBE: gl.constexpr):
+        """The online-softmax step on the tile's scores s, then acc += p.[c0 | c1] (issued asynchronously unless
+        ASYNC_PV: then wait before use). l_i is kept score-shaped, each thread summing its own columns: the row sums need no cross-warp
+        reduction until the end. PROBE != 0 drops phases for timing only (benchmarks/wgmma_probe.py; wrong
+        results): 1 softmax, 2 p.ckv, 4 q.ckv^T, 8 the accumulator rescale, 16 p's trip through shared memory."""
         s = s * scale_log2
         if MASKED:
             s = gl.where(valid[None, :], s, float("-inf"))
@@ -97,7 +102,7 @@ if gluon is not None:
         l_i = l_i * alpha[:, None] + p
         # p feeds the second MMA from shared memory: each warpgroup holds half its columns. No warpgroup can be
         # here while the other's previous p.ckv still reads p_s: the row max above is a cross-warpgroup
-        # reduction, so every warp has passed its previous MMA wait
+        # reduction, and every warp waited for its previous MMAs before it
         if (PROBE & 16) == 0:
             p_s.store(p.to(p_s.dtype))
             fence_async_shared()
@@ -109,7 +114,13 @@ if gluon is not None:
         if (PROBE & 2) == 0:
             acc0 = warpgroup_mma(p_s, c0_t, acc0, is_async=True)
             acc1 = warpgroup_mma(p_s, c1_t, acc1, is_async=True)
-            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+            if ASYNC_PV:
+                pass
+            else:
+                acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+        elif ASYNC_PV:  # keep the loop-carried type an MMA accumulator
+            acc0 = warpgroup_mma_init(acc0)
+            acc1 = warpgroup_mma_init(acc1)
         return m_new, l_i, acc0, acc1
 
     @gluon.jit
@@ -129,7 +140,7 @@ if gluon is not None:
                              s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
                              n_splits, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                             PROBE: gl.constexpr = 0):
+                             PIPE: gl.constexpr = False, PROBE: gl.constexpr = 0):
         gl.static_assert(gl.num_warps() == 8, "two warpgroups")
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, BLOCK_N // 2, 16])
@@ -177,19 +188,43 @@ if gluon is not None:
         no_mask = gl.full([BLOCK_N], 1, gl.int1, layout=gl.SliceLayout(0, S_L))
         s0 = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
 
+        if PIPE:  # the accumulators stay in flight from one tile's p.ckv into the next tile's q.ckv^T
+            acc0 = warpgroup_mma_init(acc0)
+            acc1 = warpgroup_mma_init(acc1)
         if n_full > 0:
             _issue_tile(CkvDesc, KpeDesc, bars.index(0), c0_s.index(0), c1_s.index(0), k_s.index(0), Table, b,
                         s_tb, start, PS, RH)
+        if PIPE and n_full > 1:
+            _issue_tile(CkvDesc, KpeDesc, bars.index(1), c0_s.index(1), c1_s.index(1), k_s.index(1), Table, b,
+                        s_tb, start + BLOCK_N, PS, RH)
         for i in range(n_full):
             st = i % STAGES
-            # the next tile's stage was last read by tile i + 1 - STAGES, whose MMAs have completed
-            if i + 1 < n_full:
-                nx = (i + 1) % STAGES
-                _issue_tile(CkvDesc, KpeDesc, bars.index(nx), c0_s.index(nx), c1_s.index(nx), k_s.index(nx),
-                            Table, b, s_tb, start + (i + 1) * BLOCK_N, PS, RH)
+            nx = (i + 1) % STAGES
+            if PIPE:
+                pass
+            else:
+                # the next tile's stage was last read by tile i - 1: every warp has waited for those MMAs at the end
+                # of the last iteration, and the barrier makes sure all of them have before the copy overwrites it
+                if i + 1 < n_full:
+                    gl.thread_barrier()
+                    _issue_tile(CkvDesc, KpeDesc, bars.index(nx), c0_s.index(nx), c1_s.index(nx), k_s.index(nx),
+                                Table, b, s_tb, start + (i + 1) * BLOCK_N, PS, RH)
             mbarrier.wait(bars.index(st), (i // STAGES) & 1)
-            m_i, l_i, acc0, acc1 = _tile_update(q0_s, q1_s, qp_s, c0_s.index(st), c1_s.index(st), k_s.index(st), p_s,
-                                                no_mask, m_i, l_i, acc0, acc1, s0, scale_log2, False, O_L, PROBE)
+            s = _scores(q0_s, q1_s, qp_s, c0_s.index(st), c1_s.index(st), k_s.index(st), s0, PROBE)
+            if PIPE:
+                # tile i - 1's p.ckv ran ahead of these scores on the tensor cores; both are done after the wait,
+                # so (after the barrier: all warps) tile i - 1's stage takes tile i + 1
+                s, acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc0, acc1))
+                if (i >= 1) & (i + 1 < n_full):
+                    gl.thread_barrier()
+                    _issue_tile(CkvDesc, KpeDesc, bars.index(nx), c0_s.index(nx), c1_s.index(nx), k_s.index(nx),
+                                Table, b, s_tb, start + (i + 1) * BLOCK_N, PS, RH)
+            else:
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            m_i, l_i, acc0, acc1 = _softmax_pv(s, c0_s.index(st), c1_s.index(st), p_s, no_mask, m_i, l_i, acc0, acc1,
+                                               scale_log2, False, O_L, PIPE, PROBE)
+        if PIPE:
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
 
         t0 = start + n_full * BLOCK_N
         if t0 < end:  # the partial last tile: masked loads into stage 0 (idle: every MMA above has completed)
@@ -203,8 +238,10 @@ if gluon is not None:
             fence_async_shared()
             gl.thread_barrier()
             valid_s = (t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))) < end
-            m_i, l_i, acc0, acc1 = _tile_update(q0_s, q1_s, qp_s, c0_s.index(0), c1_s.index(0), k_s.index(0), p_s,
-                                                valid_s, m_i, l_i, acc0, acc1, s0, scale_log2, True, O_L, PROBE)
+            s = _scores(q0_s, q1_s, qp_s, c0_s.index(0), c1_s.index(0), k_s.index(0), s0, PROBE)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            m_i, l_i, acc0, acc1 = _softmax_pv(s, c0_s.index(0), c1_s.index(0), p_s, valid_s, m_i, l_i, acc0, acc1,
+                                               scale_log2, True, O_L, False, PROBE)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
@@ -227,9 +264,9 @@ def _gl_dtype(dtype: torch.dtype):
     return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
 
 
-def constexprs(R: int, P: int, page_size: int) -> dict:
+def constexprs(R: int, P: int, page_size: int, pipe: bool = PIPE, probe: int = 0) -> dict:
     """The kernel's compile-time arguments (shared with the AOT codegen check)."""
-    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=STAGES)
+    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=STAGES, PIPE=pipe, PROBE=probe)
 
 
 def descriptors(ckv_cache, kpe_cache):
@@ -242,7 +279,8 @@ def descriptors(ckv_cache, kpe_cache):
             TensorDescriptor.from_tensor(kpe_cache.view(NP * PS, P), [BLOCK_N, P], k_layout))
 
 
-def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, probe=0):
+def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, probe=0,
+           pipe=None):
     """Stage 1 into o [ns, B, H, R] / l [ns, B, H] (or the final out / lse with ns == 1: s_on = s_ln = 0)."""
     B, H, R = q_nope.shape
     NP, PS, _ = ckv_cache.shape
@@ -255,4 +293,4 @@ def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1), block_table.stride(0),
         s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
-        ns, **constexprs(R, P, PS), PROBE=probe, num_warps=NUM_WARPS)
+        ns, **constexprs(R, P, PS, PIPE if pipe is None else pipe, probe), num_warps=NUM_WARPS)

@@ -438,9 +438,10 @@ def test_per_head_linear_cuda_graph_replay():
 
 
 # ------------------------------------------------------------------------------------------------ Gluon decode
+@pytest.mark.parametrize("pipe", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H,PS", [(128, 64), (64, 128), (96, 64)])
-def test_wgmma_kernel(H, PS, dtype):
+def test_wgmma_kernel(H, PS, dtype, pipe, monkeypatch):
     # the many-head Gluon kernel: lengths on and off tile edges, several tiles per split (the TMA ring wraps), a
     # partial head block (H=96), forced and policy split counts; unused cache slots hold NaN
     from mla_compile.kernels import decode as K
@@ -448,6 +449,7 @@ def test_wgmma_kernel(H, PS, dtype):
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("warpgroup MMA: sm_90 only")
+    monkeypatch.setattr(W, "PIPE", pipe)  # both loop schedules
     b, qn, qp = make_batch([0, 1, 63, 64, 65, 777, 4101, 0, 33, 256], H, 512, 64, PS, dtype, seed=H + PS)
     assert W.eligible(qn, b.ckv_cache, b.kpe_cache)
     assert K.default_config(H, 512, PS).wgmma
