@@ -227,7 +227,8 @@ if gluon is not None:
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
 
         t0 = start + n_full * BLOCK_N
-        if t0 < end:  # the partial last tile: masked loads into stage 0 (idle: every MMA above has completed)
+        if t0 < end:  # the partial last tile: masked loads into stage 0, once every warp's MMAs above have completed
+            gl.thread_barrier()
             offs_t = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
             valid = offs_t < end
             page = gl.load(Table + b * s_tb + t0 // PS).to(gl.int64)  # the tile lies in one page
