@@ -35,8 +35,7 @@ BLOCK_H = 64  # one warpgroup MMA's M: heads per program
 BLOCK_N = 64  # tokens per tile
 STAGES = 2
 # keep p.ckv in flight into the next tile's q.ckv^T (see the kernel); False: wait for it per tile. H200 (session 8,
-# data/session8_call4): True (then waiting for both before the next copy) 661 / 2649 us vs 677 / 2723 at B=8 128K /
-# B=128 32K; the copy now starts before the scores complete
+# data/session8_call4): stage 1 661 / 2649 us vs 677 / 2723 at B=8 128K / B=128 32K
 PIPE = True
 NUM_WARPS = 8  # two warpgroups
 SMEM_LIMIT = 227 * 1024  # Hopper's largest per-block shared memory
@@ -215,18 +214,14 @@ if gluon is not None:
             mbarrier.wait(bars.index(st), (i // STAGES) & 1)
             s = _scores(q0_s, q1_s, qp_s, c0_s.index(st), c1_s.index(st), k_s.index(st), s0, PROBE)
             if PIPE:
-                # tile i - 1's p.ckv (2 MMA groups) ran ahead of these scores (3 groups) on the tensor cores: once it
-                # is done (and, after the barrier, done in every warp) tile i - 1's stage takes tile i + 1 while the
-                # scores still run, a whole q.ckv^T earlier than waiting for both
-                if PROBE & 4:
-                    acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-                else:
-                    acc0, acc1 = warpgroup_mma_wait(num_outstanding=3, deps=(acc0, acc1))
+                # tile i - 1's p.ckv ran ahead of these scores on the tensor cores; both are done after the wait,
+                # so (after the barrier: all warps) tile i - 1's stage takes tile i + 1. (Starting that copy as soon
+                # as p.ckv is done, before the scores complete, was slower: 754 vs 661 us, session 8 call 5.)
+                s, acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc0, acc1))
                 if (i >= 1) & (i + 1 < n_full):
                     gl.thread_barrier()
                     _issue_tile(CkvDesc, KpeDesc, bars.index(nx), c0_s.index(nx), c1_s.index(nx), k_s.index(nx),
                                 Table, b, s_tb, start + (i + 1) * BLOCK_N, PS, RH)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             else:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             m_i, l_i, acc0, acc1 = _softmax_pv(s, c0_s.index(st), c1_s.index(st), p_s, no_mask, m_i, l_i, acc0, acc1,
