@@ -93,11 +93,19 @@ def ops_block(d: dict) -> list[str]:
            f"({R}+{P}+{R}).", ""]
     hdr = ["H", "B", "kv_len", "splits", "Triton graph us", "Triton eager us", "FlashInfer us", "T/FI (graph)",
            "T/FI (eager)", "KV bw frac T (graph)", "KV bw frac FI", "TFLOP/s T (graph)", "TFLOP/s FI"]
+    # where the default kernel is the Gluon one (H >= 64 on sm_90), bench_ops also times the Triton TMA kernel
+    tma = any("triton_tma_graph_ms" in r for r in rows)
+    if tma:
+        out[0] += (" H >= 64 runs the Gluon warpgroup-MMA kernel (`kernels/decode_wgmma.py`); \"TMA graph us\" is "
+                   "the Triton TMA kernel it replaced, timed in the same run.")
+        hdr.insert(5, "TMA graph us")
     out += md_table(hdr, [[str(r["H"]), str(r["B"]), kv(r["L"]), str(r.get("splits", "-")),
-                           num(r.get("triton_graph_ms"), "{:.1f}", 1e3), num(r.get("triton_ms"), "{:.1f}", 1e3),
-                           num(r.get("flashinfer_ms"), "{:.1f}", 1e3), num(r.get("ratio_graph")),
-                           num(r.get("ratio_eager")), num(r.get("bw_graph")), num(r.get("bw_fi")),
-                           num(r.get("tflops_graph"), "{:.0f}"), num(r.get("tflops_fi"), "{:.0f}")] for r in rows])
+                           num(r.get("triton_graph_ms"), "{:.1f}", 1e3)]
+                          + ([num(r.get("triton_tma_graph_ms"), "{:.1f}", 1e3)] if tma else [])
+                          + [num(r.get("triton_ms"), "{:.1f}", 1e3),
+                             num(r.get("flashinfer_ms"), "{:.1f}", 1e3), num(r.get("ratio_graph")),
+                             num(r.get("ratio_eager")), num(r.get("bw_graph")), num(r.get("bw_fi")),
+                             num(r.get("tflops_graph"), "{:.0f}"), num(r.get("tflops_fi"), "{:.0f}")] for r in rows])
     if any("flashinfer_error" in r for r in rows):
         out += ["", "FlashInfer errors: " + "; ".join(f"H={r['H']} B={r['B']} {kv(r['L'])}: {r['flashinfer_error']}"
                                                     for r in rows if "flashinfer_error" in r)]
