@@ -46,6 +46,7 @@ def test_many_heads_gluon_kernel_computes_each_score_once(dtype):
     M (warpsPerCTA [8, 1]): both warpgroups computed the same scores. Here the score MMA must split the tile's
     tokens over the two warpgroups ([4, 2], 32 tokens each) and the output's columns likewise, q and the tiles
     must fit one SM's shared memory, and nothing may spill."""
+    pytest.importorskip("triton.experimental.gluon")
     from mla_compile.kernels import decode_wgmma as W
 
     out = aot.wgmma_stage1_sm90(dtype=dtype)

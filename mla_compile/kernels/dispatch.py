@@ -25,9 +25,10 @@ from . import flashinfer_mla as _fi
 from . import linear as _linear
 from . import merge as _merge
 
-# benchmarks/RESULTS.md "Ops (issue 3)", H200 2026-12-01 (session 3): at H=16 and kv_len >= 8K our Triton kernel
-# takes 0.39-1.06x FlashInfer 0.5.3's time under CUDA graphs (eagerly 0.9-2.9x: ~100 us more host cost per
-# call); at H=128 FlashInfer is 1.6-2.0x faster. But `auto` must be safe under torch.compile's CUDA-graph trees: their warm-up
+# benchmarks/RESULTS.md ops table, H200 2026-12-01 (session 8): at H=16 and kv_len >= 8K our Triton kernel takes
+# 0.38-1.02x FlashInfer 0.5.3's time under CUDA graphs (eagerly more: ~100 us more host cost per call); at H=128
+# (the Gluon kernel, decode_wgmma.py) FlashInfer is 1.12-1.33x faster. But `auto` must be safe under
+# torch.compile's CUDA-graph trees: their warm-up
 # runs the op eagerly inside the graph pool, and FlashInfer's cached wrapper/workspace allocated there broke the
 # pool check ("tensors in the cudagraph pool not tracked as outputs", H200 2026-11-30). So auto = Triton;
 # MLA_COMPILE_DECODE_BACKEND=flashinfer is the faster choice for purely eager serving with many heads.
