@@ -1,6 +1,6 @@
 """Where the Gluon many-head decode kernel's time goes (kernels/decode_wgmma.py; not a test).
 
-usage: python benchmarks/wgmma_probe.py OUT.json
+usage: python benchmarks/wgmma_probe.py OUT.json [--gather]   (--gather: only the gather kernel's rows)
 
 Times stage 1 alone by CUDA-graph replay (`do_bench_cudagraph` median) with phases dropped through the kernel's
 PROBE constexpr, for both loop schedules (PIPE), (1 softmax, 2 p.ckv, 4 q.ckv^T, 8 the accumulator rescale, 16 p through shared memory; such runs
@@ -35,12 +35,41 @@ def us(fn):
     return do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3
 
 
-def main(path):
+def gather_rows(ckv, kpe):
+    """The gather kernel (pages smaller than a tile, sparse index lists) vs the Triton pointer kernel it replaces,
+    whole op, H=128: a page-1 token table (HF StaticCache) and DSA's sparse decode (topk 2048 of 32K)."""
+    rows = []
+    pages = ckv.shape[0]
+    tok_ckv, tok_kpe = ckv.view(-1, 1, R), kpe.view(-1, 1, P)
+    for B, L, sparse in ((8, 32768, False), (32, 32768, True), (128, 32768, True)):
+        slots = torch.randperm(pages * PS, device="cuda")[: B * L].view(B, L).int()
+        qn = torch.randn(B, H, R, dtype=DT, device="cuda")
+        qp = torch.randn(B, H, P, dtype=DT, device="cuda")
+        cfg = D.default_config(H, R, 1)
+        ptr = dataclasses.replace(cfg, wgmma=False)
+        if sparse:
+            idx = slots[:, :2048].contiguous()
+            run = lambda c: D.sparse_decode(qn, qp, ckv, kpe, idx, 0.07, cfg=c)  # noqa: E731
+            n_tok = 2048
+        else:
+            lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+            run = lambda c: D.decode(qn, qp, tok_ckv, tok_kpe, slots, lens, 0.07, cfg=c)  # noqa: E731
+            n_tok = L
+        row = {"B": B, "L": L, "sparse": sparse, "tokens": n_tok, "gather_us": us(lambda: run(cfg)),
+               "pointer_us": us(lambda: run(ptr))}
+        flops = D.flops(B, H, n_tok, R, P)
+        row["tflops"] = {k: flops / (row[k + "_us"] * 1e-6) / 1e12 for k in ("gather", "pointer")}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(path, only_gather=False):
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     pages = max(b * n for b, n in SHAPES) // PS
     ckv = torch.empty(pages, PS, R, dtype=DT, device="cuda").normal_()
     kpe = torch.empty(pages, PS, P, dtype=DT, device="cuda").normal_()
-    for B, L in SHAPES:
+    for B, L in ([] if only_gather else SHAPES):
         table = torch.randperm(pages, device="cuda")[: B * L // PS].view(B, L // PS).int()
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
         qn = torch.randn(B, H, R, dtype=DT, device="cuda")
@@ -69,9 +98,10 @@ def main(path):
                          if v}
         print(json.dumps(row), flush=True)
         res["rows"].append(row)
+    res["gather"] = gather_rows(ckv, kpe)
     with open(path, "w") as fh:
         json.dump(res, fh, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], only_gather="--gather" in sys.argv)

@@ -61,6 +61,22 @@ def test_many_heads_gluon_kernel_computes_each_score_once(dtype):
     assert out["shared_bytes"] >= W.smem_bytes(512, 64) - 64  # q, both stages and p are all there
 
 
+@pytest.mark.parametrize("page_size,sparse", [(1, False), (16, False), (1, True)])
+def test_many_heads_gluon_gather_kernel_copies_rows_in_16_byte_async_copies(page_size, sparse):
+    """The Gluon kernel for tiles that are not TMA boxes (pages < 64 tokens, sparse index lists): every cache row
+    arrives by 16-byte cp.async whose source size zero-fills masked rows (unused slots may hold NaN), the same
+    hand-laid MMAs as the TMA kernel, no spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    out = aot.wgmma_stage1_sm90(page_size=page_size, gather=True, sparse=sparse)
+    copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10, %r\d+;", out["ptx"])
+    # [64, 256] x 2 latent halves + [64, 64] rope, 16 B each, over 256 threads: 18 per thread and tile, at the
+    # prologue's and at the loop's issue
+    assert len(copies) == 2 * 18, len(copies)
+    mma_layouts = set(re.findall(r"nvidia_mma<\{[^}]*warpsPerCTA = (\[\d+, \d+\]), instrShape = (\[[\d, ]+\])", out["ttgir"]))
+    assert mma_layouts == {("[4, 2]", "[16, 32, 16]"), ("[4, 2]", "[16, 128, 16]")}, mma_layouts
+    assert out["spill_bytes"] == 0, out["registers"]
+
+
 @pytest.mark.parametrize("M,K,N", [(8, 2048, 2112), (8, 2048, 16384), (8, 8192, 2048), (1, 7168, 2112)])
 def test_few_token_linear_streams_weights_in_16_byte_async_copies(M, K, N):
     """The default few-token linear configs (kernels/linear.py; H200 sweeps rounds 1-2): weight tiles as

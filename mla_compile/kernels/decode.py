@@ -204,7 +204,7 @@ class DecodeConfig:
     min_split_tokens: int = 64
     tma: bool = False  # full tiles by TMA boxes where the layout allows (see tma_eligible)
     q_in_loop: bool = False  # TMA kernel: re-load q every tile (keeps it out of registers)
-    wgmma: bool = False  # the Gluon warpgroup-MMA kernel (decode_wgmma.py) where it is eligible (sm_90, >= 64 heads)
+    wgmma: bool = False  # the Gluon warpgroup-MMA kernels (decode_wgmma.py) where eligible (sm_90, >= 64 heads)
 
 
 def default_config(H: int, R: int, page_size: int) -> DecodeConfig:
@@ -335,8 +335,9 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
         l = torch.empty((ns, B, H), dtype=torch.float32, device=q_nope.device)
         s_on, s_ln = o.stride(0), l.stride(0)
     sparse = indices is not None
-    if cfg.wgmma and not sparse and _wgmma.eligible(q_nope, ckv_cache, kpe_cache):
-        _wgmma.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns)
+    if cfg.wgmma and _wgmma.eligible(q_nope, ckv_cache, kpe_cache, sparse):
+        _wgmma.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
+                      indices=indices)
     elif tma_eligible(ckv_cache, kpe_cache, sparse, cfg):
         _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, cfg)
     else:

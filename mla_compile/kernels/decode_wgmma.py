@@ -25,6 +25,7 @@ import triton
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every shape
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -37,6 +38,7 @@ STAGES = 2
 # keep p.ckv in flight into the next tile's q.ckv^T (see the kernel); False: wait for it per tile. H200 (session 8,
 # data/session8_call4): stage 1 661 / 2649 us vs 677 / 2723 at B=8 128K / B=128 32K
 PIPE = True
+GATHER = True  # the gather kernel for pages smaller than a tile and sparse index lists
 NUM_WARPS = 8  # two warpgroups
 SMEM_LIMIT = 227 * 1024  # Hopper's largest per-block shared memory
 
@@ -46,20 +48,34 @@ def smem_bytes(R: int, P: int, itemsize: int = 2) -> int:
     return itemsize * (BLOCK_H * (R + P) + STAGES * BLOCK_N * (R + P) + BLOCK_H * BLOCK_N) + 64
 
 
-def eligible(q_nope, ckv_cache, kpe_cache) -> bool:
-    """The Gluon kernel serves this call: Gluon present, an sm_90 GPU, fp16/bf16, >= 64 heads, pages of whole
-    64-token tiles, latent halves and rope widths that are powers of two a TMA box and an MMA accept, caches that
-    view as [slots, width] with 16-byte aligned bases, and the tiles fitting shared memory."""
+def eligible(q_nope, ckv_cache, kpe_cache, sparse: bool = False) -> bool:
+    """A Gluon kernel serves this call: Gluon present, an sm_90 GPU, fp16/bf16, >= 64 heads, latent halves and rope
+    widths that are powers of two a TMA box / an MMA / a 16-byte copy accept, and the tiles fitting shared memory;
+    then either the TMA kernel's layout (`tma_layout`) or, if GATHER, rows the gather kernel can copy 16 bytes
+    at a time (any page size, sparse index lists)."""
     if gluon is None or not ckv_cache.is_cuda or torch.cuda.get_device_capability(ckv_cache.device) != (9, 0):
         return False
+    R, P = ckv_cache.shape[2], kpe_cache.shape[2]
+    pow2 = lambda x: 16 <= x <= 256 and x & (x - 1) == 0  # noqa: E731
+    if not (q_nope.dtype in (torch.bfloat16, torch.float16) and ckv_cache.dtype == q_nope.dtype
+            and q_nope.shape[1] >= BLOCK_H and R % 2 == 0 and pow2(R // 2) and pow2(P)
+            and smem_bytes(R, P) <= SMEM_LIMIT):
+        return False
+    if tma_layout(ckv_cache, kpe_cache, sparse):
+        return True
+    rows_aligned = all(t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0 and t.data_ptr() % 16 == 0
+                       for t in (ckv_cache, kpe_cache))
+    return GATHER and R // 2 >= 64 and P >= 64 and rows_aligned
+
+
+def tma_layout(ckv_cache, kpe_cache, sparse: bool) -> bool:
+    """Tiles are TMA boxes: a paged (not sparse) cache with pages of whole 64-token tiles that views as
+    [slots, width], 16-byte aligned."""
     NP, PS, R = ckv_cache.shape
     P = kpe_cache.shape[2]
-    pow2 = lambda x: 16 <= x <= 256 and x & (x - 1) == 0  # noqa: E731
-    return (q_nope.dtype in (torch.bfloat16, torch.float16) and ckv_cache.dtype == q_nope.dtype
-            and q_nope.shape[1] >= BLOCK_H and PS % BLOCK_N == 0 and R % 2 == 0 and pow2(R // 2) and pow2(P)
-            and ckv_cache.stride()[:2] == (PS * R, R) and kpe_cache.stride()[:2] == (PS * P, P)
-            and ckv_cache.data_ptr() % 16 == 0 and kpe_cache.data_ptr() % 16 == 0
-            and smem_bytes(R, P) <= SMEM_LIMIT)
+    return (not sparse and PS % BLOCK_N == 0 and ckv_cache.stride() == (PS * R, R, 1)
+            and kpe_cache.stride() == (PS * P, P, 1) and ckv_cache.data_ptr() % 16 == 0
+            and kpe_cache.data_ptr() % 16 == 0)
 
 
 if gluon is not None:
@@ -136,6 +152,51 @@ if gluon is not None:
         tma.async_copy_global_to_shared(desc_k, [row, 0], bar, k_t)
 
     @gluon.jit
+    def _split_bounds(n, split, n_splits, BLOCK_N: gl.constexpr):
+        """[start, end) of this split's tokens and its number of whole tiles (the split length is rounded to whole
+        tiles, so only a split's last tile can be partial)."""
+        split_len = gl.cdiv(gl.cdiv(n, n_splits), BLOCK_N) * BLOCK_N
+        start = split * split_len
+        end = gl.minimum(start + split_len, n)
+        return start, end, gl.maximum(end - start, 0) // BLOCK_N
+
+    @gluon.jit
+    def _q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt: gl.constexpr, RH: gl.constexpr,
+                   P: gl.constexpr, BLOCK_H: gl.constexpr, LD: gl.constexpr):
+        """q's latent halves and rope part of this head block into shared memory, once: the A operand of every
+        score MMA (heads past H are zero)."""
+        offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD))
+        offs_r = gl.arange(0, RH, layout=gl.SliceLayout(0, LD))
+        offs_p = gl.arange(0, P, layout=gl.SliceLayout(0, LD))
+        mask_h = offs_h < H
+        qn_rows = b * s_qnb + offs_h * s_qnh
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RH], dt)
+        qp_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, P], dt)
+        q0_s = gl.allocate_shared_memory(dt, [BLOCK_H, RH], q_sl, _load_rows(Qn, qn_rows, offs_r, mask_h, RH))
+        q1_s = gl.allocate_shared_memory(dt, [BLOCK_H, RH], q_sl, _load_rows(Qn + RH, qn_rows, offs_r, mask_h, RH))
+        qp_s = gl.allocate_shared_memory(dt, [BLOCK_H, P], qp_sl,
+                                         _load_rows(Qp, b * s_qpb + offs_h * s_qph, offs_p, mask_h, P))
+        return q0_s, q1_s, qp_s
+
+    @gluon.jit
+    def _store_partial(O, L, b, hb, split, H, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, m_i, l_i, acc0, acc1,
+                       RH: gl.constexpr, BLOCK_H: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):
+        """This split's normalised out and natural-log lse (-inf, out 0 when it saw no token); l_i is the
+        score-shaped per-thread partial row sums."""
+        l_i = gl.sum(l_i, 1)
+        has = l_i > 0
+        lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        inv = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), gl.SliceLayout(1, O_L))[:, None]
+        oh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
+        orr = gl.arange(0, RH, layout=gl.SliceLayout(0, O_L))
+        o_ptr = O + split.to(gl.int64) * s_on + b * s_ob + oh[:, None] * s_oh + orr[None, :]
+        o_mask = (oh < H)[:, None] & (orr < RH)[None, :]
+        gl.store(o_ptr, acc0 * inv, mask=o_mask)
+        gl.store(o_ptr + RH, acc1 * inv, mask=o_mask)
+        lh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))
+        gl.store(L + split * s_ln + b * s_lb + lh * s_lh, lse, mask=lh < H)
+
+    @gluon.jit
     def _stage1_wgmma_kernel(Qn, Qp, CkvDesc, KpeDesc, Ckv, Kpe, Table, Lens, O, L,
                              scale_log2, H,
                              s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
@@ -154,24 +215,8 @@ if gluon is not None:
         hb = gl.program_id(0)  # fastest: a tile's head blocks run on neighbouring SMs and share its L2 copy
         b = gl.program_id(1).to(gl.int64)
         split = gl.program_id(2)
-        n = gl.load(Lens + b)
-        split_len = gl.cdiv(gl.cdiv(n, n_splits), BLOCK_N) * BLOCK_N  # whole tiles: only a split's last is partial
-        start = split * split_len
-        end = gl.minimum(start + split_len, n)
-        n_full = gl.maximum(end - start, 0) // BLOCK_N
-
-        # q -> shared memory once: the A operand of every score MMA
-        offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD))
-        offs_r = gl.arange(0, RH, layout=gl.SliceLayout(0, LD))
-        offs_p = gl.arange(0, P, layout=gl.SliceLayout(0, LD))
-        mask_h = offs_h < H
-        qn_rows = b * s_qnb + offs_h * s_qnh
-        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RH], dt)
-        qp_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, P], dt)
-        q0_s = gl.allocate_shared_memory(dt, [BLOCK_H, RH], q_sl, _load_rows(Qn, qn_rows, offs_r, mask_h, RH))
-        q1_s = gl.allocate_shared_memory(dt, [BLOCK_H, RH], q_sl, _load_rows(Qn + RH, qn_rows, offs_r, mask_h, RH))
-        qp_s = gl.allocate_shared_memory(dt, [BLOCK_H, P], qp_sl,
-                                         _load_rows(Qp, b * s_qpb + offs_h * s_qph, offs_p, mask_h, P))
+        start, end, n_full = _split_bounds(gl.load(Lens + b), split, n_splits, BLOCK_N)
+        q0_s, q1_s, qp_s = _q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt, RH, P, BLOCK_H, LD)
         p_s = gl.allocate_shared_memory(dt, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for(
             [BLOCK_H, BLOCK_N], dt))
         c0_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, RH], CkvDesc.layout)
@@ -233,6 +278,8 @@ if gluon is not None:
         if t0 < end:  # the partial last tile: masked loads into stage 0, once every warp's MMAs above have completed
             gl.thread_barrier()
             offs_t = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+            offs_r = gl.arange(0, RH, layout=gl.SliceLayout(0, LD))
+            offs_p = gl.arange(0, P, layout=gl.SliceLayout(0, LD))
             valid = offs_t < end
             page = gl.load(Table + b * s_tb + t0 // PS).to(gl.int64)  # the tile lies in one page
             crow = page * s_cp + (offs_t % PS) * s_cs
@@ -249,19 +296,113 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
-        # this split's normalised out and natural-log lse (-inf, out 0 when it saw no token)
-        l_i = gl.sum(l_i, 1)
-        has = l_i > 0
-        lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-        inv = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), gl.SliceLayout(1, O_L))[:, None]
-        oh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
-        orr = gl.arange(0, RH, layout=gl.SliceLayout(0, O_L))
-        o_ptr = O + split.to(gl.int64) * s_on + b * s_ob + oh[:, None] * s_oh + orr[None, :]
-        o_mask = (oh < H)[:, None] & (orr < RH)[None, :]
-        gl.store(o_ptr, acc0 * inv, mask=o_mask)
-        gl.store(o_ptr + RH, acc1 * inv, mask=o_mask)
-        lh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))
-        gl.store(L + split * s_ln + b * s_lb + lh * s_lh, lse, mask=lh < H)
+        _store_partial(O, L, b, hb, split, H, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, m_i, l_i, acc0, acc1, RH, BLOCK_H,
+                       S_L, O_L)
+
+    @gluon.jit
+    def _token_rows(Table, b, s_tb, t0, end, layout: gl.constexpr, PS: gl.constexpr, BLOCK_N: gl.constexpr,
+                    SPARSE: gl.constexpr):
+        """For tokens [t0, t0 + BLOCK_N) in `layout`: (page, row in page, valid). Paged: through the block table;
+        SPARSE: Table is the index list of physical slots (-1 = none). Invalid tokens get page 0, row 0."""
+        offs_t = t0 + gl.arange(0, BLOCK_N, layout=layout)
+        valid = offs_t < end
+        if SPARSE:
+            slot = gl.load(Table + b * s_tb + offs_t, mask=valid, other=-1)
+            valid = valid & (slot >= 0)
+            slot = gl.maximum(slot, 0)
+            page = (slot // PS).to(gl.int64)
+            off = slot % PS
+        else:
+            page = gl.load(Table + b * s_tb + offs_t // PS, mask=valid, other=0).to(gl.int64)
+            off = offs_t % PS
+        return page, off, valid
+
+    @gluon.jit
+    def _gather_tile(c0_t, c1_t, k_t, Ckv, Kpe, Table, b, s_tb, t0, end, s_cp, s_cs, s_kp, s_ks,
+                     PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr, BLOCK_N: gl.constexpr,
+                     SPARSE: gl.constexpr, LD: gl.constexpr):
+        """16-byte async copies of the tile's token rows into one stage, as one commit group; invalid tokens'
+        rows are zero-filled, never read (unused cache slots may hold NaN)."""
+        page, off, valid = _token_rows(Table, b, s_tb, t0, end, gl.SliceLayout(1, LD), PS, BLOCK_N, SPARSE)
+        crow = (page * s_cp + off * s_cs)[:, None]
+        krow = (page * s_kp + off * s_ks)[:, None]
+        offs_r = gl.arange(0, RH, layout=gl.SliceLayout(0, LD))[None, :]
+        offs_p = gl.arange(0, P, layout=gl.SliceLayout(0, LD))[None, :]
+        m = valid[:, None]
+        async_copy.async_copy_global_to_shared(c0_t, Ckv + crow + offs_r, mask=m)
+        async_copy.async_copy_global_to_shared(c1_t, Ckv + RH + crow + offs_r, mask=m)
+        async_copy.async_copy_global_to_shared(k_t, Kpe + krow + offs_p, mask=m)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _stage1_gather_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L,
+                              scale_log2, H, n_sparse,
+                              s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
+                              s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
+                              n_splits, SPARSE: gl.constexpr, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
+                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                              PROBE: gl.constexpr = 0):
+        """The same MMAs for tiles that are not TMA boxes: pages smaller than a tile (a page-1 token table, page 16)
+        and sparse index lists (`mla::sparse_decode`). Each token's row comes by a 16-byte async copy (cp.async)
+        through the table; tile i + 1's copies run while tile i computes."""
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, BLOCK_N // 2, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, RH // 2, 16])
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte copies
+        dt: gl.constexpr = Ckv.dtype.element_ty
+
+        hb = gl.program_id(0)
+        b = gl.program_id(1).to(gl.int64)
+        split = gl.program_id(2)
+        if SPARSE:
+            n = n_sparse
+        else:
+            n = gl.load(Lens + b)
+        start, end, n_full = _split_bounds(n, split, n_splits, BLOCK_N)
+        n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)  # the partial last tile too: masks handle it
+        q0_s, q1_s, qp_s = _q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt, RH, P, BLOCK_H, LD)
+        p_s = gl.allocate_shared_memory(dt, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for(
+            [BLOCK_H, BLOCK_N], dt))
+        c_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, RH], dt)
+        k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, P], dt)
+        c0_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, RH], c_sl)
+        c1_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, RH], c_sl)
+        k_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, P], k_sl)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+        l_i = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+        acc0 = gl.zeros([BLOCK_H, RH], gl.float32, layout=O_L)
+        acc1 = gl.zeros([BLOCK_H, RH], gl.float32, layout=O_L)
+        s0 = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+
+        if n_tiles > 0:
+            _gather_tile(c0_s.index(0), c1_s.index(0), k_s.index(0), Ckv, Kpe, Table, b, s_tb, start, end,
+                         s_cp, s_cs, s_kp, s_ks, PS, RH, P, BLOCK_N, SPARSE, LD)
+        for i in range(n_tiles):
+            st = i % STAGES
+            nx = (i + 1) % STAGES
+            # tile i + 1 goes into the stage tile i - 1 used: every warp waited for its MMAs, the barrier for all
+            gl.thread_barrier()
+            if i + 1 < n_tiles:
+                _gather_tile(c0_s.index(nx), c1_s.index(nx), k_s.index(nx), Ckv, Kpe, Table, b, s_tb,
+                             start + (i + 1) * BLOCK_N, end, s_cp, s_cs, s_kp, s_ks, PS, RH, P, BLOCK_N, SPARSE, LD)
+            else:
+                async_copy.commit_group()  # an empty group: "all but the newest group" stays tile i's
+            async_copy.wait_group(1)
+            fence_async_shared()  # this thread's copies -> visible to the MMAs (async proxy), then all threads'
+            gl.thread_barrier()
+            t0 = start + i * BLOCK_N
+            page_s, off_s, valid_s = _token_rows(Table, b, s_tb, t0, end, gl.SliceLayout(0, S_L), PS, BLOCK_N, SPARSE)
+            s = _scores(q0_s, q1_s, qp_s, c0_s.index(st), c1_s.index(st), k_s.index(st), s0, PROBE)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            m_i, l_i, acc0, acc1 = _softmax_pv(s, c0_s.index(st), c1_s.index(st), p_s, valid_s, m_i, l_i, acc0, acc1,
+                                               scale_log2, True, O_L, False, PROBE)
+        async_copy.wait_group(0)
+        _store_partial(O, L, b, hb, split, H, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, m_i, l_i, acc0, acc1, RH, BLOCK_H,
+                       S_L, O_L)
 
 
 def _gl_dtype(dtype: torch.dtype):
@@ -269,8 +410,14 @@ def _gl_dtype(dtype: torch.dtype):
 
 
 def constexprs(R: int, P: int, page_size: int, pipe: bool = PIPE, probe: int = 0) -> dict:
-    """The kernel's compile-time arguments (shared with the AOT codegen check)."""
+    """The TMA kernel's compile-time arguments (shared with the AOT codegen check)."""
     return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=STAGES, PIPE=pipe, PROBE=probe)
+
+
+def gather_constexprs(R: int, P: int, page_size: int, sparse: bool, probe: int = 0) -> dict:
+    """The gather kernel's compile-time arguments (shared with the AOT codegen check)."""
+    return dict(SPARSE=sparse, PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=STAGES,
+                PROBE=probe)
 
 
 def descriptors(ckv_cache, kpe_cache):
@@ -284,17 +431,26 @@ def descriptors(ckv_cache, kpe_cache):
 
 
 def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, probe=0,
-           pipe=None):
-    """Stage 1 into o [ns, B, H, R] / l [ns, B, H] (or the final out / lse with ns == 1: s_on = s_ln = 0)."""
+           pipe=None, indices=None):
+    """Stage 1 into o [ns, B, H, R] / l [ns, B, H] (or the final out / lse with ns == 1: s_on = s_ln = 0); paged
+    (block_table, seq_lens) or sparse (indices [B, K], -1 = none). The TMA kernel where `tma_layout`, else the
+    gather kernel."""
     B, H, R = q_nope.shape
     NP, PS, _ = ckv_cache.shape
     P = kpe_cache.shape[2]
-    ckv_desc, kpe_desc = descriptors(ckv_cache, kpe_cache)
+    sparse = indices is not None
+    table = indices if sparse else block_table
     grid = (triton.cdiv(H, BLOCK_H), B, ns)
+    common = (q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), ckv_cache.stride(0),
+              ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1), table.stride(0),
+              s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1), ns)
+    if not tma_layout(ckv_cache, kpe_cache, sparse):
+        return _stage1_gather_kernel[grid](
+            q_nope, q_pe, ckv_cache, kpe_cache, table, table if sparse else seq_lens, o, l,
+            sm_scale * 1.4426950408889634, H, table.shape[1] if sparse else 0, *common,
+            **gather_constexprs(R, P, PS, sparse, probe), num_warps=NUM_WARPS)
+    ckv_desc, kpe_desc = descriptors(ckv_cache, kpe_cache)
     return _stage1_wgmma_kernel[grid](
         q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
-        sm_scale * 1.4426950408889634, H,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1), block_table.stride(0),
-        s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
-        ns, **constexprs(R, P, PS, PIPE if pipe is None else pipe, probe), num_warps=NUM_WARPS)
+        sm_scale * 1.4426950408889634, H, *common,
+        **constexprs(R, P, PS, PIPE if pipe is None else pipe, probe), num_warps=NUM_WARPS)

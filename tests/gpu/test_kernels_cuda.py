@@ -471,3 +471,49 @@ def test_wgmma_kernel_large_logits():
     want = ref_of(b, qn, qp, 0.1)
     out, lse = K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.1, splits=2)
     assert_attention(out, lse, *want, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H,PS", [(128, 1), (96, 16)])
+def test_wgmma_gather_kernel(H, PS, dtype):
+    # pages smaller than a tile: the Gluon gather kernel (16-byte async copies through the table), lengths on and
+    # off tile edges, forced and policy splits, then a CUDA graph replayed with new lengths; unused slots hold NaN
+    from mla_compile.kernels import decode as K
+    from mla_compile.kernels import decode_wgmma as W
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("warpgroup MMA: sm_90 only")
+    b, qn, qp = make_batch([0, 1, 63, 64, 65, 777, 2101, 0, 33, 256], H, 512, 64, PS, dtype, seed=H + PS)
+    assert W.eligible(qn, b.ckv_cache, b.kpe_cache) and not W.tma_layout(b.ckv_cache, b.kpe_cache, False)
+    want = ref_of(b, qn, qp, 0.08)
+    for splits in (1, 3, None):
+        out, lse = K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.08, splits=splits)
+        assert_attention(out, lse, *want, dtype)
+    if dtype == torch.bfloat16:
+        lens = b.seq_lens.clone()
+        graph, (out, lse) = capture(lambda: K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, lens, 0.08))
+        assert_replays(graph, out, lse, lens, b, qn, qp, 0.08,
+                       ([0, 1, 60, 64, 1, 700, 2000, 0, 0, 255], [0, 1, 5, 5, 5, 5, 5, 0, 5, 5]))
+
+
+@pytest.mark.parametrize("splits", [1, 4, None])
+def test_wgmma_gather_sparse(splits):
+    # mla::sparse_decode at 128 heads on the gather kernel: index lists with -1 holes, a row with none, a list
+    # longer than one split's tiles
+    from mla_compile.kernels import decode as K
+    from mla_compile.kernels import decode_wgmma as W
+    from mla_compile.ops.attention import token_slots
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("warpgroup MMA: sm_90 only")
+    g = torch.Generator().manual_seed(7)
+    b, qn, qp = make_batch([1500, 900, 10], 128, 512, 64, 64, torch.bfloat16, seed=3)
+    slots = token_slots(b.block_table.cpu(), 64, 1500)
+    idx = torch.full((3, 1024), -1, dtype=torch.int32)
+    idx[0, :1000] = slots[0, torch.randperm(1500, generator=g)[:1000]].int()
+    idx[1, torch.randperm(1024, generator=g)[:300]] = slots[1, torch.randperm(900, generator=g)[:300]].int()
+    idx = idx.to(DEV)
+    assert W.eligible(qn, b.ckv_cache, b.kpe_cache, sparse=True)
+    want = ref.ref_sparse_decode(qn.cpu(), qp.cpu(), b.ckv_cache.cpu(), b.kpe_cache.cpu(), idx.cpu(), 0.08)
+    out, lse = K.sparse_decode(qn, qp, b.ckv_cache, b.kpe_cache, idx, 0.08, splits=splits)
+    assert_attention(out, lse, *want, torch.bfloat16)
