@@ -66,3 +66,29 @@ def test_splits_fill_one_wave_of_an_h200(monkeypatch, H, B, L, want):
     programs = B * -(-H // cfg.block_h)
     assert programs * ns <= max(cfg.ctas_per_sm * 132, programs)  # never a second wave of splits
     assert ns == 1 or -(-L // ns) >= cfg.min_split_tokens
+
+
+def test_gluon_kernels_choose_tma_boxes_only_for_whole_tile_pages():
+    # decode_wgmma: the TMA kernel needs pages of whole 64-token tiles in a [slots, width] view; everything else
+    # (page 1 / 16 tables, sparse index lists, strided caches) is the gather kernel's
+    from mla_compile.kernels import decode_wgmma as W
+
+    for PS in (64, 128):
+        assert W.tma_layout(*caches(PS=PS), sparse=False)
+        assert not W.tma_layout(*caches(PS=PS), sparse=True)
+    for PS in (1, 16, 32, 96):
+        assert not W.tma_layout(*caches(PS=PS), sparse=False)
+    ckv, kpe = torch.zeros(4, 64, 1024, dtype=torch.bfloat16)[..., :512], torch.zeros(4, 64, 64, dtype=torch.bfloat16)
+    assert not W.tma_layout(ckv, kpe, sparse=False)  # rows 1024 apart: not a [slots, 512] view
+    # q + two tiles + p fit Hopper's 227 KB at R 512 / P 64; a wider latent would not
+    assert W.smem_bytes(512, 64) <= W.SMEM_LIMIT < W.smem_bytes(1024, 64)
+
+
+def test_gluon_kernels_never_run_off_sm90():
+    # CPU tensors (the interpreter), whatever the shapes: the Triton kernels serve them
+    from mla_compile.kernels import decode_wgmma as W
+
+    q = torch.zeros(2, 128, 512, dtype=torch.bfloat16)
+    assert not W.eligible(q, *caches(PS=64))
+    assert not W.eligible(q, *caches(PS=1), sparse=True)
+    assert D.default_config(128, 512, 64).wgmma and not D.default_config(16, 512, 64).wgmma
