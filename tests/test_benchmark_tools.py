@@ -96,3 +96,23 @@ def test_profile_ab_compiles_each_variant_and_times_them_round_robin(tmp_path):
     assert all(len(row["samples_us_per_step"][v]) == 3 and min(row["samples_us_per_step"][v]) > 0 for v in variants)
     assert counters["mla_compile"]["mla_attention_rewritten"] == len(variants)  # one layer, once per variant
     assert not torch._inductor.config.force_disable_caches  # the script's setting ends with it
+
+
+def test_ops_report_shows_the_replaced_kernel_and_judges_goals_on_graph_time():
+    # benchmarks/report.py on two hand-made rows: graph-time ratio, the TMA kernel's column only when timed,
+    # and the H=128 TFLOP/s goal from the graph time (flops 2*B*H*L*(512+64+512))
+    import report
+
+    row = dict(H=128, B=8, L=32768, splits=8, triton_ms=0.30, triton_graph_ms=0.20, flashinfer_ms=0.16,
+               triton_tma_graph_ms=0.27)
+    h16 = {k: v for k, v in row.items() if k != "triton_tma_graph_ms"} | {"H": 16}
+    d = {"copy_bw_TBps": 4.0, "decode": [row, h16]}
+    text = "\n".join(report.ops_block(d))
+    assert "TMA graph us" in text
+    h128 = next(ln for ln in text.splitlines() if ln.startswith("| 128 |"))
+    assert "| 200.0 | 270.0 | 300.0 | 160.0 | 1.25 |" in h128
+    assert "TMA graph us" not in "\n".join(report.ops_block({"copy_bw_TBps": 4.0, "decode": [h16]}))
+    goals = {g[1]: g for g in report.ops_goals(d)}
+    tflops = 2 * 8 * 128 * 32768 * 1088 / 0.20e-3 / 1e12
+    assert goals["H=128: >= 550 TFLOP/s"][2].startswith(f"max {tflops:.0f} ")
+    assert goals["ratio Triton/FlashInfer <= 1.0 at kv_len >= 8K, H=128 (graph time)"][3] == "**not met**"
