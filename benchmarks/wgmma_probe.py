@@ -1,6 +1,7 @@
 """Where the Gluon many-head decode kernel's time goes (kernels/decode_wgmma.py; not a test).
 
-usage: python benchmarks/wgmma_probe.py OUT.json [--gather]   (--gather: only the gather kernel's rows)
+usage: python benchmarks/wgmma_probe.py OUT.json [--gather]
+       (--gather: only the gather kernel's rows, vs the Triton pointer kernel)
 
 Times stage 1 alone by CUDA-graph replay (`do_bench_cudagraph` median) with phases dropped through the kernel's
 PROBE constexpr, for both loop schedules (PIPE), (1 softmax, 2 p.ckv, 4 q.ckv^T, 8 the accumulator rescale, 16 p through shared memory; such runs
@@ -25,7 +26,8 @@ from mla_compile.kernels import flashinfer_mla as FI
 R, P, PS, H = 512, 64, 64, 128
 DT = torch.bfloat16
 SHAPES = [(8, 131072), (128, 32768)]
-PROBES = {"all phases": 0, "no softmax": 1, "no p.ckv": 2, "no q.ckv^T": 4, "no rescale": 8, "no p via smem": 16,
+PROBES = {"all phases": 0, "no softmax": 1, "no p.ckv": 2, "no q.ckv^T": 4, "no rescale": 8,
+          "no p via smem": 16,
           "q.ckv^T only": 1 | 2 | 8 | 16, "p.ckv only": 1 | 4 | 8, "loads and loop only": 31}
 PIPES = {"": False, "pipe: ": True}
 PIPE_PROBES = ("all phases", "no softmax", "no p.ckv", "loads and loop only")  # the kernel's two loop schedules (decode_wgmma.PIPE)

@@ -19,6 +19,8 @@ from mla_compile.kernels import aot  # noqa: E402
 from mla_compile.kernels import decode as D  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not aot.available(), reason="triton's bundled ptxas is missing")
+# an MMA layout in TTGIR: (warpsPerCTA, instrShape)
+MMA_LAYOUT = r"nvidia_mma<\{[^}]*warpsPerCTA = (\[\d+, \d+\]), instrShape = (\[[\d, ]+\])"
 
 
 @pytest.mark.parametrize("page_size", [1, 64])
@@ -50,7 +52,7 @@ def test_many_heads_gluon_kernel_computes_each_score_once(dtype):
     from mla_compile.kernels import decode_wgmma as W
 
     out = aot.wgmma_stage1_sm90(dtype=dtype)
-    mma_layouts = set(re.findall(r"nvidia_mma<\{[^}]*warpsPerCTA = (\[\d+, \d+\]), instrShape = (\[[\d, ]+\])", out["ttgir"]))
+    mma_layouts = set(re.findall(MMA_LAYOUT, out["ttgir"]))
     assert mma_layouts == {("[4, 2]", "[16, 32, 16]"), ("[4, 2]", "[16, 128, 16]")}, mma_layouts
     assert "cp.async.bulk.tensor" in out["ptx"], "full tiles are not TMA copies"
     # per tile and warpgroup: q.ckv^T = 576 / 16 instructions, p.ckv = 2 x 64 / 16; once for the full tiles'
@@ -72,7 +74,7 @@ def test_many_heads_gluon_gather_kernel_copies_rows_in_16_byte_async_copies(page
     # [64, 256] x 2 latent halves + [64, 64] rope, 16 B each, over 256 threads: 18 per thread and tile, at the
     # prologue's and at the loop's issue
     assert len(copies) == 2 * 18, len(copies)
-    mma_layouts = set(re.findall(r"nvidia_mma<\{[^}]*warpsPerCTA = (\[\d+, \d+\]), instrShape = (\[[\d, ]+\])", out["ttgir"]))
+    mma_layouts = set(re.findall(MMA_LAYOUT, out["ttgir"]))
     assert mma_layouts == {("[4, 2]", "[16, 32, 16]"), ("[4, 2]", "[16, 128, 16]")}, mma_layouts
     assert out["spill_bytes"] == 0, out["registers"]
 

@@ -8,13 +8,16 @@ H200's peak (274 TFLOP/s, session 3). Here the two warpgroups split the score ti
 the output by columns, so every product is computed once.
 
 One program per (request, block of 64 heads, KV split), 8 warps. Shared memory holds q (latent halves + rope,
-loaded once) and STAGES tiles of 64 tokens (TMA boxes; the next tile loads while this one computes); p goes
-through shared memory to feed the second MMA from both warpgroups. A split's partial last tile is filled by
-masked loads (slots past seq_len may hold NaN and must never reach an MMA). The program writes the same
-normalised partial out and natural-log lse as the Triton kernels, so decode.py's merge is shared.
+loaded once) and STAGES tiles of 64 tokens (the next tile loads while this one computes); p goes through shared
+memory to feed the second MMA from both warpgroups. Two kernels share those MMAs and differ in how a tile arrives:
+- `_stage1_wgmma_kernel`: TMA boxes (pages of whole 64-token tiles); a split's partial last tile by masked loads;
+- `_stage1_gather_kernel`: 16-byte async copies per token row through the table (pages smaller than a tile, sparse
+  index lists), masked rows zero-filled.
+Slots past seq_len may hold NaN and never reach an MMA. Both write the same normalised partial out and natural-log
+lse as the Triton kernels, so decode.py's merge is shared.
 
-Needs sm_90 exactly (warpgroup MMA is Hopper's; Blackwell has tcgen05 instead), bf16 / fp16, whole tiles inside a
-page and the latent in two power-of-two halves: see `eligible`.
+Needs sm_90 exactly (warpgroup MMA is Hopper's; Blackwell has tcgen05 instead), bf16 / fp16, >= 64 heads and the
+latent in two power-of-two halves: see `eligible`. Measured: benchmarks/RESULTS.md, session 8.
 """
 
 from __future__ import annotations
@@ -101,8 +104,8 @@ if gluon is not None:
     @gluon.jit
     def _softmax_pv(s, c0_t, c1_t, p_s, valid, m_i, l_i, acc0, acc1, scale_log2, MASKED: gl.constexpr,
                     O_L: gl.constexpr, ASYNC_PV: gl.constexpr, PROBE: gl.constexpr):
-        """The online-softmax step on the tile's scores s, then acc += p.[c0 | c1] (issued asynchronously unless
-        ASYNC_PV: then wait before use). l_i is kept score-shaped, each thread summing its own columns: the row sums need no cross-warp
+        """The online-softmax step on the tile's scores s, then acc += p.[c0 | c1] (left in flight if ASYNC_PV: wait
+        before use). l_i is kept score-shaped, each thread summing its own columns: the row sums need no cross-warp
         reduction until the end. PROBE != 0 drops phases for timing only (benchmarks/wgmma_probe.py; wrong
         results): 1 softmax, 2 p.ckv, 4 q.ckv^T, 8 the accumulator rescale, 16 p's trip through shared memory."""
         s = s * scale_log2
