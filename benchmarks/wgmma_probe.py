@@ -27,10 +27,9 @@ R, P, PS, H = 512, 64, 64, 128
 DT = torch.bfloat16
 SHAPES = [(8, 131072), (128, 32768)]
 PROBES = {"all phases": 0, "no softmax": 1, "no p.ckv": 2, "no q.ckv^T": 4, "no rescale": 8,
-          "no p via smem": 16,
-          "q.ckv^T only": 1 | 2 | 8 | 16, "p.ckv only": 1 | 4 | 8, "loads and loop only": 31}
-PIPES = {"": False, "pipe: ": True}
-PIPE_PROBES = ("all phases", "no softmax", "no p.ckv", "loads and loop only")  # the kernel's two loop schedules (decode_wgmma.PIPE)
+          "no p via smem": 16, "q.ckv^T only": 1 | 2 | 8 | 16, "p.ckv only": 1 | 4 | 8, "loads and loop only": 31}
+PIPES = {"": False, "pipe: ": True}  # the kernel's two loop schedules (decode_wgmma.PIPE)
+PIPE_PROBES = ("all phases", "no softmax", "no p.ckv", "loads and loop only")
 
 
 def us(fn):
