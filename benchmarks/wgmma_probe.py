@@ -4,9 +4,10 @@ usage: python benchmarks/wgmma_probe.py OUT.json [--gather]
        (--gather: only the gather kernel's rows, vs the Triton pointer kernel)
 
 Times stage 1 alone by CUDA-graph replay (`do_bench_cudagraph` median) with phases dropped through the kernel's
-PROBE constexpr, for both loop schedules (PIPE), (1 softmax, 2 p.ckv, 4 q.ckv^T, 8 the accumulator rescale, 16 p through shared memory; such runs
-compute wrong results and only say what a phase costs), next to the whole op, the Triton TMA kernel and
-FlashInfer at the same shapes. bf16, R 512 / P 64, page 64, shuffled pages, random data.
+PROBE constexpr (1 softmax, 2 p.ckv, 4 q.ckv^T, 8 the accumulator rescale, 16 p through shared memory; such runs
+compute wrong results and only say what a phase costs), for both loop schedules (PIPE), next to the whole op, the
+Triton TMA kernel and FlashInfer at the same shapes. bf16, R 512 / P 64, page 64, shuffled pages, random data.
+Then the gather kernel's rows (page-1 token table, sparse index lists) against the Triton pointer kernel.
 """
 
 from __future__ import annotations
