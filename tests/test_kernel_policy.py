@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import unittest.mock as mock
+
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 from mla_compile.kernels import decode as D  # noqa: E402
@@ -92,3 +96,18 @@ def test_gluon_kernels_never_run_off_sm90():
     assert not W.eligible(q, *caches(PS=64))
     assert not W.eligible(q, *caches(PS=1), sparse=True)
     assert D.default_config(128, 512, 64).wgmma and not D.default_config(16, 512, 64).wgmma
+
+
+
+@given(B=st.integers(1, 4096), H=st.sampled_from([1, 8, 16, 32, 64, 96, 128]), capacity=st.integers(0, 1 << 20),
+       sms=st.integers(1, 200))
+def test_split_policy_invariants(B, H, capacity, sms):
+    # whatever the shapes: at least one split, at most max_splits, never a second wave of splits, never more
+    # splits than min_split_tokens-long chunks of the capacity
+    cfg = D.default_config(H, 512, 64)
+    with mock.patch.object(D, "sm_count", lambda device: sms):
+        ns = D.num_splits(B, H, capacity, torch.device("cpu"), cfg)
+    programs = B * -(-H // cfg.block_h)
+    assert 1 <= ns <= cfg.max_splits
+    assert ns == 1 or programs * ns <= cfg.ctas_per_sm * sms
+    assert ns <= max(1, -(-capacity // cfg.min_split_tokens))
