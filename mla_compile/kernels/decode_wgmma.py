@@ -398,7 +398,7 @@ if gluon is not None:
             fence_async_shared()  # this thread's copies -> visible to the MMAs (async proxy), then all threads'
             gl.thread_barrier()
             t0 = start + i * BLOCK_N
-            page_s, off_s, valid_s = _token_rows(Table, b, s_tb, t0, end, gl.SliceLayout(0, S_L), PS, BLOCK_N, SPARSE)
+            _, _, valid_s = _token_rows(Table, b, s_tb, t0, end, gl.SliceLayout(0, S_L), PS, BLOCK_N, SPARSE)
             s = _scores(q0_s, q1_s, qp_s, c0_s.index(st), c1_s.index(st), k_s.index(st), s0, PROBE)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             m_i, l_i, acc0, acc1 = _softmax_pv(s, c0_s.index(st), c1_s.index(st), p_s, valid_s, m_i, l_i, acc0, acc1,
