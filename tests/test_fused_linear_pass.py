@@ -109,15 +109,9 @@ def test_bad_option_names_the_key():
         parse_options({"fuse_linears": "sometimes"})
 
 
-@pytest.mark.parametrize("name,build,kwargs,layers,groups", [
-    # V3: per layer q_a (or q) + kv_a, and gate + up
-    ("v3-qlora", M.deepseek_v3, dict(q_lora_rank=96), 2, 4), ("v3-noqlora", M.deepseek_v3, dict(q_lora_rank=None), 2, 4),
-    # DSA: q_a + kv_a + the indexer's wk over the hidden states, q_b + the indexer's wq_b over q_resid, gate + up
-    ("v32", M.deepseek_v32, dict(index_topk=8), 1, 3), ("glm-moe-dsa", M.glm_moe_dsa, {}, 1, 3)])
-def test_hf_decode_with_fused_projections_matches_eager(name, build, kwargs, layers, groups):
-    """Greedy decode with the projections fused equals eager HF; the attention is still rewritten."""
-    model = build(num_layers=layers, **kwargs)
-    L, steps = 32, 4
+def assert_fused_greedy_matches_eager(model, L=32, steps=4):
+    """Greedy decode of `model` compiled with the projections always fused: the same tokens as eager HF, logits
+    within 1e-4 (prefill eager in both)."""
     ids, mask = M.batch(L=L)
     ref_t, ref_l = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), steps)
     compiled = torch.compile(model, backend="mla_dcp", fullgraph=True, options={"fuse_linears": "always"})
@@ -125,6 +119,16 @@ def test_hf_decode_with_fused_projections_matches_eager(name, build, kwargs, lay
                          prefill=model)
     assert torch.equal(t, ref_t)
     assert M.rel_err(logits, ref_l) < 1e-4
+
+
+@pytest.mark.parametrize("name,build,kwargs,layers,groups", [
+    # V3: per layer q_a (or q) + kv_a, and gate + up
+    ("v3-qlora", M.deepseek_v3, dict(q_lora_rank=96), 2, 4), ("v3-noqlora", M.deepseek_v3, dict(q_lora_rank=None), 2, 4),
+    # DSA: q_a + kv_a + the indexer's wk over the hidden states, q_b + the indexer's wq_b over q_resid, gate + up
+    ("v32", M.deepseek_v32, dict(index_topk=8), 1, 3), ("glm-moe-dsa", M.glm_moe_dsa, {}, 1, 3)])
+def test_hf_decode_with_fused_projections_matches_eager(name, build, kwargs, layers, groups):
+    """Greedy decode with the projections fused equals eager HF; the attention is still rewritten."""
+    assert_fused_greedy_matches_eager(build(num_layers=layers, **kwargs))
     assert COUNTERS["mla_compile"][COUNTER] == groups
     assert COUNTERS["mla_compile"]["mla_attention_rewritten"] == layers
 
@@ -298,14 +302,6 @@ def test_split_k_through_inductor_and_autograd():
 
 def test_hf_decode_split_k_partials_matches_eager():
     """Hidden 1024 (K split in 2 for q_a + kv_a): HF decode through mla.linear_partials + graph adds equals eager."""
-    model = M.deepseek_v3(num_layers=1, hidden=1024)
-    L, steps = 32, 4
-    ids, mask = M.batch(L=L)
-    ref_t, ref_l = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), steps)
-    compiled = torch.compile(model, backend="mla_dcp", fullgraph=True, options={"fuse_linears": "always"})
-    t, logits = M.greedy(compiled, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), steps,
-                         prefill=model)
-    assert torch.equal(t, ref_t)
-    assert M.rel_err(logits, ref_l) < 1e-4
+    assert_fused_greedy_matches_eager(M.deepseek_v3(num_layers=1, hidden=1024))
     assert COUNTERS["mla_compile"][SPLIT_COUNTER] >= 1
     assert COUNTERS["mla_compile"]["mla_attention_rewritten"] == 1

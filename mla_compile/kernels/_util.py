@@ -30,6 +30,24 @@ def has_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+@functools.lru_cache(maxsize=None)
+def is_sm90(device: torch.device) -> bool:
+    """Hopper exactly: warpgroup MMA (the Gluon kernels) exists on sm_90 only."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def box_width(x: int) -> bool:
+    """A width a TMA box side and an MMA operand both take: a power of two in [16, 256]."""
+    return 16 <= x <= 256 and x & (x - 1) == 0
+
+
+def caches_view_as_slots(ckv_cache, kpe_cache) -> bool:
+    """Paged caches [pages, page_size, width] that view as [slots, width] (what a TMA descriptor over the whole
+    cache needs), 16-byte aligned."""
+    return all(t.stride() == (t.shape[1] * t.shape[2], t.shape[2], 1) and t.data_ptr() % 16 == 0
+               for t in (ckv_cache, kpe_cache))
+
+
 # programmatic dependent launch for our kernels: "auto" (default) / "1" on sm_90+, "0" never. HF DeepSeek-V3 step
 # (H 16, batch 8, 32K, H200): 736 -> 725 us, 716 with Inductor's kernels too (session 6, benchmarks/RESULTS.md)
 PDL_ENV = "MLA_COMPILE_PDL"

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import block, dot_mode, has_tma, mma, pdl_enter, pdl_launch, sm_count
+from ._util import block, box_width, caches_view_as_slots, dot_mode, has_tma, mma, pdl_enter, pdl_launch, sm_count
 from . import decode_wgmma as _wgmma
 from .merge import merge_into
 
@@ -246,15 +246,12 @@ def tma_eligible(ckv_cache, kpe_cache, sparse: bool, cfg: DecodeConfig) -> bool:
         return False
     NP, PS, R = ckv_cache.shape
     P = kpe_cache.shape[2]
-    return (tma_tiles_fit(cfg, PS, R, P)
-            and ckv_cache.stride()[:2] == (PS * R, R) and kpe_cache.stride()[:2] == (PS * P, P)
-            and ckv_cache.data_ptr() % 16 == 0 and kpe_cache.data_ptr() % 16 == 0)
+    return tma_tiles_fit(cfg, PS, R, P) and caches_view_as_slots(ckv_cache, kpe_cache)
 
 
 def tma_tiles_fit(cfg: DecodeConfig, page_size: int, R: int, P: int) -> bool:
     """The shape half of `tma_eligible`: TMA asked for, whole tiles inside a page, boxes of powers of two <= 256."""
-    pow2 = lambda x: 16 <= x <= 256 and x & (x - 1) == 0  # noqa: E731
-    return cfg.tma and page_size % cfg.block_n == 0 and R % 2 == 0 and pow2(R // 2) and pow2(P)
+    return cfg.tma and page_size % cfg.block_n == 0 and R % 2 == 0 and box_width(R // 2) and box_width(P)
 
 
 def tma_constexprs(cfg: DecodeConfig, R: int, P: int, dtype: torch.dtype) -> dict:

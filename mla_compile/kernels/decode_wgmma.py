@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from ._util import box_width, caches_view_as_slots, is_sm90
+
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every shape
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -56,12 +58,11 @@ def eligible(q_nope, ckv_cache, kpe_cache, sparse: bool = False) -> bool:
     widths that are powers of two a TMA box / an MMA / a 16-byte copy accept, and the tiles fitting shared memory;
     then either the TMA kernel's layout (`tma_layout`) or, if GATHER, rows the gather kernel can copy 16 bytes
     at a time (any page size, sparse index lists)."""
-    if gluon is None or not ckv_cache.is_cuda or torch.cuda.get_device_capability(ckv_cache.device) != (9, 0):
+    if gluon is None or not is_sm90(ckv_cache.device):
         return False
     R, P = ckv_cache.shape[2], kpe_cache.shape[2]
-    pow2 = lambda x: 16 <= x <= 256 and x & (x - 1) == 0  # noqa: E731
     if not (q_nope.dtype in (torch.bfloat16, torch.float16) and ckv_cache.dtype == q_nope.dtype
-            and q_nope.shape[1] >= BLOCK_H and R % 2 == 0 and pow2(R // 2) and pow2(P)
+            and q_nope.shape[1] >= BLOCK_H and R % 2 == 0 and box_width(R // 2) and box_width(P)
             and smem_bytes(R, P) <= SMEM_LIMIT):
         return False
     if tma_layout(ckv_cache, kpe_cache, sparse):
@@ -74,11 +75,7 @@ def eligible(q_nope, ckv_cache, kpe_cache, sparse: bool = False) -> bool:
 def tma_layout(ckv_cache, kpe_cache, sparse: bool) -> bool:
     """Tiles are TMA boxes: a paged (not sparse) cache with pages of whole 64-token tiles that views as
     [slots, width], 16-byte aligned."""
-    NP, PS, R = ckv_cache.shape
-    P = kpe_cache.shape[2]
-    return (not sparse and PS % BLOCK_N == 0 and ckv_cache.stride() == (PS * R, R, 1)
-            and kpe_cache.stride() == (PS * P, P, 1) and ckv_cache.data_ptr() % 16 == 0
-            and kpe_cache.data_ptr() % 16 == 0)
+    return not sparse and ckv_cache.shape[1] % BLOCK_N == 0 and caches_view_as_slots(ckv_cache, kpe_cache)
 
 
 if gluon is not None:
