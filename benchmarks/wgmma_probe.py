@@ -1,7 +1,8 @@
 """Where the Gluon many-head decode kernel's time goes (kernels/decode_wgmma.py; not a test).
 
-usage: python benchmarks/wgmma_probe.py OUT.json [--gather]
-       (--gather: only the gather kernel's rows, vs the Triton pointer kernel)
+usage: python benchmarks/wgmma_probe.py OUT.json [--gather | --seesaw]
+       (--gather: only the gather kernel's rows, vs the Triton pointer kernel;
+        --seesaw: only the warp-specialised kernel (decode_seesaw.py) vs the other TMA-layout kernels and FlashInfer)
 
 Times stage 1 alone by CUDA-graph replay (`do_bench_cudagraph` median) with phases dropped through the kernel's
 PROBE constexpr (1 softmax, 2 p.ckv, 4 q.ckv^T, 8 the accumulator rescale, 16 p through shared memory; such runs
@@ -66,11 +67,53 @@ def gather_rows(ckv, kpe):
     return rows
 
 
-def main(path, only_gather=False):
+SEESAW_SHAPES = [(1, 131072), (8, 32768), (8, 131072), (32, 32768), (128, 8192), (128, 32768)]
+
+
+def seesaw_rows(ckv, kpe):
+    """Stage 1 alone and the whole op: the warp-specialised kernel vs the two-warpgroup one (PIPE schedule), the
+    Triton TMA kernel and FlashInfer, same data, same run."""
+    rows = []
+    for B, L in SEESAW_SHAPES:
+        table = torch.randperm(ckv.shape[0], device="cuda")[: B * L // PS].view(B, L // PS).int()
+        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        qn = torch.randn(B, H, R, dtype=DT, device="cuda")
+        qp = torch.randn(B, H, P, dtype=DT, device="cuda")
+        cfg = D.default_config(H, R, PS)
+        ns = D.num_splits(B, H, L, qn.device, cfg)
+        o = torch.empty(ns, B, H, R, dtype=torch.float32, device="cuda")
+        lse = torch.empty(ns, B, H, dtype=torch.float32, device="cuda")
+        row = {"B": B, "L": L, "H": H, "splits": ns, "flops": D.flops(B, H, L, R, P)}
+        stage1 = lambda **kw: W.launch(qn, qp, ckv, kpe, table, lens, 0.07, o, lse, o.stride(0),  # noqa: E731
+                                       lse.stride(0), ns, **kw)
+        row["stage1_us"] = {"seesaw": us(lambda: stage1()), "pipe": us(lambda: stage1(pipe=True))}
+        op = {"seesaw": cfg, "triton_tma": dataclasses.replace(cfg, wgmma=False)}
+        row["op_us"] = {k: us(lambda: D.decode(qn, qp, ckv, kpe, table, lens, 0.07, cfg=c)) for k, c in op.items()}
+        W.SEESAW = False
+        row["op_us"]["pipe"] = us(lambda: D.decode(qn, qp, ckv, kpe, table, lens, 0.07, cfg=cfg))
+        W.SEESAW = True
+        if FI.available():
+            fi_run = FI.plan(qn, qp, ckv, table, lens, 0.07).raw
+            fi_run(qn, qp, ckv, kpe)
+            row["op_us"]["flashinfer"] = us(lambda: fi_run(qn, qp, ckv, kpe))
+        row["tflops"] = {k: row["flops"] / (v * 1e-6) / 1e12 for k, v in row["op_us"].items()}
+        if "flashinfer" in row["op_us"]:
+            row["ratio_vs_flashinfer"] = row["op_us"]["seesaw"] / row["op_us"]["flashinfer"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(path, only_gather=False, only_seesaw=False):
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     pages = max(b * n for b, n in SHAPES) // PS
     ckv = torch.empty(pages, PS, R, dtype=DT, device="cuda").normal_()
     kpe = torch.empty(pages, PS, P, dtype=DT, device="cuda").normal_()
+    if only_seesaw:
+        res["seesaw"] = seesaw_rows(ckv, kpe)
+        with open(path, "w") as fh:
+            json.dump(res, fh, indent=1)
+        return
     for B, L in ([] if only_gather else SHAPES):
         table = torch.randperm(pages, device="cuda")[: B * L // PS].view(B, L // PS).int()
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
@@ -106,4 +149,4 @@ def main(path, only_gather=False):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], only_gather="--gather" in sys.argv)
+    main(sys.argv[1], only_gather="--gather" in sys.argv, only_seesaw="--seesaw" in sys.argv)

@@ -63,6 +63,29 @@ def test_many_heads_gluon_kernel_computes_each_score_once(dtype):
     assert out["shared_bytes"] >= W.smem_bytes(512, 64) - 64  # q, both stages and p are all there
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_many_heads_seesaw_kernel_gives_each_warpgroup_whole_tiles(dtype):
+    """The warp-specialised kernel (kernels/decode_seesaw.py): each warpgroup scores whole 64-token tiles (an
+    m64n64 MMA over one warpgroup, [4, 1]) and accumulates one latent half (m64n256), a one-warp partition issues
+    the TMA copies, and the register file is split between the partitions (setmaxnreg)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mla_compile.kernels import decode_seesaw as S
+    from mla_compile.kernels import decode_wgmma as W
+
+    out = aot.wgmma_stage1_sm90(dtype=dtype, seesaw=True)
+    mma_layouts = set(re.findall(MMA_LAYOUT, out["ttgir"]))
+    assert mma_layouts == {("[4, 1]", "[16, 64, 16]"), ("[4, 1]", "[16, 256, 16]")}, mma_layouts
+    ptx = out["ptx"]
+    # per warpgroup and pair of tiles: its own tile's q.ckv^T (576 / 16) and two p.ckv (64 / 16 each)
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16", ptx)) == 2 * 576 // 16
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16", ptx)) == 2 * 2 * 64 // 16
+    assert "cp.async.bulk.tensor" in ptx, "tiles are not TMA copies"
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{int(S.LOADER_REGS)};", ptx), "loader keeps its registers"
+    assert re.search(r"\.reqntid 384", ptx), "4 + 4 + 1 warps launch as three warpgroups"
+    assert out["spill_bytes"] <= S.SPILL_BUDGET, out["spill_bytes"]
+    assert S.smem_bytes(512, 64) - 256 <= out["shared_bytes"] <= W.SMEM_LIMIT
+
+
 @pytest.mark.parametrize("page_size,sparse", [(1, False), (16, False), (1, True)])
 def test_many_heads_gluon_gather_kernel_copies_rows_in_16_byte_async_copies(page_size, sparse):
     """The Gluon kernel for tiles that are not TMA boxes (pages < 64 tokens, sparse index lists): every cache row

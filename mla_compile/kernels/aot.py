@@ -83,8 +83,8 @@ def stage1_sm90(cfg: D.DecodeConfig, R: int = 512, P: int = 64, page_size: int =
 
 
 def wgmma_stage1_sm90(R: int = 512, P: int = 64, page_size: int = 64, dtype: str = "bf16", **variant) -> dict:
-    """A Gluon many-head stage-1 kernel (kernels/decode_wgmma.py) compiled for sm_90a: the TMA one, or with
-    gather=True (and sparse=...) the gather one."""
+    """A Gluon many-head stage-1 kernel compiled for sm_90a: decode_wgmma.py's TMA one, with gather=True (and
+    sparse=...) its gather one, with seesaw=True the warp-specialised one (decode_seesaw.py)."""
     from triton.experimental.gluon import language as gl
 
     from . import decode_wgmma as W
@@ -93,6 +93,10 @@ def wgmma_stage1_sm90(R: int = 512, P: int = 64, page_size: int = 64, dtype: str
     desc = {name: f"tensordesc<{dtype}[{W.BLOCK_N}, {width}],{gl.NVMMASharedLayout.get_default_for([W.BLOCK_N, width], gdt)!r}>"
             for name, width in (("CkvDesc", R // 2), ("KpeDesc", P))}
     desc.update({name: f"*{dtype}" for name in ("Qn", "Qp", "Ckv", "Kpe")})
+    if variant.pop("seesaw", False):  # the warp-specialised kernel (decode_seesaw.py): 4 + 4 + 1 warps
+        from . import decode_seesaw as S
+
+        return compile_sm90(S._stage1_seesaw_kernel, S.constexprs(R, P, page_size), desc, S.NUM_WARPS, 1, gluon=True)
     if variant.pop("gather", False):  # the gather kernel (pages smaller than a tile, sparse index lists)
         constexprs = W.gather_constexprs(R, P, page_size, **variant)
         return compile_sm90(W._stage1_gather_kernel, constexprs, desc, W.NUM_WARPS, 1, gluon=True)

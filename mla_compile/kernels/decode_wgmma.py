@@ -43,6 +43,9 @@ STAGES = 2
 # keep p.ckv in flight into the next tile's q.ckv^T (see the kernel); False: wait for it per tile. H200 (session 8,
 # data/session8_call4): stage 1 661 / 2649 us vs 677 / 2723 at B=8 128K / B=128 32K
 PIPE = True
+# the warp-specialised kernel (decode_seesaw.py) for the TMA layout where it applies (rope width 64); else the TMA
+# kernel below
+SEESAW = True
 GATHER = True  # the gather kernel for pages smaller than a tile and sparse index lists
 NUM_WARPS = 8  # two warpgroups
 SMEM_LIMIT = 227 * 1024  # Hopper's largest per-block shared memory
@@ -449,6 +452,12 @@ def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
             q_nope, q_pe, ckv_cache, kpe_cache, table, table if sparse else seq_lens, o, l,
             sm_scale * 1.4426950408889634, H, table.shape[1] if sparse else 0, *common,
             **gather_constexprs(R, P, PS, sparse, probe), num_warps=NUM_WARPS)
+    if SEESAW and probe == 0 and pipe is None:
+        from . import decode_seesaw
+
+        if decode_seesaw.eligible(R, P):
+            return decode_seesaw.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l,
+                                        s_on, s_ln, ns)
     ckv_desc, kpe_desc = descriptors(ckv_cache, kpe_cache)
     return _stage1_wgmma_kernel[grid](
         q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,

@@ -438,31 +438,44 @@ def test_per_head_linear_cuda_graph_replay():
 
 
 # ------------------------------------------------------------------------------------------------ Gluon decode
-@pytest.mark.parametrize("pipe", [False, True])
+@pytest.mark.parametrize("kernel", ["seesaw", "pipe", "no-pipe"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H,PS", [(128, 64), (64, 128), (96, 64)])
-def test_wgmma_kernel(H, PS, dtype, pipe, monkeypatch):
-    # the many-head Gluon kernel: lengths on and off tile edges, several tiles per split (the TMA ring wraps), a
-    # partial head block (H=96), forced and policy split counts; unused cache slots hold NaN
+def test_wgmma_kernel(H, PS, dtype, kernel, monkeypatch):
+    # the many-head Gluon kernels on the TMA layout (the warp-specialised one and both loop schedules of the other):
+    # lengths on and off tile edges, odd and even tile counts, several tiles per split (the slots wrap), a partial
+    # head block (H=96), forced and policy split counts; unused cache slots hold NaN. Then a CUDA graph replayed
+    # with new lengths
     from mla_compile.kernels import decode as K
     from mla_compile.kernels import decode_wgmma as W
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("warpgroup MMA: sm_90 only")
-    monkeypatch.setattr(W, "PIPE", pipe)  # both loop schedules
-    b, qn, qp = make_batch([0, 1, 63, 64, 65, 777, 4101, 0, 33, 256], H, 512, 64, PS, dtype, seed=H + PS)
+    monkeypatch.setattr(W, "SEESAW", kernel == "seesaw")
+    monkeypatch.setattr(W, "PIPE", kernel == "pipe")
+    b, qn, qp = make_batch([0, 1, 63, 64, 65, 777, 4101, 0, 33, 256, 128, 192], H, 512, 64, PS, dtype, seed=H + PS)
     assert W.eligible(qn, b.ckv_cache, b.kpe_cache)
     assert K.default_config(H, 512, PS).wgmma
     want = ref_of(b, qn, qp, 0.08)
-    for splits in (1, 3, 40, None):
+    for splits in (1, 2, 3, 40, None):
         out, lse = K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.08, splits=splits)
         assert_attention(out, lse, *want, dtype)
+    if dtype == torch.bfloat16:
+        lens = b.seq_lens.clone()
+        graph, (out, lse) = capture(lambda: K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, lens, 0.08))
+        assert_replays(graph, out, lse, lens, b, qn, qp, 0.08,
+                       ([0, 1, 60, 64, 1, 700, 4000, 0, 0, 255, 127, 191], [0, 1, 5, 5, 5, 5, 5, 0, 5, 5, 5, 5]))
 
 
-def test_wgmma_kernel_large_logits():
+@pytest.mark.parametrize("seesaw", [True, False])
+def test_wgmma_kernel_large_logits(seesaw, monkeypatch):
     # scores far from 0 (q scaled up): the online softmax's running max must keep exp2 in range, and rows whose
-    # first tiles hold the largest scores must still weigh later tiles right
+    # first tiles hold the largest scores must still weigh later tiles right (in the seesaw kernel the two
+    # warpgroups' maxima meet every pair of tiles)
     from mla_compile.kernels import decode as K
+    from mla_compile.kernels import decode_wgmma as W
+
+    monkeypatch.setattr(W, "SEESAW", seesaw)
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("warpgroup MMA: sm_90 only")

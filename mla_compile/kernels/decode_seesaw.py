@@ -1,0 +1,264 @@
+"""Many-head paged MLA decode, stage 1, warp-specialised: two warpgroups take turns ("seesaw") over pairs of tiles.
+
+Why (decode_wgmma.py's probe, session 8): with both warpgroups sharing every tile, each re-reads q from shared
+memory for its half of the tile's scores - 216 KB of shared-memory traffic per 64 tokens for the score MMA alone,
+and the kernel is bound by that serial chain (q.ckv^T ~310 of 677 us at B=8 128K). Here each warpgroup scores a
+WHOLE tile (n = 64, q read once per tile), and the two work on alternating tiles A (slot 0) and B (slot 1):
+
+  WG0: s_A = q.A^T -> m_A, p_A (p_A into slot 0's dead rope buffer, m_A to WG1) -> acc0 += p_A.c0_A (p_A from
+       registers) -> [m_B, p_B from WG1] acc0 rescale -> acc0 += p_B.c0_B
+  WG1: s_B = q.B^T -> [m_A, p_A from WG0] acc1 rescale, acc1 += p_A.c1_A -> m_B, p_B (into slot 1's rope buffer,
+       m_B to WG0) -> acc1 rescale -> acc1 += p_B.c1_B
+
+Each warpgroup owns one latent half of the output (acc0 = c0 columns, acc1 = c1 columns: an m64n256 MMA), so every
+product is computed once, and one warpgroup's softmax overlaps the other's MMAs. A one-warp partition issues the
+TMA loads: a slot refills once both warpgroups have released it. Row sums stay per warpgroup (each applies every
+rescale) and meet once at the end. A split's partial last tile: rows past seq_len are zeroed in shared memory by
+the warpgroup that scores the tile before any MMA reads them (cache slots past seq_len may hold NaN).
+
+Pages of whole 64-token tiles (TMA boxes), rope width 64 (p reuses the rope buffer); other layouts use
+decode_wgmma's kernels. Same outputs as them: normalised partial out and natural-log lse per split.
+"""
+
+from __future__ import annotations
+
+import triton
+
+from . import decode_wgmma as W
+
+if W.gluon is not None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_init, warpgroup_mma_wait)
+
+BLOCK_H = W.BLOCK_H
+BLOCK_N = W.BLOCK_N
+NUM_WARPS = 4  # the default partition (warpgroup 0); + a 4-warp worker (warpgroup 1) + a 1-warp loader
+# 3 warpgroups at launch share the register file (65536 / 384 threads); then the loader gives back all but 24
+MAX_REGS = 168
+WG_REGS = gl.constexpr(240) if W.gluon is not None else 240  # warpgroup 1's; warpgroup 0 gets the rest (168 * 3 - 240 - 24 = 240)
+LOADER_REGS = gl.constexpr(24) if W.gluon is not None else 24
+SPILL_BUDGET = 512  # bytes ptxas may spill (offline count, tests/test_kernel_codegen.py): a few scalars outside MMAs
+
+
+def smem_bytes(R: int, P: int, itemsize: int = 2) -> int:
+    """q + two tile slots (p lives in the slots' rope buffers) + barriers and the m / l exchange."""
+    return itemsize * (BLOCK_H * (R + P) + 2 * BLOCK_N * (R + P)) + 4 * 4 * BLOCK_H + 128
+
+
+def eligible(R: int, P: int) -> bool:
+    return P == BLOCK_N and R % 2 == 0 and smem_bytes(R, P) <= W.SMEM_LIMIT
+
+
+if W.gluon is not None:
+
+    @gluon.jit
+    def _zero_rows_past(buf, t0, end, LD: gl.constexpr):
+        """Rows t0 + i >= end of a [BLOCK_N, width] tile in shared memory set to 0 (generic-proxy stores: fence and
+        sync before an MMA reads them)."""
+        n: gl.constexpr = buf.shape[0]
+        rows = t0 + gl.arange(0, n, layout=gl.SliceLayout(1, LD))
+        v = buf.load(LD)
+        buf.store(gl.where((rows < end)[:, None], v, gl.zeros_like(v)))
+
+    @gluon.jit
+    def _softmax_tile(s, t0, end, m_prev, scale_log2, S_L: gl.constexpr):
+        """Scores of tokens [t0, t0 + BLOCK_N) (those >= end masked) against the running max m_prev: (m_new, alpha
+        = the rescale of what was accumulated under m_prev, p = exp2 of the scores under m_new, unnormalised)."""
+        n: gl.constexpr = s.shape[1]
+        valid = (t0 + gl.arange(0, n, layout=gl.SliceLayout(0, S_L))) < end
+        s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_prev, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no token stay NaN-free
+        return m_new, gl.exp2(m_prev - m_use), gl.exp2(s - m_use[:, None])
+
+    @gluon.jit
+    def _rescale(m_from, m_to):
+        """exp2(m_from - m_to), 0 while m_to is still -inf."""
+        return gl.exp2(m_from - gl.where(m_to == float("-inf"), 0.0, m_to))
+
+    @gluon.jit
+    def _seesaw_loader(CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles,
+                       PS: gl.constexpr, RH: gl.constexpr):
+        """Tile t into slot t % 2 once both warpgroups released the slot's previous tile. Tiles come in pairs: a lone
+        last tile A gets a B of zeros (a box wholly outside the cache: TMA fills it with zeros), which the
+        warpgroups mask like any token past the split's end."""
+        BLOCK_N: gl.constexpr = c0_s.shape[1]
+        for t in range(2 * gl.cdiv(n_tiles, 2)):
+            st = t % 2
+            mbarrier.wait(empty.index(st), ((t // 2) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+            bar = full.index(st)
+            t0 = start + t * BLOCK_N
+            row = -BLOCK_N
+            if t < n_tiles:
+                page = gl.load(Table + b * s_tb + t0 // PS)
+                row = page * PS + t0 % PS
+            mbarrier.expect(bar, 2 * CkvDesc.block_type.nbytes + KpeDesc.block_type.nbytes)
+            tma.async_copy_global_to_shared(CkvDesc, [row, 0], bar, c0_s.index(st))
+            tma.async_copy_global_to_shared(CkvDesc, [row, RH], bar, c1_s.index(st))
+            tma.async_copy_global_to_shared(KpeDesc, [row, 0], bar, k_s.index(st))
+
+    @gluon.jit
+    def _seesaw_warpgroup(WG: gl.constexpr, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x,
+                          l_ready, O, L, b, hb, split, H, start, end, n_tiles, scale_log2,
+                          s_on, s_ob, s_oh, s_ln, s_lb, s_lh, RH: gl.constexpr):
+        """Warpgroup WG's side of the seesaw (module docstring): it scores the tiles of slot WG and owns output
+        columns [WG * RH, (WG + 1) * RH). p_ready[w] / m_x[w]: warpgroup w's p and running max of this pair of
+        tiles are in shared memory (p in slot w's rope buffer)."""
+        gl.static_assert(gl.num_warps() == 4, "one warpgroup")
+        BLOCK_H: gl.constexpr = q0_s.shape[0]
+        BLOCK_N: gl.constexpr = c0_s.shape[1]
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, RH, 16])
+        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        ROW: gl.constexpr = gl.SliceLayout(1, S_L)
+        OTHER: gl.constexpr = 1 - WG
+        if WG == 0:
+            c_own = c0_s
+        else:
+            c_own = c1_s
+        dt: gl.constexpr = c0_s.dtype
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW)
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=ROW)
+        acc = gl.zeros([BLOCK_H, RH], gl.float32, layout=O_L)
+        s0 = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+        for j in range(gl.cdiv(n_tiles, 2)):  # a lone last tile A pairs with an all-zero B (see the loader)
+            ph = j & 1
+            t_own = start + (2 * j + WG) * BLOCK_N
+            mbarrier.wait(full.index(WG), ph)
+            if (t_own < end) & (t_own + BLOCK_N > end):  # the split's partial last tile: zero rows past seq_len
+                _zero_rows_past(c0_s.index(WG), t_own, end, LD)
+                _zero_rows_past(c1_s.index(WG), t_own, end, LD)
+                _zero_rows_past(k_s.index(WG), t_own, end, LD)
+                fence_async_shared()
+                gl.thread_barrier()
+            s = warpgroup_mma(q0_s, c0_s.index(WG).permute((1, 0)), s0, use_acc=False, is_async=True)
+            s = warpgroup_mma(q1_s, c1_s.index(WG).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(qp_s, k_s.index(WG).permute((1, 0)), s, is_async=True)
+            if WG == 0:
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                m_a, alpha, p = _softmax_tile(s, t_own, end, m_i, scale_log2, S_L)
+                k_s.index(0).store(p.to(dt))  # the rope part of tile A is dead once its scores are done
+                m_x.index(0).store(m_a)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(p_ready.index(0))
+                l_i = l_i * alpha + gl.sum(p, 1)
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+                acc = warpgroup_mma(gl.convert_layout(p.to(dt), P_L), c_own.index(0), acc, is_async=True)
+                mbarrier.wait(p_ready.index(1), ph)
+                m_b = m_x.index(1).load(ROW)
+                alpha = _rescale(m_a, m_b)
+                l_i = l_i * alpha
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(0))
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+                acc = warpgroup_mma(k_s.index(1), c_own.index(1), acc, is_async=True)  # p_B from shared memory
+            else:
+                mbarrier.wait(p_ready.index(0), ph)
+                m_a = m_x.index(0).load(ROW)
+                alpha = _rescale(m_i, m_a)
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+                acc = warpgroup_mma(k_s.index(0), c_own.index(0), acc, is_async=True)  # p_A from shared memory
+                # the softmax of tile B runs while p_A.c1_A is on the tensor cores
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+                m_b, alpha_b, p = _softmax_tile(s, t_own, end, m_a, scale_log2, S_L)
+                k_s.index(1).store(p.to(dt))
+                m_x.index(1).store(m_b)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(p_ready.index(1))
+                l_i = l_i * alpha * alpha_b + gl.sum(p, 1)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(0))
+                acc = acc * gl.convert_layout(alpha_b, gl.SliceLayout(1, O_L))[:, None]
+                acc = warpgroup_mma(gl.convert_layout(p.to(dt), P_L), c_own.index(1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(1))
+            m_i = m_b
+
+        # the row sums meet: each warpgroup applied every rescale, so l = l0 + l1 under the common final max
+        l_x.index(WG).store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(l_ready)
+        mbarrier.wait(l_ready, 0)
+        l_i = l_i + l_x.index(OTHER).load(ROW)
+        has = l_i > 0
+        inv = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), gl.SliceLayout(1, O_L))[:, None]
+        oh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
+        orr = gl.arange(0, RH, layout=gl.SliceLayout(0, O_L))
+        o_ptr = O + split.to(gl.int64) * s_on + b * s_ob + oh[:, None] * s_oh + WG * RH + orr[None, :]
+        gl.store(o_ptr, acc * inv, mask=(oh < H)[:, None] & (orr < RH)[None, :])
+        if WG == 0:
+            lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+            lh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW)
+            gl.store(L + split * s_ln + b * s_lb + lh * s_lh, lse, mask=lh < H)
+
+    @gluon.jit
+    def _stage1_seesaw_kernel(Qn, Qp, CkvDesc, KpeDesc, Ckv, Kpe, Table, Lens, O, L,
+                              scale_log2, H,
+                              s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
+                              s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
+                              n_splits, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
+                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
+        gl.static_assert(P == BLOCK_N, "p [heads, tokens] reuses the [tokens, rope] buffer")
+        gl.static_assert(BLOCK_H == BLOCK_N)
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        dt: gl.constexpr = CkvDesc.dtype
+        hb = gl.program_id(0)
+        b = gl.program_id(1).to(gl.int64)
+        split = gl.program_id(2)
+        start, end, _ = W._split_bounds(gl.load(Lens + b), split, n_splits, BLOCK_N)
+        n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+        q0_s, q1_s, qp_s = W._q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt, RH, P, BLOCK_H, LD)
+        c0_s = gl.allocate_shared_memory(dt, [2, BLOCK_N, RH], CkvDesc.layout)
+        c1_s = gl.allocate_shared_memory(dt, [2, BLOCK_N, RH], CkvDesc.layout)
+        k_s = gl.allocate_shared_memory(dt, [2, BLOCK_N, P], KpeDesc.layout)
+        VEC_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        m_x = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SL)
+        l_x = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SL)
+        full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(full.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one arrival per warpgroup
+            mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(l_ready, count=2)
+        fence_async_shared()  # q's stores and the barrier inits before any async-proxy access
+        gl.thread_barrier()
+
+        gl.warp_specialize([
+            (_seesaw_warpgroup, (0, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O, L,
+                                 b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
+                                 RH)),
+            (_seesaw_warpgroup, (1, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O, L,
+                                 b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
+                                 RH)),
+            (_seesaw_loader, (CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles, PS, RH)),
+        ], [4, 1], [WG_REGS, LOADER_REGS])
+
+
+def constexprs(R: int, P: int, page_size: int) -> dict:
+    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N)
+
+
+def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns):
+    """decode_wgmma.launch's contract, for its TMA layout with rope width 64."""
+    B, H, R = q_nope.shape
+    PS = ckv_cache.shape[1]
+    P = kpe_cache.shape[2]
+    ckv_desc, kpe_desc = W.descriptors(ckv_cache, kpe_cache)
+    return _stage1_seesaw_kernel[(triton.cdiv(H, BLOCK_H), B, ns)](
+        q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
+        sm_scale * 1.4426950408889634, H,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), ckv_cache.stride(0), ckv_cache.stride(1),
+        kpe_cache.stride(0), kpe_cache.stride(1), block_table.stride(0),
+        s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1), ns,
+        **constexprs(R, P, PS), num_warps=NUM_WARPS, maxnreg=MAX_REGS)
