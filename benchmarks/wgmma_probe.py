@@ -22,6 +22,7 @@ from triton.testing import do_bench_cudagraph
 
 import mla_compile  # noqa: F401
 from mla_compile.kernels import decode as D
+from mla_compile.kernels import decode_seesaw as S
 from mla_compile.kernels import decode_wgmma as W
 from mla_compile.kernels import flashinfer_mla as FI
 
@@ -86,7 +87,9 @@ def seesaw_rows(ckv, kpe):
         row = {"B": B, "L": L, "H": H, "splits": ns, "flops": D.flops(B, H, L, R, P)}
         stage1 = lambda **kw: W.launch(qn, qp, ckv, kpe, table, lens, 0.07, o, lse, o.stride(0),  # noqa: E731
                                        lse.stride(0), ns, **kw)
-        row["stage1_us"] = {"seesaw": us(lambda: stage1()), "pipe": us(lambda: stage1(pipe=True))}
+        row["stage1_us"] = {"seesaw": us(lambda: stage1()), "pipe": us(lambda: stage1(pipe=True)),
+                            "seesaw whole-tile wait": us(lambda: S.launch(qn, qp, ckv, kpe, table, lens, 0.07, o, lse,
+                                                                          o.stride(0), lse.stride(0), ns, parts=False))}
         op = {"seesaw": cfg, "triton_tma": dataclasses.replace(cfg, wgmma=False)}
         row["op_us"] = {k: us(lambda: D.decode(qn, qp, ckv, kpe, table, lens, 0.07, cfg=c)) for k, c in op.items()}
         W.SEESAW = False

@@ -39,6 +39,9 @@ NUM_WARPS = 4  # the default partition (warpgroup 0); + a 4-warp worker (warpgro
 MAX_REGS = 168
 WG_REGS = gl.constexpr(240) if W.gluon is not None else 240  # warpgroup 1's; warpgroup 0 gets the rest (168 * 3 - 240 - 24 = 240)
 LOADER_REGS = gl.constexpr(24) if W.gluon is not None else 24
+# the score MMA waits for a tile part by part (rope, c0, c1: each its own barrier) and starts on what has arrived;
+# False: for the whole tile
+PARTS = True
 SPILL_BUDGET = 512  # bytes ptxas may spill (offline count, tests/test_kernel_codegen.py): a few scalars outside MMAs
 
 
@@ -87,22 +90,29 @@ if W.gluon is not None:
         BLOCK_N: gl.constexpr = c0_s.shape[1]
         for t in range(2 * gl.cdiv(n_tiles, 2)):
             st = t % 2
-            mbarrier.wait(empty.index(st), ((t // 2) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
-            bar = full.index(st)
+            free = ((t // 2) & 1) ^ 1  # a fresh barrier passes parity 1 at once
             t0 = start + t * BLOCK_N
             row = -BLOCK_N
             if t < n_tiles:
                 page = gl.load(Table + b * s_tb + t0 // PS)
                 row = page * PS + t0 % PS
-            mbarrier.expect(bar, 2 * CkvDesc.block_type.nbytes + KpeDesc.block_type.nbytes)
-            tma.async_copy_global_to_shared(CkvDesc, [row, 0], bar, c0_s.index(st))
-            tma.async_copy_global_to_shared(CkvDesc, [row, RH], bar, c1_s.index(st))
-            tma.async_copy_global_to_shared(KpeDesc, [row, 0], bar, k_s.index(st))
+            # one barrier per part, in the order the score MMA consumes them: it starts on the rope part while the
+            # latent halves are still arriving
+            # each part refills once its last reader released it (empty, same indexing as full)
+            mbarrier.wait(empty.index(3 * st), free)
+            mbarrier.expect(full.index(3 * st), KpeDesc.block_type.nbytes)
+            tma.async_copy_global_to_shared(KpeDesc, [row, 0], full.index(3 * st), k_s.index(st))
+            mbarrier.wait(empty.index(3 * st + 1), free)
+            mbarrier.expect(full.index(3 * st + 1), CkvDesc.block_type.nbytes)
+            tma.async_copy_global_to_shared(CkvDesc, [row, 0], full.index(3 * st + 1), c0_s.index(st))
+            mbarrier.wait(empty.index(3 * st + 2), free)
+            mbarrier.expect(full.index(3 * st + 2), CkvDesc.block_type.nbytes)
+            tma.async_copy_global_to_shared(CkvDesc, [row, RH], full.index(3 * st + 2), c1_s.index(st))
 
     @gluon.jit
     def _seesaw_warpgroup(WG: gl.constexpr, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x,
                           l_ready, O, L, b, hb, split, H, start, end, n_tiles, scale_log2,
-                          s_on, s_ob, s_oh, s_ln, s_lb, s_lh, RH: gl.constexpr):
+                          s_on, s_ob, s_oh, s_ln, s_lb, s_lh, RH: gl.constexpr, PARTS: gl.constexpr):
         """Warpgroup WG's side of the seesaw (module docstring): it scores the tiles of slot WG and owns output
         columns [WG * RH, (WG + 1) * RH). p_ready[w] / m_x[w]: warpgroup w's p and running max of this pair of
         tiles are in shared memory (p in slot w's rope buffer)."""
@@ -130,16 +140,21 @@ if W.gluon is not None:
         for j in range(gl.cdiv(n_tiles, 2)):  # a lone last tile A pairs with an all-zero B (see the loader)
             ph = j & 1
             t_own = start + (2 * j + WG) * BLOCK_N
-            mbarrier.wait(full.index(WG), ph)
+            if (PARTS == 0) | ((t_own < end) & (t_own + BLOCK_N > end)):
+                for part in gl.static_range(3):
+                    mbarrier.wait(full.index(3 * WG + part), ph)
             if (t_own < end) & (t_own + BLOCK_N > end):  # the split's partial last tile: zero rows past seq_len
                 _zero_rows_past(c0_s.index(WG), t_own, end, LD)
                 _zero_rows_past(c1_s.index(WG), t_own, end, LD)
                 _zero_rows_past(k_s.index(WG), t_own, end, LD)
                 fence_async_shared()
                 gl.thread_barrier()
-            s = warpgroup_mma(q0_s, c0_s.index(WG).permute((1, 0)), s0, use_acc=False, is_async=True)
+            mbarrier.wait(full.index(3 * WG), ph)  # (returns at once where waited above)
+            s = warpgroup_mma(qp_s, k_s.index(WG).permute((1, 0)), s0, use_acc=False, is_async=True)
+            mbarrier.wait(full.index(3 * WG + 1), ph)
+            s = warpgroup_mma(q0_s, c0_s.index(WG).permute((1, 0)), s, is_async=True)
+            mbarrier.wait(full.index(3 * WG + 2), ph)
             s = warpgroup_mma(q1_s, c1_s.index(WG).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma(qp_s, k_s.index(WG).permute((1, 0)), s, is_async=True)
             if WG == 0:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 m_a, alpha, p = _softmax_tile(s, t_own, end, m_i, scale_log2, S_L)
@@ -156,7 +171,7 @@ if W.gluon is not None:
                 alpha = _rescale(m_a, m_b)
                 l_i = l_i * alpha
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(0))
+                mbarrier.arrive(empty.index(1))  # c0_A read for the last time
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
                 acc = warpgroup_mma(k_s.index(1), c_own.index(1), acc, is_async=True)  # p_B from shared memory
             else:
@@ -175,11 +190,16 @@ if W.gluon is not None:
                 mbarrier.arrive(p_ready.index(1))
                 l_i = l_i * alpha * alpha_b + gl.sum(p, 1)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(0))
+                mbarrier.arrive(empty.index(0))  # rope_A (p_A) and c1_A read for the last time
+                mbarrier.arrive(empty.index(2))
                 acc = acc * gl.convert_layout(alpha_b, gl.SliceLayout(1, O_L))[:, None]
                 acc = warpgroup_mma(gl.convert_layout(p.to(dt), P_L), c_own.index(1), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(1))
+            if WG == 0:  # rope_B (p_B) and c0_B read for the last time
+                mbarrier.arrive(empty.index(3))
+                mbarrier.arrive(empty.index(4))
+            else:  # c1_B
+                mbarrier.arrive(empty.index(5))
             m_i = m_b
 
         # the row sums meet: each warpgroup applied every rescale, so l = l0 + l1 under the common final max
@@ -205,7 +225,7 @@ if W.gluon is not None:
                               s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
                               s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
                               n_splits, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
-                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
+                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PARTS: gl.constexpr = 1):
         gl.static_assert(P == BLOCK_N, "p [heads, tokens] reuses the [tokens, rope] buffer")
         gl.static_assert(BLOCK_H == BLOCK_N)
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -222,13 +242,16 @@ if W.gluon is not None:
         VEC_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         m_x = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SL)
         l_x = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SL)
-        full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        full = gl.allocate_shared_memory(gl.int64, [2 * 3, 1], mbarrier.MBarrierLayout())  # slot x (rope, c0, c1)
+        # slot x (rope, c0, c1), like full; each part's last reader releases it: c0_A WG0 after p_A.c0_A, rope_A (p_A)
+        # and c1_A WG1 after p_A.c1_A, rope_B (p_B) and c0_B WG0 after p_B.c0_B, c1_B WG1 after p_B.c1_B
+        empty = gl.allocate_shared_memory(gl.int64, [2 * 3, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
+        for i in gl.static_range(2 * 3):
             mbarrier.init(full.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # one arrival per warpgroup
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(2):
             mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(l_ready, count=2)
         fence_async_shared()  # q's stores and the barrier inits before any async-proxy access
@@ -237,19 +260,19 @@ if W.gluon is not None:
         gl.warp_specialize([
             (_seesaw_warpgroup, (0, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O, L,
                                  b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
-                                 RH)),
+                                 RH, PARTS)),
             (_seesaw_warpgroup, (1, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O, L,
                                  b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
-                                 RH)),
+                                 RH, PARTS)),
             (_seesaw_loader, (CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles, PS, RH)),
         ], [4, 1], [WG_REGS, LOADER_REGS])
 
 
-def constexprs(R: int, P: int, page_size: int) -> dict:
-    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N)
+def constexprs(R: int, P: int, page_size: int, parts: bool = PARTS) -> dict:
+    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PARTS=int(parts))
 
 
-def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns):
+def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, parts=None):
     """decode_wgmma.launch's contract, for its TMA layout with rope width 64."""
     B, H, R = q_nope.shape
     PS = ckv_cache.shape[1]
@@ -261,4 +284,4 @@ def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), ckv_cache.stride(0), ckv_cache.stride(1),
         kpe_cache.stride(0), kpe_cache.stride(1), block_table.stride(0),
         s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1), ns,
-        **constexprs(R, P, PS), num_warps=NUM_WARPS, maxnreg=MAX_REGS)
+        **constexprs(R, P, PS, PARTS if parts is None else parts), num_warps=NUM_WARPS, maxnreg=MAX_REGS)
