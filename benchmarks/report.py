@@ -96,8 +96,9 @@ def ops_block(d: dict) -> list[str]:
     # where the default kernel is the Gluon one (H >= 64 on sm_90), bench_ops also times the Triton TMA kernel
     tma = any("triton_tma_graph_ms" in r for r in rows)
     if tma:
-        out[0] += (" H >= 64 runs the Gluon warpgroup-MMA kernel (`kernels/decode_wgmma.py`); \"TMA graph us\" is "
-                   "the Triton TMA kernel it replaced, timed in the same run.")
+        out[0] += (" H >= 64 runs a Gluon warpgroup-MMA kernel (`kernels/decode_wgmma.py`; on these page-64 tables "
+                   "`kernels/decode_seesaw.py` from session 9 on); \"TMA graph us\" is the Triton TMA kernel they "
+                   "replaced, timed in the same run.")
         hdr.insert(5, "TMA graph us")
     out += md_table(hdr, [[str(r["H"]), str(r["B"]), kv(r["L"]), str(r.get("splits", "-")),
                            num(r.get("triton_graph_ms"), "{:.1f}", 1e3)]

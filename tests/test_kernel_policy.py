@@ -99,6 +99,39 @@ def test_gluon_kernels_never_run_off_sm90():
 
 
 
+def test_tma_layout_calls_take_the_warp_specialised_kernel(monkeypatch):
+    # decode_wgmma.launch on the TMA layout: the seesaw kernel (decode_seesaw.py) unless switched off, asked for the
+    # other kernel's schedule / phase probe, or the rope width does not fit its p buffer (P != 64)
+    pytest.importorskip("triton.experimental.gluon")
+    from mla_compile.kernels import decode_seesaw as S
+    from mla_compile.kernels import decode_wgmma as W
+
+    if not S.HAS_WARP_SPECIALIZE:
+        pytest.skip("this Triton's Gluon has another warp_specialize")
+    launched = []
+    monkeypatch.setattr(S, "launch", lambda *a, **k: launched.append("seesaw"))
+    other = mock.MagicMock()
+    other.__getitem__.return_value = lambda *a, **k: launched.append("two-warpgroup")
+    monkeypatch.setattr(W, "_stage1_wgmma_kernel", other)
+
+    def launch(P=64, **kw):
+        ckv, kpe = caches(PS=64, P=P)
+        q_nope, q_pe = torch.zeros(2, 128, 512, dtype=torch.bfloat16), torch.zeros(2, 128, P, dtype=torch.bfloat16)
+        o, lse = torch.zeros(2, 128, 512), torch.zeros(2, 128)
+        table, lens = torch.zeros(2, 2, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32)
+        W.launch(q_nope, q_pe, ckv, kpe, table, lens, 0.1, o, lse, 0, 0, 1, **kw)
+        return launched.pop()
+
+    assert launch() == "seesaw"
+    assert launch(pipe=True) == launch(pipe=False) == launch(probe=4) == "two-warpgroup"
+    assert launch(P=32) == "two-warpgroup"
+    monkeypatch.setattr(W, "SEESAW", False)
+    assert launch() == "two-warpgroup"
+    # q + two slots (p in their rope buffers) fit 227 KB at R 512 / P 64
+    assert S.eligible(512, 64) and S.smem_bytes(512, 64) <= W.SMEM_LIMIT
+    assert not S.eligible(512, 32) and not S.eligible(1024, 64)
+
+
 @given(B=st.integers(1, 4096), H=st.sampled_from([1, 8, 16, 32, 64, 96, 128]), capacity=st.integers(0, 1 << 20),
        sms=st.integers(1, 200))
 def test_split_policy_invariants(B, H, capacity, sms):

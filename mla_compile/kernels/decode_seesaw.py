@@ -12,12 +12,18 @@ WHOLE tile (n = 64, q read once per tile), and the two work on alternating tiles
 
 Each warpgroup owns one latent half of the output (acc0 = c0 columns, acc1 = c1 columns: an m64n256 MMA), so every
 product is computed once, and one warpgroup's softmax overlaps the other's MMAs. A one-warp partition issues the
-TMA loads: a slot refills once both warpgroups have released it. Row sums stay per warpgroup (each applies every
-rescale) and meet once at the end. A split's partial last tile: rows past seq_len are zeroed in shared memory by
-the warpgroup that scores the tile before any MMA reads them (cache slots past seq_len may hold NaN).
+TMA loads, each tile in three parts (rope, c0, c1) with a barrier each: the score MMA starts on the parts that have
+arrived, and each part refills as soon as its last reader released it (see `empty` in the kernel). Row sums stay
+per warpgroup (each applies every rescale) and meet once at the end. A split's partial last tile: rows past seq_len
+are zeroed in shared memory by the warpgroup that scores the tile before any MMA reads them (cache slots past
+seq_len may hold NaN); a lone last tile pairs with a box of zeros.
 
 Pages of whole 64-token tiles (TMA boxes), rope width 64 (p reuses the rope buffer); other layouts use
 decode_wgmma's kernels. Same outputs as them: normalised partial out and natural-log lse per split.
+
+Measured (H200, session 9, benchmarks/RESULTS.md): 1-6% faster than decode_wgmma's TMA kernel with its PIPE schedule
+on every probe shape (B=8 128K stage 1 669 vs 708 us, 429 TFLOP/s), still 1.09-1.20x FlashInfer. Issuing the next
+pair's scores before waiting for warpgroup 0's last MMA made it 40% slower (call 4) and was dropped.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ BLOCK_N = W.BLOCK_N
 NUM_WARPS = 4  # the default partition (warpgroup 0); + a 4-warp worker (warpgroup 1) + a 1-warp loader
 # 3 warpgroups at launch share the register file (65536 / 384 threads); then the loader gives back all but 24
 MAX_REGS = 168
-WG_REGS = gl.constexpr(240) if W.gluon is not None else 240  # warpgroup 1's; warpgroup 0 gets the rest (168 * 3 - 240 - 24 = 240)
+# warpgroup 1's; warpgroup 0 gets the rest (168 * 3 - 240 - 24 = 240)
+WG_REGS = gl.constexpr(240) if W.gluon is not None else 240
 LOADER_REGS = gl.constexpr(24) if W.gluon is not None else 24
 # the score MMA waits for a tile part by part (rope, c0, c1: each its own barrier) and starts on what has arrived;
 # False: for the whole tile
@@ -50,8 +57,22 @@ def smem_bytes(R: int, P: int, itemsize: int = 2) -> int:
     return itemsize * (BLOCK_H * (R + P) + 2 * BLOCK_N * (R + P)) + 4 * 4 * BLOCK_H + 128
 
 
+def _has_warp_specialize() -> bool:
+    """Gluon's `warp_specialize([(fn, args), ...], worker_num_warps, worker_num_regs)` (Triton 3.6's form; 3.5 took
+    the default and worker partitions as separate arguments): without it decode_wgmma's TMA kernel serves."""
+    import inspect
+
+    fn = getattr(gl, "warp_specialize", None) if W.gluon is not None else None
+    return fn is not None and "functions_and_args" in inspect.signature(fn).parameters
+
+
+HAS_WARP_SPECIALIZE = _has_warp_specialize()
+
+
 def eligible(R: int, P: int) -> bool:
-    return P == BLOCK_N and R % 2 == 0 and smem_bytes(R, P) <= W.SMEM_LIMIT
+    """This kernel can take a call decode_wgmma's TMA kernel would: p [64 heads, 64 tokens] fits the rope buffer
+    (P == 64), two latent halves, shared memory, and a Gluon with this warp_specialize."""
+    return HAS_WARP_SPECIALIZE and P == BLOCK_N and R % 2 == 0 and smem_bytes(R, P) <= W.SMEM_LIMIT
 
 
 if W.gluon is not None:

@@ -16,6 +16,9 @@ memory to feed the second MMA from both warpgroups. Two kernels share those MMAs
 Slots past seq_len may hold NaN and never reach an MMA. Both write the same normalised partial out and natural-log
 lse as the Triton kernels, so decode.py's merge is shared.
 
+On the TMA layout with rope width 64, `launch` hands the call to decode_seesaw.py's warp-specialised kernel (each
+warpgroup scores whole tiles; SEESAW below), 1-6% faster on the H200 (session 9).
+
 Needs sm_90 exactly (warpgroup MMA is Hopper's; Blackwell has tcgen05 instead), bf16 / fp16, >= 64 heads and the
 latent in two power-of-two halves: see `eligible`. Measured: benchmarks/RESULTS.md, session 8.
 """
