@@ -35,6 +35,20 @@ PIPES = {"": False, "pipe: ": True}  # the kernel's two loop schedules (decode_w
 PIPE_PROBES = ("all phases", "no softmax", "no p.ckv", "loads and loop only")
 
 
+def case(pages, B, L):
+    """Random q, a shuffled page-64 table over `pages`, full lengths, the default config's split count and
+    stage-1 partial buffers for B requests of L tokens."""
+    table = torch.randperm(pages, device="cuda")[: B * L // PS].view(B, L // PS).int()
+    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    qn = torch.randn(B, H, R, dtype=DT, device="cuda")
+    qp = torch.randn(B, H, P, dtype=DT, device="cuda")
+    cfg = D.default_config(H, R, PS)
+    ns = D.num_splits(B, H, L, qn.device, cfg)
+    o = torch.empty(ns, B, H, R, dtype=torch.float32, device="cuda")
+    lse = torch.empty(ns, B, H, dtype=torch.float32, device="cuda")
+    return table, lens, qn, qp, cfg, ns, o, lse
+
+
 def us(fn):
     return do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3
 
@@ -76,14 +90,7 @@ def seesaw_rows(ckv, kpe):
     Triton TMA kernel and FlashInfer, same data, same run."""
     rows = []
     for B, L in SEESAW_SHAPES:
-        table = torch.randperm(ckv.shape[0], device="cuda")[: B * L // PS].view(B, L // PS).int()
-        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
-        qn = torch.randn(B, H, R, dtype=DT, device="cuda")
-        qp = torch.randn(B, H, P, dtype=DT, device="cuda")
-        cfg = D.default_config(H, R, PS)
-        ns = D.num_splits(B, H, L, qn.device, cfg)
-        o = torch.empty(ns, B, H, R, dtype=torch.float32, device="cuda")
-        lse = torch.empty(ns, B, H, dtype=torch.float32, device="cuda")
+        table, lens, qn, qp, cfg, ns, o, lse = case(ckv.shape[0], B, L)
         row = {"B": B, "L": L, "H": H, "splits": ns, "flops": D.flops(B, H, L, R, P)}
         stage1 = lambda **kw: W.launch(qn, qp, ckv, kpe, table, lens, 0.07, o, lse, o.stride(0),  # noqa: E731
                                        lse.stride(0), ns, **kw)
@@ -118,14 +125,7 @@ def main(path, only_gather=False, only_seesaw=False):
             json.dump(res, fh, indent=1)
         return
     for B, L in ([] if only_gather else SHAPES):
-        table = torch.randperm(pages, device="cuda")[: B * L // PS].view(B, L // PS).int()
-        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
-        qn = torch.randn(B, H, R, dtype=DT, device="cuda")
-        qp = torch.randn(B, H, P, dtype=DT, device="cuda")
-        cfg = D.default_config(H, R, PS)
-        ns = D.num_splits(B, H, L, qn.device, cfg)
-        o = torch.empty(ns, B, H, R, dtype=torch.float32, device="cuda")
-        lse = torch.empty(ns, B, H, dtype=torch.float32, device="cuda")
+        table, lens, qn, qp, cfg, ns, o, lse = case(pages, B, L)
         row = {"B": B, "L": L, "H": H, "splits": ns, "flops": D.flops(B, H, L, R, P), "stage1_us": {}}
         for tag, pipe in PIPES.items():
             for name, probe in PROBES.items():
