@@ -35,7 +35,8 @@ def available() -> bool:
 
 def compile_sm90(kernel, constexprs: dict, descriptors: dict, num_warps: int, num_stages: int,
                  divisible: set | None = None, gluon: bool = False) -> dict:
-    """`kernel` for sm_90a with a launch's constexprs (bf16 dot mode): {"ptx", "registers", "spill_bytes"}.
+    """`kernel` for sm_90a with a launch's constexprs (bf16 dot mode): {"ptx", "ttgir", "shared_bytes", "registers",
+    "spill_bytes", "advisories" (ptxas' C75xx codes)}.
     `descriptors` gives argument types by name (default: the decode kernels' pointers, else i32); `divisible`
     the arguments a launch specialises as multiples of 16 (default: the decode kernels')."""
     divisible = _DIVISIBLE if divisible is None else divisible
@@ -62,7 +63,11 @@ def compile_sm90(kernel, constexprs: dict, descriptors: dict, num_warps: int, nu
                                 text=True, check=True).stderr
     return {"ptx": ptx, "ttgir": compiled.asm["ttgir"], "shared_bytes": compiled.metadata.shared,
             "registers": int(re.findall(r"Used (\d+) registers", report)[-1]),
-            "spill_bytes": int(re.findall(r"(\d+) bytes spill stores", report)[-1])}
+            "spill_bytes": int(re.findall(r"(\d+) bytes spill stores", report)[-1]),
+            # ptxas' warpgroup-MMA advisories, e.g. C7514 "wgmma.mma_async instructions are serialized" (every MMA of
+            # the kernel waits for the one before: session 9's "defer" seesaw variant, 40% slower on the H200) or
+            # C7517 "warpgroup.wait is injected" (one wait added where the code did not ask for it)
+            "advisories": re.findall(r"\((C75\d\d)\)", report)}
 
 
 def stage1_sm90(cfg: D.DecodeConfig, R: int = 512, P: int = 64, page_size: int = 64, sparse: bool = False,
