@@ -99,9 +99,11 @@ def seesaw_rows(ckv, kpe):
                                                                           o.stride(0), lse.stride(0), ns, parts=False))}
         op = {"seesaw": cfg, "triton_tma": dataclasses.replace(cfg, wgmma=False)}
         row["op_us"] = {k: us(lambda: D.decode(qn, qp, ckv, kpe, table, lens, 0.07, cfg=c)) for k, c in op.items()}
-        W.SEESAW = False
-        row["op_us"]["pipe"] = us(lambda: D.decode(qn, qp, ckv, kpe, table, lens, 0.07, cfg=cfg))
-        W.SEESAW = True
+        W.SEESAW = False  # the whole op on decode_wgmma's own TMA kernel
+        try:
+            row["op_us"]["pipe"] = us(lambda: D.decode(qn, qp, ckv, kpe, table, lens, 0.07, cfg=cfg))
+        finally:
+            W.SEESAW = True
         if FI.available():
             fi_run = FI.plan(qn, qp, ckv, table, lens, 0.07).raw
             fi_run(qn, qp, ckv, kpe)

@@ -438,6 +438,21 @@ def test_per_head_linear_cuda_graph_replay():
 
 
 # ------------------------------------------------------------------------------------------------ Gluon decode
+def assert_decodes(b, qn, qp, dtype, splits_list, new_lens, scale=0.08):
+    """mla's decode kernels (as the config picks them) at each split count vs the float64 reference; for bf16 also a
+    CUDA graph of the policy's split count replayed once per lengths list in new_lens."""
+    from mla_compile.kernels import decode as K
+
+    want = ref_of(b, qn, qp, scale)
+    for splits in splits_list:
+        out, lse = K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, scale, splits=splits)
+        assert_attention(out, lse, *want, dtype)
+    if dtype == torch.bfloat16:
+        lens = b.seq_lens.clone()
+        graph, (out, lse) = capture(lambda: K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, lens, scale))
+        assert_replays(graph, out, lse, lens, b, qn, qp, scale, new_lens)
+
+
 @pytest.mark.parametrize("kernel", ["seesaw", "pipe", "no-pipe"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H,PS", [(128, 64), (64, 128), (96, 64)])
@@ -456,15 +471,8 @@ def test_wgmma_kernel(H, PS, dtype, kernel, monkeypatch):
     b, qn, qp = make_batch([0, 1, 63, 64, 65, 777, 4101, 0, 33, 256, 128, 192], H, 512, 64, PS, dtype, seed=H + PS)
     assert W.eligible(qn, b.ckv_cache, b.kpe_cache)
     assert K.default_config(H, 512, PS).wgmma
-    want = ref_of(b, qn, qp, 0.08)
-    for splits in (1, 2, 3, 40, None):
-        out, lse = K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.08, splits=splits)
-        assert_attention(out, lse, *want, dtype)
-    if dtype == torch.bfloat16:
-        lens = b.seq_lens.clone()
-        graph, (out, lse) = capture(lambda: K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, lens, 0.08))
-        assert_replays(graph, out, lse, lens, b, qn, qp, 0.08,
-                       ([0, 1, 60, 64, 1, 700, 4000, 0, 0, 255, 127, 191], [0, 1, 5, 5, 5, 5, 5, 0, 5, 5, 5, 5]))
+    assert_decodes(b, qn, qp, dtype, (1, 2, 3, 40, None),
+                   ([0, 1, 60, 64, 1, 700, 4000, 0, 0, 255, 127, 191], [0, 1, 5, 5, 5, 5, 5, 0, 5, 5, 5, 5]))
 
 
 @pytest.mark.parametrize("seesaw", [True, False])
@@ -491,22 +499,14 @@ def test_wgmma_kernel_large_logits(seesaw, monkeypatch):
 def test_wgmma_gather_kernel(H, PS, dtype):
     # pages smaller than a tile: the Gluon gather kernel (16-byte async copies through the table), lengths on and
     # off tile edges, forced and policy splits, then a CUDA graph replayed with new lengths; unused slots hold NaN
-    from mla_compile.kernels import decode as K
     from mla_compile.kernels import decode_wgmma as W
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("warpgroup MMA: sm_90 only")
     b, qn, qp = make_batch([0, 1, 63, 64, 65, 777, 2101, 0, 33, 256], H, 512, 64, PS, dtype, seed=H + PS)
     assert W.eligible(qn, b.ckv_cache, b.kpe_cache) and not W.tma_layout(b.ckv_cache, b.kpe_cache, False)
-    want = ref_of(b, qn, qp, 0.08)
-    for splits in (1, 3, None):
-        out, lse = K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.08, splits=splits)
-        assert_attention(out, lse, *want, dtype)
-    if dtype == torch.bfloat16:
-        lens = b.seq_lens.clone()
-        graph, (out, lse) = capture(lambda: K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, lens, 0.08))
-        assert_replays(graph, out, lse, lens, b, qn, qp, 0.08,
-                       ([0, 1, 60, 64, 1, 700, 2000, 0, 0, 255], [0, 1, 5, 5, 5, 5, 5, 0, 5, 5]))
+    assert_decodes(b, qn, qp, dtype, (1, 3, None),
+                   ([0, 1, 60, 64, 1, 700, 2000, 0, 0, 255], [0, 1, 5, 5, 5, 5, 5, 0, 5, 5]))
 
 
 @pytest.mark.parametrize("splits", [1, 4, None])
