@@ -2,7 +2,8 @@
 
 usage: python benchmarks/wgmma_probe.py OUT.json [--gather | --seesaw]
        (--gather: only the gather kernel's rows, vs the Triton pointer kernel;
-        --seesaw: only the warp-specialised kernel (decode_seesaw.py) vs the other TMA-layout kernels and FlashInfer)
+        --seesaw: only the warp-specialised kernel (decode_seesaw.py): its variants and probes, the two-warpgroup
+        kernel and FlashInfer)
 
 Times stage 1 alone by CUDA-graph replay (`do_bench_cudagraph` median) with phases dropped through the kernel's
 PROBE constexpr (1 softmax, 2 p.ckv, 4 q.ckv^T, 8 the accumulator rescale, 16 p through shared memory; such runs
@@ -83,27 +84,24 @@ def gather_rows(ckv, kpe):
 
 
 SEESAW_SHAPES = [(1, 131072), (8, 32768), (8, 131072), (32, 32768), (128, 8192), (128, 32768)]
+# the seesaw kernel's stage-1 variants (decode_seesaw.constexprs); probe ones compute wrong results (timing only)
+SEESAW_VARIANTS = {"seesaw": {}, "no copies": dict(probe=1), "no softmax": dict(probe=2),
+                   "no copies, no softmax": dict(probe=3), "prefetch 1": dict(prefetch=1), "prefetch 2": dict(prefetch=2),
+                   "stagger": dict(stagger=1), "stagger + prefetch 1": dict(stagger=1, prefetch=1)}
 
 
 def seesaw_rows(ckv, kpe):
-    """Stage 1 alone and the whole op: the warp-specialised kernel vs the two-warpgroup one (PIPE schedule), the
-    Triton TMA kernel and FlashInfer, same data, same run."""
+    """Stage 1 alone: the warp-specialised kernel's variants (SEESAW_VARIANTS) and the two-warpgroup kernel (PIPE
+    schedule); the whole op vs FlashInfer. Same data, same run."""
     rows = []
     for B, L in SEESAW_SHAPES:
         table, lens, qn, qp, cfg, ns, o, lse = case(ckv.shape[0], B, L)
         row = {"B": B, "L": L, "H": H, "splits": ns, "flops": D.flops(B, H, L, R, P)}
-        stage1 = lambda **kw: W.launch(qn, qp, ckv, kpe, table, lens, 0.07, o, lse, o.stride(0),  # noqa: E731
-                                       lse.stride(0), ns, **kw)
-        row["stage1_us"] = {"seesaw": us(lambda: stage1()), "pipe": us(lambda: stage1(pipe=True)),
-                            "seesaw whole-tile wait": us(lambda: S.launch(qn, qp, ckv, kpe, table, lens, 0.07, o, lse,
-                                                                          o.stride(0), lse.stride(0), ns, parts=False))}
-        op = {"seesaw": cfg, "triton_tma": dataclasses.replace(cfg, wgmma=False)}
-        row["op_us"] = {k: us(lambda: D.decode(qn, qp, ckv, kpe, table, lens, 0.07, cfg=c)) for k, c in op.items()}
-        W.SEESAW = False  # the whole op on decode_wgmma's own TMA kernel
-        try:
-            row["op_us"]["pipe"] = us(lambda: D.decode(qn, qp, ckv, kpe, table, lens, 0.07, cfg=cfg))
-        finally:
-            W.SEESAW = True
+        args = (qn, qp, ckv, kpe, table, lens, 0.07, o, lse, o.stride(0), lse.stride(0), ns)
+        row["stage1_us"] = {name: us(lambda: S.launch(*args, **v)) for name, v in SEESAW_VARIANTS.items()}
+        row["stage1_us"]["pipe"] = us(lambda: W.launch(*args, pipe=True))
+        row["stage1_tflops"] = {k: row["flops"] / (v * 1e-6) / 1e12 for k, v in row["stage1_us"].items()}
+        row["op_us"] = {"seesaw": us(lambda: D.decode(qn, qp, ckv, kpe, table, lens, 0.07, cfg=cfg))}
         if FI.available():
             fi_run = FI.plan(qn, qp, ckv, table, lens, 0.07).raw
             fi_run(qn, qp, ckv, kpe)

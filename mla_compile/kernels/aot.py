@@ -101,7 +101,8 @@ def wgmma_stage1_sm90(R: int = 512, P: int = 64, page_size: int = 64, dtype: str
     if variant.pop("seesaw", False):  # the warp-specialised kernel (decode_seesaw.py): 4 + 4 + 1 warps
         from . import decode_seesaw as S
 
-        return compile_sm90(S._stage1_seesaw_kernel, S.constexprs(R, P, page_size), desc, S.NUM_WARPS, 1, gluon=True)
+        return compile_sm90(S._stage1_seesaw_kernel, S.constexprs(R, P, page_size, **variant), desc, S.NUM_WARPS, 1,
+                            gluon=True)
     if variant.pop("gather", False):  # the gather kernel (pages smaller than a tile, sparse index lists)
         constexprs = W.gather_constexprs(R, P, page_size, **variant)
         return compile_sm90(W._stage1_gather_kernel, constexprs, desc, W.NUM_WARPS, 1, gluon=True)

@@ -49,6 +49,12 @@ LOADER_REGS = gl.constexpr(24) if W.gluon is not None else 24
 # the score MMA waits for a tile part by part (rope, c0, c1: each its own barrier) and starts on what has arrived;
 # False: for the whole tile
 PARTS = True
+# the loader also asks L2 for the tile PREFETCH pairs ahead (a bulk prefetch per cache row) when it copies a tile:
+# shared memory holds only the pair being computed, so each copy would otherwise start from HBM once a slot frees
+PREFETCH = 0
+# warpgroup 1 issues its score MMAs only once warpgroup 0 issued its own, so the tensor cores finish tile A's
+# scores first and tile B's run during tile A's softmax
+STAGGER = 0
 SPILL_BUDGET = 512  # bytes ptxas may spill (offline count, tests/test_kernel_codegen.py): a few scalars outside MMAs
 
 
@@ -87,9 +93,12 @@ if W.gluon is not None:
         buf.store(gl.where((rows < end)[:, None], v, gl.zeros_like(v)))
 
     @gluon.jit
-    def _softmax_tile(s, t0, end, m_prev, scale_log2, S_L: gl.constexpr):
+    def _softmax_tile(s, t0, end, m_prev, scale_log2, S_L: gl.constexpr, PROBE: gl.constexpr = 0):
         """Scores of tokens [t0, t0 + BLOCK_N) (those >= end masked) against the running max m_prev: (m_new, alpha
-        = the rescale of what was accumulated under m_prev, p = exp2 of the scores under m_new, unnormalised)."""
+        = the rescale of what was accumulated under m_prev, p = exp2 of the scores under m_new, unnormalised).
+        PROBE & 2 (timing only): p = the raw scores."""
+        if PROBE & 2:
+            return m_prev, gl.full_like(m_prev, 1.0), s
         n: gl.constexpr = s.shape[1]
         valid = (t0 + gl.arange(0, n, layout=gl.SliceLayout(0, S_L))) < end
         s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
@@ -103,8 +112,26 @@ if W.gluon is not None:
         return gl.exp2(m_from - gl.where(m_to == float("-inf"), 0.0, m_to))
 
     @gluon.jit
-    def _seesaw_loader(CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles,
-                       PS: gl.constexpr, RH: gl.constexpr):
+    def _prefetch_tile_l2(Ckv, Kpe, Table, b, s_tb, t0, s_cp, s_cs, s_kp, s_ks, PS: gl.constexpr, R: gl.constexpr,
+                          P: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Ask L2 for the cache rows of tokens [t0, t0 + BLOCK_N) (one page): a bulk prefetch per row and part, two
+        rows a lane."""
+        ROWS: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
+        page = gl.load(Table + b * s_tb + t0 // PS).to(gl.int64)
+        r = t0 % PS + gl.arange(0, BLOCK_N, layout=ROWS)
+        _prefetch_l2(Ckv + page * s_cp + r * s_cs, gl.full([BLOCK_N], 2 * R, gl.int32, layout=ROWS))
+        _prefetch_l2(Kpe + page * s_kp + r * s_ks, gl.full([BLOCK_N], 2 * P, gl.int32, layout=ROWS))
+
+    @gluon.jit
+    def _prefetch_l2(ptr, nbytes):
+        """cp.async.bulk.prefetch.L2 of nbytes (multiple of 16) at each (16-byte aligned) ptr."""
+        gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                                  [ptr, nbytes], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _seesaw_loader(CkvDesc, KpeDesc, Ckv, Kpe, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, end,
+                       n_tiles, s_cp, s_cs, s_kp, s_ks, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
+                       PREFETCH: gl.constexpr, PROBE: gl.constexpr):
         """Tile t into slot t % 2 once both warpgroups released the slot's previous tile. Tiles come in pairs: a lone
         last tile A gets a B of zeros (a box wholly outside the cache: TMA fills it with zeros), which the
         warpgroups mask like any token past the split's end."""
@@ -117,23 +144,33 @@ if W.gluon is not None:
             if t < n_tiles:
                 page = gl.load(Table + b * s_tb + t0 // PS)
                 row = page * PS + t0 % PS
+            if PREFETCH > 0:
+                if t + 2 * PREFETCH < n_tiles:
+                    _prefetch_tile_l2(Ckv, Kpe, Table, b, s_tb, t0 + 2 * PREFETCH * BLOCK_N, s_cp, s_cs, s_kp, s_ks,
+                                      PS, 2 * RH, P, BLOCK_N)
             # one barrier per part, in the order the score MMA consumes them: it starts on the rope part while the
             # latent halves are still arriving
             # each part refills once its last reader released it (empty, same indexing as full)
-            mbarrier.wait(empty.index(3 * st), free)
-            mbarrier.expect(full.index(3 * st), KpeDesc.block_type.nbytes)
-            tma.async_copy_global_to_shared(KpeDesc, [row, 0], full.index(3 * st), k_s.index(st))
-            mbarrier.wait(empty.index(3 * st + 1), free)
-            mbarrier.expect(full.index(3 * st + 1), CkvDesc.block_type.nbytes)
-            tma.async_copy_global_to_shared(CkvDesc, [row, 0], full.index(3 * st + 1), c0_s.index(st))
-            mbarrier.wait(empty.index(3 * st + 2), free)
-            mbarrier.expect(full.index(3 * st + 2), CkvDesc.block_type.nbytes)
-            tma.async_copy_global_to_shared(CkvDesc, [row, RH], full.index(3 * st + 2), c1_s.index(st))
+            if PROBE & 1:  # timing only: the slots keep whatever they hold, the barriers pass at once
+                for part in gl.static_range(3):
+                    mbarrier.wait(empty.index(3 * st + part), free)
+                    mbarrier.arrive(full.index(3 * st + part))
+            else:
+                mbarrier.wait(empty.index(3 * st), free)
+                mbarrier.expect(full.index(3 * st), KpeDesc.block_type.nbytes)
+                tma.async_copy_global_to_shared(KpeDesc, [row, 0], full.index(3 * st), k_s.index(st))
+                mbarrier.wait(empty.index(3 * st + 1), free)
+                mbarrier.expect(full.index(3 * st + 1), CkvDesc.block_type.nbytes)
+                tma.async_copy_global_to_shared(CkvDesc, [row, 0], full.index(3 * st + 1), c0_s.index(st))
+                mbarrier.wait(empty.index(3 * st + 2), free)
+                mbarrier.expect(full.index(3 * st + 2), CkvDesc.block_type.nbytes)
+                tma.async_copy_global_to_shared(CkvDesc, [row, RH], full.index(3 * st + 2), c1_s.index(st))
 
     @gluon.jit
     def _seesaw_warpgroup(WG: gl.constexpr, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x,
-                          l_ready, O, L, b, hb, split, H, start, end, n_tiles, scale_log2,
-                          s_on, s_ob, s_oh, s_ln, s_lb, s_lh, RH: gl.constexpr, PARTS: gl.constexpr):
+                          l_ready, s_issued, O, L, b, hb, split, H, start, end, n_tiles, scale_log2,
+                          s_on, s_ob, s_oh, s_ln, s_lb, s_lh, RH: gl.constexpr, PARTS: gl.constexpr,
+                          STAGGER: gl.constexpr, PROBE: gl.constexpr):
         """Warpgroup WG's side of the seesaw (module docstring): it scores the tiles of slot WG and owns output
         columns [WG * RH, (WG + 1) * RH). p_ready[w] / m_x[w]: warpgroup w's p and running max of this pair of
         tiles are in shared memory (p in slot w's rope buffer)."""
@@ -170,15 +207,19 @@ if W.gluon is not None:
                 _zero_rows_past(k_s.index(WG), t_own, end, LD)
                 fence_async_shared()
                 gl.thread_barrier()
+            if STAGGER & (WG == 1):
+                mbarrier.wait(s_issued, ph)
             mbarrier.wait(full.index(3 * WG), ph)  # (returns at once where waited above)
             s = warpgroup_mma(qp_s, k_s.index(WG).permute((1, 0)), s0, use_acc=False, is_async=True)
             mbarrier.wait(full.index(3 * WG + 1), ph)
             s = warpgroup_mma(q0_s, c0_s.index(WG).permute((1, 0)), s, is_async=True)
             mbarrier.wait(full.index(3 * WG + 2), ph)
             s = warpgroup_mma(q1_s, c1_s.index(WG).permute((1, 0)), s, is_async=True)
+            if STAGGER & (WG == 0):
+                mbarrier.arrive(s_issued)
             if WG == 0:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                m_a, alpha, p = _softmax_tile(s, t_own, end, m_i, scale_log2, S_L)
+                m_a, alpha, p = _softmax_tile(s, t_own, end, m_i, scale_log2, S_L, PROBE)
                 k_s.index(0).store(p.to(dt))  # the rope part of tile A is dead once its scores are done
                 m_x.index(0).store(m_a)
                 fence_async_shared()
@@ -203,7 +244,7 @@ if W.gluon is not None:
                 acc = warpgroup_mma(k_s.index(0), c_own.index(0), acc, is_async=True)  # p_A from shared memory
                 # the softmax of tile B runs while p_A.c1_A is on the tensor cores
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-                m_b, alpha_b, p = _softmax_tile(s, t_own, end, m_a, scale_log2, S_L)
+                m_b, alpha_b, p = _softmax_tile(s, t_own, end, m_a, scale_log2, S_L, PROBE)
                 k_s.index(1).store(p.to(dt))
                 m_x.index(1).store(m_b)
                 fence_async_shared()
@@ -246,7 +287,8 @@ if W.gluon is not None:
                               s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
                               s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
                               n_splits, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
-                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PARTS: gl.constexpr = 1):
+                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PARTS: gl.constexpr = 1,
+                              PREFETCH: gl.constexpr = 0, STAGGER: gl.constexpr = 0, PROBE: gl.constexpr = 0):
         gl.static_assert(P == BLOCK_N, "p [heads, tokens] reuses the [tokens, rope] buffer")
         gl.static_assert(BLOCK_H == BLOCK_N)
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -269,32 +311,42 @@ if W.gluon is not None:
         empty = gl.allocate_shared_memory(gl.int64, [2 * 3, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        s_issued = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # STAGGER
         for i in gl.static_range(2 * 3):
             mbarrier.init(full.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         for i in gl.static_range(2):
             mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(l_ready, count=2)
+        mbarrier.init(s_issued, count=1)
         fence_async_shared()  # q's stores and the barrier inits before any async-proxy access
         gl.thread_barrier()
 
         gl.warp_specialize([
-            (_seesaw_warpgroup, (0, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O, L,
-                                 b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
-                                 RH, PARTS)),
-            (_seesaw_warpgroup, (1, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O, L,
-                                 b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
-                                 RH, PARTS)),
-            (_seesaw_loader, (CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles, PS, RH)),
+            (_seesaw_warpgroup, (0, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready,
+                                 s_issued, O, L, b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh,
+                                 s_ln, s_lb, s_lh, RH, PARTS, STAGGER, PROBE)),
+            (_seesaw_warpgroup, (1, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready,
+                                 s_issued, O, L, b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh,
+                                 s_ln, s_lb, s_lh, RH, PARTS, STAGGER, PROBE)),
+            (_seesaw_loader, (CkvDesc, KpeDesc, Ckv, Kpe, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, end,
+                              n_tiles, s_cp, s_cs, s_kp, s_ks, PS, RH, P, PREFETCH, PROBE)),
         ], [4, 1], [WG_REGS, LOADER_REGS])
 
 
-def constexprs(R: int, P: int, page_size: int, parts: bool = PARTS) -> dict:
-    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PARTS=int(parts))
+def constexprs(R: int, P: int, page_size: int, parts: bool | None = None, prefetch: int | None = None,
+               stagger: int | None = None, probe: int = 0) -> dict:
+    """None: the module's setting. probe (timing only, wrong results): 1 no copies (the barriers pass at once),
+    2 no softmax."""
+    pick = lambda v, default: int(default if v is None else v)  # noqa: E731
+    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PARTS=pick(parts, PARTS),
+                PREFETCH=pick(prefetch, PREFETCH), STAGGER=pick(stagger, STAGGER), PROBE=int(probe))
 
 
-def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, parts=None):
-    """decode_wgmma.launch's contract, for its TMA layout with rope width 64."""
+def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, parts=None,
+           **variant):
+    """decode_wgmma.launch's contract, for its TMA layout with rope width 64. `variant`: constexprs' prefetch,
+    stagger, probe (the probe's A/B)."""
     B, H, R = q_nope.shape
     PS = ckv_cache.shape[1]
     P = kpe_cache.shape[2]
@@ -305,4 +357,4 @@ def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), ckv_cache.stride(0), ckv_cache.stride(1),
         kpe_cache.stride(0), kpe_cache.stride(1), block_table.stride(0),
         s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1), ns,
-        **constexprs(R, P, PS, PARTS if parts is None else parts), num_warps=NUM_WARPS, maxnreg=MAX_REGS)
+        **constexprs(R, P, PS, parts, **variant), num_warps=NUM_WARPS, maxnreg=MAX_REGS)
