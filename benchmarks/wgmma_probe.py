@@ -85,9 +85,8 @@ def gather_rows(ckv, kpe):
 
 SEESAW_SHAPES = [(1, 131072), (8, 32768), (8, 131072), (32, 32768), (128, 8192), (128, 32768)]
 # the seesaw kernel's stage-1 variants (decode_seesaw.constexprs); probe ones compute wrong results (timing only)
-SEESAW_VARIANTS = {"seesaw": {}, "no copies": dict(probe=1), "no softmax": dict(probe=2),
-                   "no copies, no softmax": dict(probe=3), "prefetch 1": dict(prefetch=1), "prefetch 2": dict(prefetch=2),
-                   "stagger": dict(stagger=1), "stagger + prefetch 1": dict(stagger=1, prefetch=1)}
+SEESAW_VARIANTS = {"seesaw": dict(schedule=1), "no copies": dict(schedule=1, probe=1),
+                   "v0 (session 9)": dict(schedule=0), "v0 no copies": dict(schedule=0, probe=1)}
 
 
 def seesaw_rows(ckv, kpe):

@@ -49,12 +49,9 @@ LOADER_REGS = gl.constexpr(24) if W.gluon is not None else 24
 # the score MMA waits for a tile part by part (rope, c0, c1: each its own barrier) and starts on what has arrived;
 # False: for the whole tile
 PARTS = True
-# the loader also asks L2 for the tile PREFETCH pairs ahead (a bulk prefetch per cache row) when it copies a tile:
-# shared memory holds only the pair being computed, so each copy would otherwise start from HBM once a slot frees
-PREFETCH = 0
-# warpgroup 1 issues its score MMAs only once warpgroup 0 issued its own, so the tensor cores finish tile A's
-# scores first and tile B's run during tile A's softmax
-STAGGER = 0
+# 1: the FlashMLA-ordered schedule (scores issued at the end of the previous pair, local p.c first, parts
+# released and reloaded in the order they are next needed); 0: session 9's (both scores at the top of each pair)
+SCHEDULE = 1
 SPILL_BUDGET = 512  # bytes ptxas may spill (offline count, tests/test_kernel_codegen.py): a few scalars outside MMAs
 
 
@@ -112,65 +109,180 @@ if W.gluon is not None:
         return gl.exp2(m_from - gl.where(m_to == float("-inf"), 0.0, m_to))
 
     @gluon.jit
-    def _prefetch_tile_l2(Ckv, Kpe, Table, b, s_tb, t0, s_cp, s_cs, s_kp, s_ks, PS: gl.constexpr, R: gl.constexpr,
-                          P: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Ask L2 for the cache rows of tokens [t0, t0 + BLOCK_N) (one page): a bulk prefetch per row and part, two
-        rows a lane."""
-        ROWS: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
-        page = gl.load(Table + b * s_tb + t0 // PS).to(gl.int64)
-        r = t0 % PS + gl.arange(0, BLOCK_N, layout=ROWS)
-        _prefetch_l2(Ckv + page * s_cp + r * s_cs, gl.full([BLOCK_N], 2 * R, gl.int32, layout=ROWS))
-        _prefetch_l2(Kpe + page * s_kp + r * s_ks, gl.full([BLOCK_N], 2 * P, gl.int32, layout=ROWS))
+    def _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row, free, ST: gl.constexpr, PART: gl.constexpr,
+                   RH: gl.constexpr, PROBE: gl.constexpr):
+        """Part PART (0 rope, 1 c0, 2 c1) of the tile at cache row `row` into slot ST, once its last reader released
+        the slot's previous one (empty, parity `free`)."""
+        i: gl.constexpr = 3 * ST + PART
+        mbarrier.wait(empty.index(i), free)
+        if PROBE & 1:  # timing only: the slots keep whatever they hold, the barriers pass at once
+            mbarrier.arrive(full.index(i))
+        elif PART == 0:
+            mbarrier.expect(full.index(i), KpeDesc.block_type.nbytes)
+            tma.async_copy_global_to_shared(KpeDesc, [row, 0], full.index(i), k_s.index(ST))
+        elif PART == 1:
+            mbarrier.expect(full.index(i), CkvDesc.block_type.nbytes)
+            tma.async_copy_global_to_shared(CkvDesc, [row, 0], full.index(i), c0_s.index(ST))
+        else:
+            mbarrier.expect(full.index(i), CkvDesc.block_type.nbytes)
+            tma.async_copy_global_to_shared(CkvDesc, [row, RH], full.index(i), c1_s.index(ST))
 
     @gluon.jit
-    def _prefetch_l2(ptr, nbytes):
-        """cp.async.bulk.prefetch.L2 of nbytes (multiple of 16) at each (16-byte aligned) ptr."""
-        gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                                  [ptr, nbytes], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _seesaw_loader(CkvDesc, KpeDesc, Ckv, Kpe, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, end,
-                       n_tiles, s_cp, s_cs, s_kp, s_ks, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
-                       PREFETCH: gl.constexpr, PROBE: gl.constexpr):
-        """Tile t into slot t % 2 once both warpgroups released the slot's previous tile. Tiles come in pairs: a lone
+    def _seesaw_loader(CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles,
+                       PS: gl.constexpr, RH: gl.constexpr, SCHEDULE: gl.constexpr, PROBE: gl.constexpr):
+        """Pair j's tiles A (slot 0) and B (slot 1), part by part, each once its last reader released it. A lone
         last tile A gets a B of zeros (a box wholly outside the cache: TMA fills it with zeros), which the
-        warpgroups mask like any token past the split's end."""
+        warpgroups mask like any token past the split's end. The order is that in which the parts free up, so
+        the loader never waits on one part while another could already be copying."""
         BLOCK_N: gl.constexpr = c0_s.shape[1]
-        for t in range(2 * gl.cdiv(n_tiles, 2)):
-            st = t % 2
-            free = ((t // 2) & 1) ^ 1  # a fresh barrier passes parity 1 at once
-            t0 = start + t * BLOCK_N
-            row = -BLOCK_N
-            if t < n_tiles:
-                page = gl.load(Table + b * s_tb + t0 // PS)
-                row = page * PS + t0 % PS
-            if PREFETCH > 0:
-                if t + 2 * PREFETCH < n_tiles:
-                    _prefetch_tile_l2(Ckv, Kpe, Table, b, s_tb, t0 + 2 * PREFETCH * BLOCK_N, s_cp, s_cs, s_kp, s_ks,
-                                      PS, 2 * RH, P, BLOCK_N)
-            # one barrier per part, in the order the score MMA consumes them: it starts on the rope part while the
-            # latent halves are still arriving
-            # each part refills once its last reader released it (empty, same indexing as full)
-            if PROBE & 1:  # timing only: the slots keep whatever they hold, the barriers pass at once
+        for j in range(gl.cdiv(n_tiles, 2) + SCHEDULE):  # SCHEDULE 1 scores one pair past the end: zeros
+            free = (j & 1) ^ 1  # a fresh barrier passes parity 1 at once
+            t_a = start + 2 * j * BLOCK_N
+            row_a = -BLOCK_N
+            if 2 * j < n_tiles:
+                row_a = gl.load(Table + b * s_tb + t_a // PS) * PS + t_a % PS
+            row_b = -BLOCK_N
+            if 2 * j + 1 < n_tiles:
+                t_b = t_a + BLOCK_N
+                row_b = gl.load(Table + b * s_tb + t_b // PS) * PS + t_b % PS
+            if SCHEDULE == 0:  # session 9's: per tile, rope first (the score MMA starts on it), then c0, c1
                 for part in gl.static_range(3):
-                    mbarrier.wait(empty.index(3 * st + part), free)
-                    mbarrier.arrive(full.index(3 * st + part))
+                    _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_a, free, 0, part, RH, PROBE)
+                for part in gl.static_range(3):
+                    _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_b, free, 1, part, RH, PROBE)
+            else:  # freed by: c0_A WG0's p_A.c0_A, c1_B WG1's p_B.c1_B, c1_A + rope_A WG1's p_A.c1_A, the rest WG0's p_B.c0_B
+                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_a, free, 0, 1, RH, PROBE)
+                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_b, free, 1, 2, RH, PROBE)
+                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_a, free, 0, 2, RH, PROBE)
+                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_a, free, 0, 0, RH, PROBE)
+                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_b, free, 1, 1, RH, PROBE)
+                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_b, free, 1, 0, RH, PROBE)
+
+    @gluon.jit
+    def _issue_scores(WG: gl.constexpr, j, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, s0, start, end):
+        """Warpgroup WG's score MMAs (async) for its tile of pair j (slot WG), each part once it arrived, in the
+        order its parts free up (WG0: c0, c1, rope; WG1: c1, c0, rope). A split's partial last tile first gets its
+        rows past seq_len zeroed in shared memory (cache slots past seq_len may hold NaN)."""
+        BLOCK_N: gl.constexpr = c0_s.shape[1]
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        ph = j & 1
+        t_own = start + (2 * j + WG) * BLOCK_N
+        if (t_own < end) & (t_own + BLOCK_N > end):
+            for part in gl.static_range(3):
+                mbarrier.wait(full.index(3 * WG + part), ph)
+            _zero_rows_past(c0_s.index(WG), t_own, end, LD)
+            _zero_rows_past(c1_s.index(WG), t_own, end, LD)
+            _zero_rows_past(k_s.index(WG), t_own, end, LD)
+            fence_async_shared()
+            gl.thread_barrier()
+        if WG == 0:
+            mbarrier.wait(full.index(1), ph)
+            s = warpgroup_mma(q0_s, c0_s.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
+            mbarrier.wait(full.index(2), ph)
+            s = warpgroup_mma(q1_s, c1_s.index(0).permute((1, 0)), s, is_async=True)
+            mbarrier.wait(full.index(0), ph)
+            s = warpgroup_mma(qp_s, k_s.index(0).permute((1, 0)), s, is_async=True)
+        else:
+            mbarrier.wait(full.index(5), ph)
+            s = warpgroup_mma(q1_s, c1_s.index(1).permute((1, 0)), s0, use_acc=False, is_async=True)
+            mbarrier.wait(full.index(4), ph)
+            s = warpgroup_mma(q0_s, c0_s.index(1).permute((1, 0)), s, is_async=True)
+            mbarrier.wait(full.index(3), ph)
+            s = warpgroup_mma(qp_s, k_s.index(1).permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _seesaw_warpgroup_v1(WG: gl.constexpr, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, m_ready, p_ready,
+                             m_x, l_x, l_ready, O, L, b, hb, split, H, start, end, n_tiles, scale_log2,
+                             s_on, s_ob, s_oh, s_ln, s_lb, s_lh, RH: gl.constexpr, PROBE: gl.constexpr):
+        """Warpgroup WG's side of the FlashMLA-ordered seesaw (SCHEDULE 1). Per pair j (tile A: WG0, B: WG1):
+          WG0: softmax_A (m_A out) -> acc0 += p_A.c0_A -> [m_B in] p_A * exp2(m_A - m_B) into A's rope buffer ->
+               acc0 rescale, += p_B.c0_B (p_B from B's rope buffer) -> issue pair j+1's scores
+          WG1: [m_A in] softmax_B (m_B out, p_B into B's rope buffer) -> acc1 rescale, += p_B.c1_B (registers) ->
+               += p_A.c1_A (p_A from A's rope buffer, already under m_B) -> issue pair j+1's scores
+        so one warpgroup's softmax runs while the other's MMAs do, each warpgroup's own p.c goes first, and the
+        next pair's scores are on the tensor cores while the other warpgroup still works on this pair."""
+        gl.static_assert(gl.num_warps() == 4, "one warpgroup")
+        BLOCK_H: gl.constexpr = q0_s.shape[0]
+        BLOCK_N: gl.constexpr = c0_s.shape[1]
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, RH, 16])
+        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        ROW: gl.constexpr = gl.SliceLayout(1, S_L)
+        OROW: gl.constexpr = gl.SliceLayout(1, O_L)
+        dt: gl.constexpr = c0_s.dtype
+        n_pairs = gl.cdiv(n_tiles, 2)
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW)
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=ROW)
+        acc = gl.zeros([BLOCK_H, RH], gl.float32, layout=O_L)
+        s0 = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+        # the next pair's scores, in flight across the loop's back edge. Issued unconditionally (the loader adds a
+        # pair of zero boxes past the end): an `if` around an async MMA makes ptxas serialise every MMA (C7515)
+        s_next = _issue_scores(WG, 0, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, s0, start, end)
+        for j in range(n_pairs):
+            ph = j & 1
+            t_a = start + 2 * j * BLOCK_N
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
+            if WG == 0:
+                m_a, scale_a, p = _softmax_tile(s, t_a, end, m_i, scale_log2, S_L, PROBE)
+                m_x.index(0).store(m_a)
+                gl.thread_barrier()
+                mbarrier.arrive(m_ready.index(0))
+                l_i = l_i * scale_a + gl.sum(p, 1)
+                acc = acc * gl.convert_layout(scale_a, OROW)[:, None]
+                acc = warpgroup_mma(gl.convert_layout(p.to(dt), P_L), c0_s.index(0), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(1))  # c0_A read for the last time
+                mbarrier.wait(m_ready.index(1), ph)
+                m_b = m_x.index(1).load(ROW)
+                scale_b = _rescale(m_a, m_b)
+                k_s.index(0).store((p * scale_b[:, None]).to(dt))  # p_A under m_B, for WG1's p_A.c1_A
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(p_ready.index(0))
+                l_i = l_i * scale_b
+                acc = acc * gl.convert_layout(scale_b, OROW)[:, None]
+                mbarrier.wait(p_ready.index(1), ph)
+                acc = warpgroup_mma(k_s.index(1), c0_s.index(1), acc, is_async=True)  # p_B from shared memory
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(4))  # c0_B and rope_B (p_B) read for the last time
+                mbarrier.arrive(empty.index(3))
             else:
-                mbarrier.wait(empty.index(3 * st), free)
-                mbarrier.expect(full.index(3 * st), KpeDesc.block_type.nbytes)
-                tma.async_copy_global_to_shared(KpeDesc, [row, 0], full.index(3 * st), k_s.index(st))
-                mbarrier.wait(empty.index(3 * st + 1), free)
-                mbarrier.expect(full.index(3 * st + 1), CkvDesc.block_type.nbytes)
-                tma.async_copy_global_to_shared(CkvDesc, [row, 0], full.index(3 * st + 1), c0_s.index(st))
-                mbarrier.wait(empty.index(3 * st + 2), free)
-                mbarrier.expect(full.index(3 * st + 2), CkvDesc.block_type.nbytes)
-                tma.async_copy_global_to_shared(CkvDesc, [row, RH], full.index(3 * st + 2), c1_s.index(st))
+                mbarrier.wait(m_ready.index(0), ph)
+                m_a = m_x.index(0).load(ROW)
+                scale_a = _rescale(m_i, m_a)
+                m_b, scale_b, p = _softmax_tile(s, t_a + BLOCK_N, end, m_a, scale_log2, S_L, PROBE)
+                m_x.index(1).store(m_b)
+                k_s.index(1).store(p.to(dt))  # B's rope part is dead once its scores are done
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(m_ready.index(1))
+                mbarrier.arrive(p_ready.index(1))
+                l_i = l_i * (scale_a * scale_b) + gl.sum(p, 1)
+                acc = acc * gl.convert_layout(scale_a * scale_b, OROW)[:, None]
+                acc = warpgroup_mma(gl.convert_layout(p.to(dt), P_L), c1_s.index(1), acc, is_async=True)
+                mbarrier.wait(p_ready.index(0), ph)
+                acc = warpgroup_mma(k_s.index(0), c1_s.index(0), acc, is_async=True)  # p_A (under m_B)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty.index(5))  # c1_B read for the last time
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(2))  # c1_A and rope_A (p_A) read for the last time
+                mbarrier.arrive(empty.index(0))
+            m_i = m_b
+            s_next = _issue_scores(WG, j + 1, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, s0, start, end)
+        warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))  # the zero pair's
+
+        _combine_and_store(WG, acc, m_i, l_i, l_x, l_ready, O, L, b, hb, split, H, s_on, s_ob, s_oh, s_ln, s_lb,
+                           s_lh, RH, ROW, O_L)
 
     @gluon.jit
     def _seesaw_warpgroup(WG: gl.constexpr, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x,
-                          l_ready, s_issued, O, L, b, hb, split, H, start, end, n_tiles, scale_log2,
+                          l_ready, O, L, b, hb, split, H, start, end, n_tiles, scale_log2,
                           s_on, s_ob, s_oh, s_ln, s_lb, s_lh, RH: gl.constexpr, PARTS: gl.constexpr,
-                          STAGGER: gl.constexpr, PROBE: gl.constexpr):
+                          PROBE: gl.constexpr):
         """Warpgroup WG's side of the seesaw (module docstring): it scores the tiles of slot WG and owns output
         columns [WG * RH, (WG + 1) * RH). p_ready[w] / m_x[w]: warpgroup w's p and running max of this pair of
         tiles are in shared memory (p in slot w's rope buffer)."""
@@ -184,7 +296,6 @@ if W.gluon is not None:
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         ROW: gl.constexpr = gl.SliceLayout(1, S_L)
-        OTHER: gl.constexpr = 1 - WG
         if WG == 0:
             c_own = c0_s
         else:
@@ -207,16 +318,12 @@ if W.gluon is not None:
                 _zero_rows_past(k_s.index(WG), t_own, end, LD)
                 fence_async_shared()
                 gl.thread_barrier()
-            if STAGGER & (WG == 1):
-                mbarrier.wait(s_issued, ph)
             mbarrier.wait(full.index(3 * WG), ph)  # (returns at once where waited above)
             s = warpgroup_mma(qp_s, k_s.index(WG).permute((1, 0)), s0, use_acc=False, is_async=True)
             mbarrier.wait(full.index(3 * WG + 1), ph)
             s = warpgroup_mma(q0_s, c0_s.index(WG).permute((1, 0)), s, is_async=True)
             mbarrier.wait(full.index(3 * WG + 2), ph)
             s = warpgroup_mma(q1_s, c1_s.index(WG).permute((1, 0)), s, is_async=True)
-            if STAGGER & (WG == 0):
-                mbarrier.arrive(s_issued)
             if WG == 0:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 m_a, alpha, p = _softmax_tile(s, t_own, end, m_i, scale_log2, S_L, PROBE)
@@ -264,12 +371,20 @@ if W.gluon is not None:
                 mbarrier.arrive(empty.index(5))
             m_i = m_b
 
-        # the row sums meet: each warpgroup applied every rescale, so l = l0 + l1 under the common final max
+        _combine_and_store(WG, acc, m_i, l_i, l_x, l_ready, O, L, b, hb, split, H, s_on, s_ob, s_oh, s_ln, s_lb,
+                           s_lh, RH, ROW, O_L)
+
+    @gluon.jit
+    def _combine_and_store(WG: gl.constexpr, acc, m_i, l_i, l_x, l_ready, O, L, b, hb, split, H, s_on, s_ob, s_oh,
+                           s_ln, s_lb, s_lh, RH: gl.constexpr, ROW: gl.constexpr, O_L: gl.constexpr):
+        """The row sums meet (each warpgroup applied every rescale, so l = l0 + l1 under the common final max);
+        each warpgroup stores its normalised half of this split's out, warpgroup 0 the natural-log lse."""
+        BLOCK_H: gl.constexpr = acc.shape[0]
         l_x.index(WG).store(l_i)
         gl.thread_barrier()
         mbarrier.arrive(l_ready)
         mbarrier.wait(l_ready, 0)
-        l_i = l_i + l_x.index(OTHER).load(ROW)
+        l_i = l_i + l_x.index(1 - WG).load(ROW)
         has = l_i > 0
         inv = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), gl.SliceLayout(1, O_L))[:, None]
         oh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
@@ -288,7 +403,7 @@ if W.gluon is not None:
                               s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
                               n_splits, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
                               BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PARTS: gl.constexpr = 1,
-                              PREFETCH: gl.constexpr = 0, STAGGER: gl.constexpr = 0, PROBE: gl.constexpr = 0):
+                              SCHEDULE: gl.constexpr = 1, PROBE: gl.constexpr = 0):
         gl.static_assert(P == BLOCK_N, "p [heads, tokens] reuses the [tokens, rope] buffer")
         gl.static_assert(BLOCK_H == BLOCK_N)
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -311,42 +426,54 @@ if W.gluon is not None:
         empty = gl.allocate_shared_memory(gl.int64, [2 * 3, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        s_issued = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # STAGGER
+        m_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # SCHEDULE 1
         for i in gl.static_range(2 * 3):
             mbarrier.init(full.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         for i in gl.static_range(2):
             mbarrier.init(p_ready.index(i), count=1)
+            mbarrier.init(m_ready.index(i), count=1)
         mbarrier.init(l_ready, count=2)
-        mbarrier.init(s_issued, count=1)
         fence_async_shared()  # q's stores and the barrier inits before any async-proxy access
         gl.thread_barrier()
 
-        gl.warp_specialize([
-            (_seesaw_warpgroup, (0, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready,
-                                 s_issued, O, L, b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh,
-                                 s_ln, s_lb, s_lh, RH, PARTS, STAGGER, PROBE)),
-            (_seesaw_warpgroup, (1, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready,
-                                 s_issued, O, L, b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh,
-                                 s_ln, s_lb, s_lh, RH, PARTS, STAGGER, PROBE)),
-            (_seesaw_loader, (CkvDesc, KpeDesc, Ckv, Kpe, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, end,
-                              n_tiles, s_cp, s_cs, s_kp, s_ks, PS, RH, P, PREFETCH, PROBE)),
-        ], [4, 1], [WG_REGS, LOADER_REGS])
+        if SCHEDULE == 0:
+            gl.warp_specialize([
+                (_seesaw_warpgroup, (0, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O,
+                                     L, b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb,
+                                     s_lh, RH, PARTS, PROBE)),
+                (_seesaw_warpgroup, (1, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O,
+                                     L, b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb,
+                                     s_lh, RH, PARTS, PROBE)),
+                (_seesaw_loader, (CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles, PS,
+                                  RH, 0, PROBE)),
+            ], [4, 1], [WG_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([
+                (_seesaw_warpgroup_v1, (0, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, m_ready, p_ready, m_x, l_x,
+                                        l_ready, O, L, b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob,
+                                        s_oh, s_ln, s_lb, s_lh, RH, PROBE)),
+                (_seesaw_warpgroup_v1, (1, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, m_ready, p_ready, m_x, l_x,
+                                        l_ready, O, L, b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob,
+                                        s_oh, s_ln, s_lb, s_lh, RH, PROBE)),
+                (_seesaw_loader, (CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles, PS,
+                                  RH, 1, PROBE)),
+            ], [4, 1], [WG_REGS, LOADER_REGS])
 
 
-def constexprs(R: int, P: int, page_size: int, parts: bool | None = None, prefetch: int | None = None,
-               stagger: int | None = None, probe: int = 0) -> dict:
+def constexprs(R: int, P: int, page_size: int, parts: bool | None = None, schedule: int | None = None,
+               probe: int = 0) -> dict:
     """None: the module's setting. probe (timing only, wrong results): 1 no copies (the barriers pass at once),
     2 no softmax."""
     pick = lambda v, default: int(default if v is None else v)  # noqa: E731
     return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PARTS=pick(parts, PARTS),
-                PREFETCH=pick(prefetch, PREFETCH), STAGGER=pick(stagger, STAGGER), PROBE=int(probe))
+                SCHEDULE=pick(schedule, SCHEDULE), PROBE=int(probe))
 
 
 def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, parts=None,
            **variant):
-    """decode_wgmma.launch's contract, for its TMA layout with rope width 64. `variant`: constexprs' prefetch,
-    stagger, probe (the probe's A/B)."""
+    """decode_wgmma.launch's contract, for its TMA layout with rope width 64. `variant`: constexprs' schedule,
+    probe (the probe's A/B)."""
     B, H, R = q_nope.shape
     PS = ckv_cache.shape[1]
     P = kpe_cache.shape[2]
