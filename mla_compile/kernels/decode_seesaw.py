@@ -52,6 +52,10 @@ PARTS = True
 # 1: the FlashMLA-ordered schedule (scores issued at the end of the previous pair, local p.c first, parts
 # released and reloaded in the order they are next needed); 0: session 9's (both scores at the top of each pair)
 SCHEDULE = 1
+# the loader asks L2 for the pair PREFETCH pairs ahead (one bulk prefetch per tile part, row-contiguous caches
+# only): shared memory holds just the pair being computed, so without it every copy starts from HBM when a slot
+# frees, and all SMs copy at the same moment
+PREFETCH = 1
 SPILL_BUDGET = 512  # bytes ptxas may spill (offline count, tests/test_kernel_codegen.py): a few scalars outside MMAs
 
 
@@ -128,8 +132,27 @@ if W.gluon is not None:
             tma.async_copy_global_to_shared(CkvDesc, [row, RH], full.index(i), c1_s.index(ST))
 
     @gluon.jit
-    def _seesaw_loader(CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles,
-                       PS: gl.constexpr, RH: gl.constexpr, SCHEDULE: gl.constexpr, PROBE: gl.constexpr):
+    def _prefetch_pair_l2(Ckv, Kpe, Table, b, s_tb, s_cp, s_kp, t_a, n_valid, PS: gl.constexpr, R: gl.constexpr,
+                          P: gl.constexpr, BLOCK_N: gl.constexpr):
+        """One cp.async.bulk.prefetch.L2 per part of the first n_valid tiles of the pair at token t_a (lanes 0-3:
+        tile A's latent rows, its rope rows, tile B's...). Rows must be contiguous (a tile's part is one range)."""
+        LANES: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        lane = gl.arange(0, 32, layout=LANES)
+        t0 = t_a + (lane // 2) * BLOCK_N
+        valid = (lane < 4) & (lane // 2 < n_valid)
+        page = gl.load(Table + b * s_tb + t0 // PS, mask=valid, other=0).to(gl.int64)
+        row = (t0 % PS).to(gl.int64)
+        rope = (lane % 2) == 1
+        ptr = gl.where(rope, Kpe + page * s_kp + row * P, Ckv + page * s_cp + row * R)
+        nbytes = gl.where(rope, BLOCK_N * P * 2, BLOCK_N * R * 2)
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r,r", [ptr, nbytes, valid.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _seesaw_loader(CkvDesc, KpeDesc, Ckv, Kpe, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, s_cp, s_kp, start,
+                       n_tiles, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr, SCHEDULE: gl.constexpr,
+                       PREFETCH: gl.constexpr, PROBE: gl.constexpr):
         """Pair j's tiles A (slot 0) and B (slot 1), part by part, each once its last reader released it. A lone
         last tile A gets a B of zeros (a box wholly outside the cache: TMA fills it with zeros), which the
         warpgroups mask like any token past the split's end. The order is that in which the parts free up, so
@@ -138,6 +161,9 @@ if W.gluon is not None:
         for j in range(gl.cdiv(n_tiles, 2) + SCHEDULE):  # SCHEDULE 1 scores one pair past the end: zeros
             free = (j & 1) ^ 1  # a fresh barrier passes parity 1 at once
             t_a = start + 2 * j * BLOCK_N
+            if PREFETCH > 0:
+                _prefetch_pair_l2(Ckv, Kpe, Table, b, s_tb, s_cp, s_kp, t_a + 2 * PREFETCH * BLOCK_N,
+                                  n_tiles - 2 * (j + PREFETCH), PS, 2 * RH, P, BLOCK_N)
             row_a = -BLOCK_N
             if 2 * j < n_tiles:
                 row_a = gl.load(Table + b * s_tb + t_a // PS) * PS + t_a % PS
@@ -403,7 +429,7 @@ if W.gluon is not None:
                               s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
                               n_splits, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
                               BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PARTS: gl.constexpr = 1,
-                              SCHEDULE: gl.constexpr = 1, PROBE: gl.constexpr = 0):
+                              SCHEDULE: gl.constexpr = 1, PREFETCH: gl.constexpr = 0, PROBE: gl.constexpr = 0):
         gl.static_assert(P == BLOCK_N, "p [heads, tokens] reuses the [tokens, rope] buffer")
         gl.static_assert(BLOCK_H == BLOCK_N)
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -445,8 +471,8 @@ if W.gluon is not None:
                 (_seesaw_warpgroup, (1, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O,
                                      L, b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb,
                                      s_lh, RH, PARTS, PROBE)),
-                (_seesaw_loader, (CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles, PS,
-                                  RH, 0, PROBE)),
+                (_seesaw_loader, (CkvDesc, KpeDesc, Ckv, Kpe, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, s_cp,
+                                  s_kp, start, n_tiles, PS, RH, P, 0, PREFETCH, PROBE)),
             ], [4, 1], [WG_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
@@ -456,18 +482,18 @@ if W.gluon is not None:
                 (_seesaw_warpgroup_v1, (1, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, m_ready, p_ready, m_x, l_x,
                                         l_ready, O, L, b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob,
                                         s_oh, s_ln, s_lb, s_lh, RH, PROBE)),
-                (_seesaw_loader, (CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles, PS,
-                                  RH, 1, PROBE)),
+                (_seesaw_loader, (CkvDesc, KpeDesc, Ckv, Kpe, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, s_cp,
+                                  s_kp, start, n_tiles, PS, RH, P, 1, PREFETCH, PROBE)),
             ], [4, 1], [WG_REGS, LOADER_REGS])
 
 
 def constexprs(R: int, P: int, page_size: int, parts: bool | None = None, schedule: int | None = None,
-               probe: int = 0) -> dict:
+               prefetch: int | None = None, probe: int = 0) -> dict:
     """None: the module's setting. probe (timing only, wrong results): 1 no copies (the barriers pass at once),
     2 no softmax."""
     pick = lambda v, default: int(default if v is None else v)  # noqa: E731
     return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PARTS=pick(parts, PARTS),
-                SCHEDULE=pick(schedule, SCHEDULE), PROBE=int(probe))
+                SCHEDULE=pick(schedule, SCHEDULE), PREFETCH=pick(prefetch, PREFETCH), PROBE=int(probe))
 
 
 def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, parts=None,
@@ -478,6 +504,8 @@ def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
     PS = ckv_cache.shape[1]
     P = kpe_cache.shape[2]
     ckv_desc, kpe_desc = W.descriptors(ckv_cache, kpe_cache)
+    if ckv_cache.stride(1) != R or kpe_cache.stride(1) != P:  # a tile's part is not one range: no L2 prefetch
+        variant["prefetch"] = 0
     return _stage1_seesaw_kernel[(triton.cdiv(H, BLOCK_H), B, ns)](
         q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
         sm_scale * 1.4426950408889634, H,
