@@ -85,9 +85,8 @@ def gather_rows(ckv, kpe):
 
 SEESAW_SHAPES = [(1, 131072), (8, 32768), (8, 131072), (32, 32768), (128, 8192), (128, 32768)]
 # the seesaw kernel's stage-1 variants (decode_seesaw.constexprs); probe ones compute wrong results (timing only)
-SEESAW_VARIANTS = {"v0": dict(schedule=0, prefetch=0), "v0 no copies": dict(schedule=0, prefetch=0, probe=1),
-                   "v0 prefetch 1": dict(schedule=0, prefetch=1), "v0 prefetch 2": dict(schedule=0, prefetch=2),
-                   "v1 prefetch 1": dict(schedule=1, prefetch=1), "v1 prefetch 2": dict(schedule=1, prefetch=2)}
+SEESAW_VARIANTS = {"seesaw": {}, "no copies": dict(probe=1), "no softmax": dict(probe=2),
+                   "no copies, no softmax": dict(probe=3)}
 
 
 def seesaw_rows(ckv, kpe):
@@ -99,6 +98,7 @@ def seesaw_rows(ckv, kpe):
         row = {"B": B, "L": L, "H": H, "splits": ns, "flops": D.flops(B, H, L, R, P)}
         args = (qn, qp, ckv, kpe, table, lens, 0.07, o, lse, o.stride(0), lse.stride(0), ns)
         row["stage1_us"] = {name: us(lambda: S.launch(*args, **v)) for name, v in SEESAW_VARIANTS.items()}
+        row["stage1_us"]["pipe"] = us(lambda: W.launch(*args, pipe=True))
         row["stage1_tflops"] = {k: row["flops"] / (v * 1e-6) / 1e12 for k, v in row["stage1_us"].items()}
         row["op_us"] = {"seesaw": us(lambda: D.decode(qn, qp, ckv, kpe, table, lens, 0.07, cfg=cfg))}
         if FI.available():

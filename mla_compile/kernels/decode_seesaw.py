@@ -36,7 +36,7 @@ if W.gluon is not None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_init, warpgroup_mma_wait)
+                                                                  warpgroup_mma_wait)
 
 BLOCK_H = W.BLOCK_H
 BLOCK_N = W.BLOCK_N
@@ -49,13 +49,6 @@ LOADER_REGS = gl.constexpr(24) if W.gluon is not None else 24
 # the score MMA waits for a tile part by part (rope, c0, c1: each its own barrier) and starts on what has arrived;
 # False: for the whole tile
 PARTS = True
-# 1: the FlashMLA-ordered schedule (scores issued at the end of the previous pair, local p.c first, parts
-# released and reloaded in the order they are next needed); 0: session 9's (both scores at the top of each pair)
-SCHEDULE = 1
-# the loader asks L2 for the pair PREFETCH pairs ahead (one bulk prefetch per tile part, row-contiguous caches
-# only): shared memory holds just the pair being computed, so without it every copy starts from HBM when a slot
-# frees, and all SMs copy at the same moment
-PREFETCH = 1
 SPILL_BUDGET = 512  # bytes ptxas may spill (offline count, tests/test_kernel_codegen.py): a few scalars outside MMAs
 
 
@@ -132,177 +125,24 @@ if W.gluon is not None:
             tma.async_copy_global_to_shared(CkvDesc, [row, RH], full.index(i), c1_s.index(ST))
 
     @gluon.jit
-    def _prefetch_pair_l2(Ckv, Kpe, Table, b, s_tb, s_cp, s_kp, t_a, n_valid, PS: gl.constexpr, R: gl.constexpr,
-                          P: gl.constexpr, BLOCK_N: gl.constexpr):
-        """One cp.async.bulk.prefetch.L2 per part of the first n_valid tiles of the pair at token t_a (lanes 0-3:
-        tile A's latent rows, its rope rows, tile B's...). Rows must be contiguous (a tile's part is one range)."""
-        LANES: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        lane = gl.arange(0, 32, layout=LANES)
-        t0 = t_a + (lane // 2) * BLOCK_N
-        valid = (lane < 4) & (lane // 2 < n_valid)
-        page = gl.load(Table + b * s_tb + t0 // PS, mask=valid, other=0).to(gl.int64)
-        row = (t0 % PS).to(gl.int64)
-        rope = (lane % 2) == 1
-        ptr = gl.where(rope, Kpe + page * s_kp + row * P, Ckv + page * s_cp + row * R)
-        nbytes = gl.where(rope, BLOCK_N * P * 2, BLOCK_N * R * 2)
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r,r", [ptr, nbytes, valid.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _seesaw_loader(CkvDesc, KpeDesc, Ckv, Kpe, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, s_cp, s_kp, start,
-                       n_tiles, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr, SCHEDULE: gl.constexpr,
-                       PREFETCH: gl.constexpr, PROBE: gl.constexpr):
-        """Pair j's tiles A (slot 0) and B (slot 1), part by part, each once its last reader released it. A lone
-        last tile A gets a B of zeros (a box wholly outside the cache: TMA fills it with zeros), which the
-        warpgroups mask like any token past the split's end. The order is that in which the parts free up, so
-        the loader never waits on one part while another could already be copying."""
+    def _seesaw_loader(CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles,
+                       PS: gl.constexpr, RH: gl.constexpr, PROBE: gl.constexpr):
+        """Pair j's tiles A (slot 0) and B (slot 1), part by part (rope first: the score MMA starts on it, then c0,
+        c1), each once its last reader released it. A lone last tile A gets a B of zeros (a box wholly outside the
+        cache: TMA fills it with zeros), which the warpgroups mask like any token past the split's end."""
         BLOCK_N: gl.constexpr = c0_s.shape[1]
-        for j in range(gl.cdiv(n_tiles, 2) + SCHEDULE):  # SCHEDULE 1 scores one pair past the end: zeros
+        for j in range(gl.cdiv(n_tiles, 2)):
             free = (j & 1) ^ 1  # a fresh barrier passes parity 1 at once
             t_a = start + 2 * j * BLOCK_N
-            if PREFETCH > 0:
-                _prefetch_pair_l2(Ckv, Kpe, Table, b, s_tb, s_cp, s_kp, t_a + 2 * PREFETCH * BLOCK_N,
-                                  n_tiles - 2 * (j + PREFETCH), PS, 2 * RH, P, BLOCK_N)
-            row_a = -BLOCK_N
-            if 2 * j < n_tiles:
-                row_a = gl.load(Table + b * s_tb + t_a // PS) * PS + t_a % PS
+            row_a = gl.load(Table + b * s_tb + t_a // PS) * PS + t_a % PS
             row_b = -BLOCK_N
             if 2 * j + 1 < n_tiles:
                 t_b = t_a + BLOCK_N
                 row_b = gl.load(Table + b * s_tb + t_b // PS) * PS + t_b % PS
-            if SCHEDULE == 0:  # session 9's: per tile, rope first (the score MMA starts on it), then c0, c1
-                for part in gl.static_range(3):
-                    _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_a, free, 0, part, RH, PROBE)
-                for part in gl.static_range(3):
-                    _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_b, free, 1, part, RH, PROBE)
-            else:  # freed by: c0_A WG0's p_A.c0_A, c1_B WG1's p_B.c1_B, c1_A + rope_A WG1's p_A.c1_A, the rest WG0's p_B.c0_B
-                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_a, free, 0, 1, RH, PROBE)
-                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_b, free, 1, 2, RH, PROBE)
-                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_a, free, 0, 2, RH, PROBE)
-                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_a, free, 0, 0, RH, PROBE)
-                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_b, free, 1, 1, RH, PROBE)
-                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_b, free, 1, 0, RH, PROBE)
-
-    @gluon.jit
-    def _issue_scores(WG: gl.constexpr, j, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, s0, start, end):
-        """Warpgroup WG's score MMAs (async) for its tile of pair j (slot WG), each part once it arrived, in the
-        order its parts free up (WG0: c0, c1, rope; WG1: c1, c0, rope). A split's partial last tile first gets its
-        rows past seq_len zeroed in shared memory (cache slots past seq_len may hold NaN)."""
-        BLOCK_N: gl.constexpr = c0_s.shape[1]
-        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        ph = j & 1
-        t_own = start + (2 * j + WG) * BLOCK_N
-        if (t_own < end) & (t_own + BLOCK_N > end):
             for part in gl.static_range(3):
-                mbarrier.wait(full.index(3 * WG + part), ph)
-            _zero_rows_past(c0_s.index(WG), t_own, end, LD)
-            _zero_rows_past(c1_s.index(WG), t_own, end, LD)
-            _zero_rows_past(k_s.index(WG), t_own, end, LD)
-            fence_async_shared()
-            gl.thread_barrier()
-        if WG == 0:
-            mbarrier.wait(full.index(1), ph)
-            s = warpgroup_mma(q0_s, c0_s.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
-            mbarrier.wait(full.index(2), ph)
-            s = warpgroup_mma(q1_s, c1_s.index(0).permute((1, 0)), s, is_async=True)
-            mbarrier.wait(full.index(0), ph)
-            s = warpgroup_mma(qp_s, k_s.index(0).permute((1, 0)), s, is_async=True)
-        else:
-            mbarrier.wait(full.index(5), ph)
-            s = warpgroup_mma(q1_s, c1_s.index(1).permute((1, 0)), s0, use_acc=False, is_async=True)
-            mbarrier.wait(full.index(4), ph)
-            s = warpgroup_mma(q0_s, c0_s.index(1).permute((1, 0)), s, is_async=True)
-            mbarrier.wait(full.index(3), ph)
-            s = warpgroup_mma(qp_s, k_s.index(1).permute((1, 0)), s, is_async=True)
-        return s
-
-    @gluon.jit
-    def _seesaw_warpgroup_v1(WG: gl.constexpr, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, m_ready, p_ready,
-                             m_x, l_x, l_ready, O, L, b, hb, split, H, start, end, n_tiles, scale_log2,
-                             s_on, s_ob, s_oh, s_ln, s_lb, s_lh, RH: gl.constexpr, PROBE: gl.constexpr):
-        """Warpgroup WG's side of the FlashMLA-ordered seesaw (SCHEDULE 1). Per pair j (tile A: WG0, B: WG1):
-          WG0: softmax_A (m_A out) -> acc0 += p_A.c0_A -> [m_B in] p_A * exp2(m_A - m_B) into A's rope buffer ->
-               acc0 rescale, += p_B.c0_B (p_B from B's rope buffer) -> issue pair j+1's scores
-          WG1: [m_A in] softmax_B (m_B out, p_B into B's rope buffer) -> acc1 rescale, += p_B.c1_B (registers) ->
-               += p_A.c1_A (p_A from A's rope buffer, already under m_B) -> issue pair j+1's scores
-        so one warpgroup's softmax runs while the other's MMAs do, each warpgroup's own p.c goes first, and the
-        next pair's scores are on the tensor cores while the other warpgroup still works on this pair."""
-        gl.static_assert(gl.num_warps() == 4, "one warpgroup")
-        BLOCK_H: gl.constexpr = q0_s.shape[0]
-        BLOCK_N: gl.constexpr = c0_s.shape[1]
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BLOCK_N, 16])
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, RH, 16])
-        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-        ROW: gl.constexpr = gl.SliceLayout(1, S_L)
-        OROW: gl.constexpr = gl.SliceLayout(1, O_L)
-        dt: gl.constexpr = c0_s.dtype
-        n_pairs = gl.cdiv(n_tiles, 2)
-
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW)
-        l_i = gl.zeros([BLOCK_H], gl.float32, layout=ROW)
-        acc = gl.zeros([BLOCK_H, RH], gl.float32, layout=O_L)
-        s0 = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
-        # the next pair's scores, in flight across the loop's back edge. Issued unconditionally (the loader adds a
-        # pair of zero boxes past the end): an `if` around an async MMA makes ptxas serialise every MMA (C7515)
-        s_next = _issue_scores(WG, 0, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, s0, start, end)
-        for j in range(n_pairs):
-            ph = j & 1
-            t_a = start + 2 * j * BLOCK_N
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
-            if WG == 0:
-                m_a, scale_a, p = _softmax_tile(s, t_a, end, m_i, scale_log2, S_L, PROBE)
-                m_x.index(0).store(m_a)
-                gl.thread_barrier()
-                mbarrier.arrive(m_ready.index(0))
-                l_i = l_i * scale_a + gl.sum(p, 1)
-                acc = acc * gl.convert_layout(scale_a, OROW)[:, None]
-                acc = warpgroup_mma(gl.convert_layout(p.to(dt), P_L), c0_s.index(0), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(1))  # c0_A read for the last time
-                mbarrier.wait(m_ready.index(1), ph)
-                m_b = m_x.index(1).load(ROW)
-                scale_b = _rescale(m_a, m_b)
-                k_s.index(0).store((p * scale_b[:, None]).to(dt))  # p_A under m_B, for WG1's p_A.c1_A
-                fence_async_shared()
-                gl.thread_barrier()
-                mbarrier.arrive(p_ready.index(0))
-                l_i = l_i * scale_b
-                acc = acc * gl.convert_layout(scale_b, OROW)[:, None]
-                mbarrier.wait(p_ready.index(1), ph)
-                acc = warpgroup_mma(k_s.index(1), c0_s.index(1), acc, is_async=True)  # p_B from shared memory
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(4))  # c0_B and rope_B (p_B) read for the last time
-                mbarrier.arrive(empty.index(3))
-            else:
-                mbarrier.wait(m_ready.index(0), ph)
-                m_a = m_x.index(0).load(ROW)
-                scale_a = _rescale(m_i, m_a)
-                m_b, scale_b, p = _softmax_tile(s, t_a + BLOCK_N, end, m_a, scale_log2, S_L, PROBE)
-                m_x.index(1).store(m_b)
-                k_s.index(1).store(p.to(dt))  # B's rope part is dead once its scores are done
-                fence_async_shared()
-                gl.thread_barrier()
-                mbarrier.arrive(m_ready.index(1))
-                mbarrier.arrive(p_ready.index(1))
-                l_i = l_i * (scale_a * scale_b) + gl.sum(p, 1)
-                acc = acc * gl.convert_layout(scale_a * scale_b, OROW)[:, None]
-                acc = warpgroup_mma(gl.convert_layout(p.to(dt), P_L), c1_s.index(1), acc, is_async=True)
-                mbarrier.wait(p_ready.index(0), ph)
-                acc = warpgroup_mma(k_s.index(0), c1_s.index(0), acc, is_async=True)  # p_A (under m_B)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                mbarrier.arrive(empty.index(5))  # c1_B read for the last time
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(2))  # c1_A and rope_A (p_A) read for the last time
-                mbarrier.arrive(empty.index(0))
-            m_i = m_b
-            s_next = _issue_scores(WG, j + 1, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, s0, start, end)
-        warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))  # the zero pair's
-
-        _combine_and_store(WG, acc, m_i, l_i, l_x, l_ready, O, L, b, hb, split, H, s_on, s_ob, s_oh, s_ln, s_lb,
-                           s_lh, RH, ROW, O_L)
+                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_a, free, 0, part, RH, PROBE)
+            for part in gl.static_range(3):
+                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_b, free, 1, part, RH, PROBE)
 
     @gluon.jit
     def _seesaw_warpgroup(WG: gl.constexpr, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x,
@@ -429,7 +269,7 @@ if W.gluon is not None:
                               s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
                               n_splits, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
                               BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PARTS: gl.constexpr = 1,
-                              SCHEDULE: gl.constexpr = 1, PREFETCH: gl.constexpr = 0, PROBE: gl.constexpr = 0):
+                              PROBE: gl.constexpr = 0):
         gl.static_assert(P == BLOCK_N, "p [heads, tokens] reuses the [tokens, rope] buffer")
         gl.static_assert(BLOCK_H == BLOCK_N)
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -452,60 +292,41 @@ if W.gluon is not None:
         empty = gl.allocate_shared_memory(gl.int64, [2 * 3, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        m_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # SCHEDULE 1
         for i in gl.static_range(2 * 3):
             mbarrier.init(full.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         for i in gl.static_range(2):
             mbarrier.init(p_ready.index(i), count=1)
-            mbarrier.init(m_ready.index(i), count=1)
         mbarrier.init(l_ready, count=2)
         fence_async_shared()  # q's stores and the barrier inits before any async-proxy access
         gl.thread_barrier()
 
-        if SCHEDULE == 0:
-            gl.warp_specialize([
-                (_seesaw_warpgroup, (0, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O,
-                                     L, b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb,
-                                     s_lh, RH, PARTS, PROBE)),
-                (_seesaw_warpgroup, (1, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O,
-                                     L, b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb,
-                                     s_lh, RH, PARTS, PROBE)),
-                (_seesaw_loader, (CkvDesc, KpeDesc, Ckv, Kpe, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, s_cp,
-                                  s_kp, start, n_tiles, PS, RH, P, 0, PREFETCH, PROBE)),
-            ], [4, 1], [WG_REGS, LOADER_REGS])
-        else:
-            gl.warp_specialize([
-                (_seesaw_warpgroup_v1, (0, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, m_ready, p_ready, m_x, l_x,
-                                        l_ready, O, L, b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob,
-                                        s_oh, s_ln, s_lb, s_lh, RH, PROBE)),
-                (_seesaw_warpgroup_v1, (1, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, m_ready, p_ready, m_x, l_x,
-                                        l_ready, O, L, b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob,
-                                        s_oh, s_ln, s_lb, s_lh, RH, PROBE)),
-                (_seesaw_loader, (CkvDesc, KpeDesc, Ckv, Kpe, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, s_cp,
-                                  s_kp, start, n_tiles, PS, RH, P, 1, PREFETCH, PROBE)),
-            ], [4, 1], [WG_REGS, LOADER_REGS])
+        gl.warp_specialize([
+            (_seesaw_warpgroup, (0, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O, L,
+                                 b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
+                                 RH, PARTS, PROBE)),
+            (_seesaw_warpgroup, (1, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O, L,
+                                 b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
+                                 RH, PARTS, PROBE)),
+            (_seesaw_loader, (CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles, PS, RH,
+                              PROBE)),
+        ], [4, 1], [WG_REGS, LOADER_REGS])
 
 
-def constexprs(R: int, P: int, page_size: int, parts: bool | None = None, schedule: int | None = None,
-               prefetch: int | None = None, probe: int = 0) -> dict:
-    """None: the module's setting. probe (timing only, wrong results): 1 no copies (the barriers pass at once),
-    2 no softmax."""
-    pick = lambda v, default: int(default if v is None else v)  # noqa: E731
-    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PARTS=pick(parts, PARTS),
-                SCHEDULE=pick(schedule, SCHEDULE), PREFETCH=pick(prefetch, PREFETCH), PROBE=int(probe))
+def constexprs(R: int, P: int, page_size: int, parts: bool | None = None, probe: int = 0) -> dict:
+    """probe (timing only, wrong results): 1 no copies (the barriers pass at once), 2 no softmax."""
+    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
+                PARTS=int(PARTS if parts is None else parts), PROBE=int(probe))
 
 
 def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, parts=None,
            **variant):
-    """decode_wgmma.launch's contract, for its TMA layout with rope width 64. `variant`: constexprs' schedule,
-    probe (the probe's A/B)."""
+    """decode_wgmma.launch's contract, for its TMA layout with rope width 64. `variant`: constexprs' probe
+    (timing only)."""
     B, H, R = q_nope.shape
     PS = ckv_cache.shape[1]
     P = kpe_cache.shape[2]
     ckv_desc, kpe_desc = W.descriptors(ckv_cache, kpe_cache)
-    if ckv_cache.stride(1) != R or kpe_cache.stride(1) != P:  # a tile's part is not one range: no L2 prefetch
-        variant["prefetch"] = 0
     return _stage1_seesaw_kernel[(triton.cdiv(H, BLOCK_H), B, ns)](
         q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
         sm_scale * 1.4426950408889634, H,

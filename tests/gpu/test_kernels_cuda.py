@@ -453,12 +453,11 @@ def assert_decodes(b, qn, qp, dtype, splits_list, new_lens, scale=0.08):
         assert_replays(graph, out, lse, lens, b, qn, qp, scale, new_lens)
 
 
-@pytest.mark.parametrize("kernel", ["seesaw", "seesaw-v0", "pipe", "no-pipe"])
+@pytest.mark.parametrize("kernel", ["seesaw", "pipe", "no-pipe"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H,PS", [(128, 64), (64, 128), (96, 64)])
 def test_wgmma_kernel(H, PS, dtype, kernel, monkeypatch):
-    # the many-head Gluon kernels on the TMA layout (the warp-specialised one with both its schedules, and both
-    # loop schedules of the other):
+    # the many-head Gluon kernels on the TMA layout (the warp-specialised one and both loop schedules of the other):
     # lengths on and off tile edges, odd and even tile counts, several tiles per split (the slots wrap), a partial
     # head block (H=96), forced and policy split counts; unused cache slots hold NaN. Then a CUDA graph replayed
     # with new lengths
@@ -467,11 +466,8 @@ def test_wgmma_kernel(H, PS, dtype, kernel, monkeypatch):
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("warpgroup MMA: sm_90 only")
-    from mla_compile.kernels import decode_seesaw as S
-
-    monkeypatch.setattr(W, "SEESAW", kernel.startswith("seesaw"))
+    monkeypatch.setattr(W, "SEESAW", kernel == "seesaw")
     monkeypatch.setattr(W, "PIPE", kernel == "pipe")
-    monkeypatch.setattr(S, "SCHEDULE", 0 if kernel == "seesaw-v0" else S.SCHEDULE)
     b, qn, qp = make_batch([0, 1, 63, 64, 65, 777, 4101, 0, 33, 256, 128, 192], H, 512, 64, PS, dtype, seed=H + PS)
     assert W.eligible(qn, b.ckv_cache, b.kpe_cache)
     assert K.default_config(H, 512, PS).wgmma
