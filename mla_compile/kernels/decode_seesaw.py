@@ -21,9 +21,15 @@ seq_len may hold NaN); a lone last tile pairs with a box of zeros.
 Pages of whole 64-token tiles (TMA boxes), rope width 64 (p reuses the rope buffer); other layouts use
 decode_wgmma's kernels. Same outputs as them: normalised partial out and natural-log lse per split.
 
-Measured (H200, session 9, benchmarks/RESULTS.md): 1-6% faster than decode_wgmma's TMA kernel with its PIPE schedule
-on every probe shape (B=8 128K stage 1 669 vs 708 us, 429 TFLOP/s), still 1.09-1.20x FlashInfer. Issuing the next
-pair's scores before waiting for warpgroup 0's last MMA made it 40% slower (call 4) and was dropped.
+Measured (H200, sessions 9-10, benchmarks/RESULTS.md): 1-6% faster than decode_wgmma's TMA kernel with its PIPE
+schedule on every probe shape (B=8 128K stage 1 669 vs 708 us, 429 TFLOP/s), still 1.09-1.20x FlashInfer. What
+bounds it: the copies. With the loader's copies skipped (PROBE 1) stage 1 runs at 554-577 TFLOP/s (B >= 8), so the MMA
+schedule is fine; shared memory holds only q and one pair of tiles, slot B frees when the pair's last MMAs finish
+and is needed again by the next pair's first scores, so every pair waits for one tile's copy (~23-26%). Tried and
+dropped, each slower on the H200: issuing the next pair's scores before waiting for warpgroup 0's last MMA (40%,
+C7514); staggering warpgroup 1's score issue; FlashMLA's order (next pair's scores at the end of each pair, local
+p.c first, parts reloaded in the order they free: 3-8%); L2 bulk prefetch of the next pair (1.1-1.7x: the prefetches
+queue in the TMA unit ahead of the real copies).
 """
 
 from __future__ import annotations
