@@ -168,6 +168,7 @@ if W.gluon is not None:
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         ROW: gl.constexpr = gl.SliceLayout(1, S_L)
+        OTHER: gl.constexpr = 1 - WG
         if WG == 0:
             c_own = c0_s
         else:
@@ -243,20 +244,12 @@ if W.gluon is not None:
                 mbarrier.arrive(empty.index(5))
             m_i = m_b
 
-        _combine_and_store(WG, acc, m_i, l_i, l_x, l_ready, O, L, b, hb, split, H, s_on, s_ob, s_oh, s_ln, s_lb,
-                           s_lh, RH, ROW, O_L)
-
-    @gluon.jit
-    def _combine_and_store(WG: gl.constexpr, acc, m_i, l_i, l_x, l_ready, O, L, b, hb, split, H, s_on, s_ob, s_oh,
-                           s_ln, s_lb, s_lh, RH: gl.constexpr, ROW: gl.constexpr, O_L: gl.constexpr):
-        """The row sums meet (each warpgroup applied every rescale, so l = l0 + l1 under the common final max);
-        each warpgroup stores its normalised half of this split's out, warpgroup 0 the natural-log lse."""
-        BLOCK_H: gl.constexpr = acc.shape[0]
+        # the row sums meet: each warpgroup applied every rescale, so l = l0 + l1 under the common final max
         l_x.index(WG).store(l_i)
         gl.thread_barrier()
         mbarrier.arrive(l_ready)
         mbarrier.wait(l_ready, 0)
-        l_i = l_i + l_x.index(1 - WG).load(ROW)
+        l_i = l_i + l_x.index(OTHER).load(ROW)
         has = l_i > 0
         inv = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), gl.SliceLayout(1, O_L))[:, None]
         oh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
@@ -326,9 +319,8 @@ def constexprs(R: int, P: int, page_size: int, parts: bool | None = None, probe:
 
 
 def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, parts=None,
-           **variant):
-    """decode_wgmma.launch's contract, for its TMA layout with rope width 64. `variant`: constexprs' probe
-    (timing only)."""
+           probe=0):
+    """decode_wgmma.launch's contract, for its TMA layout with rope width 64 (probe: constexprs', timing only)."""
     B, H, R = q_nope.shape
     PS = ckv_cache.shape[1]
     P = kpe_cache.shape[2]
@@ -339,4 +331,4 @@ def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), ckv_cache.stride(0), ckv_cache.stride(1),
         kpe_cache.stride(0), kpe_cache.stride(1), block_table.stride(0),
         s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1), ns,
-        **constexprs(R, P, PS, parts, **variant), num_warps=NUM_WARPS, maxnreg=MAX_REGS)
+        **constexprs(R, P, PS, parts, probe), num_warps=NUM_WARPS, maxnreg=MAX_REGS)
