@@ -2,7 +2,7 @@
 # The one script the GPU machine runs:  bash benchmarks/device.sh [stage ...]   (default: kernels bench)
 #   stages: kernels (GPU tests)  bench (op benchmark)  sweep (decode configs)  linear (few-token GEMM configs)
 #           wgmma (the Gluon many-head decode kernel, phase by phase)
-#           profile (HF step)  dcp  dsa  hf  compile  report
+#           profile (HF step)  dcp  dsa  hf  generate (HF generate() end to end)  gencrash (lab probe)  compile  report
 # Installs the wheels carried in .whl/ (run(carry=[".whl"])), records the environment, then runs each stage.
 #
 # $OUT stays flat and small (the device tool returns at most 8 files). A full run
@@ -89,6 +89,11 @@ stage_dsa() {
 
 # HF (issue 5): DeepseekV3 decode tokens/s, eager vs torch.compile default vs mla_dcp (HF_ARGS e.g. "--kv 4096")
 stage_hf() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_HF:-400}" python3 benchmarks/hf_decode.py "$OUT/${HF_OUT:-hf.json}" ${HF_ARGS:-}; }
+
+# generate: HF generate() end to end (eager vs HF's own static compile vs mla_dcp); GENERATE_ARGS e.g. "--heads 16"
+stage_generate() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_GENERATE:-500}" python3 benchmarks/generate.py "$OUT/${GENERATE_OUT:-generate.json}" ${GENERATE_ARGS:-}; }
+# gencrash: the lab probe of generate() recipes under CUDA graphs (writes failing Inductor sources under $OUT/gencrash)
+stage_gencrash() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_GENCRASH:-300}" python3 benchmarks/lab/generate_crash.py "$OUT/gencrash" ${GENCRASH_ARGS:-}; }
 
 # compile (issue 7): compile time, graphs, cudagraph recordings, FX-graph-cache hits of a second process
 stage_compile() { timeout "${T_COMPILE:-300}" python3 benchmarks/compile_suite.py "$OUT/compile.json" ${COMPILE_ARGS:-}; }

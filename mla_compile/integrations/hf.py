@@ -160,6 +160,32 @@ def _cache_arg_name(cls) -> str:
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
+def compile_config(mode: str | None = "reduce-overhead", *, dynamic: bool | None = False, fullgraph: bool = False,
+                   **options):
+    """HF `CompileConfig` that makes `generate()`'s own auto-compile use the `mla_dcp` backend:
+
+        model.generate(ids, ..., cache_implementation="static", compile_config=compile_config())
+        # or once: model.generation_config.compile_config = compile_config()
+
+    HF prefills eagerly and compiles the decode step itself (`model.get_compiled_call`); with this config the
+    step is `torch.compile(model.__call__, backend="mla_dcp", mode=mode)`: absorbed MLA decode over the latent
+    cache, CUDA-graph trees with "reduce-overhead" (the default, as HF's own). `mode="default"`: no CUDA graphs.
+    `dynamic=False` (not HF's None): a batch of another size compiles its own static graph instead of a
+    dynamic one. `options`: our backend keys and Inductor keys (`mla_compile.backend.BACKEND_OPTIONS`); with
+    options the mode travels inside them (torch.compile refuses `mode=` together with `options=`). On a device
+    HF does not auto-compile on (CPU) the config asks HF to compile anyway.
+    """
+    from transformers import CompileConfig
+
+    if options:
+        cfg = CompileConfig(backend="mla_dcp", mode=None, dynamic=dynamic, fullgraph=fullgraph,
+                            options={"mode": mode, **options} if mode is not None else dict(options))
+    else:
+        cfg = CompileConfig(backend="mla_dcp", mode=mode, dynamic=dynamic, fullgraph=fullgraph)
+    cfg._compile_all_devices = True  # HF skips auto-compile off CUDA/XPU otherwise
+    return cfg
+
+
 ALL_SELECTED_OPS = {torch.ops.mla_hf.all_selected.default, torch.ops.mla_hf.all_selected}
 
 MAX_KV_LEN_ATTR = "max_kv_len"

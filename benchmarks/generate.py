@@ -1,0 +1,213 @@
+"""HF `generate()` end to end, the road users take: HF eager vs HF's own static-cache compile vs `mla_dcp`.
+
+usage:  python benchmarks/generate.py OUT.json [--heads 16 128] [--prompt 1024 4096 16384 32768] [--batch 1 4 8]
+                                              [--new 64] [--layers 4] [--modes eager hf mla] [--runs 2]
+        python benchmarks/generate.py OUT.json --smoke        # tiny shapes, CPU ok (checks the script itself)
+
+Model: DeepseekV3ForCausalLM with real MLA dims (kv_lora 512, rope 64, nope 128, v 128, q_lora 1536), hidden 2048,
+`--layers` layers of which the first is dense and the rest MoE (8 routed experts, top-2), random weights spread to
+1/sqrt(fan_in) (decisive greedy tokens), bf16, sdpa attention. Prompts are random ids; batch rows after the first are
+left-padded by a few tokens (a real batch of unequal prompts).
+
+Modes, each a plain `model.generate(ids, attention_mask=..., max_new_tokens=N, do_sample=False,
+cache_implementation="static", ...)`:
+  eager    `disable_compile=True`: HF eager decode (kv_b_proj over the whole cache every step)
+  hf       HF's own auto-compile of the decode step (torch.compile(mode="reduce-overhead"), Inductor, CUDA graphs)
+  mla      the same auto-compile with our backend: `compile_config=mla_compile.integrations.hf.compile_config()`
+           (CompileConfig(backend="mla_dcp"), mode "reduce-overhead": CUDA-graph trees)
+  mla_default  our backend without CUDA graphs (CompileConfig(backend="mla_dcp", mode="default"))
+HF prefills eagerly in every mode (its auto-compile covers decode steps only).
+
+Per (H, batch, prompt, mode): `first_call_s` (the first generate, compile and CUDA-graph capture included),
+`e2e_s` (median of `--runs` later calls; tokens/s = batch * new / e2e_s), `prefill_s` (median generate with
+max_new_tokens=1: prefill and the first pick, no decode step) and `decode_ms_per_token` = (e2e_s - prefill_s) /
+(new - 1). Correctness: greedy tokens vs eager's (`agree`: the fraction of rows x positions equal before each row's
+first disagreement; bf16 paths may part at near-ties) and the rewrite counters. The JSON is rewritten after every
+mode (a crash or timeout later keeps what is done).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+
+def build_model(H: int, layers: int, hidden: int, vocab: int, dtype, device, small: bool = False,
+                attn_impl: str = "sdpa", max_positions: int = 1 << 17):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from mla_compile.models import spread_weights
+
+    cfg = DeepseekV3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=(2 if small else 4) * hidden,
+        moe_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=H, num_key_value_heads=H,
+        q_lora_rank=96 if small else 1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, max_position_embeddings=max_positions, rope_interleave=True,
+        attn_implementation=attn_impl, pad_token_id=0, bos_token_id=0, eos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DeepseekV3ForCausalLM(cfg)
+    return spread_weights(model, seed=0, dtype=dtype)
+
+
+def prompts(B: int, T: int, vocab: int, device, pad: int = 3):
+    g = torch.Generator().manual_seed(T * 31 + B)
+    ids = torch.randint(1, vocab, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    for b in range(1, B):
+        ids[b, :pad * b % max(T // 4, 1)] = 0
+        mask[b, :pad * b % max(T // 4, 1)] = 0
+    return ids.to(device), mask.to(device)
+
+
+def generate_kwargs(mode: str) -> dict:
+    if mode == "eager":
+        return dict(disable_compile=True)
+    from transformers import CompileConfig
+
+    if mode == "hf":
+        cfg = CompileConfig()  # HF's defaults: Inductor, "reduce-overhead"
+        cfg._compile_all_devices = True  # CPU smoke runs: HF auto-compiles on CUDA only
+        return dict(compile_config=cfg)
+    from mla_compile.integrations.hf import compile_config
+
+    if mode == "mla":
+        return dict(compile_config=compile_config())
+    if mode == "mla_default":
+        return dict(compile_config=compile_config(mode="default"))
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def agreement(tokens: torch.Tensor, ref: torch.Tensor) -> float:
+    """Fraction of (row, position) equal to ref before the row's first disagreement."""
+    same = (tokens == ref).int().cumprod(-1)
+    return same.float().mean().item()
+
+
+def run_case(H, B, T, args, device, dtype, log, result, save):
+    model = build_model(H, args.layers, args.hidden, args.vocab, dtype, device, small=args.smoke)
+    model.generation_config.pad_token_id = 0
+    ids, mask = prompts(B, T, args.vocab, device)
+    result.update(H=H, batch=B, prompt=T, new=args.new, layers=args.layers, hidden=args.hidden,
+                  dtype=str(dtype).replace("torch.", ""), modes={})
+
+    def gen(mode, new):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 cache_implementation="static", **generate_kwargs(mode))
+        sync(device)
+        return out[:, T:]
+
+    ref = None
+    for mode in args.modes:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        for attr in ("_compiled_call", "_last_compile_config"):  # HF keeps its compiled call on the model
+            if hasattr(model, attr):
+                delattr(model, attr)
+        entry = {}
+        try:
+            t0 = time.perf_counter()
+            toks = gen(mode, args.new)
+            entry["first_call_s"] = time.perf_counter() - t0
+            c = torch._dynamo.utils.counters
+            entry["rewritten"] = int(c["mla_compile"].get("mla_attention_rewritten", 0))
+            entry["not_rewritten"] = int(c["mla_compile"].get("mla_attention_not_rewritten", 0))
+            entry["graphs"] = int(c["stats"].get("unique_graphs", 0))
+            if mode == "eager":
+                ref = toks
+            elif ref is not None:
+                entry["agree"] = agreement(toks, ref)
+            e2e, pre = [], []
+            for _ in range(args.runs):
+                t0 = time.perf_counter()
+                gen(mode, args.new)
+                e2e.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                gen(mode, 1)
+                pre.append(time.perf_counter() - t0)
+            e, p = statistics.median(e2e), statistics.median(pre)
+            entry.update(e2e_s=e, prefill_s=p, tokens_per_s=B * args.new / e,
+                         decode_ms_per_token=(e - p) / (args.new - 1) * 1e3, all_e2e_s=e2e)
+        except Exception as exc:  # noqa: BLE001 - recorded; the next mode still runs
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:3000]
+            traceback.print_exc()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        result["modes"][mode] = entry
+        log(f"H={H} B={B} T={T} {mode}: {json.dumps(entry)}")
+        save()
+    m, h = result["modes"].get("mla", {}), result["modes"].get("hf", {})
+    if "decode_ms_per_token" in m and "decode_ms_per_token" in h:
+        result["decode_speedup_mla_vs_hf"] = h["decode_ms_per_token"] / m["decode_ms_per_token"]
+        result["e2e_speedup_mla_vs_hf"] = h["e2e_s"] / m["e2e_s"]
+        result["compile_ratio_mla_vs_hf"] = (m["first_call_s"] - m["e2e_s"]) / max(h["first_call_s"] - h["e2e_s"],
+                                                                                    1e-9)
+    del model
+    save()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    ap.add_argument("--prompt", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--new", type=int, default=64, help="new tokens per generate")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--runs", type=int, default=2, help="timed calls per mode after the first")
+    ap.add_argument("--modes", nargs="+", default=["eager", "hf", "mla"])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU ok, fp32): checks the script")
+    args = ap.parse_args(argv)
+
+    import mla_compile  # noqa: F401
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.smoke:
+        args.heads, args.prompt, args.batch, args.layers, args.hidden, args.vocab = [4], [12], [2], 2, 64, 128
+        args.new, args.runs = 4, 1
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    report = {"env": env, "args": vars(args), "cases": []}
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+    for H in args.heads:
+        for B in args.batch:
+            for T in args.prompt:
+                report["cases"].append({})
+                run_case(H, B, T, args, device, dtype, lambda s: print(s, flush=True), report["cases"][-1], save)
+    print(f"{'H':>4} {'B':>3} {'prompt':>6} " + " ".join(f"{m + ' ms/tok':>16}" for m in args.modes)
+          + "  decode mla/hf  e2e mla/hf")
+    for c in report["cases"]:
+        cols = [f"{c['modes'].get(m, {}).get('decode_ms_per_token', float('nan')):16.3f}" for m in args.modes]
+        print(f"{c['H']:>4} {c['batch']:>3} {c['prompt']:>6} " + " ".join(cols)
+              + f"  {c.get('decode_speedup_mla_vs_hf', float('nan')):12.2f}x {c.get('e2e_speedup_mla_vs_hf', float('nan')):9.2f}x")
+    errors = [m for c in report["cases"] for m, e in c["modes"].items() if "error" in e]
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
