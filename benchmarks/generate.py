@@ -91,6 +91,17 @@ def agreement(tokens: torch.Tensor, ref: torch.Tensor) -> float:
     return same.float().mean().item()
 
 
+def fp32_error(model32, ids, mask, toks, logits) -> float:
+    """max over steps of max|logits - ref| / max|ref|, ref = the fp32 model teacher-forced on the same tokens
+    (one eager forward over prompt + generated tokens): a mode's own error, apart from bf16 greedy paths parting."""
+    seq = torch.cat([ids, toks], 1)
+    full_mask = torch.cat([mask, torch.ones_like(toks)], 1)
+    with torch.no_grad():
+        ref = model32(seq, attention_mask=full_mask).logits[:, ids.shape[1] - 1:-1].float()
+    err = (logits.float() - ref).abs().amax(dim=(0, 2)) / ref.abs().amax(dim=(0, 2))
+    return err.max().item()
+
+
 def run_case(H, B, T, args, device, dtype, log, result, save):
     model = build_model(H, args.layers, args.hidden, args.vocab, dtype, device, small=args.smoke)
     model.generation_config.pad_token_id = 0
@@ -98,12 +109,21 @@ def run_case(H, B, T, args, device, dtype, log, result, save):
     result.update(H=H, batch=B, prompt=T, new=args.new, layers=args.layers, hidden=args.hidden,
                   dtype=str(dtype).replace("torch.", ""), modes={})
 
-    def gen(mode, new):
+    def gen(mode, new, logits=False):
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                 cache_implementation="static", **generate_kwargs(mode))
+                                 cache_implementation="static", output_logits=logits, return_dict_in_generate=logits,
+                                 **generate_kwargs(mode))
         sync(device)
+        if logits:
+            return out.sequences[:, T:], torch.stack(out.logits, 1)
         return out[:, T:]
+
+    model32 = None
+    if args.fp32_check_max_prompt >= T and dtype != torch.float32:
+        import copy
+
+        model32 = copy.deepcopy(model).float()
 
     ref = None
     for mode in args.modes:
@@ -115,8 +135,10 @@ def run_case(H, B, T, args, device, dtype, log, result, save):
         entry = {}
         try:
             t0 = time.perf_counter()
-            toks = gen(mode, args.new)
+            toks, logits = gen(mode, args.new, logits=True)
             entry["first_call_s"] = time.perf_counter() - t0
+            if model32 is not None:
+                entry["max_rel_err_vs_fp32"] = fp32_error(model32, ids, mask, toks, logits)
             c = torch._dynamo.utils.counters
             entry["rewritten"] = int(c["mla_compile"].get("mla_attention_rewritten", 0))
             entry["not_rewritten"] = int(c["mla_compile"].get("mla_attention_not_rewritten", 0))
@@ -150,7 +172,9 @@ def run_case(H, B, T, args, device, dtype, log, result, save):
         result["e2e_speedup_mla_vs_hf"] = h["e2e_s"] / m["e2e_s"]
         result["compile_ratio_mla_vs_hf"] = (m["first_call_s"] - m["e2e_s"]) / max(h["first_call_s"] - h["e2e_s"],
                                                                                     1e-9)
-    del model
+    if "max_rel_err_vs_fp32" in m and "max_rel_err_vs_fp32" in result["modes"].get("eager", {}):
+        result["fp32_err_mla_over_eager"] = m["max_rel_err_vs_fp32"] / result["modes"]["eager"]["max_rel_err_vs_fp32"]
+    del model, model32
     save()
 
 
@@ -171,6 +195,8 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--runs", type=int, default=2, help="timed calls per mode after the first")
     ap.add_argument("--modes", nargs="+", default=["eager", "hf", "mla"])
+    ap.add_argument("--fp32-check-max-prompt", type=int, default=4096,
+                    help="compare each mode's logits with an fp32 copy of the model at prompts up to this length")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU ok, fp32): checks the script")
     args = ap.parse_args(argv)
 

@@ -24,7 +24,7 @@ def describe_error(exc, outdir: Path, tag: str):
     while tb is not None:
         f = tb.tb_frame
         fn = f.f_code.co_filename
-        if "torchinductor" in fn or "/tmp/" in fn:
+        if "torchinductor" in fn or (fn.startswith("/tmp/") and "/tmp/site/" not in fn):
             print(f"-- inductor frame {fn}:{tb.tb_lineno} in {f.f_code.co_name}")
             try:
                 lines = Path(fn).read_text().splitlines()
@@ -32,9 +32,9 @@ def describe_error(exc, outdir: Path, tag: str):
                 shutil.copy(fn, outdir / f"{tag}_{Path(fn).name}")
             except Exception as e:  # noqa: BLE001
                 print("  (source unavailable)", e)
-            odd = {k: (type(v).__name__, v if not isinstance(v, torch.Tensor) else None)
+            odd = {k: (type(v).__name__, v if isinstance(v, (int, float, type(None))) else "")
                    for k, v in f.f_locals.items() if not isinstance(v, torch.Tensor)}
-            print("  non-tensor locals:", {k: v for k, v in list(odd.items())[:60]})
+            print("  non-tensor locals:", dict(list(odd.items())[:80]))
         tb = tb.tb_next
 
 
@@ -76,7 +76,12 @@ def main():
         try:
             if v.startswith("recipe"):
                 backend = "inductor" if v == "recipe_inductor" else "mla_dcp"
-                model.forward = torch.compile(orig_forward, backend=backend, mode="reduce-overhead")
+                ckw = dict(mode="reduce-overhead")
+                if v == "recipe_static":
+                    ckw["dynamic"] = False
+                if v == "recipe_nopartition":
+                    ckw = dict(options={"mode": "reduce-overhead", "graph_partition": False})
+                model.forward = torch.compile(orig_forward, backend=backend, **ckw)
                 kw = dict(disable_compile=True)
             else:
                 opts = {"config": {}, "config_nopartition": {"graph_partition": False},
@@ -91,7 +96,10 @@ def main():
                   flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"== {v}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            describe_error(e, out, v)
+            try:
+                describe_error(e, out, v)
+            except Exception as e2:  # noqa: BLE001 - the next variant still runs
+                print("  (describe_error failed:", type(e2).__name__, e2, ")")
         torch.cuda.synchronize()
 
 
