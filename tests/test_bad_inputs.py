@@ -96,6 +96,11 @@ CASES = [
     ("decode", dict(seq_lens=torch.tensor([CAP + 1, 0], dtype=torch.int32)), "seq_lens", False),
     ("decode", dict(seq_lens=torch.tensor([-1, 0], dtype=torch.int32)), "seq_lens", False),
     ("decode", dict(sm_scale=float("nan")), "sm_scale", True),
+    ("decode", dict(sm_scale=float("inf")), "sm_scale", True),
+    ("decode", dict(sm_scale=float("-inf")), "sm_scale", True),
+    # ---- decode: no latent or no rope width (rope-less MLA, P = 0, is not supported yet)
+    ("decode", dict(q_nope=f32(B, H, 0), ckv_cache=f32(NUM_PAGES, PS, 0)), "q_nope", True),
+    ("decode", dict(q_pe=f32(B, H, 0), kpe_cache=f32(NUM_PAGES, PS, 0)), "q_pe", True),
     # ---- decode: mixed devices
     ("decode", dict(block_table=BT.to(META)), "block_table", True),
     ("decode", dict(q_nope=f32(B, H, R).to(META)), "q_nope", True),
@@ -110,6 +115,8 @@ CASES = [
      "indices", False),
     ("sparse_decode", dict(indices=torch.tensor([[-2, 0, 0], [0, 0, 0]], dtype=torch.int32)), "indices", False),
     ("sparse_decode", dict(indices=torch.zeros(B, 3, dtype=torch.int32, device=META)), "indices", True),
+    ("sparse_decode", dict(sm_scale=float("inf")), "sm_scale", True),
+    ("sparse_decode", dict(q_pe=f32(B, H, 0), kpe_cache=f32(NUM_PAGES, PS, 0)), "q_pe", True),
     # ---- merge_states
     ("merge_states", dict(lses=torch.randn(2, B, H).double()), "lses", True),
     ("merge_states", dict(lses=torch.randn(2, B, H).bfloat16()), "lses", True),
@@ -132,6 +139,8 @@ CASES = [
     ("cache_write", dict(slots=torch.tensor([0, -1, NUM_PAGES * PS])), "slots", False),
     ("cache_write", dict(slots=torch.tensor([0, -2, 1])), "slots", False),
     ("cache_write", dict(ckv=f32(3, R).to(META)), "ckv", True),
+    ("cache_write", dict(ckv_cache=f32(NUM_PAGES, PS, 0), ckv=f32(3, 0)), "ckv_cache", True),
+    ("cache_write", dict(kpe_cache=f32(NUM_PAGES, PS, 0), kpe=f32(3, 0)), "kpe_cache", True),
     # ---- indexer_topk
     ("indexer_topk", dict(topk=0), "topk", True),
     ("indexer_topk", dict(topk=-3), "topk", True),
@@ -146,6 +155,8 @@ CASES = [
     ("indexer_topk", dict(seq_lens=torch.tensor([CAP + 1, 0], dtype=torch.int32)), "seq_lens", False),
     ("indexer_topk", dict(seq_lens=torch.tensor([0, -4], dtype=torch.int32)), "seq_lens", False),
     ("indexer_topk", dict(weights=torch.randn(B, Hi, device=META)), "weights", True),
+    ("indexer_topk", dict(sm_scale=float("-inf")), "sm_scale", True),
+    ("indexer_topk", dict(block_table=BAD_BT_LO), "block_table", False),
     # ---- k_only_indices
     ("k_only_indices", dict(topk=0), "topk", True),
     ("k_only_indices", dict(topk=-1), "topk", True),
@@ -158,6 +169,8 @@ CASES = [
     ("k_only_indices", dict(seq_lens=torch.tensor([CAP + 1, 0], dtype=torch.int32), topk=CAP + 1), "seq_lens",
      False),
     ("k_only_indices", dict(seq_lens=SL.to(META)), "seq_lens", True),
+    ("k_only_indices", dict(block_table=BAD_BT_LO), "block_table", False),  # would return negative slots
+    ("k_only_indices", dict(block_table=with_entry(BT, used_page(BT), 2**30)), "block_table", False),  # int32 wrap
     # ---- fused_linear
     ("fused_linear", dict(x=torch.randint(0, 2, (B, 1, 16))), "x", True),
     ("fused_linear", dict(weights=[]), "weights", True),
@@ -216,3 +229,15 @@ def test_unused_block_table_entries_are_not_checked():
     """Entries past a request's last page are never read, so garbage there is fine."""
     bt = with_entry(BT, (1, 0), 10**6)  # request 1 has length 0
     torch.ops.mla.decode(**{**BASE["decode"], "block_table": bt})
+
+
+def test_k_only_slots_up_to_the_int32_limit_are_returned():
+    """The int32 check is exact: a page whose last used slot is 2^31 - 1 is accepted (and returned exactly),
+    one token more on it is refused."""
+    page = (2**31 - 1) // PS  # slots page * PS .. page * PS + PS - 1 = 2^31 - 1
+    bt = torch.tensor([[page], [0]], dtype=torch.int32)
+    got = torch.ops.dsa.k_only_indices(bt, torch.tensor([PS, 0], dtype=torch.int32), PS, PS)
+    assert got[0].tolist() == [page * PS + t for t in range(PS)] and got[0, -1] == 2**31 - 1
+    with pytest.raises(ValueError, match="^block_table: .*int32"):
+        torch.ops.dsa.k_only_indices(torch.tensor([[page + 1], [0]], dtype=torch.int32),
+                                     torch.tensor([1, 0], dtype=torch.int32), PS, PS)

@@ -71,6 +71,43 @@ def test_opcheck_merge_states(N, B, H, R, dtype):
     opcheck(torch.ops.mla.merge_states.default, (outs, lses))
 
 
+def requiring_grad(*ts):
+    return [t.detach().clone().requires_grad_() for t in ts]
+
+
+# autograd variants: float inputs require grad, so opcheck also checks the autograd registration and AOT
+# dispatch of the backward (eager vs traced gradients); float64 is the ops' reference precision
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("PS,H,R,P,lens", [SHAPES[0], SHAPES[4], (64, 16, 32, 8, [70, 0])], ids=str)
+def test_opcheck_decode_autograd(PS, H, R, P, lens, dtype):
+    g, c, k, bt, sl = paged(lens, PS, R, P, dtype=dtype, seed=5)
+    B = len(lens)
+    q_nope = torch.randn(H, B, R, generator=g, dtype=dtype).transpose(0, 1)
+    q_pe = torch.randn(B, H, P, generator=g, dtype=dtype)
+    opcheck(torch.ops.mla.decode.default, (*requiring_grad(q_nope, q_pe, c, k), bt, sl, (R + P) ** -0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_opcheck_sparse_decode_autograd(dtype):
+    g, c, k, bt, sl = paged([7, 1, 0, 4], 3, 5, 3, dtype=dtype, seed=6)
+    s0 = ref.request_slots(bt, 3, 0, 7)
+    idx = torch.tensor([[s0[6], -1, s0[0], s0[0]], [ref.request_slots(bt, 3, 1, 1)[0], -1, -1, -1], [-1] * 4,
+                        ref.request_slots(bt, 3, 3, 4)], dtype=torch.int32)
+    q_nope, q_pe = torch.randn(4, 2, 5, generator=g, dtype=dtype), torch.randn(4, 2, 3, generator=g, dtype=dtype)
+    opcheck(torch.ops.mla.sparse_decode.default, (*requiring_grad(q_nope, q_pe, c, k), idx, 0.3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_opcheck_merge_states_autograd(dtype):
+    g = torch.Generator().manual_seed(7)
+    outs = torch.randn(3, 2, 4, 8, generator=g).to(dtype)
+    lses = torch.randn(3, 2, 4, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    lses[0, 0, 0] = float("-inf")
+    lses[1, 1, 2] = float("nan")
+    lses[:, 1, 3] = float("-inf")
+    opcheck(torch.ops.mla.merge_states.default, tuple(requiring_grad(outs, lses)))
+
+
 @pytest.mark.parametrize("PS,R,P,T", [(1, 16, 8, 5), (64, 512, 64, 7), (3, 5, 3, 0)])
 def test_opcheck_cache_write(PS, R, P, T):
     g = torch.Generator().manual_seed(PS)

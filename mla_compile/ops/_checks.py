@@ -9,11 +9,20 @@ Two levels:
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# the attention ops' plain-torch impls also take float64: the precision of references and gradcheck
+REFERENCE_DTYPES = FLOAT_DTYPES + (torch.float64,)
+INT32_MAX = 2**31 - 1
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of an attention op's lse (and of its math): float32, or float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def fail(name: str, msg: str):
@@ -59,10 +68,18 @@ def is_fake(t: torch.Tensor) -> bool:
     return _is_fake(t) or t.device.type == "meta"
 
 
-def check_paged_cache(ckv_cache, kpe_cache, R: int, P: int) -> tuple[int, int]:
-    """Latent cache pair [NP, PS, R] / [NP, PS, P]; returns (num_pages, page_size)."""
-    check_tensor(ckv_cache, "ckv_cache", 3, FLOAT_DTYPES)
-    check_tensor(kpe_cache, "kpe_cache", 3, FLOAT_DTYPES)
+def check_latent_dims(R: int, P: int, r_name: str, p_name: str) -> None:
+    """The latent widths: R >= 1 and P >= 1. The one home of the "no rope-less MLA yet" limit: P = 0 (and R = 0)
+    would reach reshape(-1, 0) in the impls; supporting it means lifting the P check here (and testing P = 0)."""
+    check(R >= 1, r_name, f"kv_lora_rank R (last dim) must be >= 1, got {R}")
+    check(P >= 1, p_name, f"rope dim P (last dim) must be >= 1, got {P} (rope-less MLA, P = 0, is not supported)")
+
+
+def check_paged_cache(ckv_cache, kpe_cache, R: int, P: int, dtypes=FLOAT_DTYPES) -> tuple[int, int]:
+    """Latent cache pair [NP, PS, R] / [NP, PS, P] for queries of widths R / P; returns (num_pages, page_size)."""
+    check_latent_dims(R, P, "q_nope", "q_pe")
+    check_tensor(ckv_cache, "ckv_cache", 3, dtypes)
+    check_tensor(kpe_cache, "kpe_cache", 3, dtypes)
     check_dim(ckv_cache, "ckv_cache", 2, R, "q_nope.shape[-1] (kv_lora_rank R)")
     check_dim(kpe_cache, "kpe_cache", 2, P, "q_pe.shape[-1] (rope dim P)")
     check(kpe_cache.shape[:2] == ckv_cache.shape[:2], "kpe_cache",
@@ -78,9 +95,11 @@ def check_block_table(block_table, seq_lens, B: int) -> None:
     check_dim(seq_lens, "seq_lens", 0, B, "the batch size")
 
 
-def check_block_table_data(block_table, seq_lens, num_pages: int | None, page_size: int) -> None:
-    """Values: lengths in [0, capacity]; pages a request uses index real pages (unless num_pages is None:
-    an op without the cache cannot know how many there are)."""
+def check_block_table_data(block_table, seq_lens, num_pages: int | None, page_size: int,
+                           int32_slots: bool = False) -> None:
+    """Values: lengths in [0, capacity]; pages a request uses are >= 0 and index real pages (< num_pages,
+    unless num_pages is None: an op without the cache cannot know how many there are). int32_slots: the op
+    returns the slots as int32, so every used slot page * page_size + offset must fit (no silent wrap)."""
     if is_fake(seq_lens) or not data_checks_enabled(seq_lens.device):
         return
     capacity = block_table.shape[1] * page_size
@@ -89,16 +108,22 @@ def check_block_table_data(block_table, seq_lens, num_pages: int | None, page_si
         check(lo >= 0, "seq_lens", f"lengths must be >= 0, got {lo}")
         check(hi <= capacity, "seq_lens",
               f"length {hi} exceeds the block table's capacity {capacity} (= {block_table.shape[1]} pages x {page_size})")
-    if num_pages is None:
+    # tokens of each row on each of its pages (0 on pages past its length)
+    first = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size
+    on_page = (seq_lens.long()[:, None] - first).clamp(0, page_size)
+    used = on_page > 0
+    if not used.any():
         return
-    pages_used = (seq_lens.long() + page_size - 1) // page_size
-    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages_used[:, None]
-    if used.any():
-        vals = block_table[used]
-        lo, hi = int(vals.min()), int(vals.max())
-        check(lo >= 0 and hi < num_pages, "block_table",
-              f"page index out of range [0, {num_pages}): saw {lo if lo < 0 else hi}")
+    pages = block_table[used].long()
+    lo, hi = int(pages.min()), int(pages.max())
+    check(lo >= 0, "block_table", f"page indices must be >= 0, saw {lo}")
+    if num_pages is not None:
+        check(hi < num_pages, "block_table", f"page index out of range [0, {num_pages}): saw {hi}")
+    if int32_slots:
+        last = int((pages * page_size + on_page[used] - 1).max())  # the largest slot a used token sits at
+        check(last <= INT32_MAX, "block_table",
+              f"slot {last} (= page * page_size + offset, page_size {page_size}) does not fit int32")
 
 
 def check_scale(sm_scale, name: str = "sm_scale") -> None:
-    check(isinstance(sm_scale, (float, int)) and sm_scale == sm_scale, name, f"expected a finite float, got {sm_scale!r}")
+    check(isinstance(sm_scale, (float, int)) and math.isfinite(sm_scale), name, f"expected a finite float, got {sm_scale!r}")

@@ -13,6 +13,7 @@ def check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots):
     C.check_tensor(ckv, "ckv", 2, C.FLOAT_DTYPES)
     C.check_tensor(kpe, "kpe", 2, C.FLOAT_DTYPES)
     C.check_tensor(slots, "slots", 1, torch.int64)
+    C.check_latent_dims(ckv_cache.shape[2], kpe_cache.shape[2], "ckv_cache", "kpe_cache")
     C.check(kpe_cache.shape[:2] == ckv_cache.shape[:2], "kpe_cache",
             f"pages/page size {tuple(kpe_cache.shape[:2])} differ from ckv_cache {tuple(ckv_cache.shape[:2])}")
     C.check_dim(ckv, "ckv", 1, ckv_cache.shape[2], "ckv_cache.shape[2] (R)")

@@ -28,7 +28,7 @@ def check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scal
     _check_topk(topk)
     C.check_scale(sm_scale)
     C.check_same_device(dict(q=q, weights=weights, k_cache=k_cache, block_table=block_table, seq_lens=seq_lens))
-    C.check_block_table_data(block_table, seq_lens, k_cache.shape[0], k_cache.shape[1])
+    C.check_block_table_data(block_table, seq_lens, k_cache.shape[0], k_cache.shape[1], int32_slots=True)
 
 
 def check_k_only_args(block_table, seq_lens, page_size, topk):
@@ -40,7 +40,7 @@ def check_k_only_args(block_table, seq_lens, page_size, topk):
     if not C.is_fake(seq_lens) and C.data_checks_enabled(seq_lens.device) and seq_lens.numel():
         hi = int(seq_lens.max())
         C.check(hi <= topk, "seq_lens", f"k-only indexing needs every length <= topk ({topk}), saw {hi}")
-    C.check_block_table_data(block_table, seq_lens, None, page_size)
+    C.check_block_table_data(block_table, seq_lens, None, page_size, int32_slots=True)
 
 
 def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
