@@ -95,6 +95,9 @@ stage_generate() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_GENERATE:-5
 # gencrash: the lab probe of generate() recipes under CUDA graphs (writes failing Inductor sources under $OUT/gencrash)
 stage_gencrash() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_GENCRASH:-300}" python3 benchmarks/lab/generate_crash.py "$OUT/gencrash" ${GENCRASH_ARGS:-}; }
 
+# genprofile: the lab profile of one generate() (host vs GPU time per token, top functions and kernels)
+stage_genprofile() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_GENPROFILE:-300}" python3 benchmarks/lab/generate_profile.py "$OUT/genprofile.txt" ${GENPROFILE_ARGS:-}; }
+
 # compile (issue 7): compile time, graphs, cudagraph recordings, FX-graph-cache hits of a second process
 stage_compile() { timeout "${T_COMPILE:-300}" python3 benchmarks/compile_suite.py "$OUT/compile.json" ${COMPILE_ARGS:-}; }
 
