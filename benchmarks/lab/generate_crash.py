@@ -47,7 +47,18 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--variants", nargs="+", default=["recipe", "config", "config_nopartition", "config_nocombo",
                                                       "config_nopdl", "recipe_inductor"])
+    ap.add_argument("--child", action="store_true", help="run the variants in this process")
     args = ap.parse_args()
+    if not args.child:  # one process per variant: a segfault in one leaves the others measured
+        import subprocess
+
+        for v in args.variants:
+            cmd = [sys.executable, __file__, args.outdir, "--child", "--variants", v, "--prompt", str(args.prompt),
+                   "--batch", str(args.batch), "--new", str(args.new), "--heads", str(args.heads)]
+            rc = subprocess.call(cmd)
+            if rc:
+                print(f"== {v}: process exited {rc}", flush=True)
+        return
     out = Path(args.outdir)
     out.mkdir(parents=True, exist_ok=True)
     import mla_compile  # noqa: F401
