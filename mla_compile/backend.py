@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -19,13 +20,50 @@ from .passes.manager import PassManager
 log = logging.getLogger(__name__)
 
 
+def _dynamo_passes_through():
+    """Base classes of an error Dynamo re-raises unwrapped when a backend raises it: its traceback-shortening
+    error (torch >= 2.6). Without one, Dynamo wraps our error in BackendCompilerFailed, whose message and
+    `.inner_exception` still carry it."""
+    try:
+        from torch._dynamo.exc import ShortenTraceback
+    except ImportError:
+        return ()
+    return (ShortenTraceback,)
+
+
+class OptionsError(ValueError, *_dynamo_passes_through()):
+    """A bad `options=` value (a ValueError). torch.compile hands `options` to a backend only when it compiles,
+    i.e. at the compiled model's first call, and Dynamo wraps whatever a backend raises in BackendCompilerFailed
+    except its own traceback-shortening errors: being one of those as well, this reaches the user as itself."""
+
+    def __init__(self, msg: str):
+        super().__init__(msg)
+        self.first_useful_frame = None  # what Dynamo's traceback shortening reads (None: keep the whole traceback)
+
+
 @dataclasses.dataclass(frozen=True)
 class BackendOptions:
-    """Our own `options=` keys."""
+    """Our own `options=` keys, type-checked on construction (OptionsError)."""
 
     mode: str | None = None  # Inductor mode; torch.compile refuses mode= and options= together, so it fits here
     rewrite_attention: bool = True  # rewrite HF MLA attention into absorbed mla.decode / mla.dcp_decode
     fuse_linears: str = "auto"  # linears sharing x -> mla.fused_linear: auto | always | never (passes/fused_linear.py)
+
+    def __post_init__(self):
+        from .passes.fused_linear import WHERE
+
+        if self.mode is not None:
+            if not isinstance(self.mode, str):
+                raise OptionsError(f"options: 'mode' must be a str or None, got {self.mode!r}")
+            try:
+                mode_config(self.mode)
+            except ValueError as e:
+                raise OptionsError(f"options: {e}") from None
+        if not isinstance(self.rewrite_attention, bool):  # "no" or 0 must not pass as a truth value
+            raise OptionsError(f"options: 'rewrite_attention' must be a bool (True / False), got "
+                               f"{self.rewrite_attention!r} ({type(self.rewrite_attention).__name__})")
+        if not (isinstance(self.fuse_linears, str) and self.fuse_linears in WHERE):
+            raise OptionsError(f"options: 'fuse_linears' must be one of {', '.join(WHERE)}, got {self.fuse_linears!r}")
 
 
 BACKEND_OPTIONS = tuple(f.name for f in dataclasses.fields(BackendOptions))
@@ -36,7 +74,10 @@ def _inductor_config_keys() -> set[str]:
 
 
 def parse_options(options: dict[str, Any] | None) -> tuple[BackendOptions, dict[str, Any]]:
-    """Split `options` into our keys and Inductor config patches; unknown keys raise ValueError."""
+    """Split `options` into our keys (type-checked) and Inductor config patches; a bad key or value raises
+    OptionsError (a ValueError). Callable on its own, to validate options before the first compile."""
+    if options is not None and not isinstance(options, Mapping):
+        raise OptionsError(f"options: expected a dict, got {type(options).__name__}")
     ours, inductor = {}, {}
     inductor_keys = _inductor_config_keys()
     for key, value in (options or {}).items():
@@ -45,13 +86,9 @@ def parse_options(options: dict[str, Any] | None) -> tuple[BackendOptions, dict[
         elif key in inductor_keys:
             inductor[key] = value
         else:
-            raise ValueError(
+            raise OptionsError(
                 f"options: unknown key {key!r}. Valid keys: {', '.join(BACKEND_OPTIONS)}, "
                 f"or any torch._inductor.config key (e.g. 'triton.cudagraphs', 'max_autotune')")
-    from .passes.fused_linear import WHERE
-
-    if ours.get("fuse_linears", "auto") not in WHERE:
-        raise ValueError(f"options: 'fuse_linears' must be one of {', '.join(WHERE)}, got {ours['fuse_linears']!r}")
     return BackendOptions(**ours), inductor
 
 

@@ -241,3 +241,46 @@ def test_k_only_slots_up_to_the_int32_limit_are_returned():
     with pytest.raises(ValueError, match="^block_table: .*int32"):
         torch.ops.dsa.k_only_indices(torch.tensor([[page + 1], [0]], dtype=torch.int32),
                                      torch.tensor([1, 0], dtype=torch.int32), PS, PS)
+
+
+# ------------------------------------------------------------------------------------- backend options
+@pytest.mark.parametrize("options,match", [
+    ({"rewrite_attention": "no"}, r"^options: 'rewrite_attention' must be a bool .*'no' \(str\)"),
+    ({"rewrite_attention": 0}, r"^options: 'rewrite_attention' must be a bool"),
+    ({"rewrite_attention": None}, r"^options: 'rewrite_attention' must be a bool"),
+    ({"fuse_linears": True}, r"^options: 'fuse_linears' must be one of auto, always, never"),
+    ({"fuse_linears": ["auto"]}, r"^options: 'fuse_linears' must be one of"),
+    ({"mode": 1}, r"^options: 'mode' must be a str or None"),
+    ({"mode": "fastest"}, r"^options: mode: unknown mode 'fastest'"),
+    ({"bogus": 1}, r"^options: unknown key 'bogus'.*rewrite_attention"),
+    ([("rewrite_attention", False)], r"^options: expected a dict, got list"),
+])
+def test_bad_backend_options_raise_value_error(options, match):
+    from mla_compile.backend import OptionsError, parse_options
+
+    with pytest.raises(OptionsError, match=match) as info:
+        parse_options(options)
+    assert isinstance(info.value, ValueError)
+
+
+def test_good_backend_options_parse():
+    from mla_compile.backend import BackendOptions, parse_options
+
+    opts, inductor = parse_options({"rewrite_attention": False, "fuse_linears": "never", "mode": "reduce-overhead",
+                                    "max_autotune": False})
+    assert opts == BackendOptions(mode="reduce-overhead", rewrite_attention=False, fuse_linears="never")
+    assert inductor == {"max_autotune": False}
+    assert parse_options(None) == (BackendOptions(), {})
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_bad_option_through_torch_compile_is_a_value_error_at_the_first_call(fullgraph):
+    """torch.compile() hands options to a backend only when it compiles (the first call); what the user sees
+    there is our ValueError itself, not Dynamo's BackendCompilerFailed wrapper (README, "Using it")."""
+    from mla_compile.backend import OptionsError
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x + 1, backend="mla_dcp", fullgraph=fullgraph, options={"rewrite_attention": "no"})
+    with pytest.raises(OptionsError, match=r"^options: 'rewrite_attention' must be a bool"):
+        f(torch.ones(2))
+    torch._dynamo.reset()
