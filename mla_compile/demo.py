@@ -60,7 +60,8 @@ def simulated_dcp(*, batch: int, heads: int, kv_lora_rank: int, rope_dim: int, p
         finite = torch.isfinite(ref_lse)
         same_empty = torch.equal(finite, torch.isfinite(lse))
         d_lse = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
-        ok = same_empty and d_out <= tol and d_lse <= tol
+        # out relative to its magnitude: bf16 holds 8 bits of mantissa, so one ulp at |out| in [2, 4) is 1.6e-2
+        ok = same_empty and d_out <= tol * max(1.0, ref_out.float().abs().max().item()) and d_lse <= tol
         all_ok &= ok
         per_rank = "/".join(str(-(-max(lens[0] - r, 0) // n)) for r in range(n))
         print(f"  {n:>5} {per_rank:>26} {d_out:>10.2e} {d_lse:>10.2e}  {'yes' if ok else 'NO'}")
@@ -81,8 +82,9 @@ class GuardLog(logging.Handler):
                 self.lines.append(line.split("LAMBDA_GUARD:")[-1].split("#")[0].strip())
 
 
-def greedy(step, prefill, ids, mask, cache, steps, device):
-    """Prefill then `steps` greedy one-token steps; returns tokens [B, steps], logits [B, steps, V], s/step."""
+def decode_steps(step, prefill, ids, mask, cache, steps, device, forced=None):
+    """Prefill then `steps` one-token steps, greedy (each step feeds the previous argmax) or teacher-forced on
+    `forced` [B, steps]; returns the tokens fed [B, steps], logits [B, steps, V] (float32) and s/step."""
     T = ids.shape[1]
     toks, logits, times = [], [], []
     with torch.no_grad():
@@ -90,6 +92,8 @@ def greedy(step, prefill, ids, mask, cache, steps, device):
                       cache_position=torch.arange(T, device=device))
         tok = out.logits[:, -1].argmax(-1)
         for i in range(steps):
+            if forced is not None:
+                tok = forced[:, i]
             toks.append(tok)
             t0 = time.perf_counter()
             out = step(tok[:, None], attention_mask=mask, **cache_kwargs(step, cache),
@@ -109,8 +113,21 @@ def steady_tokens_per_s(times: list[float], batch: int) -> float:
     return batch / tail[len(tail) // 2]
 
 
+def rel_err(logits, ref) -> float:
+    return ((logits - ref).abs().max() / ref.abs().max()).item()
+
+
 def compare(name, model_fn, cache_fn, a, device, layers, expect_graphs):
-    """Eager HF (HF's StaticCache, one process) vs torch.compile(backend="mla_dcp") over our cache."""
+    """Eager HF (HF's StaticCache, one process) vs torch.compile(backend="mla_dcp") over our cache.
+
+    float32: both decode greedily; tokens must be equal and logits within 1e-4. bfloat16: eager HF's rounding
+    differs from ours, so free-running greedy paths part at near-ties (and a DSA top-k then selects other
+    tokens): the compiled model is teacher-forced on eager's tokens and both are measured against an fp32 copy
+    of the model on the same tokens (as benchmarks/hf_decode.py does). The compiled error must stay within
+    2e-2, or within 1.5x eager HF's own bf16 error where that is larger (a DSA top-k at near-ties: bf16 alone
+    is ~8e-2 off on the demo's V3.2)."""
+    import copy
+
     from torch._dynamo.utils import counters
     from transformers import StaticCache
 
@@ -122,8 +139,14 @@ def compare(name, model_fn, cache_fn, a, device, layers, expect_graphs):
     if B > 1:  # one left-padded request: the mask handling must hold
         ids[1, :2] = 0
         mask[1, :2] = 0
-    ref_t, ref_l, ref_times = greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L),
-                                     a.steps, device)
+    ref_t, ref_l, ref_times = decode_steps(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L),
+                                           a.steps, device)
+    low_precision = a.dtype != "float32"
+    if low_precision:  # the reference: an fp32 copy of the same weights, eager, on eager's tokens
+        model32 = copy.deepcopy(model).float()
+        _, ref32_l, _ = decode_steps(model32, model32, ids, mask, StaticCache(config=model32.config, max_cache_len=L),
+                                     a.steps, device, forced=ref_t)
+        del model32
     torch._dynamo.reset()
     counters.clear()
     guards = GuardLog()
@@ -134,20 +157,29 @@ def compare(name, model_fn, cache_fn, a, device, layers, expect_graphs):
     try:
         compiled = torch.compile(model, backend="mla_dcp", fullgraph=True,
                                  mode="reduce-overhead" if device.type == "cuda" else None)
-        c_t, c_l, c_times = greedy(compiled, model, ids, mask, cache_fn(model.config, L), a.steps, device)
+        c_t, c_l, c_times = decode_steps(compiled, model, ids, mask, cache_fn(model.config, L), a.steps, device,
+                                         forced=ref_t if low_precision else None)
     finally:
         torch._logging.set_logs()
         guard_logger.removeHandler(guards)
         guard_logger.propagate = True
     rewrites = counters["mla_compile"].get("mla_attention_rewritten", 0)
     graphs = counters["stats"]["unique_graphs"]
-    rel = ((c_l - ref_l).abs().max() / ref_l.abs().max()).item()
-    agree = (c_t == ref_t).float().mean().item()
-    tol = 1e-4 if a.dtype == "float32" else 2e-2
-    ok = rel <= tol and agree == 1.0 and rewrites == layers * graphs and graphs == expect_graphs
-    return dict(name=name, rewrites=rewrites, graphs=graphs, guards=sorted(set(guards.lines)), rel=rel, agree=agree,
-                eager_tps=steady_tokens_per_s(ref_times, B), compiled_tps=steady_tokens_per_s(c_times, B), ok=ok,
-                expect=f"{layers} rewrites x {expect_graphs} graph(s), tokens equal, rel <= {tol:g}")
+    agree = (c_l.argmax(-1) == ref_l.argmax(-1)).float().mean().item()  # next-token picks on the same inputs
+    shape_ok = rewrites == layers * graphs and graphs == expect_graphs
+    if low_precision:
+        rel, rel_eager = rel_err(c_l, ref32_l), rel_err(ref_l, ref32_l)
+        ok = rel <= max(2e-2, 1.5 * rel_eager) and shape_ok
+        expect = (f"{layers} rewrites x {expect_graphs} graph(s), teacher-forced logits vs the fp32 model "
+                  f"rel <= max(0.02, 1.5 x eager HF's)")
+    else:
+        tol = 1e-4
+        rel, rel_eager = rel_err(c_l, ref_l), None
+        ok = rel <= tol and torch.equal(c_t, ref_t) and shape_ok
+        expect = f"{layers} rewrites x {expect_graphs} graph(s), tokens equal, rel <= {tol:g}"
+    return dict(name=name, rewrites=rewrites, graphs=graphs, guards=sorted(set(guards.lines)), rel=rel,
+                rel_eager=rel_eager, agree=agree, eager_tps=steady_tokens_per_s(ref_times, B),
+                compiled_tps=steady_tokens_per_s(c_times, B), ok=ok, expect=expect)
 
 
 def rank_main(rank: int, world: int, port: int, out_dir: str, a) -> None:
@@ -198,8 +230,13 @@ def hf_dcp(a) -> bool:
         print(f"    attention sites rewritten: {res['rewrites']}   decode graphs compiled: {res['graphs']}")
         for guard in res["guards"]:
             print(f"    guard: {guard}")
-        print(f"    vs eager HF: max |dlogit|/max|logit| = {res['rel']:.2e}, token agreement {100 * res['agree']:.0f}%"
-              f", identical on all {a.dcp} ranks: {'yes' if same else 'NO'}")
+        if res["rel_eager"] is None:
+            print(f"    vs eager HF: max |dlogit|/max|logit| = {res['rel']:.2e}, token agreement "
+                  f"{100 * res['agree']:.0f}%, identical on all {a.dcp} ranks: {'yes' if same else 'NO'}")
+        else:
+            print(f"    teacher-forced on eager HF's tokens, vs the fp32 model: max |dlogit|/max|logit| = "
+                  f"{res['rel']:.2e} (eager HF {a.dtype}: {res['rel_eager']:.2e}), next-token agreement with eager "
+                  f"{100 * res['agree']:.0f}%, identical on all {a.dcp} ranks: {'yes' if same else 'NO'}")
         print(f"    tokens/s (steady state, batch {a.batch}): eager HF {res['eager_tps']:.0f}, "
               f"mla_dcp {res['compiled_tps']:.0f}")
         print(f"    expected {res['expect']}: {'PASS' if res['ok'] else 'FAIL'}")
@@ -230,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     print("[1/2] ops: latent KV split over n simulated ranks, decoded per rank, merged by LSE")
     ok = simulated_dcp(batch=4, heads=16, kv_lora_rank=512, rope_dim=64, page_size=16, max_len=300,
-                       ranks=[1, 2, 3, 4, 8], dtype=torch.float32, seed=a.seed)
+                       ranks=[1, 2, 3, 4, 8], dtype=getattr(torch, a.dtype), seed=a.seed)
     if not a.skip_hf:
         print(f"\n[2/2] HF models under torch.compile(backend='mla_dcp'), DCP over {a.dcp} processes "
               f"({'NCCL' if a.device == 'cuda' else 'gloo'}), {a.dtype}, batch {a.batch}, "
