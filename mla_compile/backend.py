@@ -155,6 +155,20 @@ def config_patches(opts: BackendOptions, mode: str | None, inductor_patches: dic
             "post_grad_custom_pre_pass": build_pass_manager(opts)}
 
 
+def _prefill_without_cudagraphs(gm: torch.fx.GraphModule, patches: dict[str, Any],
+                                inductor_patches: dict[str, Any]) -> None:
+    """CUDA graphs for decode steps only (`passes/step_kind.py` says why): a graph that attends with several
+    query tokens per request compiles without them, unless the user set `triton.cudagraphs` explicitly."""
+    if not patches.get("triton.cudagraphs") or "triton.cudagraphs" in inductor_patches:
+        return
+    from .passes.step_kind import multi_token_attention
+
+    site = multi_token_attention(gm)
+    if site is not None:
+        patches["triton.cudagraphs"] = False
+        log.info("mla_dcp: multi-token attention at %s (a prefill step): compiled without CUDA graphs", site)
+
+
 def mla_dcp(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None,
             options: dict[str, Any] | None = None):
     """torch.compile backend: `torch.compile(model, backend="mla_dcp", mode=..., options=...)`."""
@@ -164,6 +178,7 @@ def mla_dcp(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None
     if mode is not None and opts.mode is not None and mode != opts.mode:
         raise ValueError(f"options: 'mode' ({opts.mode!r}) contradicts mode= ({mode!r})")
     patches = config_patches(opts, mode, inductor_patches, _on_cuda(example_inputs))
+    _prefill_without_cudagraphs(gm, patches, inductor_patches)
     gm = rewrite_graph(gm, example_inputs, opts)
     # host-int bookkeeping (e.g. the DSA cache's max_kv_len += 1) stays out of the Inductor graph: no int input
     from .passes.host_ints import split_host_outputs

@@ -1,0 +1,92 @@
+"""HF `generate()` on CUDA under CUDA-graph trees, the roads users take:
+- HF's auto-compile with `compile_config()` (mode "reduce-overhead"): StaticCache, MLAPagedCache, DSAStaticCache
+  crossing index_topk inside one generate (dense then sparse graph), left-padded batches, greedy and sampling;
+- the older recipe `model.forward = torch.compile(model.forward, backend="mla_dcp", mode="reduce-overhead")` +
+  `generate(disable_compile=True)`, whose prefill runs compiled (the cache is then allocated inside it: the
+  backend keeps CUDA graphs off for multi-token steps, passes/step_kind.py).
+fp32: tokens identical to eager generate; bf16: logits (teacher-forced on eager's tokens) close to eager's."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hf_models as M  # noqa: E402
+from test_hf_generate import _fresh, _generate  # noqa: E402
+
+from mla_compile.integrations.hf import DSAStaticCache, MLAPagedCache  # noqa: E402
+from mla_compile.passes import mla_attention  # noqa: E402
+
+COUNTERS = torch._dynamo.utils.counters
+
+
+def _inputs(B=4, T=9, pad=3):
+    ids, mask = M.batch(B=B, T=T, L=T, pad=pad)
+    return ids.cuda(), mask.cuda()
+
+
+@pytest.mark.parametrize("cache_kind", ["static", "paged"])
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sample"])
+def test_generate_reduce_overhead_fp32_tokens_equal_eager(cache_kind, sample):
+    model = M.deepseek_v3(num_layers=2, heads=16, hidden=256).cuda()
+    ids, mask = _inputs()
+    kw = dict(do_sample=True, top_k=20) if sample else dict(do_sample=False)
+    make = (lambda: None) if cache_kind == "static" else \
+        (lambda: MLAPagedCache(model.config, max_cache_len=48, page_size=16, shuffle_pages=True))
+    ref = _generate(model, ids, mask, 24, compiled=False, cache=make(), seed=5, **kw)
+    _fresh(model)
+    for _ in range(2):  # the second generate replays the recorded graph (a new cache each call)
+        out = _generate(model, ids, mask, 24, compiled=True, cache=make(), seed=5, **kw)
+        assert torch.equal(out, ref)
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
+
+
+def test_generate_reduce_overhead_bf16_logits_close():
+    model = M.deepseek_v3(num_layers=2, heads=16, hidden=256, dtype=torch.bfloat16).cuda()
+    ids, mask = _inputs()
+    ref = _generate(model, ids, mask, 16, compiled=False, output_logits=True, return_dict_in_generate=True,
+                    do_sample=False)
+    _fresh(model)
+    out = _generate(model, ids, mask, 16, compiled=True, output_logits=True, return_dict_in_generate=True,
+                    do_sample=False)
+    a, b = torch.stack(out.logits, 1).float(), torch.stack(ref.logits, 1).float()
+    same = (out.sequences == ref.sequences).int().cumprod(-1)[:, ids.shape[1]:]  # steps before paths part
+    first = same.sum(-1).min().item()
+    assert first >= 4, "bf16 greedy paths parted within 4 tokens"
+    assert M.rel_err(a[:, :first], b[:, :first]) < 3e-2
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
+
+
+def test_generate_reduce_overhead_dsa_dense_then_sparse():
+    model = M.deepseek_v32(num_layers=2, heads=16, hidden=256, index_topk=16).cuda()
+    ids, mask = _inputs(T=8)
+    ref = _generate(model, ids, mask, 20, compiled=False, cache=DSAStaticCache(model.config, max_cache_len=40))
+    _fresh(model)
+    out = _generate(model, ids, mask, 20, compiled=True, cache=DSAStaticCache(model.config, max_cache_len=40))
+    assert torch.equal(out, ref)
+    c = COUNTERS["mla_compile"]
+    assert c["dsa_index_mask_dropped"] >= 1 and c["dsa_sparse_rewritten"] >= 1, dict(c)
+    assert COUNTERS["stats"]["unique_graphs"] == 2
+
+
+def test_generate_compiled_forward_recipe():
+    """The recipe that crashed on the first decode replay: now prefill compiles without CUDA graphs, decode with."""
+    model = M.deepseek_v3(num_layers=2, heads=16, hidden=256).cuda()
+    ids, mask = _inputs()
+    ref = _generate(model, ids, mask, 16, compiled=False, do_sample=False)
+    _fresh(model)
+    forward = model.forward
+    try:
+        model.forward = torch.compile(forward, backend="mla_dcp", mode="reduce-overhead")
+        for _ in range(2):
+            assert torch.equal(_generate(model, ids, mask, 16, compiled=False, do_sample=False), ref)
+    finally:
+        model.forward = forward
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] >= 2

@@ -1,0 +1,111 @@
+"""HF `generate()` with our backend, the way users call it: HF's own auto-compile of the decode step with
+`compile_config=mla_compile.integrations.hf.compile_config()` (CPU here; tests/gpu/test_hf_generate_cuda.py runs
+the same under CUDA graphs). fp32 tokens must equal eager generate's, and every decode graph must be rewritten."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_models as M
+from mla_compile.integrations.hf import DSAStaticCache, MLAPagedCache, cache_kwargs, compile_config
+from mla_compile.passes import mla_attention
+
+pytest.importorskip("transformers")
+COUNTERS = torch._dynamo.utils.counters
+
+
+def _generate(model, ids, mask, new, compiled: bool, cache=None, seed=None, **kw):
+    if seed is not None:
+        torch.manual_seed(seed)
+    extra = {} if cache is None else cache_kwargs(model, cache)
+    if compiled:
+        extra["compile_config"] = compile_config()
+    else:
+        extra["disable_compile"] = True
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                              cache_implementation=None if cache is not None else "static", pad_token_id=0,
+                              **extra, **kw)
+
+
+def _fresh(model):
+    torch._dynamo.reset()
+    COUNTERS.clear()
+    for attr in ("_compiled_call", "_last_compile_config"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sample"])
+def test_generate_compile_config_matches_eager(sample):
+    model = M.deepseek_v3(num_layers=2)
+    ids, mask = M.batch(B=2, T=6, L=6, pad=2)
+    kw = dict(do_sample=True, top_k=20, temperature=1.0) if sample else dict(do_sample=False)
+    ref = _generate(model, ids, mask, 8, compiled=False, seed=3, **kw)
+    _fresh(model)
+    out = _generate(model, ids, mask, 8, compiled=True, seed=3, **kw)
+    assert torch.equal(out, ref)
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2  # one decode graph, both layers
+    assert COUNTERS["stats"]["unique_graphs"] == 1  # prefill ran eagerly (HF's auto-compile covers decode)
+    again = _generate(model, ids, mask, 8, compiled=True, seed=3, **kw)  # a second call reuses the graph
+    assert torch.equal(again, ref) and COUNTERS["stats"]["unique_graphs"] == 1
+
+
+def test_generate_with_paged_cache():
+    model = M.deepseek_v3(num_layers=2)
+    ids, mask = M.batch(B=2, T=6, L=6, pad=2)
+    ref = _generate(model, ids, mask, 6, compiled=False)
+    _fresh(model)
+    cache = MLAPagedCache(model.config, max_cache_len=16, page_size=4, shuffle_pages=True)
+    out = _generate(model, ids, mask, 6, compiled=True, cache=cache)
+    assert torch.equal(out, ref)
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
+
+
+def test_generate_dsa_crosses_topk_dense_then_sparse():
+    """V3.2: one generate() whose kv length crosses index_topk: the dense graph (indexer dropped) then the sparse
+    graph (dsa.indexer_topk + mla.sparse_decode), exactly two graphs, tokens equal to eager."""
+    topk = 10
+    model = M.deepseek_v32(num_layers=2, index_topk=topk)
+    ids, mask = M.batch(B=2, T=5, L=5, pad=1)
+    new = 12  # kv length runs 6 .. 16: crosses topk = 10
+    ref = _generate(model, ids, mask, new, compiled=False, cache=DSAStaticCache(model.config, max_cache_len=24))
+    _fresh(model)
+    out = _generate(model, ids, mask, new, compiled=True, cache=DSAStaticCache(model.config, max_cache_len=24))
+    assert torch.equal(out, ref)
+    c = COUNTERS["mla_compile"]
+    assert c["dsa_index_mask_dropped"] >= 1 and c["dsa_sparse_rewritten"] >= 1, dict(c)
+    assert COUNTERS["stats"]["unique_graphs"] == 2
+
+
+def test_prefill_graphs_compile_without_cudagraphs():
+    """The README's older recipe compiles model.forward, prefill included: the backend keeps CUDA graphs off for
+    the multi-token step (passes/step_kind.py: a lazily allocated HF cache would live in the graph's pool)."""
+    from mla_compile import backend
+    from mla_compile.passes.step_kind import multi_token_attention
+
+    model = M.deepseek_v3(num_layers=1)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids, mask = M.batch(B=2, T=5, L=16)
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    step = torch.compile(model, backend=capture, fullgraph=True)
+    with torch.no_grad():
+        step(ids, attention_mask=mask[:, :5], **cache_kwargs(model, cache), cache_position=torch.arange(5))
+        step(ids[:, :1], attention_mask=mask[:, :6], **cache_kwargs(model, cache), cache_position=torch.tensor([5]))
+    assert len(graphs) == 2
+    assert multi_token_attention(graphs[0]) is not None  # the prefill
+    assert multi_token_attention(graphs[1]) is None  # the decode step
+    patches = {"triton.cudagraphs": True}
+    backend._prefill_without_cudagraphs(graphs[0], patches, {})
+    assert patches["triton.cudagraphs"] is False
+    patches = {"triton.cudagraphs": True}
+    backend._prefill_without_cudagraphs(graphs[0], patches, {"triton.cudagraphs": True})  # the user's word wins
+    assert patches["triton.cudagraphs"] is True
