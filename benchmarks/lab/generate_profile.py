@@ -60,6 +60,17 @@ def main():
         lines.append(ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=90))
         print("\n".join(lines[-3:]), flush=True)
     Path(args.out).write_text("\n".join(lines))
+    # the decode graphs' generated code, to name the kernels in the tables above
+    import os
+    import shutil
+
+    cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if cache_dir:
+        for f in Path(cache_dir).rglob("*.py"):
+            text = f.read_text(errors="ignore")
+            if "def call(self, args)" in text or "def call(args)" in text:
+                tag = "mla" if "torch.ops.mla." in text else "hf"
+                shutil.copy(f, Path(args.out).with_name(f"genprofile_{tag}_{f.stem[:12]}.py"))
 
 
 if __name__ == "__main__":
