@@ -1,0 +1,28 @@
+"""README's Python snippets run as written: each ```python block whose first line is `# README: <name>`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BLOCKS = dict(re.findall(r"```python\n# README: (\S+)\n(.*?)```", README.read_text(), flags=re.S))
+
+
+def test_readme_has_tested_snippets():
+    assert "generate" in BLOCKS, sorted(BLOCKS)
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_readme_snippet_runs(name):
+    pytest.importorskip("transformers")
+    import torch
+
+    torch._dynamo.reset()
+    scope: dict = {}
+    exec(compile(BLOCKS[name], f"README.md:{name}", "exec"), scope)  # noqa: S102 - our own README
+    if name == "generate":
+        assert scope["out"].shape == (2, 8 + 12)
+        assert torch._dynamo.utils.counters["mla_compile"]["mla_attention_rewritten"] >= 2
