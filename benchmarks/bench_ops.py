@@ -10,6 +10,7 @@ Data is random (never zeros); each (batch, kv_len) gets a shuffled block table o
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -203,15 +204,20 @@ def table(results) -> str:
 
 
 def main(argv):
-    args = [a for a in argv if not a.startswith("--")]
-    path = args[0] if args else os.path.join(os.environ.get("OUT", "."), "bench_ops.json")
-    quick = "--quick" in argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?", default=os.path.join(os.environ.get("OUT", "."), "bench_ops.json"))
+    ap.add_argument("--sweep", action="store_true", help="also time a few Triton tile configs per shape")
+    ap.add_argument("--quick", action="store_true", help="a small subset of shapes (smoke run)")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (Triton / FlashInfer kernels, CUDA-graph timing); none here")
+    path, quick = a.out, a.quick
     shapes = [(b, n) for b in ((1, 8) if quick else BATCHES) for n in ((1024, 32768) if quick else LENS)]
     t0 = time.time()
     results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    flashinfer=FI.available(), decode=[])
     results["copy_bw_TBps"] = copy_bandwidth() / 1e12
-    bench_decode(results, results["copy_bw_TBps"] * 1e12, "--sweep" in argv, shapes)
+    bench_decode(results, results["copy_bw_TBps"] * 1e12, a.sweep, shapes)
     bench_host(results)
     bench_merge(results)
     bench_dsa(results)

@@ -16,6 +16,7 @@ StaticCache), so the cost of token-granular gathers is visible. Prints one line 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -261,15 +262,24 @@ def scaling_probe(path: str) -> None:
 
 
 def main(argv):
-    args = [a for a in argv if not a.startswith("--") and not a.isdigit()]
-    path = args[0] if args else os.path.join(os.environ.get("OUT", "."), "decode_sweep.json")
-    if "--aot" in argv:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?", default=os.path.join(os.environ.get("OUT", "."), "decode_sweep.json"))
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="two configs per head count, two shapes")
+    mode.add_argument("--splits", type=int, nargs="+", metavar="N", help="the default configs at forced split counts")
+    mode.add_argument("--scaling", action="store_true", help="stage 1 / merge time vs kv_len (fixed cost)")
+    mode.add_argument("--aot", action="store_true", help="no GPU: each config compiled for sm_90a")
+    a = ap.parse_args(argv)
+    path = a.out
+    if a.aot:
         return aot_report(path)
-    if "--scaling" in argv:
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (CUDA-graph timing; --aot compiles without one); none here")
+    if a.scaling:
         return scaling_probe(path)
-    if "--splits" in argv:
-        return split_probe(path, [int(a) for a in argv[argv.index("--splits") + 1:] if a.isdigit()])
-    quick = "--quick" in argv
+    if a.splits:
+        return split_probe(path, a.splits)
+    quick = a.quick
     t_start = time.time()
     copy_bw = copy_bandwidth()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bw_TBps": copy_bw / 1e12,

@@ -10,6 +10,7 @@ compiled graphs / cudagraph recordings, and times the indexer ops alone.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -100,8 +101,12 @@ def bench(batch: int, kv_len: int, topk: int, heads: int, dtype=torch.bfloat16, 
                 cudagraph_skips=sum(counters["inductor"].get(k, 0) for k in counters["inductor"] if "skip" in k))
 
 
-def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else "dsa_gpu.json"
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?", default="dsa_gpu.json")
+    out = ap.parse_args(argv).out
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (dense vs sparse graphs under CUDA-graph trees); none here")
     rows = [bench(b, 2048, 2048, h) for h in (16, 128) for b in (8, 32)]
     print("| H | B | kv_len | dense ms | sparse ms | step speedup | indexer ms | k-only ms | indexer cut | rel err |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -3,7 +3,7 @@
 usage:
   python -m benchmarks report DIR [--date 2026-11-30] [--kind nvidia-h200-x4] [--command "bash benchmarks/device.sh ..."]
                                   [--results-md benchmarks/RESULTS.md] [--plots benchmarks/plots]
-                                  [--md-out FILE] [--no-plots]
+                                  [--md-out FILE] [--no-plots] [--force]
 
 DIR is a flat directory holding any of bench_ops.json, dcp.json, hf.json, dsa.json, compile.json (the device
 machine's $OUT, or `python -m benchmarks --results DIR ...`), plus optionally env.txt / run.log (versions are
@@ -18,6 +18,9 @@ hand-written and never touched. A "Goals" block compares every measurable accept
 the numbers of every block (the JSON behind each block is kept in benchmarks/data/, committed, so goals of
 earlier runs' blocks are re-evaluated too). `--md-out FILE` writes the generated blocks to FILE instead of editing
 RESULTS.md (what the device machine does: the PNGs are drawn later, here, from the same JSON).
+
+Device results are not replaced by smoke or CPU data (a suite's JSON says where it ran, see `provenance`): such a
+call writes nothing and exits 1 unless `--force`.
 """
 
 from __future__ import annotations
@@ -572,11 +575,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plots", type=Path, default=HERE / "plots")
     ap.add_argument("--md-out", type=Path, default=None, help="write the generated blocks here, leave RESULTS.md alone")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--force", action="store_true",
+                    help="replace device (GPU) results with smoke / CPU data (refused without it)")
     a = ap.parse_args(argv)
     data = load(a.dir)
     if not data:
         print(f"[report] no benchmark JSON in {a.dir} (looked for {', '.join(FILES.values())})", file=sys.stderr)
         return 0  # nothing to report (e.g. a sweep-only call) is not a failure
+    refused = [] if a.force else downgrades(a, data)
+    if refused:
+        for line in refused:
+            print(f"[report] refusing to replace device results: {line}", file=sys.stderr)
+        print("[report] nothing written. --force replaces them anyway; --md-out FILE --no-plots (or --plots DIR) "
+              "renders elsewhere", file=sys.stderr)
+        return 1
     meta = dict(date=a.date, kind=a.kind, command=a.command, env=env_line(a.dir))
     new = {}
     for s, d in data.items():
@@ -601,6 +613,52 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("[report] matplotlib not installed (pip install .[bench]): no plots", file=sys.stderr)
     return 0
+
+
+# ------------------------------------------------------------------------------------- device vs smoke
+def provenance(suite: str, d) -> tuple[bool, str]:
+    """(device results?, what the JSON says it is): device = it ran on a CUDA device and is not a smoke run.
+    From what each script records: bench_ops `device`, dcp `runs[n].device`, hf `env.device` + `args.smoke`,
+    compile `device`; dsa_gpu.py records no device but only runs on CUDA (a list of rows)."""
+    if suite == "ops":
+        device, smoke = d.get("device", "?"), False
+    elif suite == "dcp":
+        devices = sorted({str(r.get("device", "?")) for r in d.get("runs", {}).values()}) or ["?"]
+        device, smoke = "/".join(devices), False
+    elif suite == "hf":
+        device, smoke = d.get("env", {}).get("device", "?"), bool(d.get("args", {}).get("smoke"))
+    elif suite == "compile":
+        device, smoke = d.get("device_name") or d.get("device", "?"), False
+    else:  # dsa
+        device, smoke = ("cuda (dsa_gpu.py runs only there)" if isinstance(d, list) else "?"), False
+    on_device = device.lower() not in ("cpu", "?", "") and "cpu" not in device.lower().split("/") and not smoke
+    return on_device, f"device {device}" + (", smoke run" if smoke else "")
+
+
+def downgrades(a, data: dict) -> list[str]:
+    """Suites whose committed device results (benchmarks/data/*.json, the RESULTS.md blocks and the plots)
+    this call would replace with smoke / CPU data."""
+    writes_results = a.md_out is None
+    writes_plots = not a.no_plots and a.plots.resolve() == (HERE / "plots").resolve()
+    if not (writes_results or writes_plots):
+        return []
+    dd = _data_dir(a.results_md) if writes_results else HERE / "data"
+    out = []
+    for s, d in data.items():
+        p = dd / FILES[s]
+        try:
+            new_ok, new_what = provenance(s, d)
+        except (AttributeError, TypeError):  # not the script's JSON shape: not device results either
+            new_ok, new_what = False, "not a recognisable run"
+        if new_ok or not p.exists():
+            continue
+        try:
+            old_ok, old_what = provenance(s, json.loads(p.read_text()))
+        except (json.JSONDecodeError, AttributeError, TypeError):
+            continue
+        if old_ok:
+            out.append(f"{s}: {p} holds {old_what}; {a.dir / FILES[s]} is {new_what}")
+    return out
 
 
 # Goals need the numbers of blocks from EARLIER runs too (kept in RESULTS.md); their source JSON is stored in

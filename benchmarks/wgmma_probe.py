@@ -14,9 +14,9 @@ Then the gather kernel's rows (page-1 token table, sparse index lists) against t
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
-import sys
 
 import torch
 from triton.testing import do_bench_cudagraph
@@ -150,5 +150,17 @@ def main(path, only_gather=False, only_seesaw=False):
         json.dump(res, fh, indent=1)
 
 
+def cli(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--gather", action="store_true", help="only the gather kernel's rows")
+    only.add_argument("--seesaw", action="store_true", help="only the warp-specialised kernel's rows")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (sm_90 Gluon kernels, CUDA-graph timing); none here")
+    main(a.out, only_gather=a.gather, only_seesaw=a.seesaw)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], only_gather="--gather" in sys.argv, only_seesaw="--seesaw" in sys.argv)
+    cli()

@@ -116,3 +116,109 @@ def test_ops_report_shows_the_replaced_kernel_and_judges_goals_on_graph_time():
     tflops = 2 * 8 * 128 * 32768 * 1088 / 0.20e-3 / 1e12
     assert goals["H=128: >= 550 TFLOP/s"][2].startswith(f"max {tflops:.0f} ")
     assert goals["ratio Triton/FlashInfer <= 1.0 at kv_len >= 8K, H=128 (graph time)"][3] == "**not met**"
+
+
+# ------------------------------------------------------------------- report: device results are not replaced
+def _report_tree(tmp_path, monkeypatch):
+    """A copy of RESULTS.md, benchmarks/data/hf.json (the committed H200 run) and an empty plots dir, with
+    report.HERE pointed at it, so the defaults the report writes to are the copies."""
+    import report
+
+    here = tmp_path / "benchmarks"
+    (here / "data").mkdir(parents=True)
+    (here / "plots").mkdir()
+    (here / "RESULTS.md").write_text((ROOT / "benchmarks/RESULTS.md").read_text())
+    h200 = json.loads((ROOT / "benchmarks/data/hf.json").read_text())
+    assert report.provenance("hf", h200) == (True, "device NVIDIA H200")
+    (here / "data/hf.json").write_text(json.dumps(h200))
+    monkeypatch.setattr(report, "HERE", here)
+    return report, here, h200
+
+
+def _smoke_run(tmp_path, h200, **env):
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    smoke = json.loads(json.dumps(h200))
+    smoke["env"].update(env)
+    smoke["args"]["smoke"] = True
+    (run / "hf.json").write_text(json.dumps(smoke))
+    return run
+
+
+@pytest.mark.parametrize("env", [{"device": "cpu"}, {}], ids=["cpu", "gpu-smoke"])
+@pytest.mark.parametrize("plots", [False, True], ids=["md", "plots-only"])
+def test_report_refuses_to_replace_device_results_with_smoke_or_cpu_data(tmp_path, monkeypatch, capsys, env, plots):
+    report, here, h200 = _report_tree(tmp_path, monkeypatch)
+    run = _smoke_run(tmp_path, h200, **env)
+    before = {p: p.read_bytes() for p in here.rglob("*") if p.is_file()}
+    # md: RESULTS.md and data/ would be rewritten; plots-only: --md-out elsewhere, but PNGs into the default dir
+    argv = [str(run), "--no-plots"] if not plots else [str(run), "--md-out", str(tmp_path / "out.md")]
+    assert report.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "refusing to replace device results: hf:" in err and "NVIDIA H200" in err and "--force" in err
+    assert {p: p.read_bytes() for p in here.rglob("*") if p.is_file()} == before  # nothing written
+    assert not (tmp_path / "out.md").exists()
+
+
+def test_report_force_replaces_and_device_or_elsewhere_runs_pass(tmp_path, monkeypatch):
+    report, here, h200 = _report_tree(tmp_path, monkeypatch)
+    run = _smoke_run(tmp_path, h200, device="cpu")
+    # rendering somewhere else (no PNGs into the committed plots) is not a replacement
+    assert report.main([str(run), "--md-out", str(tmp_path / "out.md"), "--no-plots"]) == 0
+    assert json.loads((here / "data/hf.json").read_text()) == h200
+    # a device run replaces a device run
+    gpu = tmp_path / "gpu"
+    gpu.mkdir()
+    (gpu / "hf.json").write_text(json.dumps(h200 | {"note": "newer"}))
+    assert report.main([str(gpu), "--no-plots"]) == 0
+    assert json.loads((here / "data/hf.json").read_text())["note"] == "newer"
+    # --force replaces device results with the smoke run
+    assert report.main([str(run), "--no-plots", "--force"]) == 0
+    assert json.loads((here / "data/hf.json").read_text())["env"]["device"] == "cpu"
+    # and once the stored run is a smoke run, another smoke run needs no --force
+    assert report.main([str(run), "--no-plots"]) == 0
+
+
+@pytest.mark.parametrize("suite,d,device", [
+    ("ops", {"device": "NVIDIA H200"}, True),
+    ("dcp", {"runs": {"1": {"device": "NVIDIA H200"}, "2": {"device": "NVIDIA H200"}}}, True),
+    ("dcp", {"runs": {"1": {"device": "cpu"}, "2": {"device": "cpu"}}}, False),
+    ("hf", {"env": {"device": "cpu"}, "args": {"smoke": True}}, False),
+    ("compile", {"device": "cuda", "device_name": "NVIDIA H200"}, True),
+    ("compile", {"device": "cpu", "device_name": "cpu"}, False),
+    ("dsa", [{"batch": 8}], True),  # dsa_gpu.py runs on CUDA only
+])
+def test_report_provenance_reads_what_each_script_records(suite, d, device):
+    import report
+
+    assert report.provenance(suite, d)[0] is device
+
+
+def run_script(script, argv, monkeypatch):
+    """benchmarks/<script> as `python benchmarks/<script> argv...`, in this process (no torch import per
+    script): returns its exit status."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / script), *argv])
+    monkeypatch.setattr(sys, "path", [str(ROOT / "benchmarks"), *sys.path])  # the scripts insert paths too
+    try:
+        runpy.run_path(str(ROOT / "benchmarks" / script), run_name="__main__")
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+@pytest.mark.parametrize("script", ["bench_ops.py", "decode_sweep.py", "dsa_gpu.py", "wgmma_probe.py",
+                                    "hf_decode.py", "hf_profile.py", "dcp_gpu.py", "linear_sweep.py",
+                                    "compile_suite.py"])
+def test_benchmark_scripts_print_help_without_cuda(script, monkeypatch, capsys):
+    assert run_script(script, ["--help"], monkeypatch) == 0
+    assert capsys.readouterr().out.startswith("usage:")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+@pytest.mark.parametrize("script", ["bench_ops.py", "decode_sweep.py", "dsa_gpu.py", "wgmma_probe.py"])
+def test_gpu_benchmark_scripts_say_they_need_cuda(script, tmp_path, monkeypatch, capsys):
+    assert run_script(script, [str(tmp_path / "x.json")], monkeypatch) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
