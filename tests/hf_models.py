@@ -105,3 +105,63 @@ def node_target(n) -> str:
         return str(t)
     mod = getattr(t, "__module__", None) or ""
     return f"{mod}.{getattr(t, '__name__', str(t))}".lstrip(".")
+
+
+# ------------------------------------------------------------------- synthetic sites (no HF model: fast)
+def mla_attention_site(q, latent, kpe, w, mask, *, impl="sdpa", cat=True, scale=0.07, between=None):
+    """HF's expand_kv + attention, written out: latent [B,1,L,R], kpe [B,1,L,P], q [B,H,1,192], w the
+    kv_b_proj weight [H*256, R]; eager adds `mask` to the scores, sdpa passes it as attn_mask. `between()` runs
+    after the expansion read the latent and before the attention (to put writes in that window)."""
+    B, _, L, _ = latent.shape
+    kv = torch.nn.functional.linear(latent, w).view(B, L, -1, 256).transpose(1, 2)
+    k_nope, v = torch.split(kv, [128, 128], dim=-1)
+    k_rot = kpe.expand(-1, k_nope.shape[1], -1, -1)
+    if cat:
+        k = torch.cat([k_nope, k_rot], dim=-1)
+    else:
+        k = kv.new_empty(*kv.shape[:-1], 192)
+        k[..., :128].copy_(k_nope)
+        k[..., 128:].copy_(k_rot)
+    if between is not None:
+        between()
+    if impl == "sdpa":
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    s = torch.matmul(q, k.transpose(2, 3)) * scale
+    if mask is not None:
+        s = s + mask
+    # HF's softmax runs in float32; float64 sites keep float64 (an exact reference)
+    p = torch.softmax(s, dim=-1, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    return torch.matmul(p.to(q.dtype), v)
+
+
+def synthetic_site_inputs(B=3, H=4, L=24, dtype=torch.float32, seed=0):
+    """(q, latent, kpe, w, valid [B, 1, 1, L] bool with arbitrary holes, token 0 valid)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, 1, 192, generator=g, dtype=torch.float64).to(dtype)
+    latent = torch.randn(B, 1, L, 512, generator=g, dtype=torch.float64).to(dtype)
+    kpe = torch.randn(B, 1, L, 64, generator=g, dtype=torch.float64).to(dtype)
+    w = (torch.randn(H * 256, 512, generator=g, dtype=torch.float64) / 512 ** 0.5).to(dtype)
+    valid = torch.rand(B, 1, 1, L, generator=g) < 0.6  # arbitrary holes: exact through the token table
+    valid[..., 0] = True
+    return q, latent, kpe, w, valid
+
+
+# ------------------------------------------------------------------------ generate(): masks in the graph
+def create_masks_in_graph(config, inputs_embeds, attention_mask, cache=None, past_key_values=None, **kwargs):
+    """A `create_masks_for_generate` for static caches: instead of HF's precomputed 4-D mask (built outside the
+    compiled forward, so a float eager mask is a graph input of unknown values), hand the forward the 2-D
+    padding mask padded to the cache's fixed length. The forward then builds HF's own mask inside the graph
+    (the same values: positions past the current one are causally masked anyway) at one fixed shape."""
+    from transformers.masking_utils import find_first_full_attention_index, prepare_padding_mask
+
+    cache = cache if cache is not None else past_key_values
+    if attention_mask is None or cache is None or attention_mask.ndim != 2:
+        return attention_mask
+    kv_length, kv_offset = cache.get_mask_sizes(inputs_embeds.shape[1], find_first_full_attention_index(cache))
+    return prepare_padding_mask(attention_mask, kv_length, kv_offset)
+
+
+def step_masks(mask2d: torch.Tensor, position: int) -> torch.Tensor:
+    """HF's decode mask for `position` as a user's 4-D bool mask [B, 1, 1, L]: causal & padding."""
+    L = mask2d.shape[1]
+    return (mask2d.bool() & (torch.arange(L) <= position))[:, None, None, :]

@@ -190,35 +190,7 @@ def test_hf_generate_with_static_cache():
 
 
 # ------------------------------------------------------------------- synthetic sites (no HF model: fast)
-def _mla_attention(q, latent, kpe, w, mask, *, impl="sdpa", cat=True, scale=0.07):
-    """HF's expand_kv + attention, written out: latent [B,1,L,R], kpe [B,1,L,P], q [B,H,1,192]."""
-    B, _, L, _ = latent.shape
-    kv = torch.nn.functional.linear(latent, w).view(B, L, -1, 256).transpose(1, 2)
-    k_nope, v = torch.split(kv, [128, 128], dim=-1)
-    k_rot = kpe.expand(-1, k_nope.shape[1], -1, -1)
-    if cat:
-        k = torch.cat([k_nope, k_rot], dim=-1)
-    else:
-        k = kv.new_empty(*kv.shape[:-1], 192)
-        k[..., :128].copy_(k_nope)
-        k[..., 128:].copy_(k_rot)
-    if impl == "sdpa":
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    s = torch.matmul(q, k.transpose(2, 3)) * scale
-    if mask is not None:
-        s = s + mask
-    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
-
-
-def _synthetic_inputs(B=3, H=4, L=24):
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, H, 1, 192, generator=g)
-    latent = torch.randn(B, 1, L, 512, generator=g)
-    kpe = torch.randn(B, 1, L, 64, generator=g)
-    w = torch.randn(H * 256, 512, generator=g) / 512 ** 0.5
-    valid = torch.rand(B, 1, 1, L, generator=g) < 0.6  # arbitrary holes: exact through the token table
-    valid[..., 0] = True
-    return q, latent, kpe, w, valid
+_mla_attention, _synthetic_inputs = M.mla_attention_site, M.synthetic_site_inputs
 
 
 @pytest.mark.parametrize("impl,cat,mask_kind", [("sdpa", True, "bool"), ("sdpa", False, "none"),

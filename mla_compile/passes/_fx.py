@@ -1,16 +1,31 @@
-"""FX node helpers shared by the passes: argument lookup, example values, static shapes, the "no match" error,
-the `Builder` that inserts nodes with their example values, and the end of an edit (`finish_edits`)."""
+"""FX node helpers shared by the passes: argument lookup, example values, shapes (static, or with a symbolic
+batch), node predicates (`is_fn`, `is_call`, `is_op`), writes and aliasing (`written_by`, `is_pure`,
+`first_write`), dead-code removal (`erase_dead`), the "no match" errors, the `Builder` that inserts nodes with
+their example values, and the end of an edit (`finish_edits`)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.multiprocessing.reductions import StorageWeakRef
+
+# An additive mask value at or below this gives exactly zero probability in a softmax next to any score that is
+# finite and far below 1e30 in magnitude (exp(-1e30) underflows in every float dtype), and every score added to it
+# rounds back to it (|s| < half its ulp, 3.8e22 in float32), so a row masked everywhere by one such value is flat.
+BIG_NEGATIVE = -1e30
 
 
 class NoMatch(Exception):
     """A site that looks like the pattern but cannot be rewritten; the message says why."""
+
+
+class DynamicShape(NoMatch):
+    """A site left alone because a dimension other than the batch is symbolic (Dynamo's dynamic shapes)."""
 
 
 def arg(node: fx.Node, i: int, name: str, default=None):
@@ -37,6 +52,191 @@ def static_shape(node, error: type[Exception] = NoMatch) -> tuple:
     return shape
 
 
+def batch_shape(node, error: type[Exception] = NoMatch) -> tuple:
+    """The node's tensor shape: ints, except that dim 0 (the batch, or a page pool sized by it) may be a SymInt.
+    Raises `error` for a non-tensor and `DynamicShape` for any other symbolic dim."""
+    v = meta_val(node)
+    name = getattr(node, "name", node)
+    if not isinstance(v, torch.Tensor):
+        raise error(f"node {name} is not a tensor")
+    shape = tuple(v.shape)
+    if not all(isinstance(s, int) for s in shape[1:]):
+        raise DynamicShape(f"node {name} has symbolic shape {shape}: only a symbolic batch (dim 0) is rewritten")
+    return shape
+
+
+def same(a, b) -> bool:
+    """a == b for ints / SymInts (or tuples of them), True only when provably equal: never adds a guard."""
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+        return (isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b)
+                and all(same(x, y) for x, y in zip(a, b)))
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return statically_known_true(a == b)
+    return a == b
+
+
+# ------------------------------------------------------------------------------------------ node predicates
+def is_fn(node, targets) -> bool:
+    """A call_function node whose target is one of `targets`."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def is_call(node, fns=(), methods=()) -> bool:
+    """A call_function of one of `fns`, or a call_method named one of `methods`."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_function":
+        return node.target in fns
+    if node.op == "call_method":
+        return node.target in methods
+    return False
+
+
+def is_op(node, *names) -> bool:
+    """call_function / call_method of a Tensor op by name (torch.X, Tensor.X, aten.X)."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_method":
+        return node.target in names
+    if node.op == "call_function":
+        return _target_name(node.target) in names
+    return False
+
+
+def _target_name(target) -> str | None:
+    if isinstance(target, torch._ops.OpOverload):
+        return target._opname
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[-1]
+    return getattr(target, "__name__", None)
+
+
+def is_big_negative(x) -> bool:
+    """A Python number at or below BIG_NEGATIVE (-inf included)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x <= BIG_NEGATIVE
+
+
+# -------------------------------------------------------------------------------------- writes and aliasing
+_OPERATOR_INPLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                     operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                     operator.irshift, operator.imatmul, operator.setitem, operator.delitem}
+_INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+                    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__setitem__",
+                    "__delitem__"}
+
+
+def _inplace_name(name) -> bool:
+    """Tensor.add_ / torch.relu_ / aten.copy_ style names, and the augmented-assignment / item dunders."""
+    return isinstance(name, str) and (name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__")))
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_writes(target) -> tuple:
+    """(index, name) of the arguments an op's schema marks written (`Tensor(a!)`), over all its overloads."""
+    if isinstance(target, torch._ops.OpOverload):
+        schemas = [target._schema]
+    else:
+        schemas = [getattr(target, o)._schema for o in target.overloads()]
+    return tuple(sorted({(i, a.name) for s in schemas for i, a in enumerate(s.arguments)
+                         if a.alias_info is not None and a.alias_info.is_write}))
+
+
+@functools.lru_cache(maxsize=None)
+def _inplace_position(target) -> int | None:
+    """Position of a Python function's `inplace` parameter (F.relu(x, True)), if it has one."""
+    try:
+        params = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params.index("inplace") if "inplace" in params else None
+
+
+def _nodes_in(x) -> list:
+    return [a for a in torch.utils._pytree.tree_leaves(x) if isinstance(a, fx.Node)]
+
+
+def written_by(n: fx.Node) -> list:
+    """The nodes whose storage `n` writes: in-place methods / functions (`x.copy_`, `torch.relu_`, `x += y`),
+    item assignment (`x[i] = v`), `out=`, `inplace=True`, ops whose schema marks an argument written (`aten.copy_`,
+    `mla.cache_write`, ...). A call_module may write anything it is handed."""
+    if n.op == "call_module":
+        return list(n.all_input_nodes)
+    if n.op not in ("call_function", "call_method"):
+        return []
+    t = n.target
+    written = []
+    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        for i, name in _schema_writes(t):
+            written += _nodes_in(n.args[i] if i < len(n.args) else n.kwargs.get(name))
+    elif n.op == "call_function" and getattr(t, "__module__", None) == "_operator":
+        if t in _OPERATOR_INPLACE:  # operator.and_ / or_ / not_ are pure despite their names
+            written += _nodes_in(n.args[:1])
+    elif _inplace_name(t if n.op == "call_method" else getattr(t, "__name__", None)):
+        written += _nodes_in(n.args[:1])
+    if "out" in n.kwargs:
+        written += _nodes_in(n.kwargs["out"])
+    inplace = n.kwargs.get("inplace", False)
+    if n.op == "call_function" and not inplace and callable(t):
+        pos = _inplace_position(t)
+        inplace = pos is not None and len(n.args) > pos and n.args[pos] is True
+    if inplace is True:
+        written += _nodes_in(n.args[:1])
+    return written
+
+
+def is_pure(n: fx.Node) -> bool:
+    """A call that writes nothing and has no other side effect: removable once nothing reads it."""
+    if n.op not in ("call_function", "call_method") or written_by(n):
+        return False
+    return n.op == "call_method" or not n.is_impure()
+
+
+def storages(node) -> set | None:
+    """The storages of a node's tensor value(s) (views share their base's: fake tensors keep that); None when the
+    node has no recorded value (then nothing can be ruled out)."""
+    v = meta_val(node)
+    if v is None:
+        return None
+    return {StorageWeakRef(t.untyped_storage()) for t in _flatten(v)}
+
+
+def first_write(graph: fx.Graph, reads: dict, hi: fx.Node):
+    """The first node that writes memory one of `reads` lives in (through any alias: views, slices, reshapes,
+    aliased graph inputs) strictly between where it was read and `hi`. `reads` maps a node to the node where its
+    value was read (the window's start). A write whose target or read has no recorded value counts as a write.
+    Returns (writer, read node) or None."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    end = order[hi]
+    watched = [(order[lo], r, storages(r)) for r, lo in reads.items()]
+    start = min((lo for lo, _, _ in watched), default=end)
+    for n in graph.nodes:
+        i = order[n]
+        if i <= start or i >= end:
+            continue
+        targets = written_by(n)
+        if not targets:
+            continue
+        hit = [storages(w) for w in targets]
+        for lo, r, keys in watched:
+            if lo < i and any(k is None or keys is None or k & keys for k in hit):
+                return n, r
+    return None
+
+
+def erase_dead(graph: fx.Graph, roots: list) -> int:
+    """Erase `roots` and then their inputs, as long as nothing reads them and they are pure; returns the count."""
+    work, erased = list(roots), 0
+    while work:
+        n = work.pop()
+        if getattr(n, "_erased", False) or n.users or not is_pure(n):
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        erased += 1
+        work.extend(inputs)
+    return erased
+
+
 def val(node):
     """meta_val that must exist."""
     v = meta_val(node)
@@ -52,6 +252,7 @@ class Builder:
     def __init__(self, graph: fx.Graph, anchor: fx.Node, fake_mode, meta_from: fx.Node):
         self.graph, self.anchor, self.fake_mode = graph, anchor, fake_mode
         self.created: list[fx.Node] = []
+        self.memo_hits: list = []  # keys of memoized nodes (emitted for an earlier site) this builder reused
         self.meta = {k: meta_from.meta[k] for k in ("stack_trace", "nn_module_stack", "source_fn_stack")
                      if k in meta_from.meta}
 

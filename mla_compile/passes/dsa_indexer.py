@@ -28,7 +28,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ._fx import NoMatch, arg, meta_val, static_shape
+from ._fx import BIG_NEGATIVE, NoMatch, arg, batch_shape, erase_dead, is_call as _is_call, meta_val, same
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +42,6 @@ def _marker_ops():
     from ..integrations import hf
 
     return hf.ALL_SELECTED_OPS
-
-
-def _is_call(n, fns=(), methods=()) -> bool:
-    if not isinstance(n, fx.Node):
-        return False
-    if n.op == "call_function":
-        return n.target in fns
-    if n.op == "call_method":
-        return n.target in methods
-    return False
 
 
 _val, _arg = meta_val, arg
@@ -74,7 +64,7 @@ def _combination(n: fx.Node):
             return b, _inverted(a)
     if _is_call(n, {torch.masked_fill}, ("masked_fill",)) and len(n.args) >= 3:
         a, i, v = n.args[0], n.args[1], n.args[2]
-        if isinstance(v, (int, float)) and v <= -1e30:
+        if isinstance(v, (int, float)) and v <= BIG_NEGATIVE:
             return a, i
     return None
 
@@ -138,37 +128,6 @@ def _marker_behind(topk: fx.Node, markers: set, depth: int = 16):
     return None
 
 
-def _pure(n: fx.Node) -> bool:
-    if n.op == "call_method":
-        return not (n.target.endswith("_") and not n.target.startswith("__"))
-    if n.op == "call_function":
-        if isinstance(n.target, torch._ops.OpOverload):
-            return not n.target._schema.is_mutable
-        if getattr(n.target, "__module__", None) == "_operator":  # operator.and_ is pure; iand / setitem are not
-            return n.target not in _OPERATOR_INPLACE
-        name = getattr(n.target, "__name__", "")
-        return not (name.endswith("_") and not name.startswith("__"))
-    return False
-
-
-_OPERATOR_INPLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                     operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-                     operator.irshift, operator.imatmul, operator.setitem, operator.delitem}
-
-
-def _erase_dead(graph: fx.Graph, roots: list) -> int:
-    work, erased = list(roots), 0
-    while work:
-        n = work.pop()
-        if getattr(n, "_erased", False) or n.users or not _pure(n):
-            continue
-        inputs = n.all_input_nodes
-        graph.erase_node(n)
-        erased += 1
-        work.extend(inputs)
-    return erased
-
-
 def drop_dense_indexer(graph: fx.Graph) -> int:
     """Replace each index-masked attention mask behind an `all_selected` marker by the plain mask; returns
     the number of masks replaced (counted in counters["mla_compile"]["dsa_index_mask_dropped"])."""
@@ -197,13 +156,13 @@ def drop_dense_indexer(graph: fx.Graph) -> int:
         if k != min(marker.args[1], L):
             log.info("dsa_indexer: %s kept: top-k size %s != min(topk %s, %s)", n.name, k, marker.args[1], L)
             continue
-        if not (isinstance(av, torch.Tensor) and tuple(av.shape) == tuple(nv.shape) and av.dtype == nv.dtype):
+        if not (isinstance(av, torch.Tensor) and same(tuple(av.shape), tuple(nv.shape)) and av.dtype == nv.dtype):
             log.info("dsa_indexer: %s kept: the attention mask would broadcast", n.name)
             continue
         n.replace_all_uses_with(A)
         dead.append(n)
         replaced += 1
-    _erase_dead(graph, dead)
+    erase_dead(graph, dead)
     for m in markers:  # the marker is a copy of its input: dead now, or still correct where kept
         if not getattr(m, "_erased", False) and not m.users:
             graph.erase_node(m)
@@ -228,13 +187,14 @@ class SparseIndexer:
     I = ones.scatter(-1, topk(score masked by A[:, 0], k).indices, False) and
     score[b, t] = weights[b] . relu(matmul(q.float(), keys[b, t].float()) * scale) (HF's formula)."""
 
-    def __init__(self, A, topk, k, q, weights, keys, scale, keys_read):
+    def __init__(self, A, topk, k, q, weights, keys, scale, nodes):
         self.A, self.topk, self.k, self.q, self.weights, self.keys = A, topk, k, q, weights, keys
-        self.scale, self.keys_read = scale, keys_read
+        self.scale = scale
+        self.nodes = nodes  # the score / top-k nodes: where HF reads q, weights and the keys
 
 
 def _shape_of(n) -> tuple:
-    return static_shape(n, NotSparse)
+    return batch_shape(n, NotSparse)
 
 
 def _peel_float(n):
@@ -307,15 +267,16 @@ def match_sparse_indexer(mask) -> SparseIndexer | None:
         raise NotSparse(f"indexer q {qs} / keys {ks}: expected [B, 1, Hi, Di] / [B, L, Di] (one query token)")
     B, _, Hi, Di = qs
     L = ks[1]
-    if ks != (B, L, Di) or ws != (B, 1, Hi) or ss != (B, 1, L):
+    if not (same(ks, (B, L, Di)) and same(ws, (B, 1, Hi)) and same(ss, (B, 1, L))):
         raise NotSparse(f"indexer shapes do not line up: q {qs}, keys {ks}, weights {ws}, scores {ss}")
     qv, kv, wv = _val(q), _val(keys), _val(weights)
     if wv.dtype != torch.float32 or _val(qf).dtype != torch.float32 or _val(kt).dtype != torch.float32:
         raise NotSparse("the indexer logits are not computed in float32")
     if qv.dtype != kv.dtype:
         raise NotSparse(f"indexer q ({qv.dtype}) and keys ({kv.dtype}) differ in dtype")
-    if _shape_of(I) != (B, 1, 1, L):
+    if not same(_shape_of(I), (B, 1, 1, L)):
         raise NotSparse(f"index mask {I.name} has shape {_shape_of(I)}, expected [B, 1, 1, L={L}]")
     if k > L:
         raise NotSparse(f"top-k size {k} > cache length {L}")
-    return SparseIndexer(A, topk, k, q, weights, keys, float(scale), ktf)
+    nodes = {topk, masked, score, mm, wu, relu, scaled, logits, qf, kt, kt.args[0], ktf}
+    return SparseIndexer(A, topk, k, q, weights, keys, float(scale), nodes)

@@ -25,11 +25,23 @@ so the per-step `kv_b_proj` over the whole cache disappears. Exact algebra: q.(W
 softmax.(W_UV c) = W_UV (softmax.c).
 
 Masks: HF builds, for decode with a static cache, a boolean [B, 1, 1, L] mask (SDPA) or
-`where(mask, 0, finfo.min)` (eager), possibly `& ~index_mask` / `masked_fill(index_mask, min)` (DSA). The pass
-recovers the boolean `valid[B, L]` from that expression (an additive mask it cannot prove to be 0/-big is
-left alone) and turns it into a token-granular (page size 1) block table listing each row's valid tokens
-(cumsum + scatter: static shapes, no host sync, CUDA-graph safe) and `seq_lens = valid.sum(-1)`. This is
-exact for any boolean mask: causal, left padding, and the DSA top-k mask.
+`where(mask, 0, finfo.min)` (eager), possibly `& ~index_mask` / `masked_fill(index_mask, min)` (DSA).
+`attention_mask.prove_mask` recovers the boolean `valid[B, L]` from that expression (anything it cannot prove
+to be a hard mask is left alone: an arbitrary bias, a bool tensor ADDED to eager scores, a graph-input float
+mask) and the pass turns it into a token-granular (page size 1) block table listing each row's valid tokens
+(cumsum + scatter: static shapes, no host sync, CUDA-graph safe) and `seq_lens` = their count. This is exact
+for any boolean mask: causal, left padding, and the DSA top-k mask. A row with no valid token gets what HF's
+softmax gives it: 0 (SDPA, bool mask), NaN (eager, -inf mask), or, with one finite constant such as
+finfo.min, a flat softmax over all L positions of the static cache; the rewrite gets that row the same by
+listing all L slots and zeroing its query (scores 0 -> uniform weights), on device, no host sync.
+
+Batch: the batch may be symbolic (Dynamo's automatic dynamic shapes after a batch-size change): the emitted
+ops take it from `q.size(0)`. Any other symbolic dimension leaves the site alone, with a WARNING naming the
+fix (`dynamic=False`).
+
+Reads: the rewrite reads the latent, the rope latent, kv_b_proj's weight, q and the mask's inputs at the
+attention, where HF read them earlier (its expansion, its mask expression). Any write in between to memory
+any of them lives in (through views, slices, reshapes, aliased inputs: `_fx.first_write`) leaves the site alone.
 
 Latent sources: a plain latent tensor (HF `StaticCache` [B, 1, L, R] buffers: flat token slots b*L + t), or
 the gather op of our caches in `mla_compile.integrations.hf`: the single-rank paged cache (slots through
@@ -53,7 +65,8 @@ defines none). A GLM-DSA "shared" layer reuses the previous layer's selection (o
 DCP sparse graphs keep HF's indexer and attend through `mla.dcp_decode` over the token table of its mask.
 
 Unmatched sites are left unchanged and logged (logger `mla_compile.passes.mla_attention`; enable with
-`TORCH_LOGS="+mla_compile.passes"`). Rewrites are counted in
+`TORCH_LOGS="+mla_compile.passes"`; INFO, or a WARNING once per reason a user can fix: dynamic shapes, and
+generate()'s precomputed eager mask). Rewrites are counted in
 `torch._dynamo.utils.counters["mla_compile"]["mla_attention_rewritten"]`, skips in `..._not_rewritten`.
 """
 
@@ -68,7 +81,9 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ._fx import Builder, NoMatch, arg, fake_mode_of, finish_edits, graph_of, meta_val, static_shape, val as _val
+from . import attention_mask as masks
+from ._fx import (Builder, DynamicShape, NoMatch, arg, batch_shape, erase_dead, fake_mode_of, finish_edits,
+                  first_write, graph_of, is_fn as _is_fn, is_op as _is_op, same, val as _val)
 
 log = logging.getLogger(__name__)
 
@@ -84,31 +99,10 @@ _MATMUL = {torch.matmul, operator.matmul, torch.Tensor.matmul}
 _CAT = {torch.cat, torch.concat, torch.concatenate}
 _WHERE = {torch.where}
 _DROPOUT = {torch.nn.functional.dropout}
-_BIG_NEGATIVE = -1e30  # additive mask values at or below this give exactly zero probability in fp32 softmax
 
 
 # ------------------------------------------------------------------------------------------- node helpers
-def _is_fn(node, targets) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
-
-
-def _is_op(node, *names) -> bool:
-    """call_function / call_method of a Tensor op by name (torch.X, Tensor.X, aten.X)."""
-    if not isinstance(node, fx.Node):
-        return False
-    if node.op == "call_method":
-        return node.target in names
-    if node.op == "call_function":
-        name = getattr(node.target, "__name__", None)
-        if isinstance(node.target, torch._ops.OpOverload):
-            name = node.target._opname
-        elif isinstance(node.target, torch._ops.OpOverloadPacket):
-            name = node.target._qualified_op_name.split("::")[-1]
-        return name in names
-    return False
-
-
-_arg, _shape = arg, static_shape
+_arg, _shape = arg, batch_shape  # shapes: ints, with a possibly symbolic batch (dim 0)
 
 
 def _dim(d: int, ndim: int) -> int:
@@ -144,6 +138,7 @@ class Site:
     latent: fx.Node  # input of kv_b_proj
     kpe: fx.Node  # rope latent before expand
     mask: Any  # fx.Node or None
+    proof: masks.MaskProof  # what the mask means (valid tokens, what an empty row gives)
     scale: float
     nope: int
     v_dim: int
@@ -153,6 +148,7 @@ class Site:
     heads: int
     nodes: set  # nodes that die with the rewrite
     impl: str  # "sdpa" | "eager"
+    dtypes: tuple  # what the masked scores are cast to through the softmax (attention_mask.prove_mask)
     sparse: Any = None  # dsa_indexer.SparseIndexer: DSA sparse graph -> dsa.indexer_topk + mla.sparse_decode
 
 
@@ -189,10 +185,10 @@ def _match_expansion(k_nope: fx.Node, v: fx.Node, nodes: set):
         raise NoMatch("kv_b_proj has a bias")
     ls, ws, vs, lins = _shape(latent), _shape(weight), _shape(view), _shape(lin)
     B, H, L, d = xs
-    if not (len(ls) in (3, 4) and (len(ls) == 3 or ls[1] == 1) and ls[0] == B and ls[-2] == L):
+    if not (len(ls) in (3, 4) and (len(ls) == 3 or ls[1] == 1) and same(ls[0], B) and ls[-2] == L):
         raise NoMatch(f"latent {latent.name} has shape {ls}, expected [B, 1, L, R] with B={B}, L={L}")
     R = ls[-1]
-    if vs != (B, L, H, d) or ws != (H * d, R) or d != nope + v_dim or lins[-1] != H * d:
+    if not same(vs, (B, L, H, d)) or ws != (H * d, R) or d != nope + v_dim or lins[-1] != H * d:
         raise NoMatch(f"kv_b_proj expansion shapes do not line up: view {vs}, weight {ws}, split {sizes}")
     nodes.update({split, X, view, lin, k_nope, v})
     return latent, weight, nope, v_dim, X
@@ -204,7 +200,7 @@ def _match_rope_expand(n: fx.Node, B: int, H: int, L: int, nodes: set) -> fx.Nod
     src = n.args[0]
     ss = _shape(src)
     es = _shape(n)
-    if not (len(ss) == 4 and ss[0] == B and ss[1] == 1 and ss[2] == L and es == (B, H, L, ss[3])):
+    if not (len(ss) == 4 and same(ss[0], B) and ss[1] == 1 and ss[2] == L and same(es, (B, H, L, ss[3]))):
         raise NoMatch(f"rope latent {src.name} {ss} expanded to {es}: expected [B, 1, L, P] -> [B, H, L, P]")
     nodes.add(n)
     return src
@@ -240,7 +236,7 @@ def _match_key(K: fx.Node, attn_users: set, nodes: set):
                 raise NoMatch(f"K slice {user.name} is not written by exactly one copy_")
             src = copies[0].args[1]
             stop = ks[-1] if sl.stop is None else sl.stop
-            if _shape(user)[-1] != stop - start or _shape(src) != _shape(user):
+            if _shape(user)[-1] != stop - start or not same(_shape(src), _shape(user)):
                 raise NoMatch(f"K slice {user.name} is written with a broadcast / mismatched copy")
             if start in parts:
                 raise NoMatch(f"K buffer {K.name} written twice at offset {start}")
@@ -259,56 +255,6 @@ def _match_key(K: fx.Node, attn_users: set, nodes: set):
     return p1, p2, o1, o2
 
 
-def _mask_valid(mask) -> Callable:
-    """Prove the mask is boolean (or HF's additive 0 / finfo.min form) and return a builder that emits the
-    boolean `valid` (True = attend) from existing nodes. Raises NoMatch for anything else."""
-    if mask is None:
-        return lambda b: None
-    if not isinstance(mask, fx.Node):
-        raise NoMatch(f"attention mask is a constant {type(mask).__name__}")
-    v = _val(mask)
-    if v.dtype == torch.bool:
-        return lambda b: mask
-    if not v.dtype.is_floating_point:
-        raise NoMatch(f"attention mask has dtype {v.dtype}")
-    if _is_fn(mask, _WHERE) and len(mask.args) == 3:
-        cond, a, neg = mask.args
-        if _is_zero(a) and _is_big_negative(neg) and _val(cond).dtype == torch.bool:
-            return lambda b: cond
-    if _is_op(mask, "masked_fill") and len(mask.args) >= 3:
-        x, cond, neg = mask.args[0], mask.args[1], mask.args[2]
-        if _is_big_negative(neg) and isinstance(cond, fx.Node) and _val(cond).dtype == torch.bool:
-            inner = _mask_valid(x)
-
-            def build(b, inner=inner, cond=cond):
-                keep = b.call(aten.bitwise_not.default, cond)
-                base = inner(b)
-                return keep if base is None else b.call(aten.bitwise_and.Tensor, base, keep)
-
-            return build
-    raise NoMatch(f"attention mask {mask.name} is an additive float mask not provably 0 / -inf "
-                  f"(only HF's where(mask, 0, finfo.min) [+ masked_fill(.., min)] is understood)")
-
-
-def _is_zero(x) -> bool:
-    if isinstance(x, (int, float)):
-        return x == 0
-    if isinstance(x, fx.Node) and _is_op(x, "zeros", "zeros_like"):
-        return True
-    if isinstance(x, fx.Node) and _is_fn(x, {torch.tensor, torch.scalar_tensor}):
-        return x.args and x.args[0] == 0
-    return False
-
-
-def _is_big_negative(x) -> bool:
-    if isinstance(x, (int, float)):
-        return x <= _BIG_NEGATIVE
-    if isinstance(x, fx.Node) and _is_fn(x, {torch.tensor, torch.scalar_tensor, torch.full}):
-        val = x.args[-1] if _is_fn(x, {torch.full}) else (x.args[0] if x.args else None)
-        return isinstance(val, (int, float)) and val <= _BIG_NEGATIVE
-    return False
-
-
 def _match_sdpa(node: fx.Node):
     q, k, v = (_arg(node, i, nm) for i, nm in enumerate(("query", "key", "value")))
     mask = _arg(node, 3, "attn_mask")
@@ -325,7 +271,7 @@ def _match_sdpa(node: fx.Node):
         scale = _shape(q)[-1] ** -0.5
     if not isinstance(scale, (int, float)):
         raise NoMatch(f"sdpa scale is not a constant ({scale})")
-    return q, k, v, mask, float(scale), set(), {node}
+    return q, k, v, mask, float(scale), set(), {node}, (_val(q).dtype,)
 
 
 def _match_eager(node: fx.Node):
@@ -350,6 +296,7 @@ def _match_eager(node: fx.Node):
     chain.add(p)
     s = p.args[0]
     mask = None
+    dtypes = (_val(s).dtype, _val(p).dtype)  # the masked scores', then the softmax's (HF: float32)
     if _is_op(s, "add", "__add__") or _is_fn(s, {operator.add}):
         chain.add(s)
         s, mask = s.args[0], s.args[1]
@@ -370,7 +317,7 @@ def _match_eager(node: fx.Node):
     if not (_is_op(kt, "transpose") and sorted(_dim(d, 4) for d in _shape_args(kt)) == [2, 3]):
         raise NoMatch("scores are not Q @ K.transpose(2, 3)")
     chain.add(kt)
-    return q, kt.args[0], v, mask, scale, {kt}, chain
+    return q, kt.args[0], v, mask, scale, {kt}, chain, dtypes
 
 
 def match_site(node: fx.Node) -> Site | None:
@@ -378,13 +325,13 @@ def match_site(node: fx.Node) -> Site | None:
     attention that cannot be rewritten."""
     if _is_fn(node, _SDPA):
         impl = "sdpa"
-        q, K, V, mask, scale, k_users, chain = _match_sdpa(node)
+        q, K, V, mask, scale, k_users, chain, dtypes = _match_sdpa(node)
     elif _is_fn(node, _MATMUL) or _is_op(node, "matmul"):
         impl = "eager"
         m = _match_eager(node)
         if m is None:
             return None
-        q, K, V, mask, scale, k_users, chain = m
+        q, K, V, mask, scale, k_users, chain, dtypes = m
     else:
         return None
     qs = _shape(q)
@@ -402,16 +349,17 @@ def match_site(node: fx.Node) -> Site | None:
         raise NoMatch(f"K has {H2} heads, Q has {H} (grouped heads are not supported)")
     kpe = _match_rope_expand(kpe_e, B, H, L, nodes)
     P = _shape(kpe)[-1]
-    if Dq != nope + P or _shape(K) != (B, H, L, nope + P) or _shape(V)[-1] != v_dim:
+    if Dq != nope + P or not same(_shape(K), (B, H, L, nope + P)) or _shape(V)[-1] != v_dim:
         raise NoMatch(f"head dims do not line up: Q {qs}, K {_shape(K)}, nope {nope}, rope {P}")
     lv, qv = _val(latent), _val(q)
     if lv.dtype != qv.dtype or _val(kpe).dtype != qv.dtype or _val(weight).dtype != qv.dtype:
         raise NoMatch(f"mixed dtypes: q {qv.dtype}, latent {lv.dtype}, kpe {_val(kpe).dtype}")
     if mask is not None:
         ms = _shape(mask)
-        if not (len(ms) == 4 and ms[0] in (1, B) and ms[1] == 1 and ms[2] == 1 and ms[3] == L):
+        if not (len(ms) == 4 and (same(ms[0], 1) or same(ms[0], B)) and ms[1] == 1 and ms[2] == 1 and ms[3] == L):
             raise NoMatch(f"mask shape {ms} is not [B|1, 1, 1, L={L}] (per-head masks are not supported)")
-    _mask_valid(mask)  # raises NoMatch for a mask it cannot read (before anything is emitted)
+    # NoMatch for a mask it cannot prove to be a hard mask (before anything is emitted)
+    proof = masks.prove_mask(mask, additive=impl == "eager", dtypes=dtypes)
     # every intermediate must die with the site: no other user outside it
     for n in nodes:
         if n is node:
@@ -419,27 +367,80 @@ def match_site(node: fx.Node) -> Site | None:
         extra = [u for u in n.users if u not in nodes]
         if extra:
             raise NoMatch(f"intermediate {n.name} is also used by {', '.join(u.name for u in extra)}")
-    return Site(out=node, q=q, weight=weight, latent=latent, kpe=kpe, mask=mask, scale=scale, nope=nope,
-                v_dim=v_dim, rope=P, nope_offset=nope_off, rope_offset=rope_off, heads=H, nodes=nodes, impl=impl)
+    return Site(out=node, q=q, weight=weight, latent=latent, kpe=kpe, mask=mask, proof=proof, scale=scale,
+                nope=nope, v_dim=v_dim, rope=P, nope_offset=nope_off, rope_offset=rope_off, heads=H, nodes=nodes,
+                impl=impl, dtypes=dtypes)
 
 
 # ------------------------------------------------------------------------------------------ the emission
-def _valid_2d(b: Builder, site: Site, B: int, L: int, memo: dict):
-    """bool [B, L] valid-token mask of the site's attention mask (None: every token valid)."""
-    return _valid_of(b, site.mask, B, L, memo)
+class Memo:
+    """Nodes one site emits that later sites reuse (a mask's token table, the indexer's top-k, ...).
+
+    A reuse must see what the reusing site's HF code sees: what those nodes read must not be written between
+    where they were emitted and the reusing site. Each entry keeps the graph nodes it read and where it was
+    emitted (`commit`: the first node of its site's emission); `Builder.memo_hits` lists the entries a site
+    reused, for `_check_reads`."""
+
+    def __init__(self):
+        self._values, self._reads, self._anchor = {}, {}, {}
+
+    def get(self, b: Builder, key, build: Callable):
+        if key in self._values:
+            b.memo_hits.append(key)
+            return self._values[key]
+        mark, hits = len(b.created), len(b.memo_hits)
+        value = build()
+        new = set(b.created[mark:])
+        reads = {a for n in b.created[mark:] for a in n.all_input_nodes if a not in new}
+        reads |= {v for v in torch.utils._pytree.tree_leaves(value) if isinstance(v, fx.Node) and v not in new}
+        for k in b.memo_hits[hits:]:
+            reads |= self._reads[k]
+        self._values[key], self._reads[key], self._anchor[key] = value, reads, None
+        return value
+
+    def reads_of(self, key) -> tuple:
+        return self._anchor[key], self._reads[key]
+
+    def commit(self, first: fx.Node) -> None:
+        for k, a in self._anchor.items():
+            if a is None:
+                self._anchor[k] = first
+
+    def snapshot(self):
+        return dict(self._values), dict(self._reads), dict(self._anchor)
+
+    def restore(self, snap) -> None:
+        self._values, self._reads, self._anchor = (dict(x) for x in snap)
 
 
-def _valid_of(b: Builder, mask, B: int, L: int, memo: dict):
+def _batch(b: Builder, site: Site, memo: Memo):
+    """The batch size for emitted shape arguments: an int, or (symbolic batch) a node of q.size(0)."""
+    B = _shape(site.q)[0]
+    if isinstance(B, int):
+        return B
+    return memo.get(b, ("batch", str(B)), lambda: b.call(aten.sym_size.int, site.q, 0))
+
+
+def _times(b: Builder, B, n: int):
+    return B * n if isinstance(B, int) else b.call(operator.mul, B, n)
+
+
+def _lead(B, n: int = 1) -> int:
+    """B * n as a reshape size: -1 (inferred) for a symbolic batch."""
+    return B * n if isinstance(B, int) else -1
+
+
+def _valid_of(b: Builder, mask, proof: masks.MaskProof, B, L: int, memo: Memo):
     """bool [B, L] valid-token mask of an attention mask [B|1, 1, 1, L] (None: every token valid)."""
-    key = ("valid", mask)
-    if key in memo:
-        return memo[key]
-    m = _mask_valid(mask)(b)
-    if m is not None:
-        m = b.call(aten.expand.default, m, [B, 1, 1, L])
-        m = b.call(aten.reshape.default, m, [B, L])
-    memo[key] = m
-    return m
+
+    def build():
+        m = proof.build(b)
+        if m is not None:
+            m = b.call(aten.expand.default, m, [B, 1, 1, L])
+            m = b.call(aten.reshape.default, m, [_lead(B), L])
+        return m
+
+    return memo.get(b, ("valid", mask), build)
 
 
 def token_table(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -457,7 +458,7 @@ def token_table(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _SCAN_CHUNK = 1024
 
 
-def _emit_row_cumsum(b: Builder, valid: fx.Node, B: int, L: int, device) -> fx.Node:
+def _emit_row_cumsum(b: Builder, valid: fx.Node, B, L: int, device) -> fx.Node:
     """int64 [B, L] inclusive cumsum of valid along rows. A long row is scanned in chunks (local scans, then
     the chunk totals), so the scan runs on B * L / chunk programs instead of B (one program per 32K row
     took 37 us of a 1.2 ms HF decode step on the H200)."""
@@ -468,16 +469,16 @@ def _emit_row_cumsum(b: Builder, valid: fx.Node, B: int, L: int, device) -> fx.N
     if n * _SCAN_CHUNK > L:
         pad = b.call(aten.zeros.default, [B, n * _SCAN_CHUNK - L], dtype=torch.int32, device=device)
         v = b.call(aten.cat.default, [v, pad], 1)
-    local = b.call(aten.cumsum.default, b.call(aten.reshape.default, v, [B, n, _SCAN_CHUNK]), -1,
+    local = b.call(aten.cumsum.default, b.call(aten.reshape.default, v, [_lead(B), n, _SCAN_CHUNK]), -1,
                    dtype=torch.int32)
     totals = b.call(aten.select.int, local, 2, _SCAN_CHUNK - 1)  # [B, n]
     before = b.call(aten.sub.Tensor, b.call(aten.cumsum.default, totals, -1, dtype=torch.int32), totals)
     cum = b.call(aten.add.Tensor, local, b.call(aten.unsqueeze.default, before, 2))
-    cum = b.call(aten.slice.Tensor, b.call(aten.reshape.default, cum, [B, n * _SCAN_CHUNK]), 1, 0, L)
+    cum = b.call(aten.slice.Tensor, b.call(aten.reshape.default, cum, [_lead(B), n * _SCAN_CHUNK]), 1, 0, L)
     return b.call(aten._to_copy.default, cum, dtype=torch.int64)
 
 
-def _emit_token_table(b: Builder, valid: fx.Node, B: int, L: int, device):
+def _emit_token_table(b: Builder, valid: fx.Node, B, L: int, device):
     """(table int32 [B, L] of valid LOGICAL positions, counts int32 [B]) as aten nodes. The counts are the scan's
     last column, not a row sum: Inductor fused a [B, L] sum with the scatter into one reduction kernel of B
     programs (17.7 us of an 0.85 ms H=16 32K HF step on the H200)."""
@@ -485,82 +486,102 @@ def _emit_token_table(b: Builder, valid: fx.Node, B: int, L: int, device):
     counts = b.call(aten._to_copy.default, b.call(aten.select.int, cum, 1, L - 1), dtype=torch.int32)
     pos = b.call(aten.sub.Tensor, cum, 1)
     dest = b.call(aten.where.ScalarOther, valid, pos, L)
-    src = b.call(aten.arange.default, L, dtype=torch.int32, device=device)
-    src = b.call(aten.expand.default, src, [B, L])
+    src = _all_positions(b, B, L, device)
     zeros = b.call(aten.zeros.default, [B, L + 1], dtype=torch.int32, device=device)
     table = b.call(aten.scatter.src, zeros, 1, dest, src)
     table = b.call(aten.slice.Tensor, table, 1, 0, L)
     return table, counts
 
 
-def _emit_slots(b: Builder, site: Site, src: LatentSource, B: int, L: int, memo: dict):
-    """(ckv [N, 1, R], kpe [N, 1, P], table int32 [B, T], seq_lens int32 [B], extra) for mla.decode: a page
-    size 1 view of the latent where table rows list the physical slots of each row's valid tokens."""
-    v0 = _val(site.q)
-    device = v0.device
+def _all_positions(b: Builder, B, L: int, device) -> fx.Node:
+    """int32 [B, L]: every row lists positions 0 .. L-1."""
+    return b.call(aten.expand.default, b.call(aten.arange.default, L, dtype=torch.int32, device=device), [B, L])
+
+
+def _emit_slots(b: Builder, site: Site, src: LatentSource, B, L: int, memo: Memo):
+    """(ckv [N, 1, R], kpe [N, 1, P], table int32 [B, T], seq_lens int32 [B], empty) for mla.decode: a page
+    size 1 view of the latent where table rows list the physical slots of each row's valid tokens. empty:
+    bool [B], the rows with no valid token (None where the mask's empty rows need nothing: no mask, or 0 as
+    mla.decode gives). With "uniform" empty rows (HF's flat softmax over the whole cache) those rows list all L
+    tokens; their query is zeroed by the caller."""
+    device = _val(site.q).device
     R, P = _shape(site.latent)[-1], site.rope
-    key = ("slots", src.kind, src.block_table, site.mask, src.dcp_rank)
-    if key in memo:
-        table, seq_lens = memo[key]
-    else:
-        valid = _valid_2d(b, site, B, L, memo)
+    empty_rows = site.proof.empty_rows
+
+    def build():
+        valid = _valid_of(b, site.mask, site.proof, B, L, memo)
+        if valid is None:  # every token valid: no row is ever empty
+            if src.kind != "dcp":
+                table = _all_positions(b, B, L, device)
+                seq_lens = b.call(aten.full.default, [B], L, dtype=torch.int32, device=device)
+                return _physical(b, table, src, B, L, device, memo), seq_lens, None
+            valid = b.call(aten.full.default, [B, L], True, dtype=torch.bool, device=device)
+            empty_rows_here = masks.EMPTY_ZERO
+        else:
+            empty_rows_here = empty_rows
+        empty = None
         if src.kind == "dcp":
+            if empty_rows_here != masks.EMPTY_ZERO:  # emptiness is global: from the whole row, before sharding
+                empty = b.call(aten.logical_not.default, b.call(aten.any.dim, valid, -1))
+                if empty_rows_here == masks.EMPTY_UNIFORM:
+                    valid = b.call(aten.bitwise_or.Tensor, valid, b.call(aten.unsqueeze.default, empty, 1))
             # this rank's local position j holds global token j * n + r; valid restricted to those
             n, r = src.dcp_size, src.dcp_rank
             cap = _shape(src.block_table)[1] * _shape(src.ckv)[1]  # local token capacity
-            if valid is None:
-                valid = b.call(aten.full.default, [B, L], True, dtype=torch.bool, device=device)
             need = cap * n
             if need > L:  # pad to a multiple of n (positions >= L are never valid)
                 pad = b.call(aten.full.default, [B, need - L], False, dtype=torch.bool, device=device)
                 valid = b.call(aten.cat.default, [valid, pad], 1)
             else:
                 valid = b.call(aten.slice.Tensor, valid, 1, 0, need)
-            valid = b.call(aten.reshape.default, valid, [B, cap, n])
+            valid = b.call(aten.reshape.default, valid, [_lead(B), cap, n])
             valid = b.call(aten.select.int, valid, 2, r)  # [B, cap] local validity
-            Lt = cap
-        else:
-            Lt = L
-        if valid is None and src.kind != "dcp":
-            table = b.call(aten.arange.default, Lt, dtype=torch.int32, device=device)
-            table = b.call(aten.expand.default, table, [B, Lt])
-            seq_lens = b.call(aten.full.default, [B], Lt, dtype=torch.int32, device=device)
-        else:
-            table, seq_lens = _emit_token_table(b, valid, B, Lt, device)
-        # logical position -> physical slot of the flat (page size 1) view
-        if src.kind == "tensor":
-            table = b.call(aten.add.Tensor, table, _row_base(b, B, L, device, memo))
-        else:
-            table = _paged_slots(b, table, src)
-        if src.kind == "dcp":  # dcp_decode derives local lengths from "global" ones: c * n has local length c
+            table, seq_lens = _emit_token_table(b, valid, B, cap, device)
+            # dcp_decode derives local lengths from "global" ones: c * n has local length c
             seq_lens = b.call(aten.mul.Tensor, seq_lens, src.dcp_size)
-        memo[key] = (table, seq_lens)
+        else:
+            table, seq_lens = _emit_token_table(b, valid, B, L, device)
+            if empty_rows_here != masks.EMPTY_ZERO:
+                empty = b.call(aten.eq.Scalar, seq_lens, 0)
+                if empty_rows_here == masks.EMPTY_UNIFORM:  # an empty row lists every position
+                    table = b.call(aten.where.self, b.call(aten.unsqueeze.default, empty, 1),
+                                   _all_positions(b, B, L, device), table)
+                    seq_lens = b.call(aten.where.ScalarSelf, empty, L, seq_lens)
+        return _physical(b, table, src, B, L, device, memo), seq_lens, empty
+
+    table, seq_lens, empty = memo.get(b, ("slots", src.kind, src.block_table, site.mask, src.dcp_rank), build)
     ckv, kpe = _flat_latent(b, src, B, L, R, P)
-    return ckv, kpe, table, seq_lens
+    return ckv, kpe, table, seq_lens, empty
 
 
-def _flat_latent(b: Builder, src: LatentSource, B: int, L: int, R: int, P: int):
-    """The latent as a page size 1 cache (ckv [N, 1, R], kpe [N, 1, P]); slot = the physical slot."""
+def _physical(b: Builder, table: fx.Node, src: LatentSource, B, L: int, device, memo: Memo) -> fx.Node:
+    """Logical positions -> physical slots of the flat (page size 1) latent view."""
     if src.kind == "tensor":
-        ckv = b.call(aten.reshape.default, src.ckv, [B * L, 1, R])
-        kpe = b.call(aten.reshape.default, src.kpe, [B * L, 1, P])
-    else:
-        ckv = b.call(aten.reshape.default, src.ckv, [-1, 1, R])
-        kpe = b.call(aten.reshape.default, src.kpe, [-1, 1, P])
+        return b.call(aten.add.Tensor, table, _row_base(b, B, L, device, memo))
+    return _paged_slots(b, table, src)
+
+
+def _flat_latent(b: Builder, src: LatentSource, B, L: int, R: int, P: int):
+    """The latent as a page size 1 cache (ckv [N, 1, R], kpe [N, 1, P]); slot = the physical slot."""
+    n = _lead(B, L) if src.kind == "tensor" else -1
+    ckv = b.call(aten.reshape.default, src.ckv, [n, 1, R])
+    kpe = b.call(aten.reshape.default, src.kpe, [n, 1, P])
     return ckv, kpe
 
 
-def _row_base(b: Builder, B: int, L: int, device, memo: dict) -> fx.Node:
+def _row_base(b: Builder, B, L: int, device, memo: Memo) -> fx.Node:
     """int32 [B, 1]: b * L, the first flat slot of row b in a [B, L, ...] buffer."""
-    key = ("row_base", B, L)
-    if key not in memo:
-        base = b.call(aten.arange.start_step, 0, B * L, L, dtype=torch.int32, device=device)
-        memo[key] = b.call(aten.unsqueeze.default, base, 1)
-    return memo[key]
+
+    def build():
+        base = b.call(aten.arange.start_step, 0, _times(b, B, L), L, dtype=torch.int32, device=device)
+        return b.call(aten.unsqueeze.default, base, 1)
+
+    return memo.get(b, ("row_base", str(B), L), build)
 
 
-def _emit_sparse_indices(b: Builder, site: Site, src: LatentSource, B: int, L: int, memo: dict) -> fx.Node:
-    """int32 [B, k]: the latent's physical slots of the tokens HF's indexer selects, -1 padded.
+def _emit_sparse_indices(b: Builder, site: Site, src: LatentSource, B, L: int, memo: Memo):
+    """(int32 [B, k]: the latent's physical slots of the tokens HF's indexer selects, -1 padded; counts int32 [B]
+    of the attention mask A's valid tokens).
 
     HF: topk(score masked by A, k).indices over the static cache's L positions (invalid ones at -inf or
     + finfo.min), index_mask keeps them, A & ~index_mask drops the invalid ones again: the attended set is
@@ -571,34 +592,31 @@ def _emit_sparse_indices(b: Builder, site: Site, src: LatentSource, B: int, L: i
     scores (HF's torch.topk does not define one either). Rows with count <= k skip the logits (identity)."""
     sp = site.sparse
     device = _val(site.q).device
-    key = ("indexer", sp.topk)  # a GLM-DSA "shared" layer reuses the previous layer's top-k: one indexer call
-    if key in memo:
-        idx = memo[key]
-    else:
-        valid = _valid_of(b, sp.A, B, L, memo)
-        if valid is None:
-            raise NoMatch("DSA indexer without an attention mask")
-        tkey = ("table", sp.A)
-        if tkey not in memo:
-            memo[tkey] = _emit_token_table(b, valid, B, L, device)
-        table, counts = memo[tkey]
+    proof = masks.prove_mask(sp.A, additive=site.impl == "eager", dtypes=site.dtypes)
+    valid = _valid_of(b, sp.A, proof, B, L, memo)
+    if valid is None:
+        raise NoMatch("DSA indexer without an attention mask")
+    table, counts = memo.get(b, ("table", sp.A), lambda: _emit_token_table(b, valid, B, L, device))
+
+    def indexer():  # a GLM-DSA "shared" layer reuses the previous layer's top-k: one indexer call
         ktable = b.call(aten.add.Tensor, table, _row_base(b, B, L, device, memo))  # indexer slots b*L + t
         _, _, Hi, Di = _shape(sp.q)
-        kc = b.call(aten.reshape.default, sp.keys, [B * L, 1, Di])
-        qi = b.call(aten.reshape.default, sp.q, [B, Hi, Di])
-        w = b.call(aten.reshape.default, sp.weights, [B, Hi])
-        idx = b.call(torch.ops.dsa.indexer_topk.default, qi, w, kc, ktable, counts, sp.k, sp.scale)
-        memo[key] = idx
+        kc = b.call(aten.reshape.default, sp.keys, [_lead(B, L), 1, Di])
+        qi = b.call(aten.reshape.default, sp.q, [_lead(B), Hi, Di])
+        w = b.call(aten.reshape.default, sp.weights, [_lead(B), Hi])
+        return b.call(torch.ops.dsa.indexer_topk.default, qi, w, kc, ktable, counts, sp.k, sp.scale)
+
+    idx = memo.get(b, ("indexer", sp.topk), indexer)
     if src.kind == "tensor":  # the latent [B, 1, L, R] has the same flat slots b*L + t
-        return idx
-    # paged latent: indexer slot b*L + t -> token t -> block_table[b, t // PS] * PS + t % PS
-    pkey = ("indexer_paged", sp.topk, src.block_table)
-    if pkey not in memo:
+        return idx, counts
+
+    def paged():  # indexer slot b*L + t -> token t -> block_table[b, t // PS] * PS + t % PS
         keep = b.call(aten.ge.Scalar, idx, 0)
         t = b.call(aten.sub.Tensor, idx, _row_base(b, B, L, device, memo))
         t = b.call(aten.where.ScalarOther, keep, t, 0)
-        memo[pkey] = b.call(aten.where.ScalarOther, keep, _paged_slots(b, t, src), -1)
-    return memo[pkey]
+        return b.call(aten.where.ScalarOther, keep, _paged_slots(b, t, src), -1)
+
+    return memo.get(b, ("indexer_paged", sp.topk, src.block_table), paged), counts
 
 
 def _paged_slots(b: Builder, t: fx.Node, src: LatentSource) -> fx.Node:
@@ -634,7 +652,7 @@ def _q_part(b: Builder, q: fx.Node, start: int, width: int) -> fx.Node:
         off = 0
         for part in q.args[0]:
             w = _shape(part)[-1]
-            if off == start and w == width and _shape(part)[:-1] == _shape(q)[:-1]:
+            if off == start and w == width and same(_shape(part)[:-1], _shape(q)[:-1]):
                 return b.call(aten.select.int, part, 2, 0)
             off += w
     return b.call(aten.slice.Tensor, b.call(aten.select.int, q, 2, 0), 2, start, start + width)
@@ -649,7 +667,7 @@ _ABSORB = "auto"
 
 
 def _absorb_with_kernel(x: torch.Tensor) -> bool:
-    """x [B, H, K]: per head, B rows."""
+    """x [B, H, K]: per head, B rows (a symbolic B: never, the kernels' range is a static row count)."""
     if _ABSORB != "auto":
         return _ABSORB == "per_head_linear"
     from .fused_linear import few_token_worth_it
@@ -667,11 +685,18 @@ def _per_head_matmul(b: Builder, x: fx.Node, w: fx.Node, contract_last: bool) ->
     return b.call(aten.transpose.int, y, 0, 1)
 
 
-def _emit(b: Builder, site: Site, src: LatentSource, memo: dict) -> fx.Node:
+def _rows(b: Builder, empty: fx.Node) -> fx.Node:
+    """bool [B] -> [B, 1, 1] (broadcast over heads and features)."""
+    return b.call(aten.unsqueeze.default, b.call(aten.unsqueeze.default, empty, 1), 2)
+
+
+def _emit(b: Builder, site: Site, src: LatentSource, memo: Memo) -> fx.Node:
     """The absorbed computation; returns the node replacing the attention output [B, H, 1, v]."""
-    B, H, _, _ = _shape(site.q)
+    Bs, H, _, _ = _shape(site.q)  # Bs: int or SymInt
+    B = _batch(b, site, memo)  # for shape arguments: int or a node
     L, R = _shape(site.latent)[-2:]
     nope, v_dim, P = site.nope, site.v_dim, site.rope
+    empty_rows = site.proof.empty_rows
     # q_pe and q_abs stay strided views (last dim contiguous): the decode ops take any batch/head strides, so no
     # copy kernels before the attention
     q_nope = _q_part(b, site.q, site.nope_offset, nope)
@@ -681,37 +706,87 @@ def _emit(b: Builder, site: Site, src: LatentSource, memo: dict) -> fx.Node:
     w_uv = b.call(aten.slice.Tensor, w, 1, nope, nope + v_dim)  # [H, v, R]
     q_abs = _per_head_matmul(b, q_nope, w_uk, contract_last=False)  # [B, H, R]
     if site.sparse is not None:  # DSA sparse graph: HF's indexer -> dsa.indexer_topk, attention over its slots
-        idx = _emit_sparse_indices(b, site, src, B, L, memo)
+        idx, counts = _emit_sparse_indices(b, site, src, B, L, memo)
         ckv, kpe = _flat_latent(b, src, B, L, R, P)
         res = b.call(torch.ops.mla.sparse_decode.default, q_abs, q_pe, ckv, kpe, idx, site.scale)
+        lat = b.item(res, 0)  # [B, H, R]
+        empty = None if empty_rows == masks.EMPTY_ZERO else b.call(aten.eq.Scalar, counts, 0)
+        if empty_rows == masks.EMPTY_UNIFORM:
+            # HF: every score of an empty row rounds to the mask constant, so it attends all L positions alike;
+            # the k-wide sparse op cannot list them: a second decode over every slot, with zero queries (scores 0)
+            # and length L on the empty rows only (0 elsewhere: nothing to read)
+            device = _val(site.q).device
+            table = memo.get(b, ("all_slots", src.kind, src.block_table),
+                             lambda: _physical(b, _all_positions(b, B, L, device), src, B, L, device, memo))
+            lens = b.call(aten._to_copy.default, b.call(aten.where.Scalar, empty, L, 0), dtype=torch.int32)
+            flat = b.call(torch.ops.mla.decode.default, b.call(aten.zeros_like.default, q_abs),
+                          b.call(aten.zeros_like.default, q_pe), ckv, kpe, table, lens, site.scale)
+            lat = b.call(aten.where.self, _rows(b, empty), b.item(flat, 0), lat)
     else:
-        ckv, kpe, table, seq_lens = _emit_slots(b, site, src, B, L, memo)
+        ckv, kpe, table, seq_lens, empty = _emit_slots(b, site, src, B, L, memo)
+        if empty is not None and empty_rows == masks.EMPTY_UNIFORM:
+            # an empty row lists every slot; a zero query gives each score 0: HF's flat softmax over the cache
+            rows = _rows(b, empty)
+            q_abs = b.call(aten.where.ScalarSelf, rows, 0.0, q_abs)
+            q_pe = b.call(aten.where.ScalarSelf, rows, 0.0, q_pe)
         if src.kind == "dcp":
+            # check_lens=False: these seq_lens are this rank's own token count times n, not lengths shared by
+            # every rank, so dcp_decode must not compare them across ranks (shapes still are)
             res = b.call(torch.ops.mla.dcp_decode.default, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale,
-                         src.dcp_size, src.dcp_rank, src.group_name)
+                         src.dcp_size, src.dcp_rank, src.group_name, False)
         else:
             res = b.call(torch.ops.mla.decode.default, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale)
-    lat = b.item(res, 0)  # [B, H, R]
+        lat = b.item(res, 0)  # [B, H, R]
+    if empty is not None and empty_rows == masks.EMPTY_NAN:  # HF: softmax of a row of -inf
+        lat = b.call(aten.where.ScalarSelf, _rows(b, empty), float("nan"), lat)
     out = _per_head_matmul(b, lat, w_uv, contract_last=True)  # [B, H, v]
     out = b.call(aten.unsqueeze.default, out, 2)  # [B, H, 1, v]
     ov = _val(site.out)
-    if tuple(ov.shape) != (B, H, 1, v_dim) or ov.dtype != _val(out).dtype:
+    if not same(tuple(ov.shape), (Bs, H, 1, v_dim)) or ov.dtype != _val(out).dtype:
         raise NoMatch(f"rewritten output {tuple(_val(out).shape)} differs from attention's {tuple(ov.shape)}")
     return out
 
 
-def rewrite_site(graph: fx.Graph, site: Site, src: LatentSource, fake_mode, memo: dict) -> None:
-    # insert right before the attention: every input (q, weight, latent, mask) is defined by then, and
-    # _check_no_mutation_between has proven the latent still holds what kv_b_proj read
+def _check_reads(graph: fx.Graph, b: Builder, site: Site, src: LatentSource, memo: Memo) -> None:
+    """The rewrite reads its inputs at the attention; HF read them earlier (kv_b_proj reads the latent and its
+    weight, the K assembly the rope latent, the mask expression its inputs, a reused entry where it was emitted).
+    No write in between may reach memory any of them lives in."""
+    created = set(b.created)
+    consumers = set(site.nodes) | site.proof.nodes | {site.q}
+    if site.sparse is not None:
+        consumers |= site.sparse.nodes
+    if src.kind != "tensor":
+        consumers.add(site.latent.args[0])  # the cache's gather reads the pages and the block table
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    reads = {}
+    for r in {a for n in b.created for a in n.all_input_nodes if a not in created}:
+        seen = [u for u in r.users if u in consumers]
+        reads[r] = min(seen, key=order.__getitem__) if seen else r
+    for key in b.memo_hits:
+        anchor, entry_reads = memo.reads_of(key)
+        for r in entry_reads:
+            if r not in reads or order[anchor] < order[reads[r]]:
+                reads[r] = anchor
+    hit = first_write(graph, reads, b.created[0])
+    if hit is not None:
+        writer, r = hit
+        raise NoMatch(f"{writer.name} writes memory that {r.name} lives in after HF read it and before the "
+                      f"attention (what the rewrite would read there differs)")
+
+
+def rewrite_site(graph: fx.Graph, site: Site, src: LatentSource, fake_mode, memo: Memo) -> None:
+    # insert right before the attention: every input (q, weight, latent, mask) is defined by then;
+    # _check_reads proves they still hold what HF read
     b = Builder(graph, site.out, fake_mode, site.out)
-    saved_memo = dict(memo)
+    saved = memo.snapshot()
     try:
         out = _emit(b, site, src, memo)
+        _check_reads(graph, b, site, src, memo)
     except BaseException:
-        memo.clear()
-        memo.update(saved_memo)
+        memo.restore(saved)
         b.rollback()
         raise
+    memo.commit(b.created[0])
     site.out.replace_all_uses_with(out)
     for n in sorted(site.nodes, key=_order(graph), reverse=True):
         if not n.users:
@@ -722,9 +797,7 @@ def rewrite_site(graph: fx.Graph, site: Site, src: LatentSource, fake_mode, memo
             if not n.users:
                 graph.erase_node(n)
     if site.sparse is not None:  # HF's index mask, top-k, logits and weights are dead now (pure nodes only)
-        from .dsa_indexer import _erase_dead
-
-        _erase_dead(graph, [site.mask])
+        erase_dead(graph, [site.mask])
 
 
 def _sparse_indexer(graph: fx.Graph, site: Site, src: LatentSource):
@@ -739,15 +812,9 @@ def _sparse_indexer(graph: fx.Graph, site: Site, src: LatentSource):
         if src.kind not in ("tensor", "paged"):
             raise NotSparse(f"{src.kind} latent (the DCP sparse graph keeps HF's indexer + mla.dcp_decode)")
         B, L = _shape(site.q)[0], _shape(site.latent)[-2]
-        if _shape(sp.keys)[:2] != (B, L):
+        if not same(_shape(sp.keys)[:2], (B, L)):
             raise NotSparse(f"indexer keys {_shape(sp.keys)} do not cover the latent's [B={B}, L={L}] tokens")
-        _mask_valid(sp.A)  # provably boolean / 0-or-big-negative (NoMatch otherwise)
-        # the indexer op reads the keys at the attention: nothing may write them after HF's logits read them
-        order = _order(graph)
-        lo, hi = order(sp.keys_read), order(site.out)
-        for n in graph.nodes:
-            if lo < order(n) < hi and _mutates(n, {sp.keys}):
-                raise NotSparse(f"the indexer key cache is written by {n.name} between its read and the attention")
+        masks.prove_mask(sp.A, additive=site.impl == "eager", dtypes=site.dtypes)  # a hard mask (NoMatch otherwise)
         return sp
     except (NotSparse, NoMatch) as e:
         log.info("mla_attention: DSA indexer at %s kept (HF top-k mask -> token table): %s", site.out.name, e)
@@ -759,34 +826,27 @@ def _order(graph: fx.Graph):
     return lambda n: index[n]
 
 
-def _mutates(n: fx.Node, watched: set) -> bool:
-    """Does `n` write into one of `watched` in place (Tensor.foo_ method, or an op with a mutable schema)?"""
-    if n.op == "call_method":
-        return n.target.endswith("_") and not n.target.startswith("__") and bool(n.args) and n.args[0] in watched
-    if n.op == "call_function":
-        if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
-            return any(a in watched for a in n.all_input_nodes)
-        name = getattr(n.target, "__name__", "")
-        return name.endswith("_") and not name.startswith("__") and bool(n.args) and n.args[0] in watched
-    return False
-
-
-def _check_no_mutation_between(graph: fx.Graph, site: Site, src: LatentSource) -> None:
-    """What the rewrite reads at the attention (latent tensors, or the cache pages behind a gather) must hold
-    what HF's expansion read: no in-place write to it in between."""
-    order = _order(graph)
-    starts = [order(n) for n in site.nodes]
-    watched = {site.latent, site.kpe}
-    if src.kind != "tensor":
-        starts.append(order(site.latent.args[0]))
-        watched |= {src.ckv, src.kpe, src.block_table}
-    lo, hi = min(starts), order(site.out)
-    for n in graph.nodes:
-        if lo < order(n) < hi and _mutates(n, watched):
-            raise NoMatch(f"the latent cache is written by {n.name} between its read and the attention")
-
-
 # ----------------------------------------------------------------------------------------------- the pass
+# reasons a user can do something about: a WARNING the first time (per process), naming the fix; INFO after
+_FIXES = {
+    DynamicShape: "compile with dynamic=False (one static graph per shape; a batch-size change alone keeps the "
+                  "rewrite with a symbolic batch)",
+    masks.InputMask: "use attn_implementation='sdpa' (generate() then hands over a bool mask), or let the forward "
+                     "build the eager mask in the graph: a `create_masks_for_generate` on the model that returns "
+                     "the 2-D attention_mask padded to the cache length (README, 'Compiling HF models')",
+}
+_warned: set = set()
+
+
+def _log_skip(node: fx.Node, e: NoMatch) -> None:
+    fix = next((f for kind, f in _FIXES.items() if isinstance(e, kind)), None)
+    if fix is not None and fix not in _warned:
+        _warned.add(fix)
+        log.warning("mla_attention: not rewritten: attention at %s: %s. To rewrite it: %s", node.name, e, fix)
+    else:
+        log.info("mla_attention: not rewritten: attention at %s: %s", node.name, e)
+
+
 def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) -> int:
     """Rewrite every matched decode site of `gm` (a Dynamo graph, or its fx.Graph) in place; returns the
     number rewritten. `example_inputs` is accepted for the backend-hook signature (metadata comes from the
@@ -797,7 +857,7 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
     dropped = drop_dense_indexer(graph)  # DSA dense graph: HF's index mask is "all selected" -> A alone
     candidates = [n for n in graph.nodes if _is_fn(n, _SDPA) or _is_fn(n, _MATMUL) or _is_op(n, "matmul")]
     fake_mode = None
-    memo: dict = {}
+    memo = Memo()
     rewritten = sparse = 0
     counters = torch._dynamo.utils.counters["mla_compile"]
     for node in candidates:
@@ -808,7 +868,6 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
             if site is None:
                 continue
             src = latent_source(site)
-            _check_no_mutation_between(graph, site, src)
             if fake_mode is None:
                 fake_mode = fake_mode_of(graph)
             site.sparse = _sparse_indexer(graph, site, src)
@@ -822,7 +881,7 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
                 rewrite_site(graph, site, src, fake_mode, memo)
         except NoMatch as e:
             counters[SKIP_COUNTER] += 1
-            log.info("mla_attention: not rewritten: attention at %s: %s", node.name, e)
+            _log_skip(node, e)
             continue
         except Exception as e:  # noqa: BLE001 - a bug in the pass must not break the user's model
             counters[SKIP_COUNTER] += 1
@@ -856,4 +915,4 @@ class MLAAttentionPass(CustomGraphPass):
     def uuid(self) -> bytes:
         from . import _fx, dsa_indexer
 
-        return get_hash_for_files((__file__, dsa_indexer.__file__, _fx.__file__))
+        return get_hash_for_files((__file__, dsa_indexer.__file__, _fx.__file__, masks.__file__))
