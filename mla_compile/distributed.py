@@ -42,20 +42,26 @@ class DCPGroup:
         return cls(1, 0, "", torch.device(device), None)
 
 
-def init_dcp(backend: str | None = None, timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+def init_dcp(backend: str | None = None, timeout: datetime.timedelta | float | None = None,
              dcp_size: int | None = None, device: str | torch.device | None = None) -> DCPGroup:
     """Join (or reuse) torch.distributed and return this rank's DCP group.
 
     Without an initialized default group it calls `init_process_group` from torchrun's environment (RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): `backend` defaults to "nccl" when CUDA is available
-    (device cuda:LOCAL_RANK, set as current) and "gloo" otherwise. `timeout` (timedelta or seconds) bounds
-    every collective: a dead or failing peer turns into an error on every rank instead of a hang.
-    `dcp_size` (default: the world) splits the world into consecutive groups of that many ranks (collective
-    over all ranks: every rank must call this with the same value). Single process without torchrun: a
-    size-1 group.
+    (device cuda:LOCAL_RANK, set as current) and "gloo" otherwise. `timeout` (timedelta or seconds; default
+    DEFAULT_TIMEOUT) bounds every collective of the DCP group: a dead or failing peer turns into an error on
+    every rank instead of a hang. With a default group already initialized, timeout=None reuses it (with
+    its own timeout), while a given timeout gets a DCP group of its own with that timeout (a process group's
+    timeout cannot be read back to compare, and changing the default group's would change the caller's
+    other collectives). `dcp_size` (default: the world) splits the world into consecutive groups of that
+    many ranks. Making a group is collective over all ranks: every rank must call this with the same
+    dcp_size and timeout. Single process without torchrun: a size-1 group.
     """
-    if not isinstance(timeout, datetime.timedelta):
+    if timeout is not None and not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
+    if timeout is not None and not timeout.total_seconds() > 0:
+        raise ValueError(f"timeout: must be positive, got {timeout}")
+    own_default = False  # we made the default group here, with the caller's timeout
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             if dcp_size not in (None, 1):
@@ -68,7 +74,8 @@ def init_dcp(backend: str | None = None, timeout: datetime.timedelta | float = D
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
             torch.cuda.set_device(local_rank)
             kwargs["device_id"] = torch.device("cuda", local_rank)  # eager NCCL communicator init
-        dist.init_process_group(backend, init_method="env://", timeout=timeout, **kwargs)
+        dist.init_process_group(backend, init_method="env://", timeout=timeout or DEFAULT_TIMEOUT, **kwargs)
+        own_default = True
     world = dist.get_world_size()
     if device is None:
         be = dist.get_backend()
@@ -77,10 +84,12 @@ def init_dcp(backend: str | None = None, timeout: datetime.timedelta | float = D
     n = world if dcp_size is None else dcp_size
     if not (isinstance(n, int) and n >= 1 and world % n == 0):
         raise ValueError(f"dcp_size: must be a positive divisor of the world size {world}, got {dcp_size!r}")
-    if n == world:
+    if n == world and (own_default or timeout is None):
         group = dist.group.WORLD
+    elif n == world:
+        group = dist.new_group(ranks=list(range(world)), timeout=timeout)
     else:
-        group, _ = dist.new_subgroups(group_size=n, timeout=timeout)
+        group, _ = dist.new_subgroups(group_size=n, timeout=timeout or DEFAULT_TIMEOUT)
     return DCPGroup(n, dist.get_rank(group), group.group_name, device, group)
 
 

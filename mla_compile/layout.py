@@ -51,32 +51,51 @@ def local_token_positions(seq_len: int, dcp_size: int, dcp_rank: int) -> torch.T
 
 
 def owner_slots(block_table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor, page_size: int,
-                dcp_size: int = 1, dcp_rank: int = 0) -> torch.Tensor:
+                dcp_size: int = 1, dcp_rank: int = 0, check: bool | None = None) -> torch.Tensor:
     """Write slots for new tokens: the physical slot in this rank's shard, or -1 if another rank owns it.
 
     block_table int32 [B, MP] holds THIS rank's pages; req_indices [T] says which request each token
     belongs to; positions [T] are GLOBAL token positions. Returns int64 [T] for `mla::cache_write`.
+
+    A token with no slot (negative position, request index outside [0, B), or owned here but past the
+    block table's capacity) is an error when `check` is on, else it gets -1 (skipped) rather than some
+    other token's slot. `check=None` checks where reading the values costs no device sync (eager CPU
+    tensors); callers that accept a sync elsewhere (e.g. CUDA debugging) pass True, under torch.compile
+    it is always off.
     """
     _check_group(dcp_size, dcp_rank)
     if page_size <= 0:
         raise ValueError(f"page_size: must be positive, got {page_size}")
-    positions = positions.long()
+    positions, req_indices = positions.long(), req_indices.long()
+    B, MP = block_table.shape
     local = local_position(positions, dcp_size)
+    has_token = (positions >= 0) & (req_indices >= 0) & (req_indices < B)
     mine = owner_rank(positions, dcp_size) == dcp_rank
-    fits = local < block_table.shape[1] * page_size
-    # An owned token past the block table's capacity has no slot: an error where checking costs no device
-    # sync (CPU, eager); elsewhere it is skipped (-1) rather than written into some other token's slot.
-    if not torch.compiler.is_compiling() and _data_checks(positions) and bool((mine & ~fits).any()):
+    fits = local < MP * page_size
+    if check is None:
+        check = positions.device.type == "cpu"
+    if check and not torch.compiler.is_compiling() and not _is_fake(positions) and positions.numel():
+        _raise_unslotted(block_table, req_indices, positions, page_size, dcp_size, dcp_rank, has_token, mine, fits)
+    row = req_indices.clamp(min=0, max=max(B - 1, 0))
+    page = block_table.long()[row, (local // page_size).clamp(min=0, max=max(MP - 1, 0))] \
+        if B and MP else torch.zeros_like(local)
+    slots = page * page_size + local % page_size
+    return torch.where(has_token & mine & fits, slots, torch.full_like(slots, -1))
+
+
+def _raise_unslotted(block_table, req_indices, positions, page_size, dcp_size, dcp_rank, has_token, mine, fits):
+    if bool((positions < 0).any()):
+        raise ValueError(f"positions: must be >= 0, saw {int(positions.min())}")
+    if not bool(has_token.all()):
+        bad = int(req_indices[~has_token][0])
+        raise ValueError(f"req_indices: must be in [0, {block_table.shape[0]}) (rows of block_table), saw {bad}")
+    if bool((mine & ~fits).any()):
         bad = int(positions[mine & ~fits][0])
         raise ValueError(f"positions: token {bad} (local position {bad // dcp_size} on rank {dcp_rank}) is past the "
                          f"block table's capacity of {block_table.shape[1]} pages x {page_size}")
-    page = block_table.long()[req_indices.long(), (local // page_size).clamp(min=0, max=max(block_table.shape[1] - 1, 0))] \
-        if block_table.shape[1] else torch.zeros_like(local)
-    slots = page * page_size + local % page_size
-    return torch.where(mine & fits, slots, torch.full_like(slots, -1))
 
 
-def _data_checks(t: torch.Tensor) -> bool:
-    from .ops._checks import data_checks_enabled, is_fake
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
 
-    return not is_fake(t) and data_checks_enabled(t.device)
+    return is_fake(t) or t.device.type == "meta"

@@ -1,14 +1,16 @@
 """`mla::dcp_decode` across real processes: gloo groups of n ranks on CPU.
 
 One group of worker processes per n is started once (forkserver with torch preloaded, so a rank costs a
-fork, not a torch import) and reused for several checks; each check is a function below run on every rank.
-Process groups have timeouts, every command has an outer timeout, and a rank that fails reports its
-traceback and exits so its peers' collectives fail fast: a test never hangs.
+fork, not a torch import) and reused for several checks; each check is a function below run on every rank
+(other test modules add theirs: `GlooGroup(n, commands="module")`). Process groups have timeouts, every
+command has an outer timeout, and a rank that fails reports its traceback and exits so its peers'
+collectives fail fast: a test never hangs.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib
 import math
 import multiprocessing as mp
 import multiprocessing.connection
@@ -47,7 +49,7 @@ class _Ctx:
         self.group_name = group.group_name
 
 
-def _worker(rank: int, n: int, init_file: str, pg_timeout_s: float, conn) -> None:
+def _worker(rank: int, n: int, init_file: str, pg_timeout_s: float, conn, dcp_timeout_s, commands) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -55,9 +57,11 @@ def _worker(rank: int, n: int, init_file: str, pg_timeout_s: float, conn) -> Non
     from mla_compile.distributed import init_dcp
 
     try:
+        if commands:  # another test module's commands (it imports this one, so ours stay)
+            COMMANDS.update(importlib.import_module(commands).COMMANDS)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=n,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
-        ctx = _Ctx(rank, n, init_dcp())
+        ctx = _Ctx(rank, n, init_dcp(timeout=dcp_timeout_s))
         conn.send(("ok", os.getpid()))
     except BaseException:  # noqa: BLE001
         conn.send(("err", traceback.format_exc()))
@@ -79,9 +83,13 @@ def _worker(rank: int, n: int, init_file: str, pg_timeout_s: float, conn) -> Non
 
 
 class GlooGroup:
-    """n worker processes in one gloo process group; `run(command, *args)` runs a command on every rank."""
+    """n worker processes in one gloo process group; `run(command, *args)` runs a command on every rank.
 
-    def __init__(self, n: int, pg_timeout_s: float = PG_TIMEOUT_S):
+    `dcp_timeout_s`: the DCP group is `init_dcp(timeout=...)` (a group of its own) instead of the default group;
+    `commands`: a test module whose COMMANDS the workers add to this module's."""
+
+    def __init__(self, n: int, pg_timeout_s: float = PG_TIMEOUT_S, dcp_timeout_s: float | None = None,
+                 commands: str | None = None):
         self.n, self.broken = n, False
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "torch.distributed", "mla_compile", "mla_compile.distributed"])
@@ -90,8 +98,8 @@ class GlooGroup:
         self.procs, self.conns = [], []
         for r in range(n):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(r, n, init_file, pg_timeout_s, child), daemon=True,
-                            name=f"dcp-gloo-{n}-r{r}")
+            p = ctx.Process(target=_worker, args=(r, n, init_file, pg_timeout_s, child, dcp_timeout_s, commands),
+                            daemon=True, name=f"dcp-gloo-{n}-r{r}")
             p.start()
             child.close()
             self.procs.append(p)

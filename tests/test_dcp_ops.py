@@ -13,6 +13,7 @@ import mla_compile  # noqa: F401
 from mla_compile import layout, paged
 from mla_compile.distributed import DCPCache, DCPGroup, init_dcp
 from mla_compile.ops import dcp
+from mla_compile.ops import dcp_consistency as agree
 
 from reference import ref_decode
 
@@ -131,6 +132,95 @@ def test_pack_roundtrip_bit_exact(dtype, width):
     assert torch.equal(l2.view(torch.int32), lse.view(torch.int32))  # bit-exact, NaN included
 
 
+# ----------------------------------------------------------------------------------------- consistency trailer
+def _signature(op, B, heads, width, rope, dtype, scale=0.5, check_lens=True):
+    return agree.Signature(op, 3, B, heads, width, rope, dtype, scale, check_lens)
+
+
+@pytest.mark.parametrize("width", [6, 7])  # odd R: the lse and the trail are copied out, not viewed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_trailer_rides_beside_the_states_bit_exact(dtype, width):
+    """Each rank's chunk = packed (out, lse) + int32 seq_lens + header, bit-cast into out's dtype; the gathered
+    chunks (simulated: stacked) unpack to every rank's exact states and trailer. The exchange sizes its
+    messages by Signature.payload_numel: it must be the packed states' size."""
+    n, B, Hh = 3, 2, 4
+    sig = _signature(agree.OP_DCP, B, Hh, width, 5, dtype)
+    header = agree.data_header(sig, torch.zeros(1))
+    chunks, sent = [], []
+    for r in range(n):
+        g = torch.Generator().manual_seed(r)
+        out = torch.randn(B, Hh, width, generator=g).to(dtype)
+        lse = torch.randn(B, Hh, generator=g)
+        lse[0, 0] = -math.inf
+        seq = torch.tensor([7 + r, 2**31 - 1], dtype=torch.int32)
+        packed = dcp.pack_states(out, lse)
+        assert packed.numel() == sig.payload_numel()
+        chunks.append(agree.pack_chunk(packed, agree.trailer(seq, header)))
+        sent.append((out, lse, seq))
+    assert chunks[0].dtype == dtype and chunks[0].numel() * dtype.itemsize == \
+        B * Hh * (width * dtype.itemsize + 4) + 4 * (B + agree.HEADER_WORDS)  # the extra bytes: 4 (B + 12)
+    gathered = torch.stack(chunks)
+    payloads, trails = agree.unpack_chunks(gathered, (B, Hh, width + 4 // dtype.itemsize), B + agree.HEADER_WORDS)
+    outs, lses = dcp.unpack_states(payloads, width)
+    for r, (out, lse, seq) in enumerate(sent):
+        assert torch.equal(outs[r], out) and torch.equal(lses[r].view(torch.int32), lse.view(torch.int32))
+        assert trails[r].tolist() == seq.tolist() + header.tolist()
+    if width % 2 == 0:  # aligned: views of the gathered buffer, no copy kernel
+        base = gathered.untyped_storage().data_ptr()
+        assert lses.untyped_storage().data_ptr() == base and trails.untyped_storage().data_ptr() == base
+
+
+def test_tp_signature_sizes_the_q_gather():
+    sig = _signature(agree.OP_TP, 2, 3, 16, 8, torch.bfloat16)
+    assert torch.cat([torch.zeros(2, 3, 16), torch.zeros(2, 3, 8)], -1).numel() == sig.payload_numel()
+
+
+def _trails(headers, lens):
+    return torch.tensor([list(ls) + list(h) for h, ls in zip(headers, lens)], dtype=torch.int32)
+
+
+def test_rows_ok_and_poison_mark_exactly_the_disagreeing_requests():
+    sig = _signature(agree.OP_DCP, 3, 2, 4, 2, torch.float32)
+    h = agree.data_header(sig, torch.zeros(1))
+    same = [h.tolist()] * 3
+    ok = agree.rows_ok(_trails(same, [[5, 9, 0]] * 3), h, 3, True)
+    assert ok.tolist() == [True, True, True]
+    ok = agree.rows_ok(_trails(same, [[5, 9, 0], [5, 10, 0], [5, 9, 0]]), h, 3, True)
+    assert ok.tolist() == [True, False, True]
+    assert agree.rows_ok(_trails(same, [[5, 9, 0], [5, 10, 0], [5, 9, 0]]), h, 3, False).tolist() == [True] * 3
+    other = sig.fields()
+    other[2] = 4  # a peer with another batch size: nothing may be merged
+    odd = [h.tolist(), h.tolist(), [h[0].item(), 0, *other]]
+    assert agree.rows_ok(_trails(odd, [[5, 9, 0]] * 3), h, 3, True).tolist() == [False] * 3
+    wild = h.clone()
+    wild[2 + 2] = agree.WILDCARD  # a symbolic batch size when traced matches any
+    assert agree.rows_ok(_trails(odd, [[5, 9, 0]] * 3), wild, 3, True).tolist() == [True] * 3
+    out, lse = torch.ones(3, 2, 4), torch.zeros(3, 2)
+    po, pl = agree.poison(out, lse, torch.tensor([True, False, True]))
+    assert bool(po[1].isnan().all()) and bool(pl[1].isnan().all())
+    assert torch.equal(po[[0, 2]], out[[0, 2]]) and torch.equal(pl[[0, 2]], lse[[0, 2]])
+
+
+def test_host_verdicts_name_the_argument():
+    sig = _signature(agree.OP_DCP, 3, 2, 4, 2, torch.float32)
+    h = agree.data_header(sig, torch.zeros(1)).tolist()
+    agree.check_headers([h, h], "g")  # agreement: nothing
+    agree.check_lens([[5, 9], [5, 9]], "g")
+    with pytest.raises(ValueError, match=r"^seq_lens: .*request\(s\) \[1\] \(rank 0: \[9\]; rank 1: \[10\]\)"):
+        agree.check_lens([[5, 9], [5, 10]], "g")
+    for field, value, arg in [(2, 4, "q_nope"), (3, 7, "q_nope"), (5, 3, "q_pe"), (6, 3, "q_nope"),
+                              (7, 1, "sm_scale"), (1, 4, "dcp_size"), (0, 2, "group_name")]:
+        other = list(h)
+        other[2 + field] = value
+        with pytest.raises(ValueError, match=f"^{arg}: the ranks of dcp group 'g' disagree"):
+            agree.check_headers([h, other], "g")
+    reject = [agree.MAGIC + agree.REJECT, agree.ARG_NAMES.index("block_table") + 1] + [0] * (len(h) - 2)
+    with pytest.raises(ValueError, match="^block_table: dcp rank 1 of 2 .*rejected this call"):
+        agree.check_headers([h, reject], "g")
+    with pytest.raises(ValueError, match="^group_name: dcp rank 0 .*not a DCP decode message"):
+        agree.check_headers([[0] * len(h), h], "g")
+
+
 # ----------------------------------------------------------------------------------------- simulated ranks
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -209,6 +299,41 @@ def test_write_past_capacity_raises():
         cache.write_prefill(0, ckv[0], kpe[0])
     with pytest.raises(ValueError, match="^positions:"):
         dcp.prefill_write_slots(cache.block_table, 0, 0, 12, PS, 2, 0)  # local position 5 >= 4 slots
+
+
+def test_no_slot_for_a_negative_position_or_a_foreign_request():
+    """owner_slots: a negative position or a request outside the block table is an error eagerly (CPU), and
+    -1 (skipped) where values are not read: check=False, or under torch.compile. Never a real slot."""
+    bt = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
+    req, pos = torch.tensor([0, 1]), torch.tensor([2, -1])
+    with pytest.raises(ValueError, match="^positions: must be >= 0, saw -1"):
+        layout.owner_slots(bt, req, pos, 2, 1, 0)
+    assert layout.owner_slots(bt, req, pos, 2, 1, 0, check=False).tolist() == [2, -1]
+    for n, rank in [(2, 1), (3, 2)]:  # -1 % n would name rank n-1 the owner of local position -1
+        assert layout.owner_slots(bt, req[1:], pos[1:], 2, n, rank, check=False).tolist() == [-1]
+    for bad in (-1, 2):
+        with pytest.raises(ValueError, match=rf"^req_indices: must be in \[0, 2\).*saw {bad}"):
+            layout.owner_slots(bt, torch.tensor([0, bad]), torch.tensor([0, 1]), 2)
+        assert layout.owner_slots(bt, torch.tensor([0, bad]), torch.tensor([0, 1]), 2, check=False).tolist() == [6, -1]
+    compiled = torch.compile(lambda r, p: layout.owner_slots(bt, r, p, 2), backend="eager", fullgraph=True)
+    assert compiled(torch.tensor([0, -1, 1]), torch.tensor([-3, 1, 2])).tolist() == [-1, -1, 2 * 2 + 0]
+    with pytest.raises(ValueError, match="^positions:"):
+        dcp.write_slots(bt, req, pos, 2)
+    for bad in (-1, 2, True):
+        with pytest.raises(ValueError, match=r"^req_index: must be an int in \[0, 2\)"):
+            dcp.prefill_write_slots(bt, bad, 0, 3, 2)
+    assert dcp.prefill_write_slots(bt, 1, 0, 3, 2).tolist() == [0, 1, 4]
+
+
+def test_layout_imports_nothing_of_ours():
+    """layout is the bottom of the package: ops, caches and passes import it, it imports only torch."""
+    import ast
+
+    tree = ast.parse(open(layout.__file__).read())
+    imported = [(node.level, node.module) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    imported += [(0, alias.name) for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    ours = [(lvl, mod) for lvl, mod in imported if lvl > 0 or (mod or "").startswith("mla_compile")]
+    assert ours == [], ours
 
 
 def test_init_dcp_single_process(monkeypatch):

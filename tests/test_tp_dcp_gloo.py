@@ -7,7 +7,6 @@ Reuses `test_dcp_gloo`'s harness (forkserver rank groups, timeouts, fail-fast): 
 from __future__ import annotations
 
 import math
-from unittest import mock
 
 import pytest
 import torch
@@ -18,15 +17,8 @@ R, P, PS = 32, 8, 4
 HL = 2  # heads per rank; H = n * HL
 
 
-def _tp_worker(rank, n, init_file, pg_timeout_s, conn):
-    """The base worker, with this file's commands (a worker process imports this module to unpickle us)."""
-    base.COMMANDS.update(COMMANDS)
-    base._worker(rank, n, init_file, pg_timeout_s, conn)
-
-
 def _group(n: int) -> base.GlooGroup:
-    with mock.patch.object(base, "_worker", _tp_worker):  # GlooGroup starts `_worker` of its own module
-        return base.GlooGroup(n)
+    return base.GlooGroup(n, commands=__name__)
 
 
 @pytest.fixture(scope="module")

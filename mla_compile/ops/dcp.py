@@ -6,22 +6,25 @@ Data flow of one call on rank r of an n-rank group (DESIGN.md, "DCP layout"):
     local_lens = layout.local_lens(seq_lens, n, r)             # GLOBAL lengths in, this shard's lengths
     out, lse   = mla::decode(..., local_lens, ...)             # attention over this rank's tokens only
     packed     = cat(out, lse bit-cast to out.dtype)  [B,H,R+k] # k = 4 / out.element_size() (2 for bf16)
-    gathered   = _c10d_functional.all_gather_into_tensor(packed) + wait_tensor   -> [n,B,H,R+k]
-    out, lse   = mla::merge_states(gathered[..., :R], gathered[..., R:] viewed as float32)
+    chunk      = cat(packed.flatten(), trailer bit-cast)        # trailer: int32 seq_lens [B] + header [12]
+    gathered   = _c10d_functional.all_gather_into_tensor(chunk) + wait_tensor   -> [n, chunk]
+    out, lse   = mla::merge_states(gathered[:, packed][..., :R], gathered[:, packed][..., R:] as float32)
+    verdict    = every rank sent the same signature and seq_lens (`dcp_consistency`): else a ValueError on
+                 every rank (eagerly, where checks read values) or NaN rows (no host sync)
 
 Packing: ONE collective per layer (per-collective latency dominates at decode sizes: ~9 us for the whole
 (out, lse) of B=8, H=16 on NVLink). The float32 LSE is bit-cast into k extra columns of out's dtype rather
 than upcasting out: the all-gather only copies bytes, so the LSE arrives bit-exact, and a bf16 out is not
 doubled on the wire (R=512: 1028 bytes per head-row instead of 2052). vLLM's DCP all-to-all path packs the
-same way.
+same way. The consistency trailer rides in the same collective: 4 * (B + 12) bytes per rank.
 
 Registration: `mla::dcp_decode` is a CompositeImplicitAutograd op (`torch.library.define` + `impl`).
 Eagerly it runs the steps above. Dynamo records it as ONE node (fullgraph, no break: it is an OpOverload
 whose meta comes from running the composite under fake tensors), and AOTAutograd decomposes it, so
 Inductor's graph holds `mla.decode` -> `cat` -> `_c10d_functional.all_gather_into_tensor` ->
-`_c10d_functional.wait_tensor` -> `mla.merge_states`: the collective is visible to Inductor (comm
-lowering, reordering) and, being an ordinary NCCL launch on the stream, is captured by CUDA graphs.
-`dcp_size == 1` is exactly `mla::decode` (no collective, no merge, no copy).
+`_c10d_functional.wait_tensor` -> `mla.merge_states` (+ the verdict's few elementwise ops): the collective
+is visible to Inductor (comm lowering, reordering) and, being an ordinary NCCL launch on the stream, is
+captured by CUDA graphs. `dcp_size == 1` is exactly `mla::decode` (no collective, no merge, no copy).
 """
 
 from __future__ import annotations
@@ -30,13 +33,14 @@ import torch
 
 from .. import layout
 from . import _checks as C
+from . import dcp_consistency as agree
 from .attention import check_decode_metadata
 
 # ------------------------------------------------------------------------------------------------ schema
 torch.library.define(
     "mla::dcp_decode",
     "(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor block_table, Tensor seq_lens, "
-    "float sm_scale, int dcp_size, int dcp_rank, str group_name) -> (Tensor, Tensor)",
+    "float sm_scale, int dcp_size, int dcp_rank, str group_name, bool check_lens=True) -> (Tensor, Tensor)",
 )
 
 
@@ -72,12 +76,18 @@ def check_group_args(dcp_size, dcp_rank, group_name) -> None:
 
 
 def check_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size, dcp_rank,
-                          group_name) -> None:
-    """Decode's checks with GLOBAL seq_lens (each rank's LOCAL lengths must fit its block table)."""
+                          group_name, check_lens=True) -> tuple[int, int]:
+    """Decode's checks with GLOBAL seq_lens (each rank's LOCAL lengths must fit its block table); returns
+    (num_pages, page_size) of this rank's shard.
+
+    The capacity check reads THIS rank's block table (shards may differ in width: `paged.fill_sharded` gives
+    each rank the pages it needs), so it can fail on one rank alone: inside the op such a failure is sent to
+    the peers as a REJECT in the call's collective (`dcp_consistency`), and every rank raises."""
     check_group_args(dcp_size, dcp_rank, group_name)
-    _, page_size = check_decode_metadata(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+    C.check(isinstance(check_lens, bool), "check_lens", f"must be a bool, got {check_lens!r}")
+    num_pages, page_size = check_decode_metadata(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
     if C.is_fake(seq_lens) or not C.data_checks_enabled(seq_lens.device) or not seq_lens.numel():
-        return
+        return num_pages, page_size
     lo = int(seq_lens.min())
     C.check(lo >= 0, "seq_lens", f"lengths must be >= 0, got {lo}")
     capacity = block_table.shape[1] * page_size
@@ -85,6 +95,7 @@ def check_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_l
     C.check(local_max <= capacity, "seq_lens",
             f"global length {int(seq_lens.max())} puts {local_max} tokens on dcp rank {dcp_rank} of {dcp_size}, "
             f"more than its block table holds ({block_table.shape[1]} pages x {page_size} = {capacity})")
+    return num_pages, page_size
 
 
 # ------------------------------------------------------------------------------------------------ packing
@@ -98,26 +109,25 @@ def unpack_states(packed: torch.Tensor, R: int) -> tuple[torch.Tensor, torch.Ten
     `packed` when the lse columns are 4-byte aligned (R even, the normal case), so no copy kernel runs."""
     tail = packed[..., R:]
     k = tail.shape[-1]
-    # contiguous packed rows of R+k elements: the float32 view needs the offset R and the row stride R+k
-    # to be multiples of k elements, i.e. R % k == 0
-    aligned = k == 1 or (packed.is_contiguous() and R % k == 0)
+    # rows of R+k elements (possibly inside larger per-rank chunks): the float32 view needs the offset R and
+    # every outer stride to be multiples of k elements
+    aligned = k == 1 or (R % k == 0 and packed.stride(-1) == 1 and all(s % k == 0 for s in packed.stride()[:-1]))
     lse = (tail if aligned else tail.contiguous()).view(torch.float32)
     return packed[..., :R], lse.squeeze(-1)
 
 
 def gather_states(out: torch.Tensor, lse: torch.Tensor, dcp_size: int, group_name: str):
-    """ONE all-gather of every rank's (out, lse): -> (outs [n,B,H,R], lses float32 [n,B,H]), rank order."""
-    B, H, R = out.shape
-    packed = pack_states(out, lse)
-    gathered = torch.ops._c10d_functional.all_gather_into_tensor(packed, dcp_size, group_name)
-    gathered = torch.ops._c10d_functional.wait_tensor(gathered)
-    return unpack_states(gathered.view(dcp_size, B, H, packed.shape[-1]), R)
+    """ONE all-gather of every rank's (out, lse): -> (outs [n,B,H,R], lses float32 [n,B,H]), rank order.
+    No consistency trailer (the bare communication, as the benchmarks time it)."""
+    none = torch.empty(0, dtype=torch.int32, device=out.device)
+    payloads, _ = agree.gather_with_trailer(pack_states(out, lse), none, dcp_size, group_name)
+    return unpack_states(payloads, out.shape[-1])
 
 
 # ------------------------------------------------------------------------------------------------ the op
 @torch.library.impl("mla::dcp_decode", "CompositeImplicitAutograd")
 def dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size, dcp_rank,
-               group_name):
+               group_name, check_lens=True):
     """Absorbed-MLA decode over a DCP-sharded latent cache; the merged result is identical on every rank.
 
     Shapes as `mla::decode`, but `seq_lens` int32 [B] are GLOBAL lengths while ckv_cache / kpe_cache /
@@ -126,15 +136,26 @@ def dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sca
     (`group.group_name`); its size must be dcp_size and this process's rank in it dcp_rank.
     Returns out [B, H, R] (q's dtype) and lse float32 [B, H] over ALL ranks' tokens; a request with
     length 0 gives (0, -inf). dcp_size 1 is `mla::decode` (group_name unused).
+
+    Every rank must make the same call (`dcp_consistency`): shapes, sm_scale and, with check_lens, seq_lens
+    are compared across ranks on the call's own all-gather. A disagreement, or a rank whose checks fail,
+    is a ValueError on EVERY rank where checks read values (CPU, MLA_COMPILE_CHECK_DATA=1), else NaN (out
+    and lse) in the rows of the requests concerned. check_lens=False is for callers whose seq_lens differ
+    across ranks by design (the attention pass passes each rank's own count of masked-in tokens times n).
     """
-    check_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size, dcp_rank,
-                          group_name)
-    if dcp_size == 1:
-        return torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
-    local = layout.local_lens(seq_lens, dcp_size, dcp_rank)
-    out, lse = torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, local, sm_scale)
-    outs, lses = gather_states(out, lse, dcp_size, group_name)
-    return torch.ops.mla.merge_states(outs, lses)
+    with agree.dcp_call(group_name, dcp_size, q_nope, seq_lens) as call:
+        check_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size,
+                              dcp_rank, group_name, check_lens)
+        if dcp_size == 1:
+            return torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+        sig = agree.signature(call, agree.OP_DCP, q_nope, q_pe, sm_scale, dcp_size, check_lens)
+        local = layout.local_lens(seq_lens, dcp_size, dcp_rank)
+        out, lse = torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, local, sm_scale)
+    header = agree.data_header(sig, seq_lens)
+    payloads, trails = agree.gather_with_trailer(pack_states(out, lse), agree.trailer(seq_lens, header), dcp_size,
+                                                 group_name)
+    ok = agree.verdict(call, trails, header, sig)  # the same on every rank: a ValueError, or rows to keep
+    return agree.poison(*torch.ops.mla.merge_states(*unpack_states(payloads, out.shape[-1])), ok)
 
 
 # ------------------------------------------------------------------------------------------------ owner writes
@@ -152,16 +173,15 @@ def write_slots(block_table: torch.Tensor, req_indices: torch.Tensor, positions:
 
     The physical slot in THIS rank's shard where rank dcp_rank owns the token, -1 where another rank does
     (`mla::cache_write` skips -1): `layout.owner_slots`, which on CPU (or with MLA_COMPILE_CHECK_DATA=1) raises
-    for an owned token beyond the rank's block table instead of writing it onto a wrong slot. No host sync on
-    CUDA, so a decode step's write can live inside a CUDA graph.
+    for a negative position, a request outside the block table or an owned token beyond the rank's block
+    table instead of writing it onto a wrong slot. No host sync on CUDA, so a decode step's write can live
+    inside a CUDA graph.
     """
     _check_write(block_table, page_size, dcp_size, dcp_rank)
     C.check(req_indices.dim() == 1 and positions.dim() == 1 and req_indices.shape == positions.shape, "positions",
             f"req_indices {tuple(req_indices.shape)} and positions {tuple(positions.shape)} must be 1-D, same length")
-    if not C.is_fake(positions) and C.data_checks_enabled(positions.device) and positions.numel():
-        lo = int(positions.min())
-        C.check(lo >= 0, "positions", f"must be >= 0, saw {lo}")
-    return layout.owner_slots(block_table, req_indices, positions, page_size, dcp_size, dcp_rank)
+    check = not C.is_fake(positions) and C.data_checks_enabled(positions.device)
+    return layout.owner_slots(block_table, req_indices, positions, page_size, dcp_size, dcp_rank, check=check)
 
 
 def decode_write_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, dcp_size: int = 1,
@@ -175,6 +195,9 @@ def decode_write_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, page_s
 def prefill_write_slots(block_table: torch.Tensor, req_index: int, start: int, length: int, page_size: int,
                         dcp_size: int = 1, dcp_rank: int = 0) -> torch.Tensor:
     """Slots for a prefill chunk: tokens start .. start+length-1 of request req_index. int64 [length]."""
+    C.check_tensor(block_table, "block_table", 2, torch.int32)
+    C.check(isinstance(req_index, int) and not isinstance(req_index, bool) and 0 <= req_index < block_table.shape[0],
+            "req_index", f"must be an int in [0, {block_table.shape[0]}) (rows of block_table), got {req_index!r}")
     C.check(isinstance(start, int) and start >= 0, "start", f"must be an int >= 0, got {start!r}")
     C.check(isinstance(length, int) and length >= 0, "length", f"must be an int >= 0, got {length!r}")
     device = block_table.device

@@ -5,7 +5,8 @@ heads [r*H_local, (r+1)*H_local), H = n*H_local) and the token-cyclic shard of e
 (`mla_compile.layout`: token t on rank t % n). Data flow of one call on rank r (DESIGN.md, "DCP layout"):
 
     q        = cat(q_nope, q_pe)                         [B, H_local, R+P]
-    q_all    = all_gather_into_tensor(q) + wait_tensor   [n, B, H_local, R+P] -> [B, H, R+P]  (heads r-major)
+    q_all    = all_gather_into_tensor(q, trailer) + wait [n, B, H_local, R+P] -> [B, H, R+P]  (heads r-major)
+    verdict  = every rank sent the same signature and seq_lens (trailer: `dcp_consistency`)
     out, lse = mla::decode(q_all, this shard, local_lens) [B, H, R], f32 [B, H]   (ALL heads, MY tokens)
     send     = pack_states(out, lse) split by head owner  [n, B, H_local, R+k]   (send[j] = rank j's heads)
     recv     = all_to_all_single(send) + wait_tensor      [n, B, H_local, R+k]   (recv[i] = rank i's partial)
@@ -13,6 +14,9 @@ heads [r*H_local, (r+1)*H_local), H = n*H_local) and the token-cyclic shard of e
 
 Two collectives per layer, both packed: q_nope and q_pe travel together, and the float32 lse rides bit-cast in
 k = 4 / out.element_size() extra columns of out (`dcp.pack_states`, the same packing as `mla::dcp_decode`).
+The consistency trailer (int32 seq_lens [B] + a 12-word header, 4 * (B + 12) bytes per rank) rides on the q
+all-gather, the call's first collective: every rank sees every rank's trailer there, before any decode
+work, so all reach the same verdict before the all-to-all (whose pairing then follows).
 
 The "LSE-corrected reduce-scatter" is an all-to-all followed by `mla::merge_states`, not a literal
 reduce-scatter: a reduce-scatter of lse-rescaled outputs needs the global lse first (an all-gather of
@@ -34,35 +38,39 @@ import torch
 
 from .. import layout
 from . import _checks as C
+from . import dcp_consistency as agree
 from .dcp import check_dcp_decode_args, pack_states, unpack_states
 
 # ------------------------------------------------------------------------------------------------ schema
 torch.library.define(
     "mla::tp_dcp_decode",
     "(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor block_table, Tensor seq_lens, "
-    "float sm_scale, int dcp_size, int dcp_rank, str group_name) -> (Tensor, Tensor)",
+    "float sm_scale, int dcp_size, int dcp_rank, str group_name, bool check_lens=True) -> (Tensor, Tensor)",
 )
 
 
 def check_tp_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size,
-                             dcp_rank, group_name) -> None:
-    """`dcp_decode`'s checks (group, shapes, GLOBAL seq_lens fitting this rank's block table) plus H_local >= 1."""
-    check_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size, dcp_rank,
-                          group_name)
+                             dcp_rank, group_name, check_lens=True) -> None:
+    """`dcp_decode`'s checks (group, shapes, GLOBAL seq_lens fitting this rank's block table) plus H_local >= 1,
+    and the block-table data checks `mla::decode` would make after the q all-gather, made before it so that a
+    failure on one rank reaches its peers in that gather (a REJECT) instead of leaving them in the all-to-all."""
+    num_pages, page_size = check_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
+                                                 dcp_size, dcp_rank, group_name, check_lens)
     C.check(q_nope.shape[1] >= 1, "q_nope", f"needs at least one head on this rank (H_local >= 1), got shape "
             f"{tuple(q_nope.shape)}")
+    C.check_block_table_data(block_table, layout.local_lens(seq_lens, dcp_size, dcp_rank), num_pages, page_size)
 
 
 # ------------------------------------------------------------------------------------------------ collectives
-def gather_heads(q_nope: torch.Tensor, q_pe: torch.Tensor, dcp_size: int, group_name: str):
-    """ONE all-gather of every rank's head slice: (q_nope [B,Hl,R], q_pe [B,Hl,P]) -> [B, n*Hl, R], [B, n*Hl, P];
-    head r*Hl + h of the result is rank r's head h."""
+def gather_heads(q_nope: torch.Tensor, q_pe: torch.Tensor, dcp_size: int, group_name: str, trail: torch.Tensor):
+    """ONE all-gather of every rank's head slice and consistency trailer (int32 [W]): (q_nope [B,Hl,R],
+    q_pe [B,Hl,P]) -> ([B, n*Hl, R], [B, n*Hl, P], trails int32 [n, W]); head r*Hl + h of the result is rank
+    r's head h."""
     B, Hl, R = q_nope.shape
     packed = torch.cat([q_nope, q_pe], dim=-1)  # [B, Hl, R+P]
-    gathered = torch.ops._c10d_functional.all_gather_into_tensor(packed, dcp_size, group_name)
-    gathered = torch.ops._c10d_functional.wait_tensor(gathered)  # [n*B, Hl, R+P], rank-major
-    q = gathered.view(dcp_size, B, Hl, -1).transpose(0, 1).reshape(B, dcp_size * Hl, -1)
-    return q[..., :R].contiguous(), q[..., R:].contiguous()
+    gathered, trails = agree.gather_with_trailer(packed, trail, dcp_size, group_name)  # [n, B, Hl, R+P]
+    q = gathered.transpose(0, 1).reshape(B, dcp_size * Hl, -1)
+    return q[..., :R].contiguous(), q[..., R:].contiguous(), trails
 
 
 def exchange_states(out: torch.Tensor, lse: torch.Tensor, dcp_size: int, group_name: str):
@@ -81,7 +89,7 @@ def exchange_states(out: torch.Tensor, lse: torch.Tensor, dcp_size: int, group_n
 # ------------------------------------------------------------------------------------------------ the op
 @torch.library.impl("mla::tp_dcp_decode", "CompositeImplicitAutograd")
 def tp_dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size, dcp_rank,
-                  group_name):
+                  group_name, check_lens=True):
     """TP x DCP absorbed-MLA decode: this rank's heads, attended over ALL ranks' tokens.
 
     q_nope [B, H_local, R], q_pe [B, H_local, P]: this rank's heads, rank r owning global heads
@@ -92,14 +100,19 @@ def tp_dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_
     Returns out [B, H_local, R] (q's dtype) and lse float32 [B, H_local] (natural log): exactly what
     single-process `mla::decode` over the whole cache gives for this rank's heads; a request of length 0
     gives (0, -inf). Collectives: one all-gather of q, one all-to-all of (out, lse). dcp_size 1 is
-    `mla::decode` (group_name unused).
+    `mla::decode` (group_name unused). Cross-rank consistency (shapes, sm_scale, seq_lens with check_lens)
+    as `mla::dcp_decode`, checked on the q all-gather: a ValueError on every rank, or NaN rows.
     """
-    check_tp_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size,
-                             dcp_rank, group_name)
-    if dcp_size == 1:
-        return torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
-    q_all, qpe_all = gather_heads(q_nope, q_pe, dcp_size, group_name)
+    with agree.dcp_call(group_name, dcp_size, q_nope, seq_lens) as call:
+        check_tp_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size,
+                                 dcp_rank, group_name, check_lens)
+        if dcp_size == 1:
+            return torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+        sig = agree.signature(call, agree.OP_TP, q_nope, q_pe, sm_scale, dcp_size, check_lens)
+    header = agree.data_header(sig, seq_lens)
+    q_all, qpe_all, trails = gather_heads(q_nope, q_pe, dcp_size, group_name, agree.trailer(seq_lens, header))
+    ok = agree.verdict(call, trails, header, sig)  # the same on every rank, before any decode work
     local = layout.local_lens(seq_lens, dcp_size, dcp_rank)
     out, lse = torch.ops.mla.decode(q_all, qpe_all, ckv_cache, kpe_cache, block_table, local, sm_scale)
     outs, lses = exchange_states(out, lse, dcp_size, group_name)
-    return torch.ops.mla.merge_states(outs, lses)
+    return agree.poison(*torch.ops.mla.merge_states(outs, lses), ok)
