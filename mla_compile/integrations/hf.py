@@ -19,20 +19,22 @@ runs unchanged over the full latent and gives HF's results. Compiled with `backe
 
 DSA models (V3.2 / GLM-5) also call `update_indexer`; the layers inherit HF's `StaticIndexedLayer` for it.
 
-DSA dense / sparse graphs (`DSADenseMixin`, in `MLAPagedCache` and `DSAStaticCache` — HF's `StaticCache` plus
-this): the cache keeps a host-side Python int `max_kv_len` (the per-request kv length a one-token step will
-have: tokens cached + 1; it knows each step's token count S from the static shapes, no device sync). In
-`update_indexer` it compares `max_kv_len + S - 1 <= config.index_topk` in plain Python, so under torch.compile
-Dynamo guards on it (`max_kv_len <= topk` / `topk + 1 <= max_kv_len`) and keeps exactly two graphs. When the
-comparison holds every cached token is in the top-k, so while tracing the cache returns the indexer keys
-through the marker `mla_hf::all_selected`; the pass then drops the index mask and with it the indexer's
-logits and top-k (only the indexer key-cache write stays). Eagerly nothing changes (HF's result).
+Host-side length (`DSADenseMixin`, in `MLAPagedCache` and `DSAStaticCache` — HF's `StaticCache` plus this): the
+cache keeps a Python int `max_kv_len` (the per-request kv length a one-token step will have: tokens cached + 1;
+it knows each step's token count S from the static shapes, no device sync). At the step's first layer it checks
+`max_kv_len + S - 1 <= max_cache_len` (a step past the cache raises, eagerly and compiled, instead of dropping
+tokens) and, for DSA models, compares it with `config.index_topk` once for the whole step, in plain Python, so
+under torch.compile Dynamo guards on it (`max_kv_len <= topk` / `topk + 1 <= max_kv_len`) and keeps exactly two
+graphs whichever layers have indexers. When the comparison holds every cached token is in the top-k, so while
+tracing the cache returns the indexer keys through the marker `mla_hf::all_selected`; the pass then drops the
+index mask and with it the indexer's logits and top-k (only the indexer key-cache write stays). Eagerly nothing
+changes (HF's result).
 
-The cache advances the int itself (`max_kv_len += S` after the step's last indexer layer), inside the
-compiled code. Dynamo makes that write a SymInt graph output (so the int becomes a graph input); the
-`mla_dcp` backend moves such host-int-only outputs out of the graph (`passes.host_ints`) before Inductor,
-so the compiled graph has no int input and CUDA-graph trees record each variant once. The int's Dynamo
-source (e.g. `L['past_key_values'].max_kv_len`) is marked dynamic from the start by a regex in
+The cache advances the int itself (`max_kv_len += S` at the step's first layer), inside the compiled code.
+Dynamo makes that write a SymInt graph output (so the int becomes a graph input); the `mla_dcp` backend moves
+such host-int-only outputs out of the graph (`passes.host_ints`) before Inductor, so the compiled graph has no
+int input and CUDA-graph trees record each variant once. The int's Dynamo source (e.g.
+`L['past_key_values'].max_kv_len`) is marked dynamic from the start by a regex in
 `torch.compiler.config.dynamic_sources` (no value-specialized third graph).
 """
 
@@ -194,46 +196,58 @@ MAX_KV_LEN_ATTR = "max_kv_len"
 MAX_KV_LEN_SOURCE = r".*\." + MAX_KV_LEN_ATTR + "$"
 
 
-def _indexer_layers(text_config) -> list[int]:
-    """Layers that run their own indexer (GLM-DSA's "shared" layers reuse the previous one's top-k)."""
-    n = text_config.num_hidden_layers
-    types = getattr(text_config, "indexer_types", None)
-    if types:
-        return [i for i, t in enumerate(types) if t != "shared"]
-    return list(range(n))
-
-
 class DSADenseMixin:
-    """Host-side `max_kv_len` and the dense / sparse choice for DSA models (see the module docstring).
+    """Host-side token count for our caches: the overflow check before a step writes, and the DSA dense / sparse
+    choice (see the module docstring).
 
-    Mix in before an HF `Cache` whose layers implement `update_indexer`; call `_init_dsa(config)` after the
-    Cache's __init__. A cache used for a fresh batch must start empty (`reset()` sets the int back).
+    Mix in before an HF `Cache`; call `_init_dsa(config, max_cache_len)` after the Cache's __init__. A cache used
+    for a fresh batch must start empty (`reset()` sets the count back).
+
+    A step begins at the first layer's `update` (the first layer that ever wrote, learned from the first step:
+    hybrid models' linear layers never call it). There, from host ints only (Dynamo guards on them; no device
+    sync): the step's largest kv length `max_kv_len + S - 1` is checked against `max_cache_len` (a step that would
+    write past the cache raises instead of losing tokens) and compared with `index_topk` once (dense for every
+    indexer layer of the step, whichever layers have indexers), then the count advances by the step's S tokens.
     """
 
-    def _init_dsa(self, config) -> None:
+    def _init_dsa(self, config, max_cache_len: int) -> None:
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.index_topk = getattr(text, "index_topk", None)
-        layers = _indexer_layers(text)
-        self._last_indexer_layer = layers[-1] if layers else -1
+        self._host_capacity = max_cache_len
+        self._first_layer = None
+        self._step_dense = False
         setattr(self, MAX_KV_LEN_ATTR, 1)  # kv length of a one-token step on the empty cache
-        if self.index_topk is not None:
-            from ..dsa import mark_max_kv_len_dynamic
+        from ..dsa import mark_max_kv_len_dynamic
 
-            mark_max_kv_len_dynamic(MAX_KV_LEN_SOURCE)
+        mark_max_kv_len_dynamic(MAX_KV_LEN_SOURCE)
+
+    def _begin_step(self, layer_idx: int, S: int) -> None:
+        if self._first_layer is None:
+            self._first_layer = layer_idx
+        if layer_idx != self._first_layer:
+            return
+        kv_len = getattr(self, MAX_KV_LEN_ATTR) + (S - 1)  # every request's kv length after this step's write
+        if kv_len > self._host_capacity:
+            raise ValueError(
+                f"cache: this step writes {S} token(s) after {kv_len - S} cached, past max_cache_len="
+                f"{self._host_capacity}: allocate the cache with a larger max_cache_len (or reset() it for a new "
+                f"batch)")
+        self._step_dense = bool(self.index_topk is not None and kv_len <= self.index_topk)
+        setattr(self, MAX_KV_LEN_ATTR, kv_len + 1)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self._begin_step(layer_idx, key_states.shape[-2])
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
         keys = super().update_indexer(indexer_key_states, layer_idx)
-        S = indexer_key_states.shape[1]
-        # every request's kv length after this step's write is <= max_kv_len + S - 1 (host int; a guard)
-        dense = self.index_topk is not None and getattr(self, MAX_KV_LEN_ATTR) + (S - 1) <= self.index_topk
-        if layer_idx == self._last_indexer_layer:  # after this step's last read
-            setattr(self, MAX_KV_LEN_ATTR, getattr(self, MAX_KV_LEN_ATTR) + S)
-        if dense and torch.compiler.is_compiling():
+        if self._step_dense and torch.compiler.is_compiling():
             keys = torch.ops.mla_hf.all_selected(keys, self.index_topk)
         return keys
 
     def reset(self) -> None:
         super().reset()
+        self._step_dense = False
         setattr(self, MAX_KV_LEN_ATTR, 1)
 
 
@@ -315,7 +329,7 @@ if _BaseLayer is not None:
             layers = [MLAPagedLayer(max_cache_len=max_cache_len, **kw) for _ in range(text.num_hidden_layers)]
             super().__init__(layers=layers)
             self.dcp_size = n
-            self._init_dsa(config)
+            self._init_dsa(config, max_cache_len)
 
     try:
         from transformers import StaticCache as _StaticCache
@@ -330,4 +344,4 @@ if _BaseLayer is not None:
 
             def __init__(self, config, max_cache_len: int, **kwargs):
                 super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
-                self._init_dsa(config)
+                self._init_dsa(config, max_cache_len)
