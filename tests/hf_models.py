@@ -151,10 +151,11 @@ def create_masks_in_graph(config, inputs_embeds, attention_mask, cache=None, pas
     """A `create_masks_for_generate` for static caches: instead of HF's precomputed 4-D mask (built outside the
     compiled forward, so a float eager mask is a graph input of unknown values), hand the forward the 2-D
     padding mask padded to the cache's fixed length. The forward then builds HF's own mask inside the graph
-    (the same values: positions past the current one are causally masked anyway) at one fixed shape."""
+    (the same values: positions past the current one are causally masked anyway) at one fixed shape.
+    README ("Compiling HF models") shows the same function."""
     from transformers.masking_utils import find_first_full_attention_index, prepare_padding_mask
 
-    cache = cache if cache is not None else past_key_values
+    cache = cache if cache is not None else past_key_values  # transformers < 5.24 passes past_key_values=
     if attention_mask is None or cache is None or attention_mask.ndim != 2:
         return attention_mask
     kv_length, kv_offset = cache.get_mask_sizes(inputs_embeds.shape[1], find_first_full_attention_index(cache))

@@ -175,18 +175,112 @@ def test_dcp_gloo_matches_single_rank_eager(world, tmp_path):
         assert torch.equal(res["c_l"], first)  # identical on every rank
 
 
-def test_hf_generate_with_static_cache():
-    """What an HF user already has: generate(cache_implementation="static") with a compiled forward."""
-    model = M.deepseek_v3(num_layers=1)
+GENERATE = dict(max_new_tokens=STEPS, do_sample=False, cache_implementation="static", disable_compile=True)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_hf_generate_with_static_cache(impl):
+    """What an HF user already has: generate(cache_implementation="static") with a compiled forward. generate()
+    builds the 4-D mask outside the forward for static caches: bool for sdpa (a proven mask), but HF's float
+    eager mask would be a graph input of unknown values, so the eager model gets the mask built in the graph
+    (`create_masks_for_generate` handing over the 2-D mask padded to the cache length)."""
+    model = M.deepseek_v3(num_layers=1, attn_impl=impl)
     ids, mask = M.batch(L=5)
-    kw = dict(attention_mask=mask, max_new_tokens=STEPS, do_sample=False, cache_implementation="static",
-              disable_compile=True)
-    ref = model.generate(ids, **kw)
+    ref = model.generate(ids, attention_mask=mask, **GENERATE)
+    if impl == "eager":
+        model.create_masks_for_generate = M.create_masks_in_graph
+        assert torch.equal(model.generate(ids, attention_mask=mask, **GENERATE), ref)  # eagerly: HF's answer
     model.forward = torch.compile(model.forward, backend="mla_dcp", fullgraph=True)
-    out = model.generate(ids, **kw)
+    out = model.generate(ids, attention_mask=mask, **GENERATE)
     assert torch.equal(out, ref)
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 1  # the decode graph; prefill is left to HF
     assert COUNTERS["stats"]["unique_graphs"] == 2  # prefill + one decode graph for all steps
+
+
+def test_hf_generate_eager_precomputed_mask_is_left_alone_and_warned(monkeypatch, caplog):
+    """generate()'s precomputed eager mask arrives as a float graph input: not provable, so not rewritten (HF's
+    answer), with a WARNING naming the fix."""
+    monkeypatch.setattr(mla_attention, "_warned", set())
+    model = M.deepseek_v3(num_layers=1, attn_impl="eager")
+    ids, mask = M.batch(L=5)
+    ref = model.generate(ids, attention_mask=mask, **GENERATE)
+    model.forward = torch.compile(model.forward, backend="mla_dcp", fullgraph=True)
+    with caplog.at_level(logging.INFO, logger="mla_compile.passes.mla_attention"):
+        out = model.generate(ids, attention_mask=mask, **GENERATE)
+    assert torch.equal(out, ref)
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 0
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "create_masks_for_generate" in warned[0].getMessage(), caplog.text
+
+
+def test_batch_size_change_keeps_the_rewrite():
+    """Compiled once with Dynamo's default (automatic dynamic shapes): batch 2, then 3 (a graph with a symbolic
+    batch), then 2 again (served by the symbolic graph): every decode graph rewritten, tokens equal eager HF."""
+    model = M.deepseek_v3(num_layers=1, attn_impl="eager")
+    L = 24
+    compiled = torch.compile(model, backend="mla_dcp", fullgraph=True)
+    for B in (2, 3, 2):
+        ids, mask = M.batch(B=B, L=L)
+        ref = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), 4)
+        out = M.greedy(compiled, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), 4,
+                       prefill=model)
+        assert torch.equal(out[0], ref[0]), B
+        assert M.rel_err(out[1], ref[1]) < TOL
+    assert COUNTERS["stats"]["unique_graphs"] == 2  # batch 2, then the symbolic batch
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
+    assert COUNTERS["mla_compile"][mla_attention.SKIP_COUNTER] == 0
+
+
+@pytest.mark.parametrize("impl,cache", [("eager", "static"), ("sdpa", "paged")])
+def test_dsa_sparse_batch_size_change_keeps_the_rewrite(impl, cache):
+    """V3.2 past index_topk (the sparse graph), batch 2 / 3 / 2: the symbolic-batch graph keeps dsa.indexer_topk +
+    mla.sparse_decode."""
+    from mla_compile.integrations.hf import DSAStaticCache, MLAPagedCache
+
+    model = M.deepseek_v32(num_layers=1, index_topk=4, attn_impl=impl)
+    L = 16
+    compiled = torch.compile(model, backend="mla_dcp", fullgraph=True)
+    for B in (2, 3, 2):
+        ids, mask = M.batch(B=B, L=L)
+        ref = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), 4)
+        c = DSAStaticCache(model.config, L) if cache == "static" else MLAPagedCache(model.config, L, page_size=4)
+        out = M.greedy(compiled, model, ids, mask, c, 4, prefill=model)
+        assert torch.equal(out[0], ref[0]) and M.rel_err(out[1], ref[1]) < TOL, B
+    assert COUNTERS["mla_compile"]["dsa_sparse_rewritten"] == 2
+    assert COUNTERS["mla_compile"][mla_attention.SKIP_COUNTER] == 0
+
+
+def test_hf_generate_batch_size_change_keeps_the_rewrite():
+    model = M.deepseek_v3(num_layers=1, attn_impl="eager")
+    batches = {B: M.batch(B=B, L=5) for B in (2, 3)}
+    refs = {B: model.generate(ids, attention_mask=mask, **GENERATE) for B, (ids, mask) in batches.items()}
+    model.create_masks_for_generate = M.create_masks_in_graph
+    model.forward = torch.compile(model.forward, backend="mla_dcp", fullgraph=True)
+    for B in (2, 3, 2):
+        ids, mask = batches[B]
+        assert torch.equal(model.generate(ids, attention_mask=mask, **GENERATE), refs[B]), B
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2  # the static and the symbolic-batch decode graph
+
+
+def test_dynamic_cache_length_is_left_alone_with_one_warning(monkeypatch, caplog):
+    """A cache length that changes between calls makes Dynamo's second graph symbolic in L: not rewritten (HF's
+    answer), one WARNING naming dynamic=False; with dynamic=False each length gets its own rewritten graph."""
+    monkeypatch.setattr(mla_attention, "_warned", set())
+    model = M.deepseek_v3(num_layers=1)
+    for dynamic, rewritten in ((None, 1), (False, 3)):
+        torch._dynamo.reset()
+        COUNTERS.clear()
+        compiled = torch.compile(model, backend="mla_dcp", fullgraph=True, dynamic=dynamic)
+        with caplog.at_level(logging.INFO, logger="mla_compile.passes.mla_attention"):
+            for L in (24, 32, 40):
+                ids, mask = M.batch(L=L)
+                ref = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), 2)
+                out = M.greedy(compiled, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), 2,
+                               prefill=model)
+                assert torch.equal(out[0], ref[0]) and M.rel_err(out[1], ref[1]) < TOL
+        assert COUNTERS["mla_compile"][mla_attention.COUNTER] == rewritten, dynamic
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "dynamic=False" in warned[0], warned
 
 
 # ------------------------------------------------------------------- synthetic sites (no HF model: fast)

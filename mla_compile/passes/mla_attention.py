@@ -97,7 +97,6 @@ _SDPA = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_d
 _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
 _MATMUL = {torch.matmul, operator.matmul, torch.Tensor.matmul}
 _CAT = {torch.cat, torch.concat, torch.concatenate}
-_WHERE = {torch.where}
 _DROPOUT = {torch.nn.functional.dropout}
 
 
@@ -334,12 +333,12 @@ def match_site(node: fx.Node) -> Site | None:
         q, K, V, mask, scale, k_users, chain, dtypes = m
     else:
         return None
-    qs = _shape(q)
-    if len(qs) != 4:
-        raise NoMatch(f"query has shape {qs}, expected [B, H, 1, D]")
-    B, H, Sq, Dq = qs
-    if Sq != 1:
-        raise NoMatch(f"query length {Sq} != 1 (prefill / multi-token steps are left to HF attention)")
+    qv = _val(q)
+    if not (isinstance(qv, torch.Tensor) and qv.dim() == 4):
+        raise NoMatch(f"query {q.name} is not a [B, H, 1, D] tensor")
+    if not (isinstance(qv.shape[2], int) and qv.shape[2] == 1):  # symbolic: Dynamo specializes a length of 1
+        raise NoMatch(f"query length {qv.shape[2]} != 1 (prefill / multi-token steps are left to HF attention)")
+    B, H, Sq, Dq = qs = _shape(q)
     nodes = set(chain)
     attn_users = {node} | k_users
     k_nope, kpe_e, nope_off, rope_off = _match_key(K, attn_users, nodes)
@@ -351,7 +350,7 @@ def match_site(node: fx.Node) -> Site | None:
     P = _shape(kpe)[-1]
     if Dq != nope + P or not same(_shape(K), (B, H, L, nope + P)) or _shape(V)[-1] != v_dim:
         raise NoMatch(f"head dims do not line up: Q {qs}, K {_shape(K)}, nope {nope}, rope {P}")
-    lv, qv = _val(latent), _val(q)
+    lv = _val(latent)
     if lv.dtype != qv.dtype or _val(kpe).dtype != qv.dtype or _val(weight).dtype != qv.dtype:
         raise NoMatch(f"mixed dtypes: q {qv.dtype}, latent {lv.dtype}, kpe {_val(kpe).dtype}")
     if mask is not None:
@@ -764,6 +763,8 @@ def _check_reads(graph: fx.Graph, b: Builder, site: Site, src: LatentSource, mem
         reads[r] = min(seen, key=order.__getitem__) if seen else r
     for key in b.memo_hits:
         anchor, entry_reads = memo.reads_of(key)
+        if anchor is None:  # emitted by this site (reused within it): its reads are this site's own
+            continue
         for r in entry_reads:
             if r not in reads or order[anchor] < order[reads[r]]:
                 reads[r] = anchor
