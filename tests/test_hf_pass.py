@@ -155,13 +155,15 @@ def test_fx_graph_cache_hits_on_rewritten_graph(tmp_path, monkeypatch):
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_dcp_gloo_matches_single_rank_eager(world, tmp_path):
+@pytest.mark.parametrize("world,impl,empty_row", [(2, "sdpa", False), (3, "sdpa", False), (2, "eager", True)])
+def test_dcp_gloo_matches_single_rank_eager(world, impl, empty_row, tmp_path):
+    """empty_row: a request masked everywhere; eager HF attends its whole (global) cache alike, which each rank
+    reproduces over its own shard (the merge weighs the shards by their slot counts)."""
     import torch.multiprocessing as mp
 
-    L, steps = 32, STEPS
-    mp.spawn(M.dcp_worker, args=(world, str(tmp_path / "init"), str(tmp_path), "sdpa", steps, L), nprocs=world,
-             join=True)
+    L, steps = 32, STEPS if not empty_row else 6
+    mp.spawn(M.dcp_worker, args=(world, str(tmp_path / "init"), str(tmp_path), impl, steps, L, empty_row),
+             nprocs=world, join=True)
     first = None
     for r in range(world):
         res = torch.load(tmp_path / f"rank{r}.pt")

@@ -28,7 +28,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ._fx import BIG_NEGATIVE, NoMatch, arg, batch_shape, erase_dead, is_call as _is_call, meta_val, same
+from ._fx import BIG_NEGATIVE, NoMatch, arg, batch_shape, erase_dead, is_call as _is_call, is_fn, meta_val, same
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def drop_dense_indexer(graph: fx.Graph) -> int:
     """Replace each index-masked attention mask behind an `all_selected` marker by the plain mask; returns
     the number of masks replaced (counted in counters["mla_compile"]["dsa_index_mask_dropped"])."""
     ops = _marker_ops()
-    markers = {n for n in graph.nodes if n.op == "call_function" and n.target in ops}
+    markers = {n for n in graph.nodes if is_fn(n, ops)}
     if not markers:
         return 0
     replaced, dead = 0, []

@@ -19,7 +19,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ._fx import meta_val, replace_each
+from ._fx import is_call, meta_val, replace_each
 
 COUNTER = "outer_product_matmuls"
 _MATMUL_FUNCTIONS = {operator.matmul, torch.matmul, torch.bmm}
@@ -28,9 +28,7 @@ _MATMUL_METHODS = {"matmul", "bmm", "__matmul__"}
 
 def _operands(node: fx.Node):
     """(a, b) of a matmul-like node with a length-1 contraction that may become a * b, else None."""
-    is_fn = node.op == "call_function" and node.target in _MATMUL_FUNCTIONS
-    is_method = node.op == "call_method" and node.target in _MATMUL_METHODS
-    if not (is_fn or is_method) or len(node.args) != 2 or node.kwargs:
+    if not is_call(node, _MATMUL_FUNCTIONS, _MATMUL_METHODS) or len(node.args) != 2 or node.kwargs:
         return None
     a, b = node.args
     av, bv = meta_val(a), meta_val(b)
