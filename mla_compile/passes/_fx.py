@@ -14,9 +14,9 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
-# An additive mask value at or below this gives exactly zero probability in a softmax next to any score that is
-# finite and far below 1e30 in magnitude (exp(-1e30) underflows in every float dtype), and every score added to it
-# rounds back to it (|s| < half its ulp, 3.8e22 in float32), so a row masked everywhere by one such value is flat.
+# An additive mask value at or below this gives exactly zero probability in a softmax next to any finite score far
+# below 1e30 in magnitude (exp(-1e30) underflows in every float dtype), and such a score added to it rounds back to
+# it (|s| below half its ulp: 3.8e22 in float32, 7e13 in float64), so a row masked everywhere by one value is flat.
 BIG_NEGATIVE = -1e30
 
 
