@@ -176,7 +176,7 @@ def mla_dcp(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None
 
     opts, inductor_patches = parse_options(options)
     if mode is not None and opts.mode is not None and mode != opts.mode:
-        raise ValueError(f"options: 'mode' ({opts.mode!r}) contradicts mode= ({mode!r})")
+        raise OptionsError(f"options: 'mode' ({opts.mode!r}) contradicts mode= ({mode!r})")
     patches = config_patches(opts, mode, inductor_patches, _on_cuda(example_inputs))
     _prefill_without_cudagraphs(gm, patches, inductor_patches)
     gm = rewrite_graph(gm, example_inputs, opts)
