@@ -73,7 +73,7 @@ def test_hf_decode_cuda_absorbed_projections_as_per_head_linear(monkeypatch, dty
 def test_greedy_pick_split_argmax_cuda(vocab):
     """The greedy pick over a real vocab through passes/split_argmax.py + Inductor's CUDA reductions under CUDA
     graphs: the exact token (ties, NaN, inf rows included) of eager argmax, replay after replay."""
-    from test_split_argmax_pass import hard_rows
+    from argmax_cases import hard_rows
     from mla_compile.passes.split_argmax import COUNTER
 
     torch._dynamo.reset()
