@@ -7,7 +7,7 @@ import functools
 import torch
 
 from mla_compile import models
-from mla_compile.integrations.hf import cache_kwargs
+from mla_compile.integrations.hf import cache_kwargs, create_masks_in_graph  # noqa: F401  (tests use M.create_masks_in_graph)
 
 # the tests' models: mla_compile.models' builders at a short max_position_embeddings
 deepseek_v3 = functools.partial(models.deepseek_v3, max_positions=512)
@@ -151,21 +151,6 @@ def synthetic_site_inputs(B=3, H=4, L=24, dtype=torch.float32, seed=0):
 
 
 # ------------------------------------------------------------------------ generate(): masks in the graph
-def create_masks_in_graph(config, inputs_embeds, attention_mask, cache=None, past_key_values=None, **kwargs):
-    """A `create_masks_for_generate` for static caches: instead of HF's precomputed 4-D mask (built outside the
-    compiled forward, so a float eager mask is a graph input of unknown values), hand the forward the 2-D
-    padding mask padded to the cache's fixed length. The forward then builds HF's own mask inside the graph
-    (the same values: positions past the current one are causally masked anyway) at one fixed shape.
-    README ("Compiling HF models") shows the same function."""
-    from transformers.masking_utils import find_first_full_attention_index, prepare_padding_mask
-
-    cache = cache if cache is not None else past_key_values  # transformers < 5.24 passes past_key_values=
-    if attention_mask is None or cache is None or attention_mask.ndim != 2:
-        return attention_mask
-    kv_length, kv_offset = cache.get_mask_sizes(inputs_embeds.shape[1], find_first_full_attention_index(cache))
-    return prepare_padding_mask(attention_mask, kv_length, kv_offset)
-
-
 def step_masks(mask2d: torch.Tensor, position: int) -> torch.Tensor:
     """HF's decode mask for `position` as a user's 4-D bool mask [B, 1, 1, L]: causal & padding."""
     L = mask2d.shape[1]

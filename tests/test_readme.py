@@ -12,7 +12,7 @@ BLOCKS = dict(re.findall(r"```python\n# README: (\S+)\n(.*?)```", README.read_te
 
 
 def test_readme_has_tested_snippets():
-    assert "generate" in BLOCKS, sorted(BLOCKS)
+    assert {"generate", "eager-generate"} <= set(BLOCKS), sorted(BLOCKS)
 
 
 @pytest.mark.parametrize("name", sorted(BLOCKS))
@@ -21,8 +21,12 @@ def test_readme_snippet_runs(name):
     import torch
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     scope: dict = {}
     exec(compile(BLOCKS[name], f"README.md:{name}", "exec"), scope)  # noqa: S102 - our own README
+    if name == "eager-generate":
+        assert scope["out"].shape == (2, 16)
+        assert torch._dynamo.utils.counters["mla_compile"]["mla_attention_rewritten"] == 2
     if name == "generate":
         assert scope["out"].shape == (2, 8 + 12)
         assert torch._dynamo.utils.counters["mla_compile"]["mla_attention_rewritten"] >= 2

@@ -188,6 +188,21 @@ def compile_config(mode: str | None = "reduce-overhead", *, dynamic: bool | None
     return cfg
 
 
+def create_masks_in_graph(config, inputs_embeds, attention_mask, cache=None, past_key_values=None, **kwargs):
+    """A `create_masks_for_generate` for static caches (install it: `model.create_masks_for_generate =
+    create_masks_in_graph`): instead of HF's precomputed 4-D mask, built before the compiled forward (so an eager
+    float mask is a graph input of unknown values and the attention pass cannot prove it), hand the forward the
+    2-D padding mask padded to the cache's fixed length [B, Lmax]. The forward then builds HF's own mask inside the
+    graph (the same values: positions past the current one are causally masked anyway), at one fixed shape."""
+    from transformers.masking_utils import find_first_full_attention_index, prepare_padding_mask
+
+    cache = cache if cache is not None else past_key_values  # transformers < 5.24 passes past_key_values=
+    if attention_mask is None or cache is None or attention_mask.ndim != 2:
+        return attention_mask
+    kv_length, kv_offset = cache.get_mask_sizes(inputs_embeds.shape[1], find_first_full_attention_index(cache))
+    return prepare_padding_mask(attention_mask, kv_length, kv_offset)
+
+
 ALL_SELECTED_OPS = {torch.ops.mla_hf.all_selected.default, torch.ops.mla_hf.all_selected}
 
 MAX_KV_LEN_ATTR = "max_kv_len"
