@@ -8,8 +8,10 @@ CUDA-graph trees); `options=` takes our keys (BACKEND_OPTIONS) and any `torch._i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -119,8 +121,16 @@ def build_pass_manager(opts: BackendOptions) -> PassManager:
     """Post-grad passes for Inductor (graph-level rewrites run on the Dynamo graph, see `rewrite_graph`).
 
     The attention rewrite runs before AOTAutograd (`rewrite_graph`), so Inductor's FX graph cache keys on the
-    already-rewritten graph; this manager (empty today) only has to carry a uuid so the cache stays on."""
-    return PassManager()
+    already-rewritten graph; this manager (empty today) only has to carry a uuid so the cache stays on. The uuid
+    also hashes our op modules: composite ops (`mla::dcp_decode`, `mla::tp_dcp_decode`) are decomposed by
+    AOTAutograd after the cache key is taken from the Dynamo graph, so an edit to their Python would otherwise
+    keep serving a stale compiled graph."""
+    return PassManager(sources=_op_sources())
+
+
+@functools.lru_cache(maxsize=None)
+def _op_sources() -> tuple[str, ...]:
+    return tuple(sorted(str(p) for p in (Path(__file__).parent / "ops").glob("*.py")))
 
 
 def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, opts: BackendOptions) -> torch.fx.GraphModule:

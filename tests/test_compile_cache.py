@@ -27,3 +27,15 @@ def test_second_process_hits_fx_graph_cache():
     assert warm["fxgraph_cache_hit"] >= 1, warm
     assert warm["fxgraph_cache_miss"] == 0, warm
     assert warm["fxgraph_cache_bypass"] == 0, warm
+
+
+def test_pass_manager_uuid_covers_composite_op_sources(monkeypatch):
+    """AOTAutograd decomposes mla::dcp_decode / tp_dcp_decode after the cache key is taken: their source must
+    feed the key (an edit would otherwise serve a stale compiled graph)."""
+    from mla_compile import backend
+
+    seen = []
+    monkeypatch.setattr("mla_compile.passes.manager.get_hash_for_files", lambda files: seen.extend(files) or b"h")
+    backend.build_pass_manager(backend.BackendOptions()).uuid()
+    names = {Path(f).name for f in seen}
+    assert {"dcp.py", "tp_dcp.py", "dcp_consistency.py", "attention.py"} <= names, names

@@ -20,9 +20,11 @@ GraphPass = Callable[[torch.fx.Graph], int]  # returns the number of rewrites it
 class PassManager(CustomGraphPass):
     """Runs graph passes in order on an Inductor FX graph; each returns how many sites it rewrote."""
 
-    def __init__(self, passes: list[tuple[str, GraphPass, str]] | None = None):
-        # (name, pass, source file) — the file feeds the uuid
+    def __init__(self, passes: list[tuple[str, GraphPass, str]] | None = None, sources: tuple[str, ...] = ()):
+        # (name, pass, source file) — the file feeds the uuid; `sources`: more files whose code ends up in the
+        # compiled graph without being a pass (e.g. composite ops that AOTAutograd decomposes)
         self.passes = list(passes or [])
+        self.sources = tuple(sources)
 
     def add(self, name: str, graph_pass: GraphPass, source_file: str) -> None:
         self.passes.append((name, graph_pass, source_file))
@@ -36,5 +38,5 @@ class PassManager(CustomGraphPass):
         graph.lint()
 
     def uuid(self) -> bytes:
-        files = (__file__,) + tuple(sorted({f for _, _, f in self.passes}))
+        files = (__file__,) + tuple(sorted({f for _, _, f in self.passes} | set(self.sources)))
         return get_hash_for_files(files) + ",".join(n for n, _, _ in self.passes).encode()
