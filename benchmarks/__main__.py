@@ -6,6 +6,8 @@ Suites (each writes DIR/<file>; DIR defaults to benchmarks/results/, git-ignored
                            on CPU (or --smoke): n = 1 2 over gloo with tiny shapes (checks, not performance)
   hf       hf.json         HF DeepseekV3 decode tokens/s: eager vs torch.compile vs mla_dcp
                            (CPU: the script's --smoke shapes)
+  generate generate.json   HF generate() end to end: eager vs HF's own static compile vs mla_dcp
+                           (CPU: the script's --smoke shapes)
   dsa      dsa.json        DSA layer dense (k-only) vs sparse graph under CUDA-graph trees         (CUDA only)
   compile  compile.json    compile time, graphs, cudagraph recordings, FX-graph-cache hits in a second process
   all      every suite above in that order
@@ -28,7 +30,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_RESULTS = HERE / "results"
-FILES = {"ops": "bench_ops.json", "dcp": "dcp.json", "hf": "hf.json", "dsa": "dsa.json", "compile": "compile.json"}
+FILES = {"ops": "bench_ops.json", "dcp": "dcp.json", "hf": "hf.json", "generate": "generate.json", "dsa": "dsa.json",
+         "compile": "compile.json"}
 SUITES = tuple(FILES)
 SKIPPED: set[str] = set()  # suites that did not run here (no CUDA, script missing)
 
@@ -116,6 +119,13 @@ def suite_hf(out: Path, smoke: bool, extra: list[str]) -> int:
     return _script("hf_decode.py", [str(out), *(["--smoke"] if smoke else []), *extra])
 
 
+def suite_generate(out: Path, smoke: bool, extra: list[str]) -> int:
+    if not _cuda() and not smoke:
+        print("[benchmarks] generate: no CUDA GPU — running the script's --smoke shapes (fp32, CPU; not performance)")
+        smoke = True
+    return _script("generate.py", [str(out), *(["--smoke"] if smoke else []), *extra])
+
+
 def suite_dsa(out: Path, smoke: bool, extra: list[str]) -> int:
     if not _cuda():
         return _skip("dsa", "needs a CUDA GPU (dense vs sparse timing under CUDA-graph trees); "
@@ -131,7 +141,8 @@ def _label(suite: str, rc: int) -> str:
     return "skipped" if suite in SKIPPED else "ok" if rc == 0 else f"FAILED (exit {rc})"
 
 
-RUNNERS = {"ops": suite_ops, "dcp": suite_dcp, "hf": suite_hf, "dsa": suite_dsa, "compile": suite_compile}
+RUNNERS = {"ops": suite_ops, "dcp": suite_dcp, "hf": suite_hf, "generate": suite_generate, "dsa": suite_dsa,
+           "compile": suite_compile}
 
 
 def main(argv: list[str] | None = None) -> int:

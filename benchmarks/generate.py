@@ -34,27 +34,20 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_decode  # noqa: E402  (the same model builder and sync)
+from hf_decode import sync  # noqa: E402
+
 
 def build_model(H: int, layers: int, hidden: int, vocab: int, dtype, device, small: bool = False,
-                attn_impl: str = "sdpa", max_positions: int = 1 << 17):
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    from mla_compile.models import spread_weights
-
-    cfg = DeepseekV3Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=(2 if small else 4) * hidden,
-        moe_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=H, num_key_value_heads=H,
-        q_lora_rank=96 if small else 1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
-        v_head_dim=128, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
-        first_k_dense_replace=1, max_position_embeddings=max_positions, rope_interleave=True,
-        attn_implementation=attn_impl, pad_token_id=0, bos_token_id=0, eos_token_id=None)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = DeepseekV3ForCausalLM(cfg)
-    return spread_weights(model, seed=0, dtype=dtype)
+                attn_impl: str = "sdpa"):
+    """hf_decode's model with MoE layers after the first (what a DeepSeek-V3 layer stack looks like)."""
+    return hf_decode.build_model(H, layers, hidden, vocab, dtype, device, small=small, dense_layers=1,
+                                 attn_impl=attn_impl)
 
 
 def prompts(B: int, T: int, vocab: int, device, pad: int = 3):
@@ -176,11 +169,6 @@ def run_case(H, B, T, args, device, dtype, log, result, save):
         result["fp32_err_mla_over_eager"] = m["max_rel_err_vs_fp32"] / result["modes"]["eager"]["max_rel_err_vs_fp32"]
     del model, model32
     save()
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def main(argv=None):

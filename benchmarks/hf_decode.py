@@ -50,7 +50,10 @@ import torch
 from mla_compile.integrations.hf import cache_kwargs
 
 
-def build_model(H: int, layers: int, hidden: int, vocab: int, dtype, device, small: bool = False):
+def build_model(H: int, layers: int, hidden: int, vocab: int, dtype, device, small: bool = False,
+                dense_layers: int | None = None, attn_impl: str = "sdpa"):
+    """DeepseekV3ForCausalLM with real MLA dims; the first `dense_layers` layers (default: all) have a dense MLP,
+    the rest MoE (8 routed experts, top-2)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = DeepseekV3Config(
@@ -58,8 +61,8 @@ def build_model(H: int, layers: int, hidden: int, vocab: int, dtype, device, sma
         moe_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=H, num_key_value_heads=H,
         q_lora_rank=1536 if not small else 96, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
         v_head_dim=128, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
-        first_k_dense_replace=layers, max_position_embeddings=1 << 17, rope_interleave=True,
-        attn_implementation="sdpa", pad_token_id=0, bos_token_id=0, eos_token_id=None)
+        first_k_dense_replace=layers if dense_layers is None else dense_layers, max_position_embeddings=1 << 17,
+        rope_interleave=True, attn_implementation=attn_impl, pad_token_id=0, bos_token_id=0, eos_token_id=None)
     torch.manual_seed(0)
     with torch.device(device):
         model = DeepseekV3ForCausalLM(cfg)

@@ -54,6 +54,21 @@ def test_gap_stats_buckets_and_largest_gaps():
     assert sum(v["us_per_step"] for v in b.values()) == pytest.approx((90 - 2 * 26.5) / 2)  # span - busy
 
 
+def test_generate_benchmark_smoke(tmp_path):
+    """The generate() benchmark's harness on tiny shapes (CPU): every mode runs through HF's own generate, mla
+    rewrites every layer of the decode graph and its greedy tokens equal eager's (fp32)."""
+    import generate
+
+    out = tmp_path / "generate.json"
+    torch._dynamo.reset()
+    assert generate.main([str(out), "--smoke", "--modes", "eager", "hf", "mla"]) == 0
+    (case,) = json.loads(out.read_text())["cases"]
+    modes = case["modes"]
+    assert set(modes) == {"eager", "hf", "mla"} and not any("error" in m for m in modes.values())
+    assert modes["mla"]["rewritten"] == 2 and modes["mla"]["agree"] == 1.0 and modes["hf"]["agree"] == 1.0
+    assert case["decode_speedup_mla_vs_hf"] > 0 and modes["mla"]["decode_ms_per_token"] > 0
+
+
 @pytest.mark.parametrize("step", ["model", "greedy"])
 def test_hf_decode_smoke_both_step_kinds(tmp_path, step):
     """The HF benchmark's harness on tiny shapes (CPU): every mode runs, mla rewrites the layer and matches eager,
