@@ -97,10 +97,10 @@ def parse_options(options: dict[str, Any] | None) -> tuple[BackendOptions, dict[
 # Inductor settings this backend changes for CUDA graphs (a user's `options=` still overrides them).
 # combo_kernels: data-independent small kernels share one launch. A decode step is ~90 kernels of a few us,
 # each paying a launch gap inside the CUDA graph; HF DeepSeek-V3 (H 16, batch 8, 32K) on the H200: 95 -> 84
-# kernels a step, 770 -> 736 us (benchmarks/RESULTS.md, session 5).
+# kernels a step, 770 -> 736 us (benchmarks/RESULTS.md).
 # triton.enable_pdl: Inductor's kernels use programmatic dependent launch (sm_90+), as ours do by default
 # (kernels/_util.py, MLA_COMPILE_PDL): a kernel's launch overlaps its predecessor's tail; the same step 736 -> 716 us
-# with both (session 6).
+# with both (benchmarks/RESULTS.md).
 CUDA_INDUCTOR_DEFAULTS = {"combo_kernels": True, "triton.enable_pdl": True}
 
 

@@ -49,7 +49,7 @@ def caches_view_as_slots(ckv_cache, kpe_cache) -> bool:
 
 
 # programmatic dependent launch for our kernels: "auto" (default) / "1" on sm_90+, "0" never. HF DeepSeek-V3 step
-# (H 16, batch 8, 32K, H200): 736 -> 725 us, 716 with Inductor's kernels too (session 6, benchmarks/RESULTS.md)
+# (H 16, batch 8, 32K, H200): 736 -> 725 us, 716 with Inductor's kernels too (benchmarks/RESULTS.md)
 PDL_ENV = "MLA_COMPILE_PDL"
 
 

@@ -65,7 +65,7 @@ def compile_sm90(kernel, constexprs: dict, descriptors: dict, num_warps: int, nu
             "registers": int(re.findall(r"Used (\d+) registers", report)[-1]),
             "spill_bytes": int(re.findall(r"(\d+) bytes spill stores", report)[-1]),
             # ptxas' warpgroup-MMA advisories, e.g. C7514 "wgmma.mma_async instructions are serialized" (every MMA of
-            # the kernel waits for the one before: session 9's "defer" seesaw variant, 40% slower on the H200) or
+            # the kernel waits for the one before: a "defer" seesaw variant measured 40% slower on the H200) or
             # C7517 "warpgroup.wait is injected" (one wait added where the code did not ask for it)
             "advisories": re.findall(r"\((C75\d\d)\)", report)}
 

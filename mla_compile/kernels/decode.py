@@ -229,7 +229,7 @@ def default_config(H: int, R: int, page_size: int) -> DecodeConfig:
 
 def num_splits(batch: int, heads: int, capacity: int, device: torch.device, cfg: DecodeConfig) -> int:
     """Splits from shapes only: as many as fit in one wave of `ctas_per_sm` programs per SM, never splits shorter
-    than min_split_tokens. One wave, not more: H200 probe 2026-12-01 (session 8, data/session8_call1): H=16 B=32
+    than min_split_tokens. One wave, not more: H200 probe 2026-12-01 (benchmarks/RESULTS.md): H=16 B=32
     8 splits (256 programs) 88.9 / 310 us at 8K / 32K vs 98.5 / 318 for the ~2-wave 16; B=128 2 splits 316 vs
     4 323 at 8K; H=128 B=8 8 splits 269 / 1043 vs 16 279 / 1057 at 32K / 128K; B=8 H=16 keeps 33 (= 264 slots)."""
     programs = max(batch * triton.cdiv(heads, cfg.block_h), 1)

@@ -1,6 +1,6 @@
 """Many-head paged MLA decode, stage 1, warp-specialised: two warpgroups take turns ("seesaw") over pairs of tiles.
 
-Why (decode_wgmma.py's probe, session 8): with both warpgroups sharing every tile, each re-reads q from shared
+Why (decode_wgmma.py's phase probe): with both warpgroups sharing every tile, each re-reads q from shared
 memory for its half of the tile's scores - 216 KB of shared-memory traffic per 64 tokens for the score MMA alone,
 and the kernel is bound by that serial chain (q.ckv^T ~310 of 677 us at B=8 128K). Here each warpgroup scores a
 WHOLE tile (n = 64, q read once per tile), and the two work on alternating tiles A (slot 0) and B (slot 1):

@@ -4,7 +4,7 @@ Why not the Triton kernel (decode.py `_stage1_tma_kernel`): for the score tile s
 tokens], Triton 3.6 lays the MMA out as 8 warps along M (TTGIR: warpsPerCTA [8, 1], instr n = 32), so BOTH
 warpgroups compute the same scores, each reading q and the tile from shared memory at 3 KB per 16-clock
 instruction: 1.5x the tensor work at three times what shared memory serves. H=128 stayed at ~27% of the
-H200's peak (274 TFLOP/s, session 3). Here the two warpgroups split the score tile by tokens (warps [4, 2]) and
+H200's peak (274 TFLOP/s, benchmarks/RESULTS.md). Here the two warpgroups split the score tile by tokens (warps [4, 2]) and
 the output by columns, so every product is computed once.
 
 One program per (request, block of 64 heads, KV split), 8 warps. Shared memory holds q (latent halves + rope,
@@ -17,10 +17,10 @@ Slots past seq_len may hold NaN and never reach an MMA. Both write the same norm
 lse as the Triton kernels, so decode.py's merge is shared.
 
 On the TMA layout with rope width 64, `launch` hands the call to decode_seesaw.py's warp-specialised kernel (each
-warpgroup scores whole tiles; SEESAW below), 1-6% faster on the H200 (session 9).
+warpgroup scores whole tiles; SEESAW below), 1-6% faster on the H200 (benchmarks/RESULTS.md).
 
 Needs sm_90 exactly (warpgroup MMA is Hopper's; Blackwell has tcgen05 instead), bf16 / fp16, >= 64 heads and the
-latent in two power-of-two halves: see `eligible`. Measured: benchmarks/RESULTS.md, session 8.
+latent in two power-of-two halves: see `eligible`. Measured: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ except ImportError:  # pragma: no cover - depends on the Triton build
 BLOCK_H = 64  # one warpgroup MMA's M: heads per program
 BLOCK_N = 64  # tokens per tile
 STAGES = 2
-# keep p.ckv in flight into the next tile's q.ckv^T (see the kernel); False: wait for it per tile. H200 (session 8,
-# data/session8_call4): stage 1 661 / 2649 us vs 677 / 2723 at B=8 128K / B=128 32K
+# keep p.ckv in flight into the next tile's q.ckv^T (see the kernel); False: wait for it per tile. H200 (benchmarks/RESULTS.md):
+# stage 1 661 / 2649 us vs 677 / 2723 at B=8 128K / B=128 32K
 PIPE = True
 # the warp-specialised kernel (decode_seesaw.py) for the TMA layout where it applies (rope width 64); else the TMA
 # kernel below
@@ -267,7 +267,7 @@ if gluon is not None:
             if PIPE:
                 # tile i - 1's p.ckv ran ahead of these scores on the tensor cores; both are done after the wait,
                 # so (after the barrier: all warps) tile i - 1's stage takes tile i + 1. (Starting that copy as soon
-                # as p.ckv is done, before the scores complete, was slower: 754 vs 661 us, session 8 call 5.)
+                # as p.ckv is done, before the scores complete, was slower: 754 vs 661 us on the H200.)
                 s, acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc0, acc1))
                 if (i >= 1) & (i + 1 < n_full):
                     gl.thread_barrier()

@@ -42,8 +42,8 @@ SPLIT_COUNTER = "fused_linear_split_k_groups"  # of those, written as linear_par
 WHERE = ("auto", "always", "never")
 _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
 # a linear without a partner: K >= 1024 and N <= 8192 (q_b_proj, o_proj, down_proj; not lm_head, whose wide GEMM
-# suits cuBLAS). Session 7 (H200, HF H=16 32K greedy step, side by side, with W_UK / W_UV as mla.per_head_linear):
-# 679.5 vs 689.0 us a step with only K >= 8192 (down_proj); session 6: lm_head too was slower (744 vs 727 us)
+# suits cuBLAS). Measured (H200, HF H=16 32K greedy step, side by side, with W_UK / W_UV as mla.per_head_linear):
+# 679.5 vs 689.0 us a step with only K >= 8192 (down_proj); lm_head too was slower (744 vs 727 us)
 _MIN_K_ALONE = 1024
 _MAX_N_ALONE = 8192
 

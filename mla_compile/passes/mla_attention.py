@@ -659,9 +659,9 @@ def _q_part(b: Builder, q: fx.Node, start: int, width: int) -> fx.Node:
 
 # how the absorbed projections are written: "auto" (default): `mla.per_head_linear` (one few-token Triton launch
 # writing [B, H, N], PDL-chained with its neighbours) for CUDA half-precision decode batches, else "bmm" (over
-# heads, then a transpose copy). Session 7 (H200, HF H=16 32K greedy step, side by side): with q_b / o_proj also
+# heads, then a transpose copy). Measured (H200, HF H=16 32K greedy step, side by side): with q_b / o_proj also
 # on the few-token kernel (passes/fused_linear.py) 679.5 vs 689.0 us a step. An Inductor-generated multiply + sum
-# was measured slower (session 6: 747 vs 736 us) and removed.
+# was measured slower (747 vs 736 us) and removed.
 _ABSORB = "auto"
 
 

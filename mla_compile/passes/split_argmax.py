@@ -2,7 +2,7 @@
 
 A decode step that picks its token in the graph ends in `logits.argmax(-1)` over [B, vocab]: a few rows of 32K-
 129K values. Inductor never splits arg-reductions (`ir.Reduction.num_splits`), so that is one program per row
-streaming the whole vocab: 7.3 us on the H200 for 8 x 32768 bf16 (session 6 profile), with 8 of 132 SMs busy.
+streaming the whole vocab: 7.3 us on the H200 for 8 x 32768 bf16 (benchmarks/RESULTS.md profile), with 8 of 132 SMs busy.
 Here the row is viewed as S chunks of C (C divides N): per chunk its arg-index and extreme value (one reduction
 over B * S short rows, which fill the GPU), then the arg-index over the S chunk extremes, and
 index = chunk * C + local index of that chunk.
