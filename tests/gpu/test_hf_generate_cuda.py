@@ -48,6 +48,21 @@ def test_generate_reduce_overhead_fp32_tokens_equal_eager(cache_kind, sample):
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
 
 
+def test_generate_reduce_overhead_eager_attention_fp32():
+    """Eager attention: generate() builds its float mask in the graph through create_masks_in_graph (the pass can
+    prove it), so the decode graph is rewritten; tokens equal eager generate's."""
+    from mla_compile.integrations.hf import create_masks_in_graph
+
+    model = M.deepseek_v3(num_layers=2, heads=16, hidden=256, attn_impl="eager").cuda()
+    model.create_masks_for_generate = create_masks_in_graph
+    ids, mask = _inputs()
+    ref = _generate(model, ids, mask, 16, compiled=False, do_sample=False)
+    _fresh(model)
+    out = _generate(model, ids, mask, 16, compiled=True, do_sample=False)
+    assert torch.equal(out, ref)
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
+
+
 def test_generate_reduce_overhead_bf16_logits_close():
     model = M.deepseek_v3(num_layers=2, heads=16, hidden=256, dtype=torch.bfloat16).cuda()
     ids, mask = _inputs()
