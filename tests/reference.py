@@ -16,7 +16,8 @@ def request_slots(block_table: torch.Tensor, page_size: int, b: int, n: int) -> 
 
 
 def ref_attend(q_nope, q_pe, ckv_rows, kpe_rows, sm_scale):
-    """One request: q [H, R]/[H, P], tokens [T, R]/[T, P] -> (out [H, R], lse [H]) in float64."""
+    """One request: q [H, R]/[H, P], tokens [T, R]/[T, P] -> (out [H, R], lse [H]) in float64. P = 0 (no rope):
+    qp @ k.T is an [H, T] matrix of zeros, so the scores are sm_scale * qn @ c.T."""
     H = q_nope.shape[0]
     if ckv_rows.shape[0] == 0:
         return torch.zeros(H, q_nope.shape[1], dtype=torch.float64), torch.full((H,), -math.inf, dtype=torch.float64)
@@ -30,10 +31,14 @@ def ref_attend(q_nope, q_pe, ckv_rows, kpe_rows, sm_scale):
     return out, lse
 
 
+def slot_rows(cache):
+    """[NP, PS, D] -> [NP * PS, D]; sizes spelled out because D may be 0 (rope-less MLA: reshape(-1, 0) fails)."""
+    return cache.reshape(cache.shape[0] * cache.shape[1], cache.shape[2])
+
+
 def ref_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
     PS = ckv_cache.shape[1]
-    flat_c = ckv_cache.reshape(-1, ckv_cache.shape[-1])
-    flat_k = kpe_cache.reshape(-1, kpe_cache.shape[-1])
+    flat_c, flat_k = slot_rows(ckv_cache), slot_rows(kpe_cache)
     outs, lses = [], []
     for b in range(q_nope.shape[0]):
         slots = request_slots(block_table, PS, b, int(seq_lens[b]))
@@ -44,8 +49,7 @@ def ref_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sca
 
 
 def ref_sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
-    flat_c = ckv_cache.reshape(-1, ckv_cache.shape[-1])
-    flat_k = kpe_cache.reshape(-1, kpe_cache.shape[-1])
+    flat_c, flat_k = slot_rows(ckv_cache), slot_rows(kpe_cache)
     outs, lses = [], []
     for b in range(q_nope.shape[0]):
         slots = [int(s) for s in indices[b] if int(s) >= 0]

@@ -98,9 +98,10 @@ CASES = [
     ("decode", dict(sm_scale=float("nan")), "sm_scale", True),
     ("decode", dict(sm_scale=float("inf")), "sm_scale", True),
     ("decode", dict(sm_scale=float("-inf")), "sm_scale", True),
-    # ---- decode: no latent or no rope width (rope-less MLA, P = 0, is not supported yet)
+    # ---- decode: no latent (R = 0; a rope width P = 0 is rope-less MLA, accepted: tests/test_rope_less.py)
     ("decode", dict(q_nope=f32(B, H, 0), ckv_cache=f32(NUM_PAGES, PS, 0)), "q_nope", True),
-    ("decode", dict(q_pe=f32(B, H, 0), kpe_cache=f32(NUM_PAGES, PS, 0)), "q_pe", True),
+    ("decode", dict(q_nope=f32(B, H, 0), ckv_cache=f32(NUM_PAGES, PS, 0), q_pe=f32(B, H, 0),
+                    kpe_cache=f32(NUM_PAGES, PS, 0)), "q_nope", True),
     # ---- decode: mixed devices
     ("decode", dict(block_table=BT.to(META)), "block_table", True),
     ("decode", dict(q_nope=f32(B, H, R).to(META)), "q_nope", True),
@@ -116,7 +117,8 @@ CASES = [
     ("sparse_decode", dict(indices=torch.tensor([[-2, 0, 0], [0, 0, 0]], dtype=torch.int32)), "indices", False),
     ("sparse_decode", dict(indices=torch.zeros(B, 3, dtype=torch.int32, device=META)), "indices", True),
     ("sparse_decode", dict(sm_scale=float("inf")), "sm_scale", True),
-    ("sparse_decode", dict(q_pe=f32(B, H, 0), kpe_cache=f32(NUM_PAGES, PS, 0)), "q_pe", True),
+    ("sparse_decode", dict(q_nope=f32(B, H, 0), ckv_cache=f32(NUM_PAGES, PS, 0)), "q_nope", True),
+    ("sparse_decode", dict(q_pe=f32(B, H, 0)), "kpe_cache", True),  # P = 0 query, P > 0 cache
     # ---- merge_states
     ("merge_states", dict(lses=torch.randn(2, B, H).double()), "lses", True),
     ("merge_states", dict(lses=torch.randn(2, B, H).bfloat16()), "lses", True),
@@ -140,7 +142,7 @@ CASES = [
     ("cache_write", dict(slots=torch.tensor([0, -2, 1])), "slots", False),
     ("cache_write", dict(ckv=f32(3, R).to(META)), "ckv", True),
     ("cache_write", dict(ckv_cache=f32(NUM_PAGES, PS, 0), ckv=f32(3, 0)), "ckv_cache", True),
-    ("cache_write", dict(kpe_cache=f32(NUM_PAGES, PS, 0), kpe=f32(3, 0)), "kpe_cache", True),
+    ("cache_write", dict(kpe=f32(3, 0)), "kpe", True),  # P = 0 tokens, P > 0 cache
     # ---- indexer_topk
     ("indexer_topk", dict(topk=0), "topk", True),
     ("indexer_topk", dict(topk=-3), "topk", True),

@@ -43,13 +43,41 @@ def decode_backend(q_nope, ckv_cache) -> str:
     return "flashinfer" if wants_fi and _fi.usable(q_nope, ckv_cache) else "triton"
 
 
+# Rope-less MLA (P = 0: glm5_next, mistral_large4's no_rope_layers). The kernels are written and tuned for P > 0
+# (a rope tile of width block(P), TMA boxes of P columns), so a P = 0 call is handed to them as P = 1 with a zero
+# rope column: q_pe and kpe become stride-0 views of ONE zero element. Exactly equivalent (every score gains
+# q_pe . kpe = 0 * 0 = +0, and kpe is never NaN), and cheap: one 1-element fill, no cache-sized copy, no host
+# sync (CUDA graphs keep working), and the Triton kernels' speed instead of the plain-torch reference, which would
+# gather the whole block-table capacity in fp32. The cost: P = 1 is no TMA box width, so every P = 0 call takes
+# the pointer kernel (not TMA / Gluon: slower at >= 64 heads), and FlashInfer (built for P = 64) is skipped.
+def rope_less(q_pe: torch.Tensor) -> bool:
+    return q_pe.shape[-1] == 0
+
+
+def zero_rope_column(zero: torch.Tensor, *lead: int) -> torch.Tensor:
+    """[*lead, 1] view of the one-element tensor `zero`: strides 0 but a unit last stride (the kernels require
+    it), so any number of rows costs one element."""
+    return zero.as_strided((*lead, 1), (0,) * len(lead) + (1,))
+
+
+def _with_zero_rope(q_nope, ckv_cache):
+    """(q_pe [B, H, 1], kpe_cache [NP, PS, 1]) of zeros, both views of one fresh zero element."""
+    zero = q_nope.new_zeros(1)
+    return zero_rope_column(zero, *q_nope.shape[:2]), zero_rope_column(zero, *ckv_cache.shape[:2])
+
+
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
+    if rope_less(q_pe):  # see above: the Triton kernel with a zero rope column
+        q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache)
+        return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
     if decode_backend(q_nope, ckv_cache) == "flashinfer":
         return _fi.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
     return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
 
 
 def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
+    if rope_less(q_pe):
+        q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache)
     return _decode.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
 
 
@@ -58,6 +86,11 @@ def merge_states(outs, lses):
 
 
 def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots):
+    if rope_less(kpe):
+        # P = 0: nothing to write for the rope part; the kernel (which always writes both) copies a zero element
+        # onto itself instead of touching a zero-width (possibly null) buffer
+        zero = ckv.new_zeros(1)
+        kpe_cache, kpe = zero_rope_column(zero, *ckv_cache.shape[:2]), zero_rope_column(zero, ckv.shape[0])
     _cache.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots)
 
 

@@ -68,16 +68,16 @@ def is_fake(t: torch.Tensor) -> bool:
     return _is_fake(t) or t.device.type == "meta"
 
 
-def check_latent_dims(R: int, P: int, r_name: str, p_name: str) -> None:
-    """The latent widths: R >= 1 and P >= 1. The one home of the "no rope-less MLA yet" limit: P = 0 (and R = 0)
-    would reach reshape(-1, 0) in the impls; supporting it means lifting the P check here (and testing P = 0)."""
+def check_latent_rank(R: int, r_name: str) -> None:
+    """The latent width R >= 1 (an MLA latent of width 0 attends to nothing). The rope width P may be 0:
+    rope-less MLA (glm5_next, mistral_large4's `no_rope_layers`) scores with q_nope . ckv alone."""
     check(R >= 1, r_name, f"kv_lora_rank R (last dim) must be >= 1, got {R}")
-    check(P >= 1, p_name, f"rope dim P (last dim) must be >= 1, got {P} (rope-less MLA, P = 0, is not supported)")
 
 
 def check_paged_cache(ckv_cache, kpe_cache, R: int, P: int, dtypes=FLOAT_DTYPES) -> tuple[int, int]:
-    """Latent cache pair [NP, PS, R] / [NP, PS, P] for queries of widths R / P; returns (num_pages, page_size)."""
-    check_latent_dims(R, P, "q_nope", "q_pe")
+    """Latent cache pair [NP, PS, R] / [NP, PS, P] for queries of widths R >= 1 / P >= 0; returns
+    (num_pages, page_size)."""
+    check_latent_rank(R, "q_nope")
     check_tensor(ckv_cache, "ckv_cache", 3, dtypes)
     check_tensor(kpe_cache, "kpe_cache", 3, dtypes)
     check_dim(ckv_cache, "ckv_cache", 2, R, "q_nope.shape[-1] (kv_lora_rank R)")

@@ -78,14 +78,19 @@ def decode_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: i
     return token_slots(block_table, page_size, num_tokens), valid
 
 
+def _slot_rows(cache: torch.Tensor) -> torch.Tensor:
+    """[NP, PS, D] -> [NP * PS, D] by explicit sizes: reshape(-1, D) is ambiguous for a rope-less D = 0."""
+    return cache.reshape(cache.shape[0] * cache.shape[1], cache.shape[2])
+
+
 def _gather_slots(ckv_cache, kpe_cache, slots, valid, dtype):
-    """(safe slots, ckv [B, T, R], kpe [B, T, P]) in `dtype`; masked tokens read slot 0 and are zeroed."""
-    R, P = ckv_cache.shape[-1], kpe_cache.shape[-1]
+    """(safe slots, ckv [B, T, R], kpe [B, T, P]) in `dtype`; masked tokens read slot 0 and are zeroed.
+    P = 0 (rope-less MLA) gives kpe [B, T, 0], whose products below are exactly 0."""
     safe = torch.where(valid, slots, torch.zeros_like(slots))
     keep = valid[..., None]
     # zero masked tokens: unused slots may hold anything (NaN), and 0-probability * NaN is still NaN
-    ckv = torch.where(keep, ckv_cache.reshape(-1, R)[safe].to(dtype), 0.0)
-    kpe = torch.where(keep, kpe_cache.reshape(-1, P)[safe].to(dtype), 0.0)
+    ckv = torch.where(keep, _slot_rows(ckv_cache)[safe].to(dtype), 0.0)
+    kpe = torch.where(keep, _slot_rows(kpe_cache)[safe].to(dtype), 0.0)
     return safe, ckv, kpe
 
 
@@ -135,7 +140,8 @@ def attend_slots_backward(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_s
         # masked tokens point at slot 0: keep whatever they carry (0 * a non-finite upstream grad) out of it
         d_tok = torch.where(valid[..., None], d_tok, 0.0)
         flat = d_tok.new_zeros(cache.shape[0] * cache.shape[1], cache.shape[2])
-        return flat.index_add(0, safe.reshape(-1), d_tok.reshape(-1, cache.shape[2])).view(cache.shape).to(cache.dtype)
+        rows = d_tok.reshape(d_tok.shape[0] * d_tok.shape[1], cache.shape[2])  # explicit: D may be 0 (no rope)
+        return flat.index_add(0, safe.reshape(-1), rows).view(cache.shape).to(cache.dtype)
 
     return (d_q_nope.to(q_nope.dtype), d_q_pe.to(q_pe.dtype), to_slots(d_ckv, ckv_cache), to_slots(d_kpe, kpe_cache))
 
@@ -152,8 +158,9 @@ def attend_slots_backward(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_s
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
     """Absorbed-MLA decode attention over a paged latent cache (one query token per request).
 
-    Shapes: q_nope [B, H, R], q_pe [B, H, P] (R = kv_lora_rank, P = rope dim); ckv_cache [NP, PS, R],
+    Shapes: q_nope [B, H, R], q_pe [B, H, P] (R = kv_lora_rank >= 1, P = rope dim >= 0); ckv_cache [NP, PS, R],
     kpe_cache [NP, PS, P] (NP pages of PS tokens); block_table int32 [B, MP]; seq_lens int32 [B].
+    P = 0 is rope-less MLA (q_pe [B, H, 0], kpe_cache [NP, PS, 0]): scores = sm_scale * q_nope . ckv.
     Token t < seq_lens[b] of request b sits at slot block_table[b, t // PS] * PS + t % PS.
     scores = sm_scale * (q_nope . ckv + q_pe . kpe); returns out [B, H, R] (q's dtype) = softmax(scores) . ckv
     and lse float32 [B, H] = logsumexp(scores) (natural log). A row with seq_lens 0 gives (0, -inf).
@@ -218,7 +225,7 @@ decode.register_autograd(_decode_backward, setup_context=_decode_setup_context)
 def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
     """Absorbed-MLA decode attention over the listed PHYSICAL slots only (DSA top-k attention).
 
-    Shapes: q_nope [B, H, R], q_pe [B, H, P], ckv_cache [NP, PS, R], kpe_cache [NP, PS, P],
+    Shapes: q_nope [B, H, R], q_pe [B, H, P], ckv_cache [NP, PS, R], kpe_cache [NP, PS, P] (P >= 0),
     indices int32 [B, K] (flat slots page * PS + offset; -1 = ignored). Same math as `mla::decode` over the
     selected tokens; a row with no valid slot gives (0, -inf). Returns out [B, H, R], lse float32 [B, H]
     (float64 for float64 inputs). Differentiable in q_nope, q_pe, ckv_cache and kpe_cache.

@@ -13,7 +13,7 @@ def check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots):
     C.check_tensor(ckv, "ckv", 2, C.FLOAT_DTYPES)
     C.check_tensor(kpe, "kpe", 2, C.FLOAT_DTYPES)
     C.check_tensor(slots, "slots", 1, torch.int64)
-    C.check_latent_dims(ckv_cache.shape[2], kpe_cache.shape[2], "ckv_cache", "kpe_cache")
+    C.check_latent_rank(ckv_cache.shape[2], "ckv_cache")
     C.check(kpe_cache.shape[:2] == ckv_cache.shape[:2], "kpe_cache",
             f"pages/page size {tuple(kpe_cache.shape[:2])} differ from ckv_cache {tuple(ckv_cache.shape[:2])}")
     C.check_dim(ckv, "ckv", 1, ckv_cache.shape[2], "ckv_cache.shape[2] (R)")
@@ -41,14 +41,16 @@ def check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots):
 def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots):
     """Write T new tokens into the paged latent cache, in place.
 
-    Shapes: ckv_cache [NP, PS, R], kpe_cache [NP, PS, P] (mutated); ckv [T, R], kpe [T, P];
+    Shapes: ckv_cache [NP, PS, R], kpe_cache [NP, PS, P] (mutated); ckv [T, R], kpe [T, P] (P may be 0:
+    rope-less MLA);
     slots int64 [T]: flat slot page * PS + offset, or -1 to skip the token (e.g. owned by another DCP rank).
     """
     check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots)
     keep = slots >= 0
     idx = slots[keep]
-    ckv_cache.view(-1, ckv_cache.shape[-1])[idx] = ckv[keep]
-    kpe_cache.view(-1, kpe_cache.shape[-1])[idx] = kpe[keep]
+    for cache, new in ((ckv_cache, ckv), (kpe_cache, kpe)):
+        # explicit sizes: a rope-less kpe_cache [NP, PS, 0] makes view(-1, 0) ambiguous
+        cache.view(cache.shape[0] * cache.shape[1], cache.shape[2])[idx] = new[keep]
 
 
 @cache_write.register_fake
