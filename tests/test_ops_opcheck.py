@@ -1,6 +1,6 @@
 """`torch.library.opcheck` (schema, fake impl, autograd registration, AOT dispatch) for every op.
 
-Shapes: page size 1 and 64, H 1/16/128, R/P 512/64 and small, rows with seq_len 0, shuffled block tables
+Shapes: page size 1 and 64, H 1/16/128, R/P 512/64 and small, P = 0 (rope-less MLA), rows with seq_len 0, shuffled block tables
 (with garbage in the unused block-table entries), and a transposed (non-contiguous) q_nope as produced by
 weight absorption. B and lengths stay small: opcheck runs every op several times per call.
 """
@@ -20,6 +20,7 @@ SHAPES = [
     (64, 128, 512, 64, [0, 9]),
     (1, 16, 8, 4, [0, 0]),
     (3, 2, 5, 3, [7, 1, 0, 4]),
+    (4, 3, 8, 0, [6, 0, 2]),  # rope-less MLA: q_pe [B, H, 0], kpe_cache [NP, PS, 0]
 ]
 IDS = [f"ps{s[0]}-H{s[1]}-R{s[2]}-P{s[3]}-lens{'_'.join(map(str, s[4]))}" for s in SHAPES]
 
@@ -78,7 +79,7 @@ def requiring_grad(*ts):
 # autograd variants: float inputs require grad, so opcheck also checks the autograd registration and AOT
 # dispatch of the backward (eager vs traced gradients); float64 is the ops' reference precision
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("PS,H,R,P,lens", [SHAPES[0], SHAPES[4], (64, 16, 32, 8, [70, 0])], ids=str)
+@pytest.mark.parametrize("PS,H,R,P,lens", [SHAPES[0], SHAPES[4], SHAPES[5], (64, 16, 32, 8, [70, 0])], ids=str)
 def test_opcheck_decode_autograd(PS, H, R, P, lens, dtype):
     g, c, k, bt, sl = paged(lens, PS, R, P, dtype=dtype, seed=5)
     B = len(lens)
@@ -87,13 +88,14 @@ def test_opcheck_decode_autograd(PS, H, R, P, lens, dtype):
     opcheck(torch.ops.mla.decode.default, (*requiring_grad(q_nope, q_pe, c, k), bt, sl, (R + P) ** -0.5))
 
 
+@pytest.mark.parametrize("P", [3, 0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_opcheck_sparse_decode_autograd(dtype):
-    g, c, k, bt, sl = paged([7, 1, 0, 4], 3, 5, 3, dtype=dtype, seed=6)
+def test_opcheck_sparse_decode_autograd(dtype, P):
+    g, c, k, bt, sl = paged([7, 1, 0, 4], 3, 5, P, dtype=dtype, seed=6)
     s0 = ref.request_slots(bt, 3, 0, 7)
     idx = torch.tensor([[s0[6], -1, s0[0], s0[0]], [ref.request_slots(bt, 3, 1, 1)[0], -1, -1, -1], [-1] * 4,
                         ref.request_slots(bt, 3, 3, 4)], dtype=torch.int32)
-    q_nope, q_pe = torch.randn(4, 2, 5, generator=g, dtype=dtype), torch.randn(4, 2, 3, generator=g, dtype=dtype)
+    q_nope, q_pe = torch.randn(4, 2, 5, generator=g, dtype=dtype), torch.randn(4, 2, P, generator=g, dtype=dtype)
     opcheck(torch.ops.mla.sparse_decode.default, (*requiring_grad(q_nope, q_pe, c, k), idx, 0.3))
 
 
@@ -108,7 +110,7 @@ def test_opcheck_merge_states_autograd(dtype):
     opcheck(torch.ops.mla.merge_states.default, tuple(requiring_grad(outs, lses)))
 
 
-@pytest.mark.parametrize("PS,R,P,T", [(1, 16, 8, 5), (64, 512, 64, 7), (3, 5, 3, 0)])
+@pytest.mark.parametrize("PS,R,P,T", [(1, 16, 8, 5), (64, 512, 64, 7), (3, 5, 3, 0), (2, 8, 0, 5)])
 def test_opcheck_cache_write(PS, R, P, T):
     g = torch.Generator().manual_seed(PS)
     NP = 3 + T  # enough slots for T distinct targets

@@ -7,7 +7,8 @@ scale terms. For `lse` (a log) the floor makes it an absolute error near 0.
 Bounds: fp32 < 1e-5, bf16/fp16 < 1e-2. Rows the reference marks empty must be exactly (0, -inf). No output
 may ever hold a NaN (unused cache slots are NaN, so reading one shows up).
 
-Fuzzing uses small R/P so the CI profile (200 examples per op) stays fast; fixed cases cover R=512/P=64.
+Fuzzing uses small R/P (P from 0: rope-less MLA) so the CI profile (200 examples per op) stays fast; fixed
+cases cover R=512/P=64 and R=512/P=0.
 The slow variants (`-m slow`, HYPOTHESIS_PROFILE=slow) run >= 2,000 examples per op.
 """
 
@@ -71,6 +72,13 @@ def test_decode_fixed_r512(PS, H, lens, dtype):
     run_decode(lens, PS, H, 512, 64, dtype, seed=PS * 1000 + H)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("PS,H,lens", [(64, 16, [0, 1, 64, 130]), (1, 64, [3, 0, 17])])
+def test_decode_fixed_r512_rope_less(PS, H, lens, dtype):
+    """P = 0 (glm5_next's nope 256 / v 256 over kv_lora 512): scores are sm_scale * q_nope . ckv alone."""
+    run_decode(lens, PS, H, 512, 0, dtype, seed=PS * 1000 + H + 1)
+
+
 def test_decode_all_empty_and_no_nan():
     g = torch.Generator().manual_seed(0)
     _, (c, k), bt, sl, _ = ref.build_paged([0, 0, 0], 4, (8, 4), generator=g)
@@ -78,7 +86,7 @@ def test_decode_all_empty_and_no_nan():
     assert torch.equal(out, torch.zeros(3, 2, 8)) and torch.isneginf(lse).all()
 
 
-decode_args = dict(lens=LENS, PS=PAGE_SIZES, H=st.integers(1, 4), R=st.integers(1, 16), P=st.integers(1, 8),
+decode_args = dict(lens=LENS, PS=PAGE_SIZES, H=st.integers(1, 4), R=st.integers(1, 16), P=st.integers(0, 8),
                    dtype=DTYPES, seed=st.integers(0, 2**31 - 1), shuffle=st.booleans(),
                    sm_scale=st.floats(0.01, 2.0), extra_cols=st.integers(0, 2))
 
@@ -122,6 +130,11 @@ def test_sparse_decode_fixed_r512(PS, H, K, dtype):
     run_sparse([70, 0, 33], PS, H, 512, 64, K, dtype, seed=PS + H + K, sm_scale=576 ** -0.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_decode_fixed_r512_rope_less(dtype):
+    run_sparse([70, 0, 33], 64, 16, 512, 0, 96, dtype, seed=7, sm_scale=512 ** -0.5)
+
+
 def test_sparse_decode_all_minus_one():
     g = torch.Generator().manual_seed(1)
     _, (c, k), _, _, _ = ref.build_paged([5], 2, (8, 4), generator=g)
@@ -130,7 +143,7 @@ def test_sparse_decode_all_minus_one():
     assert torch.equal(out, torch.zeros(2, 3, 8)) and torch.isneginf(lse).all()
 
 
-sparse_args = dict(lens=LENS, PS=PAGE_SIZES, H=st.integers(1, 4), R=st.integers(1, 16), P=st.integers(1, 8),
+sparse_args = dict(lens=LENS, PS=PAGE_SIZES, H=st.integers(1, 4), R=st.integers(1, 16), P=st.integers(0, 8),
                    K=st.integers(1, 24), dtype=DTYPES, seed=st.integers(0, 2**31 - 1), shuffle=st.booleans(),
                    sm_scale=st.floats(0.01, 2.0), neg_frac=st.sampled_from([0.0, 0.3, 1.0]))
 
@@ -210,13 +223,17 @@ def test_cache_write_fixed_r512(PS, dtype):
     run_cache_write(6, PS, 512, 64, 50, dtype, seed=PS)
 
 
+def test_cache_write_fixed_r512_rope_less():
+    run_cache_write(6, 64, 512, 0, 50, torch.bfloat16, seed=3)
+
+
 def test_cache_write_zero_tokens():
     c, k = torch.zeros(2, 4, 8), torch.zeros(2, 4, 2)
     torch.ops.mla.cache_write(c, k, torch.zeros(0, 8), torch.zeros(0, 2), torch.zeros(0, dtype=torch.int64))
     assert not c.any() and not k.any()
 
 
-cache_args = dict(NP=st.integers(1, 6), PS=PAGE_SIZES, R=st.integers(1, 16), P=st.integers(1, 8),
+cache_args = dict(NP=st.integers(1, 6), PS=PAGE_SIZES, R=st.integers(1, 16), P=st.integers(0, 8),
                   T=st.integers(0, 30), dtype=DTYPES, seed=st.integers(0, 2**31 - 1),
                   skip_frac=st.sampled_from([0.0, 0.3, 1.0]))
 
