@@ -277,3 +277,33 @@ def test_family_decode_matches_eager(case, impl):
     if r["dsa"]:
         assert r["unique_graphs"] == 2, r
         assert r["dropped"] > 0 and r["sparse"] > 0, r
+
+
+def family_table() -> str:
+    """README's "HF families" table, from running every case here (`python tests/test_hf_families.py`)."""
+    rows = {}
+    for p in _cases():
+        case, impl = p.values
+        if impl == "-":
+            rows.setdefault(case, {})["note"] = p.marks[0].kwargs["reason"]
+            continue
+        torch._dynamo.reset()
+        COUNTERS.clear()
+        try:
+            test_family_decode_matches_eager(case, impl)
+            cell = "pass" if (case, impl) not in KNOWN else "XPASS (remove the xfail)"
+        except AssertionError:
+            cell = "xfail" if (case, impl) in KNOWN else "FAIL"
+        row = rows.setdefault(case, {})
+        row[impl] = cell
+        if (case, impl) in KNOWN:
+            row.setdefault("reasons", {}).setdefault(KNOWN[case, impl], []).append(impl)
+    lines = ["| family | sdpa | eager | status / reason |", "|---|---|---|---|"]
+    for case, row in rows.items():
+        note = row.get("note") or "; ".join(f"{', '.join(i)}: {r}" for r, i in row.get("reasons", {}).items())
+        lines.append(f"| {case} | {row.get('sdpa', 'n/a (HF: no sdpa)')} | {row.get('eager', '')} | {note} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(family_table())
