@@ -77,6 +77,8 @@ FAMILIES = {
 # extra cases of a family: "family:variant" -> overrides on top of the family's
 VARIANTS = {
     "mistral_large4:no_rope": dict(no_rope_layers=[1, 0]),  # layer 1 rope-less (P = 0), as every 4th real layer
+    # a sliding-window MLA layer whose window (4) the decode kv lengths (6..8) exceed
+    "dots3_note:sliding": dict(layer_types=["indexed_attention", "sliding_attention"], sliding_window=4, head_dim=192),
 }
 
 _HY_SINKS = ("attention sinks (softmax over the scores plus a per-head sink column, then dropped): no site "
