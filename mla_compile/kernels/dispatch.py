@@ -25,7 +25,7 @@ from . import flashinfer_mla as _fi
 from . import linear as _linear
 from . import merge as _merge
 
-# benchmarks/RESULTS.md ops table, H200 2026-12-01 (session 8): at H=16 and kv_len >= 8K our Triton kernel takes
+# benchmarks/RESULTS.md ops table, H200 2026-12-01: at H=16 and kv_len >= 8K our Triton kernel takes
 # 0.38-1.02x FlashInfer 0.5.3's time under CUDA graphs (eagerly more: ~100 us more host cost per call); at H=128
 # (the Gluon kernel, decode_wgmma.py) FlashInfer is 1.12-1.33x faster. But `auto` must be safe under
 # torch.compile's CUDA-graph trees: their warm-up
