@@ -98,6 +98,9 @@ stage_gencrash() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_GENCRASH:-3
 # genprofile: the lab profile of one generate() (host vs GPU time per token, top functions and kernels)
 stage_genprofile() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_GENPROFILE:-300}" python3 benchmarks/lab/generate_profile.py "$OUT/genprofile.txt" ${GENPROFILE_ARGS:-}; }
 
+# genhost: the lab probe of one generate() decode step's host time by HF loop part, and what removes it
+stage_genhost() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_GENHOST:-500}" python3 benchmarks/lab/generate_host.py "$OUT/genhost.json" ${GENHOST_ARGS:-}; }
+
 # compile (issue 7): compile time, graphs, cudagraph recordings, FX-graph-cache hits of a second process
 stage_compile() { timeout "${T_COMPILE:-300}" python3 benchmarks/compile_suite.py "$OUT/compile.json" ${COMPILE_ARGS:-}; }
 
