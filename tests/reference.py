@@ -59,6 +59,45 @@ def ref_sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
     return torch.stack(outs), torch.stack(lses)
 
 
+def ref_query_limits(seq_lens, S):
+    """[B][S] ints: query token j of request b sees its first seq_lens[b] - S + 1 + j tokens (seq_lens counts the S
+    new tokens); a [B, S] seq_lens lists the limits already. A limit <= 0 sees nothing."""
+    if seq_lens.dim() == 2:
+        return [[int(v) for v in row] for row in seq_lens]
+    return [[int(n) - S + 1 + j for j in range(S)] for n in seq_lens]
+
+
+def ref_decode_multi(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
+    """S query tokens per request: q [B, S, H, R] / [B, S, H, P] -> (out [B, S, H, R], lse [B, S, H]) float64,
+    one query token at a time over the tokens it may see (`ref_query_limits`)."""
+    PS = ckv_cache.shape[1]
+    flat_c, flat_k = slot_rows(ckv_cache), slot_rows(kpe_cache)
+    B, S = q_nope.shape[:2]
+    limits = ref_query_limits(seq_lens, S)
+    outs, lses = [], []
+    for b in range(B):
+        o_b, l_b = [], []
+        for j in range(S):
+            slots = request_slots(block_table, PS, b, max(limits[b][j], 0))
+            o, l = ref_attend(q_nope[b, j], q_pe[b, j], flat_c[slots], flat_k[slots], sm_scale)
+            o_b.append(o)
+            l_b.append(l)
+        outs.append(torch.stack(o_b))
+        lses.append(torch.stack(l_b))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def ref_sparse_decode_multi(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
+    """q [B, S, H, *], indices [B, S, K] (each query token its own slots, -1 ignored) -> float64 [B, S, H, R],
+    [B, S, H]."""
+    outs, lses = [], []
+    for j in range(q_nope.shape[1]):
+        o, l = ref_sparse_decode(q_nope[:, j], q_pe[:, j], ckv_cache, kpe_cache, indices[:, j], sm_scale)
+        outs.append(o)
+        lses.append(l)
+    return torch.stack(outs, 1), torch.stack(lses, 1)
+
+
 def ref_merge(outs, lses):
     """Merge N partial states; non-finite lse parts are dropped. float64."""
     N, B, H, R = outs.shape

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ._util import block, box_width, caches_view_as_slots, dot_mode, has_tma, mma, pdl_enter, pdl_launch, sm_count
+from . import decode_seesaw as _seesaw
 from . import decode_wgmma as _wgmma
 from .merge import merge_into
 
@@ -65,15 +66,17 @@ def _load_tile(Ckv, Kpe, page, off, valid, s_cp, s_cs, s_kp, s_ks, R, P, RH: tl.
 
 
 @triton.jit
-def _tile_update(qn0, qn1, qp, c0, c1, k, valid, m_i, l_i, acc0, acc1, scale_log2, MASKED: tl.constexpr,
+def _tile_update(qn0, qn1, qp, c0, c1, k, mask, m_i, l_i, acc0, acc1, scale_log2, MASKED: tl.constexpr,
                  DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """One online-softmax step over a KV tile whose latent comes as two column halves c0 | c1:
-    s = q.c^T [BLOCK_H, BLOCK_N] (base-2 units), acc [BLOCK_H, RH] per half."""
+    s = q.c^T [BLOCK_H, BLOCK_N] (base-2 units), acc [BLOCK_H, RH] per half. `mask` (MASKED): which scores count,
+    broadcastable to [BLOCK_H, BLOCK_N] (valid[None, :] for one limit per tile, [BLOCK_H, BLOCK_N] for a causal
+    limit per row)."""
     s = mma(qn0, tl.trans(c0), tl.zeros([qn0.shape[0], c0.shape[0]], tl.float32), DOT_PREC, DOT_UPCAST)
     s = mma(qn1, tl.trans(c1), s, DOT_PREC, DOT_UPCAST)
     s = mma(qp, tl.trans(k), s, DOT_PREC, DOT_UPCAST) * scale_log2
     if MASKED:
-        s = tl.where(valid[None, :], s, float("-inf"))
+        s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of only masked slots stays NaN-free
     alpha = tl.exp2(m_i - m_use)
@@ -104,13 +107,22 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L,
                    scale_log2, H, n_sparse,
                    s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
                    s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
-                   n_splits, SPARSE: tl.constexpr, PS: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
+                   n_splits, n_query, heads_per_query, s_lenb, s_lenq, causal,
+                   SPARSE: tl.constexpr, PS: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, RH: tl.constexpr, BLOCK_P: tl.constexpr,
-                   DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+                   DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, MULTI: tl.constexpr = False,
+                   PDL: tl.constexpr = False):
     """Any page size, any R/P (masked to RH-wide halves), and sparse index lists: every tile by pointers.
     R and P are constexprs: with R == 2 * RH the width masks fold away, so tile loads vectorise (16 B) and
     pipeline as async copies (a runtime R leaves 2-byte loads); the page size is one too (token // PS and
-    token % PS become shifts for powers of two)."""
+    token % PS become shifts for powers of two).
+
+    MULTI: n_query > 1 query tokens per request folded into the rows (H = n_query * heads_per_query rows, row
+    j * heads_per_query + h is head h of query token j), so each KV tile is loaded once for every query token of
+    the block. Row j sees tokens t < its own limit: Lens[b * s_lenb + j * s_lenq] + causal * (j - n_query + 1)
+    (causal 1, s_lenq 0: the causal limits of one length per request; causal 0: a [B, n_query] table of limits,
+    as DCP's per-rank counts; non-decreasing in j, like every causal limit). The block's token range runs to its
+    largest limit, its last row's; each row masks the rest."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -118,6 +130,12 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L,
     mask_h = offs_h < H
     if SPARSE:
         n = n_sparse
+    elif MULTI:
+        tok = offs_h // heads_per_query
+        limit = tl.load(Lens + b * s_lenb + tok * s_lenq, mask=mask_h, other=0) + causal * (tok - n_query + 1)
+        # limits grow with the query token, so the block's last row has the largest: the block's token range
+        last = (tl.minimum(tl.program_id(1) * BLOCK_H + BLOCK_H, H) - 1) // heads_per_query
+        n = tl.maximum(tl.load(Lens + b * s_lenb + last * s_lenq) + causal * (last - n_query + 1), 0)
     else:
         n = tl.load(Lens + b)
     start, end = _split_range(n, split, n_splits, BLOCK_N)
@@ -139,7 +157,11 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L,
             page = tl.load(Table + b * s_tb + offs_t // PS, mask=valid, other=0).to(tl.int64)[:, None]
             off = (offs_t % PS)[:, None]
         c0, c1, k = _load_tile(Ckv, Kpe, page, off, valid, s_cp, s_cs, s_kp, s_ks, R, P, RH, BLOCK_P)
-        m_i, l_i, acc0, acc1 = _tile_update(qn0, qn1, qp, c0, c1, k, valid, m_i, l_i, acc0, acc1, scale_log2,
+        if MULTI:
+            mask = valid[None, :] & (offs_t[None, :] < limit[:, None])
+        else:
+            mask = valid[None, :]
+        m_i, l_i, acc0, acc1 = _tile_update(qn0, qn1, qp, c0, c1, k, mask, m_i, l_i, acc0, acc1, scale_log2,
                                             True, DOT_PREC, DOT_UPCAST)
     _store_split(O, L, split, b, offs_h, mask_h, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, R, m_i, l_i, acc0, acc1,
                  RH)
@@ -151,7 +173,7 @@ def _stage1_tma_kernel(Qn, Qp, CkvDesc, KpeDesc, Ckv, Kpe, Table, Lens, O, L,
                        s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
                        s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
                        n_splits, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                       RH: tl.constexpr, P: tl.constexpr, Q_IN_LOOP: tl.constexpr,
+                       RH: tl.constexpr, P: tl.constexpr,
                        DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     """Paged decode with whole tiles inside one page (PS % BLOCK_N == 0): each full tile is one TMA box
     per latent half (boxes are <= 256 wide) and one for the rope part; the partial last tile of a split
@@ -171,8 +193,6 @@ def _stage1_tma_kernel(Qn, Qp, CkvDesc, KpeDesc, Ckv, Kpe, Table, Lens, O, L,
     acc0 = tl.zeros([BLOCK_H, RH], tl.float32)
     acc1 = tl.zeros([BLOCK_H, RH], tl.float32)
     for t0 in range(start, full_end, BLOCK_N):
-        if Q_IN_LOOP:  # re-read q (L1/L2 hits) so it feeds the MMA from shared memory, not registers
-            qn0, qn1, qp = _load_q(Qn, Qp, b, offs_h, mask_h, s_qnb, s_qnh, s_qpb, s_qph, R, P, RH, P)
         page = tl.load(Table + b * s_tb + t0 // PS)
         row = page * PS + t0 % PS
         c0 = CkvDesc.load([row, 0])
@@ -185,8 +205,8 @@ def _stage1_tma_kernel(Qn, Qp, CkvDesc, KpeDesc, Ckv, Kpe, Table, Lens, O, L,
         valid = offs_t < end
         page = tl.load(Table + b * s_tb + full_end // PS).to(tl.int64)  # the tile lies in one page
         c0, c1, k = _load_tile(Ckv, Kpe, page, (offs_t % PS)[:, None], valid, s_cp, s_cs, s_kp, s_ks, R, P, RH, P)
-        m_i, l_i, acc0, acc1 = _tile_update(qn0, qn1, qp, c0, c1, k, valid, m_i, l_i, acc0, acc1, scale_log2,
-                                            True, DOT_PREC, DOT_UPCAST)
+        m_i, l_i, acc0, acc1 = _tile_update(qn0, qn1, qp, c0, c1, k, valid[None, :], m_i, l_i, acc0, acc1,
+                                            scale_log2, True, DOT_PREC, DOT_UPCAST)
     _store_split(O, L, split, b, offs_h, mask_h, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, R, m_i, l_i, acc0, acc1,
                  RH)
 
@@ -203,8 +223,10 @@ class DecodeConfig:
     max_splits: int = 128
     min_split_tokens: int = 64
     tma: bool = False  # full tiles by TMA boxes where the layout allows (see tma_eligible)
-    q_in_loop: bool = False  # TMA kernel: re-load q every tile (keeps it out of registers)
-    wgmma: bool = False  # the Gluon warpgroup-MMA kernels (decode_wgmma.py) where eligible (sm_90, >= 64 heads)
+    # the stage-1 kernel: "triton" (this file's, `tma` choosing its tiles), "wgmma" (decode_wgmma.py) or "seesaw"
+    # (decode_seesaw.py), the Gluon many-head kernels. `dispatch.select_decode_kernel` chooses it for the call's
+    # shapes, device and layout; it is not re-checked here
+    kernel: str = "triton"
 
 
 def default_config(H: int, R: int, page_size: int) -> DecodeConfig:
@@ -217,14 +239,25 @@ def default_config(H: int, R: int, page_size: int) -> DecodeConfig:
         # many heads (compute-bound): a 64-row tile reaches Hopper's warpgroup MMA and reads each KV tile for
         # 64 heads at once; TMA h64n64w8s2 253-279 TFLOP/s vs 206-215 for the pointer kernel (3 stages there:
         # 2-5% ahead of 2)
-        # The Gluon kernel (decode_wgmma.py) takes these shapes on an H200 where eligible; this config is then its
-        # fallback (another GPU, no Gluon)
-        return DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=stages, ctas_per_sm=1, tma=True,
-                            wgmma=True)
+        # On an H200 the Gluon kernels take these shapes where they can (dispatch.select_decode_kernel); this
+        # config is the Triton fallback (another GPU, no Gluon) and the split policy they share
+        return DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=stages, ctas_per_sm=1, tma=True)
     # few heads (bandwidth-bound): the pointer kernel (16-byte async copies, ~220 registers, no spills) with
     # 64-token tiles: 0.79-0.92 of copy bandwidth at kv >= 32K vs 0.71-0.83 for the TMA kernel, whose q operand
     # spills (rounds 7-9); 256 splits: batch 1 at 128K 54 us. Page 64: 2 stages 1.5-6% ahead of 3.
     return DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=stages, max_splits=256)
+
+
+def multi_token_config(rows: int, page_size: int) -> DecodeConfig:
+    """S > 1 query tokens per request (rows = S * H): the pointer kernel with up to 64 rows per program, so a KV tile
+    is loaded once for all S tokens of up to 64 rows (H 16: S <= 4 in one program). The Gluon / TMA many-head
+    kernels take one query token per request only. Rows beyond 16 double the accumulator and q in registers:
+    8 warps keep them from spilling (the sm_90a build of tests/test_kernel_codegen.py checks it)."""
+    block_h = min(64, block(rows))
+    stages = 2 if page_size % 64 == 0 else 3
+    if block_h <= 16:
+        return DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=stages, max_splits=256)
+    return DecodeConfig(block_h=block_h, block_n=64, num_warps=8, num_stages=stages, ctas_per_sm=1, max_splits=256)
 
 
 def num_splits(batch: int, heads: int, capacity: int, device: torch.device, cfg: DecodeConfig) -> int:
@@ -256,13 +289,15 @@ def tma_tiles_fit(cfg: DecodeConfig, page_size: int, R: int, P: int) -> bool:
 
 def tma_constexprs(cfg: DecodeConfig, R: int, P: int, dtype: torch.dtype) -> dict:
     """The compile-time arguments of `_stage1_tma_kernel` (shared with tests/test_kernel_codegen.py)."""
-    return dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, RH=R // 2, P=P, Q_IN_LOOP=cfg.q_in_loop, **dot_mode(dtype))
+    return dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, RH=R // 2, P=P, **dot_mode(dtype))
 
 
-def pointer_constexprs(cfg: DecodeConfig, R: int, P: int, page_size: int, sparse: bool, dtype: torch.dtype) -> dict:
-    """The compile-time arguments of `_stage1_kernel` (shared with tests/test_kernel_codegen.py)."""
+def pointer_constexprs(cfg: DecodeConfig, R: int, P: int, page_size: int, sparse: bool, dtype: torch.dtype,
+                       multi: bool = False) -> dict:
+    """The compile-time arguments of `_stage1_kernel` (shared with tests/test_kernel_codegen.py); `multi`: several
+    query tokens per request, each row with its own causal limit."""
     return dict(SPARSE=sparse, PS=page_size, R=R, P=P, BLOCK_H=cfg.block_h,
-                BLOCK_N=cfg.block_n, RH=max(16, block(R) // 2), BLOCK_P=block(P), **dot_mode(dtype))
+                BLOCK_N=cfg.block_n, RH=max(16, block(R) // 2), BLOCK_P=block(P), MULTI=multi, **dot_mode(dtype))
 
 
 def _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
@@ -286,11 +321,16 @@ def _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
 
 
 def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, o, l, s_on,
-                    s_ln, ns, cfg: DecodeConfig):
+                    s_ln, ns, cfg: DecodeConfig, n_query: int = 1):
     B, H, R = q_nope.shape
     P = q_pe.shape[2]
     sparse = indices is not None
     table = indices if sparse else block_table
+    multi = n_query > 1
+    # the row limits' table: one causal length per request ([B]: stride 0 over query tokens) or a [B, S] table
+    causal = int(not multi or seq_lens.dim() == 1)
+    s_lenb = seq_lens.stride(0) if multi else 1
+    s_lenq = seq_lens.stride(1) if multi and not causal else 0
     grid = (B, triton.cdiv(H, cfg.block_h), ns)
     return _stage1_kernel[grid](
         q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens if not sparse else table, o, l,
@@ -299,7 +339,8 @@ def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, i
         ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
         table.stride(0),
         s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
-        n_splits=ns, **pointer_constexprs(cfg, R, P, ckv_cache.shape[1], sparse, q_nope.dtype),
+        ns, n_query, H // n_query, s_lenb, s_lenq, causal,
+        **pointer_constexprs(cfg, R, P, ckv_cache.shape[1], sparse, q_nope.dtype, multi),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q_nope.device))
 
 
@@ -308,8 +349,8 @@ def _unit_inner_stride(t):
 
 
 def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, capacity,
-            cfg: DecodeConfig | None, splits: int | None):
-    B, H, R = q_nope.shape
+            cfg: DecodeConfig | None, splits: int | None, n_query: int = 1):
+    B, H, R = q_nope.shape  # H: rows per request (n_query * heads)
     out = q_nope.new_empty(q_nope.shape)  # contiguous, as the fake impl says (empty_like would copy q's strides)
     lse = torch.empty((B, H), dtype=torch.float32, device=q_nope.device)
     if B * H == 0:
@@ -322,7 +363,9 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: last dim must be contiguous for the Triton kernel, strides {t.stride()}")
     # an index list (sparse_decode) gathers every token through a table load, as a page-1 token table does
-    cfg = cfg or default_config(H, R, 1 if indices is not None else ckv_cache.shape[1])
+    page_size = 1 if indices is not None else ckv_cache.shape[1]
+    multi = n_query > 1
+    cfg = cfg or (multi_token_config(H, page_size) if multi else default_config(H, R, page_size))
     ns = splits or num_splits(B, H, capacity, q_nope.device, cfg)
     if ns == 1:
         o, l = out, lse
@@ -332,23 +375,34 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
         l = torch.empty((ns, B, H), dtype=torch.float32, device=q_nope.device)
         s_on, s_ln = o.stride(0), l.stride(0)
     sparse = indices is not None
-    if cfg.wgmma and _wgmma.eligible(q_nope, ckv_cache, kpe_cache, sparse):
+    # several query tokens: the pointer kernel only (its rows carry per-token causal limits; the TMA and Gluon
+    # kernels take one limit per request)
+    if not multi and cfg.kernel == "seesaw":
+        _seesaw.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns)
+    elif not multi and cfg.kernel == "wgmma":
         _wgmma.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
                       indices=indices)
-    elif tma_eligible(ckv_cache, kpe_cache, sparse, cfg):
+    elif not multi and tma_eligible(ckv_cache, kpe_cache, sparse, cfg):
         _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, cfg)
     else:
         _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, o, l, s_on,
-                        s_ln, ns, cfg)
+                        s_ln, ns, cfg, n_query)
     if ns > 1:
         merge_into(o, l, out, lse)
     return out, lse
 
 
-def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, *, cfg=None, splits=None):
-    """`mla::decode` on the GPU (or under TRITON_INTERPRET=1): (out [B, H, R] q dtype, lse float32 [B, H])."""
+def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, *, cfg=None, splits=None,
+           n_query: int = 1):
+    """`mla::decode` on the GPU (or under TRITON_INTERPRET=1): (out [B, H, R] q dtype, lse float32 [B, H]).
+
+    n_query = S > 1: S query tokens per request folded into the rows, q [B, S * H, R] with row j * H + h = head h
+    of query token j (what q [B, S, H, R].reshape(B, S * H, R) gives), out / lse likewise. seq_lens int32 [B]
+    counts the S new tokens (token j sees t < seq_lens[b] - S + 1 + j), or int32 [B, S] gives each query token's
+    limit itself (DCP's per-rank counts). The pointer kernel, each KV tile loaded once for all S tokens."""
     capacity = block_table.shape[1] * ckv_cache.shape[1]  # the longest a request can be: shape-only
-    return _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, None, sm_scale, capacity, cfg, splits)
+    return _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, None, sm_scale, capacity, cfg, splits,
+                   n_query)
 
 
 def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, *, cfg=None, splits=None):
