@@ -66,13 +66,15 @@ def _with_zero_rope(q_nope, ckv_cache):
     return zero_rope_column(zero, *q_nope.shape[:2]), zero_rope_column(zero, *ckv_cache.shape[:2])
 
 
-def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
+def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=1):
+    """n_query = S > 1: S query tokens per request folded into q's rows ([B, S*H, *], see kernels/decode.py
+    `decode`): the Triton pointer kernel only (FlashInfer and the many-head kernels take one token per request)."""
     if rope_less(q_pe):  # see above: the Triton kernel with a zero rope column
         q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache)
-        return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
-    if decode_backend(q_nope, ckv_cache) == "flashinfer":
+        return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=n_query)
+    if n_query == 1 and decode_backend(q_nope, ckv_cache) == "flashinfer":
         return _fi.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
-    return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+    return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=n_query)
 
 
 def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
