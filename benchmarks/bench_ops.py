@@ -1,10 +1,20 @@
-"""Op benchmarks on the GPU (not a test): mla::decode (Triton vs FlashInfer), merge_states, DSA indexer ops.
+"""Op benchmarks on the GPU (not a test): mla::decode (ours vs FlashInfer vs FlashMLA), merge_states, DSA indexer ops.
 
-usage: python benchmarks/bench_ops.py [OUT.json] [--sweep] [--quick]
-  --sweep  also time a few Triton tile configs per shape (to pick defaults)
-  --quick  a small subset of shapes (smoke run)
+usage: python benchmarks/bench_ops.py [OUT.json] [--sweep] [--quick] [--decode-only]
+  --sweep        also time a few Triton tile configs per shape (to pick defaults)
+  --quick        a small subset of shapes (smoke run)
+  --decode-only  only the decode table (skip host, merge and DSA timings)
 Writes JSON (argv path, else $OUT/bench_ops.json, else ./bench_ops.json) and prints markdown tables.
-Timing: triton.testing.do_bench median (L2 flushed between calls); Triton decode also by CUDA-graph replay.
+Timing: triton.testing.do_bench median (L2 flushed between calls); every decode peer also by CUDA-graph replay
+(do_bench_cudagraph), the same way: ours, FlashInfer (planned outside the graph: these lengths never change),
+FlashMLA (its split-KV schedule made inside each call, so inside the graph).
+FlashMLA (when `flash_mla` imports on SM90) reads one [pages, 64, 576] K cache; the same data is kept a second
+time in that layout (`flashmla.fused_caches`). Timed: FlashMLA alone on it (`flashmla_graph_ms`, FlashMLA's own
+cost), our adapter `kernels/flashmla.decode` on it (`flashmla_fused_graph_ms`: + q concat + empty-row fix-up)
+and on our two separate caches (`flashmla_copied_graph_ms`: + the per-call copy into 576-wide rows, also timed
+alone as `kv_copy_graph_ms`).
+Every decode row is checked numerically: each peer against a float64 reference of request 0 and against ours
+over the whole batch (`check`: "ok" or what failed).
 Data is random (never zeros); each (batch, kv_len) gets a shuffled block table over one shared page pool.
 """
 
@@ -25,6 +35,7 @@ import mla_compile  # noqa: F401  (registers the ops)
 from mla_compile.kernels import decode as D
 from mla_compile.kernels import dsa as DSA
 from mla_compile.kernels import flashinfer_mla as FI
+from mla_compile.kernels import flashmla as FMLA
 from mla_compile.kernels import merge as M
 
 R, P, PS = 512, 64, 64
@@ -54,6 +65,37 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * x.element_size() / (t * 1e-3)
 
 
+OUT_TOL, LSE_TOL = 2e-2, 1e-3  # vs float64: max |err| / max |ref| of out (bf16), max |err| of lse (fp32)
+
+
+def reference_row(qn, qp, ckv, kpe, table, L, scale, b=0):
+    """float64 (out [H, R], lse [H]) of request b (L tokens on whole pages of the block table), on the device."""
+    pages = table[b, : L // PS].long()
+    c, k = ckv[pages].reshape(L, R).double(), kpe[pages].reshape(L, P).double()
+    s = scale * (qn[b].double() @ c.T + qp[b].double() @ k.T)
+    return torch.softmax(s, dim=-1) @ c, torch.logsumexp(s, dim=-1)
+
+
+def attention_errors(out, lse, want_out, want_lse) -> tuple[float, float]:
+    """(max |out - want| / max |want|, max |lse - want|)."""
+    eo = float((out.double() - want_out.double()).abs().max() / want_out.double().abs().max().clamp_min(1e-30))
+    return eo, float((lse.double() - want_lse.double()).abs().max())
+
+
+def check_peers(row, ours, peers, want):
+    """Every peer's (out, lse) against the float64 reference of request 0 (`<name>_err_out` / `_err_lse`) and
+    against ours over the whole batch (`<name>_vs_ours_out` / `_lse`); row["check"] = "ok" or what failed."""
+    bad = []
+    for name, (out, lse) in {"triton": ours, **peers}.items():
+        eo, el = attention_errors(out[0], lse[0], *want)
+        row[f"{name}_err_out"], row[f"{name}_err_lse"] = eo, el
+        if name != "triton":
+            row[f"{name}_vs_ours_out"], row[f"{name}_vs_ours_lse"] = attention_errors(out, lse, *ours)
+        if not (eo <= OUT_TOL and el <= LSE_TOL):
+            bad.append(f"{name} vs float64: out {eo:.1e} lse {el:.1e}")
+    row["check"] = "; ".join(bad) or "ok"
+
+
 def cfg_name(c: D.DecodeConfig) -> str:
     return f"h{c.block_h}n{c.block_n}w{c.num_warps}s{c.num_stages}c{c.ctas_per_sm}m{c.max_splits}"
 
@@ -64,6 +106,14 @@ def bench_decode(results, copy_bw, sweep, shapes):
     ckv = torch.empty(num_pages, PS, R, dtype=DT, device="cuda").normal_()
     kpe = torch.empty(num_pages, PS, P, dtype=DT, device="cuda").normal_()
     scale = 192 ** -0.5
+    fm = None
+    if FMLA.available():  # the same data once more, in FlashMLA's one-buffer layout
+        import flash_mla as fm
+
+        fckv, fkpe = FMLA.fused_caches(num_pages, PS, R, P, DT, "cuda")
+        fckv.copy_(ckv)
+        fkpe.copy_(kpe)
+        fkv = FMLA.kv_cache(fckv, fkpe, None)[0]  # in place: [pages, 64, 1, 576]
     for B, L in shapes:
         table = torch.randperm(num_pages, device="cuda")[: B * L // PS].view(B, L // PS).int()
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
@@ -80,15 +130,23 @@ def bench_decode(results, copy_bw, sweep, shapes):
             row["triton_graph_ms"] = ms(run, graph=True)
             if cfg.wgmma:  # the Triton TMA kernel the Gluon one replaced, side by side
                 row["triton_tma_graph_ms"] = ms(lambda: run(dataclasses.replace(cfg, wgmma=False)), graph=True)
+            peers = {}  # name -> (out, lse) of one call, for the numerical check
             if FI.available():
                 try:
                     fi_run = FI.plan(qn, qp, ckv, table, lens, scale).raw
-                    fi_run(qn, qp, ckv, kpe)
+                    peers["flashinfer"] = fi_run(qn, qp, ckv, kpe)
                     row["flashinfer_ms"] = ms(lambda: fi_run(qn, qp, ckv, kpe))
                     row["ratio"] = row["triton_ms"] / row["flashinfer_ms"]
                     row["flashinfer_bw_frac"] = nbytes / (row["flashinfer_ms"] * 1e-3) / copy_bw
+                    row["flashinfer_graph_ms"] = ms(lambda: fi_run(qn, qp, ckv, kpe), graph=True)
                 except Exception as e:  # report, keep going
                     row["flashinfer_error"] = repr(e)[:300]
+            if fm is not None:
+                try:
+                    bench_flashmla(row, fm, peers, qn, qp, ckv, kpe, fckv, fkpe, fkv, table, lens, scale)
+                except Exception as e:  # report, keep going
+                    row["flashmla_error"] = repr(e)[:300]
+            check_peers(row, run(), peers, reference_row(qn, qp, ckv, kpe, table, L, scale))
             if sweep:
                 row["sweep"] = {}
                 for c in SWEEP[H]:
@@ -105,11 +163,43 @@ def bench_decode(results, copy_bw, sweep, shapes):
             row["triton_tflops"] = flop / (row["triton_ms"] * 1e-3) / 1e12
             row["best_bw_frac"] = nbytes / (best * 1e-3) / copy_bw
             row["best_tflops"] = flop / (best * 1e-3) / 1e12
+            for k in ("triton_graph_ms", "flashinfer_graph_ms", "flashmla_graph_ms"):
+                if isinstance(row.get(k), float):
+                    row[k.replace("_graph_ms", "_bw_frac_graph")] = nbytes / (row[k] * 1e-3) / copy_bw
+                    row[k.replace("_graph_ms", "_tflops_graph")] = flop / (row[k] * 1e-3) / 1e12
+            if isinstance(row.get("flashmla_graph_ms"), float):
+                row["ratio_flashmla_graph"] = row["triton_graph_ms"] / row["flashmla_graph_ms"]
             results["decode"].append(row)
             print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()  # the per-call K copies of the graphs just timed
         del table
     del ckv, kpe
+    if fm is not None:
+        del fckv, fkpe, fkv
     torch.cuda.empty_cache()
+
+
+def bench_flashmla(row, fm, peers, qn, qp, ckv, kpe, fckv, fkpe, fkv, table, lens, scale):
+    """FlashMLA alone on its K layout, then through our adapter on that layout and on our two caches (copied per
+    call), and the copy alone; graph-replay times in `row`, one result of each into `peers`."""
+    q = torch.cat((qn, qp), dim=-1).unsqueeze(1)  # FlashMLA's q [B, 1, H, 576], made once, outside the timing
+
+    def raw():  # what FlashMLA costs by itself: schedule (fresh per call, as our adapter does) + kernel + combine
+        return fm.flash_mla_with_kvcache(q, fkv, table, lens, R, fm.get_mla_metadata()[0], softmax_scale=scale,
+                                         causal=False, use_legacy=True)
+
+    out, lse = raw()
+    peers["flashmla"] = (out.view(qn.shape), lse.view(qn.shape[:2]))
+    row["flashmla_graph_ms"] = ms(raw, graph=True)
+    fused = lambda: FMLA.decode(qn, qp, fckv, fkpe, table, lens, scale)  # noqa: E731
+    copied = lambda: FMLA.decode(qn, qp, ckv, kpe, table, lens, scale)  # noqa: E731
+    peers["flashmla_fused"], peers["flashmla_copied"] = fused(), copied()
+    row["flashmla_fused_graph_ms"] = ms(fused, graph=True)
+    row["flashmla_copied_graph_ms"] = ms(copied, graph=True)
+    row["kv_copy_graph_ms"] = ms(lambda: FMLA.kv_cache(ckv, kpe, table), graph=True)
+    # same kernel, same data: the three paths must agree bit for bit
+    row["flashmla_paths_identical"] = all(torch.equal(peers["flashmla"][i], peers[p][i]) for p in
+                                          ("flashmla_fused", "flashmla_copied") for i in (0, 1))
 
 
 def bench_host(results):
@@ -127,6 +217,8 @@ def bench_host(results):
     if FI.available():
         fi_run = FI.plan(qn, qp, ckv, table, lens, 0.1).raw
         fns["flashinfer run"] = lambda: fi_run(qn, qp, ckv, kpe)
+    if FMLA.available():
+        fns["flashmla decode (copied K)"] = lambda: FMLA.decode(qn, qp, ckv, kpe, table, lens, 0.1)
     results["host_us"] = {}
     for name, fn in fns.items():
         fn()
@@ -203,11 +295,34 @@ def table(results) -> str:
     return "\n".join(lines)
 
 
+def peers_table(results) -> str:
+    """The decode peers side by side, every one timed as a CUDA-graph replay (us), and the numerical check."""
+    lines = ["mla::decode peers, CUDA-graph replay medians in us; FlashMLA = FlashMLA alone on its one-buffer K; "
+             "via decode = our adapter (kernels/flashmla.py) on that buffer (fused) or on our two caches (copied "
+             "per call; the copy alone in 'K copy')", "",
+             "| H | B | kv_len | ours | FlashInfer | FlashMLA | ours/FlashMLA | via decode fused | via decode copied "
+             "| K copy | bw frac ours / FlashMLA | TFLOP/s ours / FlashMLA | check |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(results["decode"], key=lambda r: (r["H"], r["B"], r["L"])):
+        f = lambda k, s=1e3, fmt="{:.1f}": fmt.format(r[k] * s) if isinstance(r.get(k), float) else "-"  # noqa
+        lines.append(f"| {r['H']} | {r['B']} | {r['L'] // 1024}K | {f('triton_graph_ms')} | "
+                     f"{f('flashinfer_graph_ms')} | {f('flashmla_graph_ms')} | "
+                     f"{f('ratio_flashmla_graph', 1, '{:.2f}')} | "
+                     f"{f('flashmla_fused_graph_ms')} | {f('flashmla_copied_graph_ms')} | {f('kv_copy_graph_ms')} | "
+                     f"{f('triton_bw_frac_graph', 1, '{:.2f}')} / {f('flashmla_bw_frac_graph', 1, '{:.2f}')} | "
+                     f"{f('triton_tflops_graph', 1, '{:.0f}')} / {f('flashmla_tflops_graph', 1, '{:.0f}')} | "
+                     f"{r.get('check', '-')} |")
+    errs = [f"H={r['H']} B={r['B']} {r['L'] // 1024}K: {r[k]}" for r in results["decode"]
+            for k in ("flashinfer_error", "flashmla_error") if k in r]
+    return "\n".join(lines + ([""] + errs if errs else []))
+
+
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", nargs="?", default=os.path.join(os.environ.get("OUT", "."), "bench_ops.json"))
     ap.add_argument("--sweep", action="store_true", help="also time a few Triton tile configs per shape")
     ap.add_argument("--quick", action="store_true", help="a small subset of shapes (smoke run)")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode table (no host / merge / DSA timings)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (Triton / FlashInfer kernels, CUDA-graph timing); none here")
@@ -215,16 +330,23 @@ def main(argv):
     shapes = [(b, n) for b in ((1, 8) if quick else BATCHES) for n in ((1024, 32768) if quick else LENS)]
     t0 = time.time()
     results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   flashinfer=FI.available(), decode=[])
+                   flashinfer=FI.available(), flashmla=FMLA.available(), decode=[])
+    if FMLA.available():
+        import flash_mla
+
+        results["flashmla_version"] = flash_mla.__version__
     results["copy_bw_TBps"] = copy_bandwidth() / 1e12
     bench_decode(results, results["copy_bw_TBps"] * 1e12, a.sweep, shapes)
-    bench_host(results)
-    bench_merge(results)
-    bench_dsa(results)
+    if not a.decode_only:
+        bench_host(results)
+        bench_merge(results)
+        bench_dsa(results)
     results["wall_s"] = time.time() - t0
     with open(path, "w") as fh:
         json.dump(results, fh, indent=1)
     print(table(results))
+    print()
+    print(peers_table(results))
 
 
 if __name__ == "__main__":
