@@ -33,6 +33,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import mla_compile  # noqa: F401  (registers the ops)
 from mla_compile.kernels import decode as D
+from mla_compile.kernels import dispatch
 from mla_compile.kernels import dsa as DSA
 from mla_compile.kernels import flashinfer_mla as FI
 from mla_compile.kernels import flashmla as FMLA
@@ -123,13 +124,14 @@ def bench_decode(results, copy_bw, sweep, shapes):
             row = dict(H=H, B=B, L=L)
             nbytes = D.kv_bytes(B, L, R, P, 2)
             flop = D.flops(B, H, L, R, P)
-            cfg = D.default_config(H, R, PS)
+            cfg = dispatch.own_decode_config(qn, qp, ckv, kpe)  # ours: what auto runs where FlashMLA is absent
+            row["kernel"] = cfg.kernel
             row["splits"] = D.num_splits(B, H, L, qn.device, cfg)
-            run = lambda c=None: D.decode(qn, qp, ckv, kpe, table, lens, scale, cfg=c)  # noqa: E731
+            run = lambda c=cfg: D.decode(qn, qp, ckv, kpe, table, lens, scale, cfg=c)  # noqa: E731
             row["triton_ms"] = ms(run)
             row["triton_graph_ms"] = ms(run, graph=True)
-            if cfg.wgmma:  # the Triton TMA kernel the Gluon one replaced, side by side
-                row["triton_tma_graph_ms"] = ms(lambda: run(dataclasses.replace(cfg, wgmma=False)), graph=True)
+            if cfg.kernel != "triton":  # the Triton TMA kernel the Gluon one replaced, side by side
+                row["triton_tma_graph_ms"] = ms(lambda: run(dataclasses.replace(cfg, kernel="triton")), graph=True)
             peers = {}  # name -> (out, lse) of one call, for the numerical check
             if FI.available():
                 try:
@@ -267,18 +269,49 @@ def bench_dsa(results):
         del k_cache
 
 
+def cell(row, key, scale=1e3, fmt="{:.1f}") -> str:
+    """A table cell: row[key] * scale formatted (ms -> us by default), "-" when not measured."""
+    return fmt.format(row[key] * scale) if isinstance(row.get(key), float) else "-"
+
+
+def ratio(key):
+    return lambda r: cell(r, key, 1, "{:.2f}")
+
+
+def pair(k1, k2, fmt):
+    return lambda r: f"{cell(r, k1, 1, fmt)} / {cell(r, k2, 1, fmt)}"
+
+
+SHAPE_COLUMNS = [("H", lambda r: str(r["H"])), ("B", lambda r: str(r["B"])), ("kv_len", lambda r: f"{r['L'] // 1024}K")]
+DECODE_COLUMNS = SHAPE_COLUMNS + [
+    ("splits", lambda r: str(r["splits"])), ("Triton", lambda r: cell(r, "triton_ms")),
+    ("Triton graph", lambda r: cell(r, "triton_graph_ms")), ("FlashInfer", lambda r: cell(r, "flashinfer_ms")),
+    ("ratio T/FI", ratio("ratio")), ("bw frac T", ratio("triton_bw_frac")),
+    ("bw frac FI", ratio("flashinfer_bw_frac")), ("TFLOP/s T", lambda r: cell(r, "triton_tflops", 1, "{:.0f}")),
+    ("best sweep cfg", lambda r: r.get("best_cfg", "-")), ("best", lambda r: cell(r, "best_ms"))]
+PEER_COLUMNS = SHAPE_COLUMNS + [
+    ("ours", lambda r: cell(r, "triton_graph_ms")), ("FlashInfer", lambda r: cell(r, "flashinfer_graph_ms")),
+    ("FlashMLA", lambda r: cell(r, "flashmla_graph_ms")), ("ours/FlashMLA", ratio("ratio_flashmla_graph")),
+    ("via decode fused", lambda r: cell(r, "flashmla_fused_graph_ms")),
+    ("via decode copied", lambda r: cell(r, "flashmla_copied_graph_ms")),
+    ("K copy", lambda r: cell(r, "kv_copy_graph_ms")),
+    ("bw frac ours / FlashMLA", pair("triton_bw_frac_graph", "flashmla_bw_frac_graph", "{:.2f}")),
+    ("TFLOP/s ours / FlashMLA", pair("triton_tflops_graph", "flashmla_tflops_graph", "{:.0f}")),
+    ("check", lambda r: r.get("check", "-"))]
+
+
+def markdown(rows, columns) -> list[str]:
+    """Decode rows (sorted by H, B, kv_len) as a markdown table of the given (header, cell of a row) columns."""
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for r in sorted(rows, key=lambda r: (r["H"], r["B"], r["L"])):
+        lines.append("| " + " | ".join(fn(r) for _, fn in columns) + " |")
+    return lines
+
+
 def table(results) -> str:
     cb = results["copy_bw_TBps"]
     lines = [f"copy bandwidth {cb:.2f} TB/s (read+write); bf16 R{R}/P{P}, page {PS}; times in us (do_bench median)",
-             "", "| H | B | kv_len | splits | Triton | Triton graph | FlashInfer | ratio T/FI | bw frac T | bw frac FI "
-             "| TFLOP/s T | best sweep cfg | best |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(results["decode"], key=lambda r: (r["H"], r["B"], r["L"])):
-        f = lambda k, s=1e3, fmt="{:.1f}": fmt.format(r[k] * s) if isinstance(r.get(k), float) else "-"  # noqa
-        lines.append(f"| {r['H']} | {r['B']} | {r['L'] // 1024}K | {r['splits']} | {f('triton_ms')} | "
-                     f"{f('triton_graph_ms')} | {f('flashinfer_ms')} | {f('ratio', 1, '{:.2f}')} | "
-                     f"{f('triton_bw_frac', 1, '{:.2f}')} | {f('flashinfer_bw_frac', 1, '{:.2f}')} | "
-                     f"{f('triton_tflops', 1, '{:.0f}')} | {r.get('best_cfg', '-')} | {f('best_ms')} |")
+             "", *markdown(results["decode"], DECODE_COLUMNS)]
     if results.get("host_us"):
         lines += ["", "host us per eager call (B=1 H=16 1K): "
                   + ", ".join(f"{k} {v:.0f}" for k, v in results["host_us"].items())]
@@ -299,19 +332,7 @@ def peers_table(results) -> str:
     """The decode peers side by side, every one timed as a CUDA-graph replay (us), and the numerical check."""
     lines = ["mla::decode peers, CUDA-graph replay medians in us; FlashMLA = FlashMLA alone on its one-buffer K; "
              "via decode = our adapter (kernels/flashmla.py) on that buffer (fused) or on our two caches (copied "
-             "per call; the copy alone in 'K copy')", "",
-             "| H | B | kv_len | ours | FlashInfer | FlashMLA | ours/FlashMLA | via decode fused | via decode copied "
-             "| K copy | bw frac ours / FlashMLA | TFLOP/s ours / FlashMLA | check |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(results["decode"], key=lambda r: (r["H"], r["B"], r["L"])):
-        f = lambda k, s=1e3, fmt="{:.1f}": fmt.format(r[k] * s) if isinstance(r.get(k), float) else "-"  # noqa
-        lines.append(f"| {r['H']} | {r['B']} | {r['L'] // 1024}K | {f('triton_graph_ms')} | "
-                     f"{f('flashinfer_graph_ms')} | {f('flashmla_graph_ms')} | "
-                     f"{f('ratio_flashmla_graph', 1, '{:.2f}')} | "
-                     f"{f('flashmla_fused_graph_ms')} | {f('flashmla_copied_graph_ms')} | {f('kv_copy_graph_ms')} | "
-                     f"{f('triton_bw_frac_graph', 1, '{:.2f}')} / {f('flashmla_bw_frac_graph', 1, '{:.2f}')} | "
-                     f"{f('triton_tflops_graph', 1, '{:.0f}')} / {f('flashmla_tflops_graph', 1, '{:.0f}')} | "
-                     f"{r.get('check', '-')} |")
+             "per call; the copy alone in 'K copy')", "", *markdown(results["decode"], PEER_COLUMNS)]
     errs = [f"H={r['H']} B={r['B']} {r['L'] // 1024}K: {r[k]}" for r in results["decode"]
             for k in ("flashinfer_error", "flashmla_error") if k in r]
     return "\n".join(lines + ([""] + errs if errs else []))
