@@ -1,9 +1,12 @@
 """Op benchmarks on the GPU (not a test): mla::decode (ours vs FlashInfer vs FlashMLA), merge_states, DSA indexer ops.
 
-usage: python benchmarks/bench_ops.py [OUT.json] [--sweep] [--quick] [--decode-only]
+usage: python benchmarks/bench_ops.py [OUT.json] [--sweep] [--quick] [--decode-only] [--heads H ..]
+                                    [--batches B ..] [--lens L ..]
   --sweep        also time a few Triton tile configs per shape (to pick defaults)
   --quick        a small subset of shapes (smoke run)
   --decode-only  only the decode table (skip host, merge and DSA timings)
+  --heads / --batches / --lens  the decode grid (default 16 128 / 1 8 32 128 / 1024 8192 32768 131072), e.g. to
+                 split the grid over calls that each fit a time limit
 Writes JSON (argv path, else $OUT/bench_ops.json, else ./bench_ops.json) and prints markdown tables.
 Timing: triton.testing.do_bench median (L2 flushed between calls); every decode peer also by CUDA-graph replay
 (do_bench_cudagraph), the same way: ours, FlashInfer (planned outside the graph: these lengths never change),
@@ -101,7 +104,7 @@ def cfg_name(c: D.DecodeConfig) -> str:
     return f"h{c.block_h}n{c.block_n}w{c.num_warps}s{c.num_stages}c{c.ctas_per_sm}m{c.max_splits}"
 
 
-def bench_decode(results, copy_bw, sweep, shapes):
+def bench_decode(results, copy_bw, sweep, shapes, heads=HEADS):
     max_tokens = max(b * n for b, n in shapes)
     num_pages = max_tokens // PS
     ckv = torch.empty(num_pages, PS, R, dtype=DT, device="cuda").normal_()
@@ -118,7 +121,7 @@ def bench_decode(results, copy_bw, sweep, shapes):
     for B, L in shapes:
         table = torch.randperm(num_pages, device="cuda")[: B * L // PS].view(B, L // PS).int()
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
-        for H in HEADS:
+        for H in heads:
             qn = torch.randn(B, H, R, dtype=DT, device="cuda")
             qp = torch.randn(B, H, P, dtype=DT, device="cuda")
             row = dict(H=H, B=B, L=L)
@@ -344,11 +347,19 @@ def main(argv):
     ap.add_argument("--sweep", action="store_true", help="also time a few Triton tile configs per shape")
     ap.add_argument("--quick", action="store_true", help="a small subset of shapes (smoke run)")
     ap.add_argument("--decode-only", action="store_true", help="only the decode table (no host / merge / DSA timings)")
+    ap.add_argument("--heads", type=int, nargs="+", choices=sorted(SWEEP), default=list(HEADS))
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help=f"default {BATCHES} ({(1, 8)} with --quick)")
+    ap.add_argument("--lens", type=int, nargs="+", default=None,
+                    help=f"kv lengths, multiples of {PS} (default {LENS}, {(1024, 32768)} with --quick)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (Triton / FlashInfer kernels, CUDA-graph timing); none here")
     path, quick = a.out, a.quick
-    shapes = [(b, n) for b in ((1, 8) if quick else BATCHES) for n in ((1024, 32768) if quick else LENS)]
+    batches = a.batches or ((1, 8) if quick else BATCHES)
+    lens = a.lens or ((1024, 32768) if quick else LENS)
+    if any(n <= 0 or n % PS for n in lens):
+        ap.error(f"--lens: every kv length must be a positive multiple of the page size {PS}, got {lens}")
+    shapes = [(b, n) for b in batches for n in lens]
     t0 = time.time()
     results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    flashinfer=FI.available(), flashmla=FMLA.available(), decode=[])
@@ -357,7 +368,7 @@ def main(argv):
 
         results["flashmla_version"] = flash_mla.__version__
     results["copy_bw_TBps"] = copy_bandwidth() / 1e12
-    bench_decode(results, results["copy_bw_TBps"] * 1e12, a.sweep, shapes)
+    bench_decode(results, results["copy_bw_TBps"] * 1e12, a.sweep, shapes, a.heads)
     if not a.decode_only:
         bench_host(results)
         bench_merge(results)
