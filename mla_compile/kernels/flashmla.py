@@ -9,13 +9,16 @@ What FlashMLA reads, and what that costs with our caches:
   [NP, PS, 576] (`fused_caches` allocates such a pair, `shares_rows` recognises one). Otherwise every call
   first copies the pages into a fresh 576-wide buffer (`_copied_kv`: the smaller of the whole pool and the
   block table's B * MP pages). That copy moves more bytes than the attention reads; benchmarks/bench_ops.py
-  times it separately (`flashmla_copy_graph_ms`), so a backend choice can see it.
+  times the adapter both ways (`flashmla_fused_graph_ms`, `flashmla_copied_graph_ms`) and the copy alone
+  (`kv_copy_graph_ms`), so a backend choice can see it.
   Note: the fused layout is not free for our own kernels either: the Triton/Gluon TMA kernels want each cache
   to view as [slots, width] (`_util.caches_view_as_slots`), which a column range of a wider buffer is not.
 - q: [B, 1, H, R + P], q_nope | q_pe concatenated (a copy of B * H * 576 elements: small).
 - P = 0 (rope-less MLA): FlashMLA's 512-wide head reads ckv alone, in place.
 - Results: out [B, 1, H, 512] in q's dtype, lse float32 [B, H, 1], natural log. A row with seq_len 0 gets
-  lse +inf (and no written output when no scheduler part visits it); we overwrite both -> (0, -inf), our contract.
+  lse +inf (its output is no documented value); we overwrite both -> (0, -inf), our contract.
+- Block-table entries past a request's pages are never used as pages; an empty request's first entry may be
+  handed to a TMA load, which clips an out-of-range page (zero fill) instead of reading it.
 
 CUDA graphs and torch.compile's cudagraph trees: each call hands FlashMLA a fresh, empty `FlashMLASchedMeta`
 (`get_mla_metadata()` takes no tensors), so its C++ op runs the split-KV scheduler as a kernel on the current
@@ -156,7 +159,8 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
     if not ok:
         raise ValueError(why)
     B, H, R = q_nope.shape
-    if block_table.shape[1] == 0:  # no page at all: every row is empty (the op checked lengths <= capacity)
+    if block_table.shape[1] == 0 or ckv_cache.shape[0] == 0:
+        # no page to read: every row is empty (the op checked lengths <= capacity and used pages < NP)
         return q_nope.new_zeros(B, H, R), q_nope.new_full((B, H), float("-inf"), dtype=torch.float32)
     fm = _flash_mla()
     # FlashMLA takes q as one [B, s_q = 1, H, R + P] tensor with a unit last stride; cat makes it contiguous
