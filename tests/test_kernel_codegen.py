@@ -1,5 +1,5 @@
 """What the default decode kernels compile to on Hopper, checked on a CPU machine: Triton compiles for sm_90a
-ahead of time (no GPU needed) and its bundled ptxas reports registers and spills (mla_compile/kernels/aot.py).
+ahead of time (no GPU needed) and its bundled ptxas reports registers and spills (tools/aot.py).
 
 These guard the properties the H200 sweeps showed the speed depends on (RESULTS.md, decode sweep rounds 6-9, linear
 sweeps 1-2):
@@ -11,12 +11,15 @@ that replaced it on sm_90 computes each score once.
 from __future__ import annotations
 
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
-from mla_compile.kernels import aot  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ is dev tooling
 from mla_compile.kernels import decode as D  # noqa: E402
+from tools import aot  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not aot.available(), reason="triton's bundled ptxas is missing")
 # an MMA layout in TTGIR: (warpsPerCTA, instrShape)
@@ -49,6 +52,7 @@ def test_many_heads_gluon_kernel_computes_each_score_once(dtype):
     tokens over the two warpgroups ([4, 2], 32 tokens each) and the output's columns likewise, q and the tiles
     must fit one SM's shared memory, and nothing may spill."""
     pytest.importorskip("triton.experimental.gluon")
+    from mla_compile.kernels import _gluon as G
     from mla_compile.kernels import decode_wgmma as W
 
     out = aot.wgmma_stage1_sm90(dtype=dtype)
@@ -60,7 +64,7 @@ def test_many_heads_gluon_kernel_computes_each_score_once(dtype):
     assert len(re.findall(r"wgmma\.mma_async", out["ptx"])) == 2 * (576 // 16 + 2 * 64 // 16)
     assert out["spill_bytes"] == 0, out["registers"]
     assert out["advisories"] == [], out["advisories"]  # ptxas neither serialises the MMAs nor adds waits
-    assert out["shared_bytes"] <= W.SMEM_LIMIT
+    assert out["shared_bytes"] <= G.SMEM_LIMIT
     assert out["shared_bytes"] >= W.smem_bytes(512, 64) - 64  # q, both stages and p are all there
 
 
@@ -70,10 +74,10 @@ def test_many_heads_seesaw_kernel_gives_each_warpgroup_whole_tiles(dtype):
     m64n64 MMA over one warpgroup, [4, 1]) and accumulates one latent half (m64n256), a one-warp partition issues
     the TMA copies, and the register file is split between the partitions (setmaxnreg)."""
     pytest.importorskip("triton.experimental.gluon")
+    from mla_compile.kernels import _gluon as G
     from mla_compile.kernels import decode_seesaw as S
-    from mla_compile.kernels import decode_wgmma as W
 
-    out = aot.wgmma_stage1_sm90(dtype=dtype, seesaw=True)
+    out = aot.wgmma_stage1_sm90(dtype=dtype, kernel="seesaw")
     mma_layouts = set(re.findall(MMA_LAYOUT, out["ttgir"]))
     assert mma_layouts == {("[4, 1]", "[16, 64, 16]"), ("[4, 1]", "[16, 256, 16]")}, mma_layouts
     ptx = out["ptx"]
@@ -84,8 +88,8 @@ def test_many_heads_seesaw_kernel_gives_each_warpgroup_whole_tiles(dtype):
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{int(S.LOADER_REGS)};", ptx), "loader keeps its registers"
     assert re.search(r"\.reqntid 384", ptx), "4 + 4 + 1 warps launch as three warpgroups"
     assert out["spill_bytes"] <= S.SPILL_BUDGET, out["spill_bytes"]
-    assert S.smem_bytes(512, 64) - 256 <= out["shared_bytes"] <= W.SMEM_LIMIT
-    # ptxas must not serialise the MMAs (C7514: each waits for the one before; session 9's "defer" variant, which
+    assert S.smem_bytes(512, 64) - 256 <= out["shared_bytes"] <= G.SMEM_LIMIT
+    # ptxas must not serialise the MMAs (C7514: each waits for the one before; a "defer" variant, which
     # read warpgroup 0's accumulator while an MMA was in flight, got it and ran 40% slower on the H200). The one
     # wait ptxas adds (C7517) is warpgroup 1's before rescaling its accumulator, while its score MMAs are in flight;
     # a second one would be a new serialisation point
@@ -99,7 +103,7 @@ def test_many_heads_gluon_gather_kernel_copies_rows_in_16_byte_async_copies(page
     arrives by 16-byte cp.async whose source size zero-fills masked rows (unused slots may hold NaN), the same
     hand-laid MMAs as the TMA kernel, no spills."""
     pytest.importorskip("triton.experimental.gluon")
-    out = aot.wgmma_stage1_sm90(page_size=page_size, gather=True, sparse=sparse)
+    out = aot.wgmma_stage1_sm90(page_size=page_size, kernel="gather", sparse=sparse)
     copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10, %r\d+;", out["ptx"])
     # [64, 256] x 2 latent halves + [64, 64] rope, 16 B each, over 256 threads: 18 per thread and tile, at the
     # prologue's and at the loop's issue

@@ -21,40 +21,34 @@ seq_len may hold NaN); a lone last tile pairs with a box of zeros.
 Pages of whole 64-token tiles (TMA boxes), rope width 64 (p reuses the rope buffer); other layouts use
 decode_wgmma's kernels. Same outputs as them: normalised partial out and natural-log lse per split.
 
-Measured (H200, sessions 9-10, benchmarks/RESULTS.md): 1-6% faster than decode_wgmma's TMA kernel with its PIPE
-schedule on every probe shape (B=8 128K stage 1 669 vs 708 us, 429 TFLOP/s), still 1.09-1.20x FlashInfer. What
-bounds it: the copies. With the loader's copies skipped (PROBE 1) stage 1 runs at 554-577 TFLOP/s (B >= 8), so the MMA
-schedule is fine; shared memory holds only q and one pair of tiles, slot B frees when the pair's last MMAs finish
-and is needed again by the next pair's first scores, so every pair waits for one tile's copy (~23-26%). Tried and
-dropped, each slower on the H200: issuing the next pair's scores before waiting for warpgroup 0's last MMA (40%,
-C7514); staggering warpgroup 1's score issue; FlashMLA's order (next pair's scores at the end of each pair, local
-p.c first, parts reloaded in the order they free: 3-8%); L2 bulk prefetch of the next pair (1.1-1.7x: the prefetches
-queue in the TMA unit ahead of the real copies).
+Measured (H200, benchmarks/RESULTS.md, the seesaw kernel): 1-6% faster than decode_wgmma's TMA kernel on every
+shape (B=8 128K stage 1 669 vs 708 us, 429 TFLOP/s). What bounds it: the copies. Timing probes with the loader's
+copies skipped ran stage 1 at 554-577 TFLOP/s (B >= 8), so the MMA schedule is fine; shared memory holds only q
+and one pair of tiles, slot B frees when the pair's last MMAs finish and is needed again by the next pair's first
+scores, so every pair waits for one tile's copy (~23-26%). The schedules and prefetches tried against that, each
+slower, are listed in benchmarks/lab/README.md.
 """
 
 from __future__ import annotations
 
 import triton
 
-from . import decode_wgmma as W
+from . import _gluon as G
 
-if W.gluon is not None:
+if G.gluon is not None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-BLOCK_H = W.BLOCK_H
-BLOCK_N = W.BLOCK_N
+BLOCK_H = G.BLOCK_H
+BLOCK_N = G.BLOCK_N
 NUM_WARPS = 4  # the default partition (warpgroup 0); + a 4-warp worker (warpgroup 1) + a 1-warp loader
 # 3 warpgroups at launch share the register file (65536 / 384 threads); then the loader gives back all but 24
 MAX_REGS = 168
 # warpgroup 1's; warpgroup 0 gets the rest (168 * 3 - 240 - 24 = 240)
-WG_REGS = gl.constexpr(240) if W.gluon is not None else 240
-LOADER_REGS = gl.constexpr(24) if W.gluon is not None else 24
-# the score MMA waits for a tile part by part (rope, c0, c1: each its own barrier) and starts on what has arrived;
-# False: for the whole tile
-PARTS = True
+WG_REGS = gl.constexpr(240) if G.gluon is not None else 240
+LOADER_REGS = gl.constexpr(24) if G.gluon is not None else 24
 SPILL_BUDGET = 512  # bytes ptxas may spill (offline count, tests/test_kernel_codegen.py): a few scalars outside MMAs
 
 
@@ -68,20 +62,20 @@ def _has_warp_specialize() -> bool:
     the default and worker partitions as separate arguments): without it decode_wgmma's TMA kernel serves."""
     import inspect
 
-    fn = getattr(gl, "warp_specialize", None) if W.gluon is not None else None
+    fn = getattr(gl, "warp_specialize", None) if G.gluon is not None else None
     return fn is not None and "functions_and_args" in inspect.signature(fn).parameters
 
 
 HAS_WARP_SPECIALIZE = _has_warp_specialize()
 
 
-def eligible(R: int, P: int) -> bool:
-    """This kernel can take a call decode_wgmma's TMA kernel would: p [64 heads, 64 tokens] fits the rope buffer
-    (P == 64), two latent halves, shared memory, and a Gluon with this warp_specialize."""
-    return HAS_WARP_SPECIALIZE and P == BLOCK_N and R % 2 == 0 and smem_bytes(R, P) <= W.SMEM_LIMIT
+def fits(R: int, P: int) -> bool:
+    """The shapes this kernel takes (on decode_wgmma's TMA layout, `_gluon.tma_layout`): p [64 heads, 64 tokens]
+    fits the rope buffer (P == 64), two latent halves, shared memory, and a Gluon with this warp_specialize."""
+    return HAS_WARP_SPECIALIZE and P == BLOCK_N and R % 2 == 0 and smem_bytes(R, P) <= G.SMEM_LIMIT
 
 
-if W.gluon is not None:
+if G.gluon is not None:
 
     @gluon.jit
     def _zero_rows_past(buf, t0, end, LD: gl.constexpr):
@@ -93,12 +87,9 @@ if W.gluon is not None:
         buf.store(gl.where((rows < end)[:, None], v, gl.zeros_like(v)))
 
     @gluon.jit
-    def _softmax_tile(s, t0, end, m_prev, scale_log2, S_L: gl.constexpr, PROBE: gl.constexpr = 0):
+    def _softmax_tile(s, t0, end, m_prev, scale_log2, S_L: gl.constexpr):
         """Scores of tokens [t0, t0 + BLOCK_N) (those >= end masked) against the running max m_prev: (m_new, alpha
-        = the rescale of what was accumulated under m_prev, p = exp2 of the scores under m_new, unnormalised).
-        PROBE & 2 (timing only): p = the raw scores."""
-        if PROBE & 2:
-            return m_prev, gl.full_like(m_prev, 1.0), s
+        = the rescale of what was accumulated under m_prev, p = exp2 of the scores under m_new, unnormalised)."""
         n: gl.constexpr = s.shape[1]
         valid = (t0 + gl.arange(0, n, layout=gl.SliceLayout(0, S_L))) < end
         s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
@@ -113,14 +104,12 @@ if W.gluon is not None:
 
     @gluon.jit
     def _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row, free, ST: gl.constexpr, PART: gl.constexpr,
-                   RH: gl.constexpr, PROBE: gl.constexpr):
+                   RH: gl.constexpr):
         """Part PART (0 rope, 1 c0, 2 c1) of the tile at cache row `row` into slot ST, once its last reader released
         the slot's previous one (empty, parity `free`)."""
         i: gl.constexpr = 3 * ST + PART
         mbarrier.wait(empty.index(i), free)
-        if PROBE & 1:  # timing only: the slots keep whatever they hold, the barriers pass at once
-            mbarrier.arrive(full.index(i))
-        elif PART == 0:
+        if PART == 0:
             mbarrier.expect(full.index(i), KpeDesc.block_type.nbytes)
             tma.async_copy_global_to_shared(KpeDesc, [row, 0], full.index(i), k_s.index(ST))
         elif PART == 1:
@@ -132,7 +121,7 @@ if W.gluon is not None:
 
     @gluon.jit
     def _seesaw_loader(CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles,
-                       PS: gl.constexpr, RH: gl.constexpr, PROBE: gl.constexpr):
+                       PS: gl.constexpr, RH: gl.constexpr):
         """Pair j's tiles A (slot 0) and B (slot 1), part by part (rope first: the score MMA starts on it, then c0,
         c1), each once its last reader released it. A lone last tile A gets a B of zeros (a box wholly outside the
         cache: TMA fills it with zeros), which the warpgroups mask like any token past the split's end."""
@@ -146,15 +135,14 @@ if W.gluon is not None:
                 t_b = t_a + BLOCK_N
                 row_b = gl.load(Table + b * s_tb + t_b // PS) * PS + t_b % PS
             for part in gl.static_range(3):
-                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_a, free, 0, part, RH, PROBE)
+                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_a, free, 0, part, RH)
             for part in gl.static_range(3):
-                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_b, free, 1, part, RH, PROBE)
+                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_b, free, 1, part, RH)
 
     @gluon.jit
     def _seesaw_warpgroup(WG: gl.constexpr, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x,
                           l_ready, O, L, b, hb, split, H, start, end, n_tiles, scale_log2,
-                          s_on, s_ob, s_oh, s_ln, s_lb, s_lh, RH: gl.constexpr, PARTS: gl.constexpr,
-                          PROBE: gl.constexpr):
+                          s_on, s_ob, s_oh, s_ln, s_lb, s_lh, RH: gl.constexpr):
         """Warpgroup WG's side of the seesaw (module docstring): it scores the tiles of slot WG and owns output
         columns [WG * RH, (WG + 1) * RH). p_ready[w] / m_x[w]: warpgroup w's p and running max of this pair of
         tiles are in shared memory (p in slot w's rope buffer)."""
@@ -182,16 +170,19 @@ if W.gluon is not None:
         for j in range(gl.cdiv(n_tiles, 2)):  # a lone last tile A pairs with an all-zero B (see the loader)
             ph = j & 1
             t_own = start + (2 * j + WG) * BLOCK_N
-            if (PARTS == 0) | ((t_own < end) & (t_own + BLOCK_N > end)):
+            partial = (t_own < end) & (t_own + BLOCK_N > end)  # the split's partial last tile
+            if partial:  # all its parts, then zero the rows past seq_len
                 for part in gl.static_range(3):
                     mbarrier.wait(full.index(3 * WG + part), ph)
-            if (t_own < end) & (t_own + BLOCK_N > end):  # the split's partial last tile: zero rows past seq_len
+            if partial:
                 _zero_rows_past(c0_s.index(WG), t_own, end, LD)
                 _zero_rows_past(c1_s.index(WG), t_own, end, LD)
                 _zero_rows_past(k_s.index(WG), t_own, end, LD)
                 fence_async_shared()
                 gl.thread_barrier()
-            mbarrier.wait(full.index(3 * WG), ph)  # (returns at once where waited above)
+            # the score MMA starts on the parts that have arrived (each its own barrier; waiting for the whole tile
+            # was slower, benchmarks/RESULTS.md); these return at once where waited above
+            mbarrier.wait(full.index(3 * WG), ph)
             s = warpgroup_mma(qp_s, k_s.index(WG).permute((1, 0)), s0, use_acc=False, is_async=True)
             mbarrier.wait(full.index(3 * WG + 1), ph)
             s = warpgroup_mma(q0_s, c0_s.index(WG).permute((1, 0)), s, is_async=True)
@@ -199,7 +190,7 @@ if W.gluon is not None:
             s = warpgroup_mma(q1_s, c1_s.index(WG).permute((1, 0)), s, is_async=True)
             if WG == 0:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                m_a, alpha, p = _softmax_tile(s, t_own, end, m_i, scale_log2, S_L, PROBE)
+                m_a, alpha, p = _softmax_tile(s, t_own, end, m_i, scale_log2, S_L)
                 k_s.index(0).store(p.to(dt))  # the rope part of tile A is dead once its scores are done
                 m_x.index(0).store(m_a)
                 fence_async_shared()
@@ -224,7 +215,7 @@ if W.gluon is not None:
                 acc = warpgroup_mma(k_s.index(0), c_own.index(0), acc, is_async=True)  # p_A from shared memory
                 # the softmax of tile B runs while p_A.c1_A is on the tensor cores
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-                m_b, alpha_b, p = _softmax_tile(s, t_own, end, m_a, scale_log2, S_L, PROBE)
+                m_b, alpha_b, p = _softmax_tile(s, t_own, end, m_a, scale_log2, S_L)
                 k_s.index(1).store(p.to(dt))
                 m_x.index(1).store(m_b)
                 fence_async_shared()
@@ -267,8 +258,7 @@ if W.gluon is not None:
                               s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
                               s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
                               n_splits, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
-                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PARTS: gl.constexpr = 1,
-                              PROBE: gl.constexpr = 0):
+                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
         gl.static_assert(P == BLOCK_N, "p [heads, tokens] reuses the [tokens, rope] buffer")
         gl.static_assert(BLOCK_H == BLOCK_N)
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -276,9 +266,9 @@ if W.gluon is not None:
         hb = gl.program_id(0)
         b = gl.program_id(1).to(gl.int64)
         split = gl.program_id(2)
-        start, end, _ = W._split_bounds(gl.load(Lens + b), split, n_splits, BLOCK_N)
+        start, end, _ = G.split_bounds(gl.load(Lens + b), split, n_splits, BLOCK_N)
         n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-        q0_s, q1_s, qp_s = W._q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt, RH, P, BLOCK_H, LD)
+        q0_s, q1_s, qp_s = G.q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt, RH, P, BLOCK_H, LD)
         c0_s = gl.allocate_shared_memory(dt, [2, BLOCK_N, RH], CkvDesc.layout)
         c1_s = gl.allocate_shared_memory(dt, [2, BLOCK_N, RH], CkvDesc.layout)
         k_s = gl.allocate_shared_memory(dt, [2, BLOCK_N, P], KpeDesc.layout)
@@ -303,32 +293,27 @@ if W.gluon is not None:
         gl.warp_specialize([
             (_seesaw_warpgroup, (0, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O, L,
                                  b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
-                                 RH, PARTS, PROBE)),
+                                 RH)),
             (_seesaw_warpgroup, (1, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O, L,
                                  b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
-                                 RH, PARTS, PROBE)),
-            (_seesaw_loader, (CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles, PS, RH,
-                              PROBE)),
+                                 RH)),
+            (_seesaw_loader, (CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles, PS,
+                              RH)),
         ], [4, 1], [WG_REGS, LOADER_REGS])
 
 
-def constexprs(R: int, P: int, page_size: int, parts: bool | None = None, probe: int = 0) -> dict:
-    """probe (timing only, wrong results): 1 no copies (the barriers pass at once), 2 no softmax."""
-    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
-                PARTS=int(PARTS if parts is None else parts), PROBE=int(probe))
+def constexprs(R: int, P: int, page_size: int) -> dict:
+    """The kernel's compile-time arguments (shared with tools/aot.py's codegen check)."""
+    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N)
 
 
-def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, parts=None,
-           probe=0):
-    """decode_wgmma.launch's contract, for its TMA layout with rope width 64 (probe: constexprs', timing only)."""
+def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns):
+    """decode_wgmma.launch's contract, for its TMA layout with rope width 64 (`fits`)."""
     B, H, R = q_nope.shape
     PS = ckv_cache.shape[1]
     P = kpe_cache.shape[2]
-    ckv_desc, kpe_desc = W.descriptors(ckv_cache, kpe_cache)
+    ckv_desc, kpe_desc = G.descriptors(ckv_cache, kpe_cache)
     return _stage1_seesaw_kernel[(triton.cdiv(H, BLOCK_H), B, ns)](
         q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
-        sm_scale * 1.4426950408889634, H,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), ckv_cache.stride(0), ckv_cache.stride(1),
-        kpe_cache.stride(0), kpe_cache.stride(1), block_table.stride(0),
-        s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1), ns,
-        **constexprs(R, P, PS, parts, probe), num_warps=NUM_WARPS, maxnreg=MAX_REGS)
+        sm_scale * G.LOG2E, H, *G.strides(q_nope, q_pe, ckv_cache, kpe_cache, block_table, o, l, s_on, s_ln, ns),
+        **constexprs(R, P, PS), num_warps=NUM_WARPS, maxnreg=MAX_REGS)

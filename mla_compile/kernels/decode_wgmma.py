@@ -4,8 +4,8 @@ Why not the Triton kernel (decode.py `_stage1_tma_kernel`): for the score tile s
 tokens], Triton 3.6 lays the MMA out as 8 warps along M (TTGIR: warpsPerCTA [8, 1], instr n = 32), so BOTH
 warpgroups compute the same scores, each reading q and the tile from shared memory at 3 KB per 16-clock
 instruction: 1.5x the tensor work at three times what shared memory serves. H=128 stayed at ~27% of the
-H200's peak (274 TFLOP/s, benchmarks/RESULTS.md). Here the two warpgroups split the score tile by tokens (warps [4, 2]) and
-the output by columns, so every product is computed once.
+H200's peak (274 TFLOP/s, benchmarks/RESULTS.md, the Gluon kernel). Here the two warpgroups split the score tile
+by tokens (warps [4, 2]) and the output by columns, so every product is computed once.
 
 One program per (request, block of 64 heads, KV split), 8 warps. Shared memory holds q (latent halves + rope,
 loaded once) and STAGES tiles of 64 tokens (the next tile loads while this one computes); p goes through shared
@@ -14,44 +14,33 @@ memory to feed the second MMA from both warpgroups. Two kernels share those MMAs
 - `_stage1_gather_kernel`: 16-byte async copies per token row through the table (pages smaller than a tile, sparse
   index lists), masked rows zero-filled.
 Slots past seq_len may hold NaN and never reach an MMA. Both write the same normalised partial out and natural-log
-lse as the Triton kernels, so decode.py's merge is shared.
-
-On the TMA layout with rope width 64, `launch` hands the call to decode_seesaw.py's warp-specialised kernel (each
-warpgroup scores whole tiles; SEESAW below), 1-6% faster on the H200 (benchmarks/RESULTS.md).
+lse as the Triton kernels, so decode.py's merge is shared. `launch` takes the TMA kernel where the cache layout
+allows it (`_gluon.tma_layout`), else the gather kernel; whether this file's kernels run at all is
+`dispatch.select_decode_kernel`'s decision ("wgmma"; on the TMA layout with rope width 64 it prefers
+decode_seesaw.py's warp-specialised kernel, "seesaw").
 
 Needs sm_90 exactly (warpgroup MMA is Hopper's; Blackwell has tcgen05 instead), bf16 / fp16, >= 64 heads and the
-latent in two power-of-two halves: see `eligible`. Measured: benchmarks/RESULTS.md.
+latent in two power-of-two halves: see `fits`. Measured: benchmarks/RESULTS.md (the Gluon kernel, the gather kernel).
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 
-from ._util import box_width, caches_view_as_slots, is_sm90
+from . import _gluon as G
+from ._util import box_width
 
-try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every shape
+if G.gluon is not None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # pragma: no cover - depends on the Triton build
-    gluon = None
 
-BLOCK_H = 64  # one warpgroup MMA's M: heads per program
-BLOCK_N = 64  # tokens per tile
+BLOCK_H = G.BLOCK_H
+BLOCK_N = G.BLOCK_N
 STAGES = 2
-# keep p.ckv in flight into the next tile's q.ckv^T (see the kernel); False: wait for it per tile. H200 (benchmarks/RESULTS.md):
-# stage 1 661 / 2649 us vs 677 / 2723 at B=8 128K / B=128 32K
-PIPE = True
-# the warp-specialised kernel (decode_seesaw.py) for the TMA layout where it applies (rope width 64); else the TMA
-# kernel below
-SEESAW = True
-GATHER = True  # the gather kernel for pages smaller than a tile and sparse index lists
 NUM_WARPS = 8  # two warpgroups
-SMEM_LIMIT = 227 * 1024  # Hopper's largest per-block shared memory
 
 
 def smem_bytes(R: int, P: int, itemsize: int = 2) -> int:
@@ -59,92 +48,55 @@ def smem_bytes(R: int, P: int, itemsize: int = 2) -> int:
     return itemsize * (BLOCK_H * (R + P) + STAGES * BLOCK_N * (R + P) + BLOCK_H * BLOCK_N) + 64
 
 
-def eligible(q_nope, ckv_cache, kpe_cache, sparse: bool = False) -> bool:
-    """A Gluon kernel serves this call: Gluon present, an sm_90 GPU, fp16/bf16, >= 64 heads, latent halves and rope
-    widths that are powers of two a TMA box / an MMA / a 16-byte copy accept, and the tiles fitting shared memory;
-    then either the TMA kernel's layout (`tma_layout`) or, if GATHER, rows the gather kernel can copy 16 bytes
-    at a time (any page size, sparse index lists)."""
-    if gluon is None or not is_sm90(ckv_cache.device):
-        return False
-    R, P = ckv_cache.shape[2], kpe_cache.shape[2]
-    if not (q_nope.dtype in (torch.bfloat16, torch.float16) and ckv_cache.dtype == q_nope.dtype
-            and q_nope.shape[1] >= BLOCK_H and R % 2 == 0 and box_width(R // 2) and box_width(P)
-            and smem_bytes(R, P) <= SMEM_LIMIT):
-        return False
-    if tma_layout(ckv_cache, kpe_cache, sparse):
-        return True
-    rows_aligned = all(t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0 and t.data_ptr() % 16 == 0
-                       for t in (ckv_cache, kpe_cache))
-    return GATHER and R // 2 >= 64 and P >= 64 and rows_aligned
+def fits(R: int, P: int) -> bool:
+    """The shapes these kernels take: latent halves and rope widths that are powers of two a TMA box / an MMA / a
+    16-byte copy accept, and the tiles fitting shared memory (Gluon present)."""
+    return (G.gluon is not None and R % 2 == 0 and box_width(R // 2) and box_width(P)
+            and smem_bytes(R, P) <= G.SMEM_LIMIT)
 
 
-def tma_layout(ckv_cache, kpe_cache, sparse: bool) -> bool:
-    """Tiles are TMA boxes: a paged (not sparse) cache with pages of whole 64-token tiles that views as
-    [slots, width], 16-byte aligned."""
-    return not sparse and ckv_cache.shape[1] % BLOCK_N == 0 and caches_view_as_slots(ckv_cache, kpe_cache)
+def gather_fits(R: int, P: int) -> bool:
+    """The gather kernel's extra need: rows it copies in whole 16-byte pieces per thread (its load layout)."""
+    return R // 2 >= 64 and P >= 64
 
 
-if gluon is not None:
+if G.gluon is not None:
 
     @gluon.jit
-    def _load_rows(base, rows, offs_c, valid, WIDTH: gl.constexpr):
-        """[len(rows), WIDTH] from base + rows[:, None] + offs_c[None, :], zero where not valid."""
-        return gl.load(base + rows[:, None] + offs_c[None, :], mask=valid[:, None] & (offs_c[None, :] < WIDTH),
-                       other=0.0)
-
-    @gluon.jit
-    def _scores(q0_s, q1_s, qp_s, c0_t, c1_t, k_t, s0, PROBE: gl.constexpr):
+    def _scores(q0_s, q1_s, qp_s, c0_t, c1_t, k_t, s0):
         """s = q.[c0 | c1 | k]^T for the tile in shared memory, issued asynchronously (wait before use); s0 is a
         score-shaped tensor in the score layout (its values are ignored)."""
-        if PROBE & 4:
-            s = s0
-        else:
-            s = warpgroup_mma(q0_s, c0_t.permute((1, 0)), s0, use_acc=False, is_async=True)
-            s = warpgroup_mma(q1_s, c1_t.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma(qp_s, k_t.permute((1, 0)), s, is_async=True)
-        return s
+        s = warpgroup_mma(q0_s, c0_t.permute((1, 0)), s0, use_acc=False, is_async=True)
+        s = warpgroup_mma(q1_s, c1_t.permute((1, 0)), s, is_async=True)
+        return warpgroup_mma(qp_s, k_t.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
     def _softmax_pv(s, c0_t, c1_t, p_s, valid, m_i, l_i, acc0, acc1, scale_log2, MASKED: gl.constexpr,
-                    O_L: gl.constexpr, ASYNC_PV: gl.constexpr, PROBE: gl.constexpr):
+                    O_L: gl.constexpr, ASYNC_PV: gl.constexpr):
         """The online-softmax step on the tile's scores s, then acc += p.[c0 | c1] (left in flight if ASYNC_PV: wait
         before use). l_i is kept score-shaped, each thread summing its own columns: the row sums need no cross-warp
-        reduction until the end. PROBE != 0 drops phases for timing only (benchmarks/wgmma_probe.py; wrong
-        results): 1 softmax, 2 p.ckv, 4 q.ckv^T, 8 the accumulator rescale, 16 p's trip through shared memory."""
+        reduction until the end."""
         s = s * scale_log2
         if MASKED:
             s = gl.where(valid[None, :], s, float("-inf"))
-        if PROBE & 1:
-            m_new = m_i
-            alpha = gl.exp2(m_i - m_i)
-            p = s
-        else:
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of only masked slots stays NaN-free
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(s - m_use[:, None])
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of only masked slots stays NaN-free
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
         l_i = l_i * alpha[:, None] + p
         # p feeds the second MMA from shared memory: each warpgroup holds half its columns. No warpgroup can be
         # here while the other's previous p.ckv still reads p_s: the row max above is a cross-warpgroup
         # reduction, and every warp waited for its previous MMAs before it
-        if (PROBE & 16) == 0:
-            p_s.store(p.to(p_s.dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-        if (PROBE & 8) == 0:
-            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-            acc0 = acc0 * alpha_o
-            acc1 = acc1 * alpha_o
-        if (PROBE & 2) == 0:
-            acc0 = warpgroup_mma(p_s, c0_t, acc0, is_async=True)
-            acc1 = warpgroup_mma(p_s, c1_t, acc1, is_async=True)
-            if ASYNC_PV:
-                pass
-            else:
-                acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-        elif ASYNC_PV:  # keep the loop-carried type an MMA accumulator
-            acc0 = warpgroup_mma_init(acc0)
-            acc1 = warpgroup_mma_init(acc1)
+        p_s.store(p.to(p_s.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        acc0 = acc0 * alpha_o
+        acc1 = acc1 * alpha_o
+        acc0 = warpgroup_mma(p_s, c0_t, acc0, is_async=True)
+        acc1 = warpgroup_mma(p_s, c1_t, acc1, is_async=True)
+        if not ASYNC_PV:
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
         return m_new, l_i, acc0, acc1
 
     @gluon.jit
@@ -156,33 +108,6 @@ if gluon is not None:
         tma.async_copy_global_to_shared(desc_c, [row, 0], bar, c0_t)
         tma.async_copy_global_to_shared(desc_c, [row, RH], bar, c1_t)
         tma.async_copy_global_to_shared(desc_k, [row, 0], bar, k_t)
-
-    @gluon.jit
-    def _split_bounds(n, split, n_splits, BLOCK_N: gl.constexpr):
-        """[start, end) of this split's tokens and its number of whole tiles (the split length is rounded to whole
-        tiles, so only a split's last tile can be partial)."""
-        split_len = gl.cdiv(gl.cdiv(n, n_splits), BLOCK_N) * BLOCK_N
-        start = split * split_len
-        end = gl.minimum(start + split_len, n)
-        return start, end, gl.maximum(end - start, 0) // BLOCK_N
-
-    @gluon.jit
-    def _q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt: gl.constexpr, RH: gl.constexpr,
-                   P: gl.constexpr, BLOCK_H: gl.constexpr, LD: gl.constexpr):
-        """q's latent halves and rope part of this head block into shared memory, once: the A operand of every
-        score MMA (heads past H are zero)."""
-        offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD))
-        offs_r = gl.arange(0, RH, layout=gl.SliceLayout(0, LD))
-        offs_p = gl.arange(0, P, layout=gl.SliceLayout(0, LD))
-        mask_h = offs_h < H
-        qn_rows = b * s_qnb + offs_h * s_qnh
-        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RH], dt)
-        qp_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, P], dt)
-        q0_s = gl.allocate_shared_memory(dt, [BLOCK_H, RH], q_sl, _load_rows(Qn, qn_rows, offs_r, mask_h, RH))
-        q1_s = gl.allocate_shared_memory(dt, [BLOCK_H, RH], q_sl, _load_rows(Qn + RH, qn_rows, offs_r, mask_h, RH))
-        qp_s = gl.allocate_shared_memory(dt, [BLOCK_H, P], qp_sl,
-                                         _load_rows(Qp, b * s_qpb + offs_h * s_qph, offs_p, mask_h, P))
-        return q0_s, q1_s, qp_s
 
     @gluon.jit
     def _store_partial(O, L, b, hb, split, H, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, m_i, l_i, acc0, acc1,
@@ -208,8 +133,7 @@ if gluon is not None:
                              s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
                              s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
                              n_splits, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
-                             BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                             PIPE: gl.constexpr = False, PROBE: gl.constexpr = 0):
+                             BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         gl.static_assert(gl.num_warps() == 8, "two warpgroups")
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, BLOCK_N // 2, 16])
@@ -221,8 +145,8 @@ if gluon is not None:
         hb = gl.program_id(0)  # fastest: a tile's head blocks run on neighbouring SMs and share its L2 copy
         b = gl.program_id(1).to(gl.int64)
         split = gl.program_id(2)
-        start, end, n_full = _split_bounds(gl.load(Lens + b), split, n_splits, BLOCK_N)
-        q0_s, q1_s, qp_s = _q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt, RH, P, BLOCK_H, LD)
+        start, end, n_full = G.split_bounds(gl.load(Lens + b), split, n_splits, BLOCK_N)
+        q0_s, q1_s, qp_s = G.q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt, RH, P, BLOCK_H, LD)
         p_s = gl.allocate_shared_memory(dt, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for(
             [BLOCK_H, BLOCK_N], dt))
         c0_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, RH], CkvDesc.layout)
@@ -241,44 +165,32 @@ if gluon is not None:
         no_mask = gl.full([BLOCK_N], 1, gl.int1, layout=gl.SliceLayout(0, S_L))
         s0 = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
 
-        if PIPE:  # the accumulators stay in flight from one tile's p.ckv into the next tile's q.ckv^T
-            acc0 = warpgroup_mma_init(acc0)
-            acc1 = warpgroup_mma_init(acc1)
+        # the accumulators stay in flight from one tile's p.ckv into the next tile's q.ckv^T (waiting for p.ckv per
+        # tile instead: stage 1 677 / 2723 vs 661 / 2649 us at B=8 128K / B=128 32K, H200, benchmarks/RESULTS.md)
+        acc0 = warpgroup_mma_init(acc0)
+        acc1 = warpgroup_mma_init(acc1)
         if n_full > 0:
             _issue_tile(CkvDesc, KpeDesc, bars.index(0), c0_s.index(0), c1_s.index(0), k_s.index(0), Table, b,
                         s_tb, start, PS, RH)
-        if PIPE and n_full > 1:
+        if n_full > 1:
             _issue_tile(CkvDesc, KpeDesc, bars.index(1), c0_s.index(1), c1_s.index(1), k_s.index(1), Table, b,
                         s_tb, start + BLOCK_N, PS, RH)
         for i in range(n_full):
             st = i % STAGES
             nx = (i + 1) % STAGES
-            if PIPE:
-                pass
-            else:
-                # the next tile's stage was last read by tile i - 1: every warp has waited for those MMAs at the end
-                # of the last iteration, and the barrier makes sure all of them have before the copy overwrites it
-                if i + 1 < n_full:
-                    gl.thread_barrier()
-                    _issue_tile(CkvDesc, KpeDesc, bars.index(nx), c0_s.index(nx), c1_s.index(nx), k_s.index(nx),
-                                Table, b, s_tb, start + (i + 1) * BLOCK_N, PS, RH)
             mbarrier.wait(bars.index(st), (i // STAGES) & 1)
-            s = _scores(q0_s, q1_s, qp_s, c0_s.index(st), c1_s.index(st), k_s.index(st), s0, PROBE)
-            if PIPE:
-                # tile i - 1's p.ckv ran ahead of these scores on the tensor cores; both are done after the wait,
-                # so (after the barrier: all warps) tile i - 1's stage takes tile i + 1. (Starting that copy as soon
-                # as p.ckv is done, before the scores complete, was slower: 754 vs 661 us on the H200.)
-                s, acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc0, acc1))
-                if (i >= 1) & (i + 1 < n_full):
-                    gl.thread_barrier()
-                    _issue_tile(CkvDesc, KpeDesc, bars.index(nx), c0_s.index(nx), c1_s.index(nx), k_s.index(nx),
-                                Table, b, s_tb, start + (i + 1) * BLOCK_N, PS, RH)
-            else:
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            s = _scores(q0_s, q1_s, qp_s, c0_s.index(st), c1_s.index(st), k_s.index(st), s0)
+            # tile i - 1's p.ckv ran ahead of these scores on the tensor cores; both are done after the wait, so
+            # (after the barrier: all warps) tile i - 1's stage takes tile i + 1. (Starting that copy as soon as
+            # p.ckv is done, before the scores complete, was slower: 754 vs 661 us on the H200.)
+            s, acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc0, acc1))
+            if (i >= 1) & (i + 1 < n_full):
+                gl.thread_barrier()
+                _issue_tile(CkvDesc, KpeDesc, bars.index(nx), c0_s.index(nx), c1_s.index(nx), k_s.index(nx),
+                            Table, b, s_tb, start + (i + 1) * BLOCK_N, PS, RH)
             m_i, l_i, acc0, acc1 = _softmax_pv(s, c0_s.index(st), c1_s.index(st), p_s, no_mask, m_i, l_i, acc0, acc1,
-                                               scale_log2, False, O_L, PIPE, PROBE)
-        if PIPE:
-            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+                                               scale_log2, False, O_L, True)
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
 
         t0 = start + n_full * BLOCK_N
         if t0 < end:  # the partial last tile: masked loads into stage 0, once every warp's MMAs above have completed
@@ -289,16 +201,16 @@ if gluon is not None:
             valid = offs_t < end
             page = gl.load(Table + b * s_tb + t0 // PS).to(gl.int64)  # the tile lies in one page
             crow = page * s_cp + (offs_t % PS) * s_cs
-            c0_s.index(0).store(_load_rows(Ckv, crow, offs_r, valid, RH))
-            c1_s.index(0).store(_load_rows(Ckv + RH, crow, offs_r, valid, RH))
-            k_s.index(0).store(_load_rows(Kpe, page * s_kp + (offs_t % PS) * s_ks, offs_p, valid, P))
+            c0_s.index(0).store(G.load_rows(Ckv, crow, offs_r, valid, RH))
+            c1_s.index(0).store(G.load_rows(Ckv + RH, crow, offs_r, valid, RH))
+            k_s.index(0).store(G.load_rows(Kpe, page * s_kp + (offs_t % PS) * s_ks, offs_p, valid, P))
             fence_async_shared()
             gl.thread_barrier()
             valid_s = (t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))) < end
-            s = _scores(q0_s, q1_s, qp_s, c0_s.index(0), c1_s.index(0), k_s.index(0), s0, PROBE)
+            s = _scores(q0_s, q1_s, qp_s, c0_s.index(0), c1_s.index(0), k_s.index(0), s0)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             m_i, l_i, acc0, acc1 = _softmax_pv(s, c0_s.index(0), c1_s.index(0), p_s, valid_s, m_i, l_i, acc0, acc1,
-                                               scale_log2, True, O_L, False, PROBE)
+                                               scale_log2, True, O_L, False)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
@@ -346,8 +258,7 @@ if gluon is not None:
                               s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
                               s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
                               n_splits, SPARSE: gl.constexpr, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
-                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                              PROBE: gl.constexpr = 0):
+                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """The same MMAs for tiles that are not TMA boxes: pages smaller than a tile (a page-1 token table, page 16)
         and sparse index lists (`mla::sparse_decode`). Each token's row comes by a 16-byte async copy (cp.async)
         through the table; tile i + 1's copies run while tile i computes."""
@@ -365,9 +276,9 @@ if gluon is not None:
             n = n_sparse
         else:
             n = gl.load(Lens + b)
-        start, end, n_full = _split_bounds(n, split, n_splits, BLOCK_N)
+        start, end, n_full = G.split_bounds(n, split, n_splits, BLOCK_N)
         n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)  # the partial last tile too: masks handle it
-        q0_s, q1_s, qp_s = _q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt, RH, P, BLOCK_H, LD)
+        q0_s, q1_s, qp_s = G.q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt, RH, P, BLOCK_H, LD)
         p_s = gl.allocate_shared_memory(dt, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for(
             [BLOCK_H, BLOCK_N], dt))
         c_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, RH], dt)
@@ -402,67 +313,42 @@ if gluon is not None:
             gl.thread_barrier()
             t0 = start + i * BLOCK_N
             _, _, valid_s = _token_rows(Table, b, s_tb, t0, end, gl.SliceLayout(0, S_L), PS, BLOCK_N, SPARSE)
-            s = _scores(q0_s, q1_s, qp_s, c0_s.index(st), c1_s.index(st), k_s.index(st), s0, PROBE)
+            s = _scores(q0_s, q1_s, qp_s, c0_s.index(st), c1_s.index(st), k_s.index(st), s0)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             m_i, l_i, acc0, acc1 = _softmax_pv(s, c0_s.index(st), c1_s.index(st), p_s, valid_s, m_i, l_i, acc0, acc1,
-                                               scale_log2, True, O_L, False, PROBE)
+                                               scale_log2, True, O_L, False)
         async_copy.wait_group(0)
         _store_partial(O, L, b, hb, split, H, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, m_i, l_i, acc0, acc1, RH, BLOCK_H,
                        S_L, O_L)
 
 
-def _gl_dtype(dtype: torch.dtype):
-    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+def constexprs(R: int, P: int, page_size: int) -> dict:
+    """The TMA kernel's compile-time arguments (shared with tools/aot.py's codegen check)."""
+    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=STAGES)
 
 
-def constexprs(R: int, P: int, page_size: int, pipe: bool = PIPE, probe: int = 0) -> dict:
-    """The TMA kernel's compile-time arguments (shared with the AOT codegen check)."""
-    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=STAGES, PIPE=pipe, PROBE=probe)
+def gather_constexprs(R: int, P: int, page_size: int, sparse: bool) -> dict:
+    """The gather kernel's compile-time arguments (shared with tools/aot.py's codegen check)."""
+    return dict(SPARSE=sparse, PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=STAGES)
 
 
-def gather_constexprs(R: int, P: int, page_size: int, sparse: bool, probe: int = 0) -> dict:
-    """The gather kernel's compile-time arguments (shared with the AOT codegen check)."""
-    return dict(SPARSE=sparse, PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=STAGES,
-                PROBE=probe)
-
-
-def descriptors(ckv_cache, kpe_cache):
-    NP, PS, R = ckv_cache.shape
-    P = kpe_cache.shape[2]
-    gdt = _gl_dtype(ckv_cache.dtype)
-    c_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R // 2], gdt)
-    k_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, P], gdt)
-    return (TensorDescriptor.from_tensor(ckv_cache.view(NP * PS, R), [BLOCK_N, R // 2], c_layout),
-            TensorDescriptor.from_tensor(kpe_cache.view(NP * PS, P), [BLOCK_N, P], k_layout))
-
-
-def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, probe=0,
-           pipe=None, indices=None):
+def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, indices=None):
     """Stage 1 into o [ns, B, H, R] / l [ns, B, H] (or the final out / lse with ns == 1: s_on = s_ln = 0); paged
-    (block_table, seq_lens) or sparse (indices [B, K], -1 = none). The TMA kernel where `tma_layout`, else the
-    gather kernel."""
+    (block_table, seq_lens) or sparse (indices [B, K], -1 = none). The TMA kernel where the tiles are TMA boxes,
+    else the gather kernel."""
     B, H, R = q_nope.shape
-    NP, PS, _ = ckv_cache.shape
+    PS = ckv_cache.shape[1]
     P = kpe_cache.shape[2]
     sparse = indices is not None
     table = indices if sparse else block_table
     grid = (triton.cdiv(H, BLOCK_H), B, ns)
-    common = (q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), ckv_cache.stride(0),
-              ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1), table.stride(0),
-              s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1), ns)
-    if not tma_layout(ckv_cache, kpe_cache, sparse):
+    strides = G.strides(q_nope, q_pe, ckv_cache, kpe_cache, table, o, l, s_on, s_ln, ns)
+    if not G.tma_layout(ckv_cache, kpe_cache, sparse):
         return _stage1_gather_kernel[grid](
             q_nope, q_pe, ckv_cache, kpe_cache, table, table if sparse else seq_lens, o, l,
-            sm_scale * 1.4426950408889634, H, table.shape[1] if sparse else 0, *common,
-            **gather_constexprs(R, P, PS, sparse, probe), num_warps=NUM_WARPS)
-    if SEESAW and probe == 0 and pipe is None:
-        from . import decode_seesaw
-
-        if decode_seesaw.eligible(R, P):
-            return decode_seesaw.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l,
-                                        s_on, s_ln, ns)
-    ckv_desc, kpe_desc = descriptors(ckv_cache, kpe_cache)
+            sm_scale * G.LOG2E, H, table.shape[1] if sparse else 0, *strides,
+            **gather_constexprs(R, P, PS, sparse), num_warps=NUM_WARPS)
+    ckv_desc, kpe_desc = G.descriptors(ckv_cache, kpe_cache)
     return _stage1_wgmma_kernel[grid](
         q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
-        sm_scale * 1.4426950408889634, H, *common,
-        **constexprs(R, P, PS, PIPE if pipe is None else pipe, probe), num_warps=NUM_WARPS)
+        sm_scale * G.LOG2E, H, *strides, **constexprs(R, P, PS), num_warps=NUM_WARPS)

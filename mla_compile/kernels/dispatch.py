@@ -2,45 +2,176 @@
 
 Registration: the ops stay `custom_op` + `register_kernel("cuda")` (not `triton_op` + `wrap_triton`). Each
 op is then one opaque extern node to Inductor, which is what a hand-tuned attention kernel wants (nothing
-to fuse across it), the impl may pick a backend at run time (Triton or FlashInfer, which is no Triton
-kernel and could not be traced by `triton_op`), and CUDA graphs capture the launches as they are since no
-impl syncs with the host.
+to fuse across it), the impl may pick a backend at run time (Triton, Gluon, FlashMLA or FlashInfer: the last
+two are no Triton kernels and could not be traced by `triton_op`), and CUDA graphs capture the launches as they
+are since no impl syncs with the host.
 
-`mla::decode` backend: env MLA_COMPILE_DECODE_BACKEND = auto | triton | flashinfer. FlashInfer runs only
-eagerly (its plan() syncs; see flashinfer_mla.py); under CUDA-graph capture every choice uses Triton.
-`auto` = Triton: see `_AUTO_PREFERS_FLASHINFER` for why.
+Which decode kernel runs is decided in one place, `select_decode_kernel` (its docstring has the table);
+`decode_kernel` gathers a call's facts for it. The choice can be overridden per compiled model
+(`options={"decode_kernel": ...}`, mla_compile/tuning.py) or process-wide (MLA_COMPILE_DECODE_BACKEND).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
+from typing import NamedTuple
 
 import torch
 
-from ..ops.linear import few_token_rows
+from .. import tuning as _tuning
+from . import _gluon
 from . import cache as _cache
 from . import decode as _decode
+from . import decode_seesaw as _seesaw
+from . import decode_wgmma as _wgmma
 from . import dsa as _dsa
 from . import flashinfer_mla as _fi
 from . import linear as _linear
 from . import merge as _merge
+from .few_token import few_token_rows
 
-# benchmarks/RESULTS.md ops table, H200 2026-12-01: at H=16 and kv_len >= 8K our Triton kernel takes
-# 0.38-1.02x FlashInfer 0.5.3's time under CUDA graphs (eagerly more: ~100 us more host cost per call); at H=128
-# (the Gluon kernel, decode_wgmma.py) FlashInfer is 1.12-1.33x faster. But `auto` must be safe under
-# torch.compile's CUDA-graph trees: their warm-up
-# runs the op eagerly inside the graph pool, and FlashInfer's cached wrapper/workspace allocated there broke the
-# pool check ("tensors in the cudagraph pool not tracked as outputs", H200 2026-11-30). So auto = Triton;
-# MLA_COMPILE_DECODE_BACKEND=flashinfer is the faster choice for purely eager serving with many heads.
-_AUTO_PREFERS_FLASHINFER = False
+MANY_HEADS = 64  # the Gluon kernels' head block (one warpgroup MMA's M): fewer heads would leave it part empty
+HALF = (torch.float16, torch.bfloat16)
 
 
-def decode_backend(q_nope, ckv_cache) -> str:
-    choice = os.environ.get("MLA_COMPILE_DECODE_BACKEND", "auto").lower()
-    if choice not in ("auto", "triton", "flashinfer"):
-        raise ValueError(f"MLA_COMPILE_DECODE_BACKEND: expected auto, triton or flashinfer, got {choice!r}")
-    wants_fi = choice == "flashinfer" or (choice == "auto" and _AUTO_PREFERS_FLASHINFER)
-    return "flashinfer" if wants_fi and _fi.usable(q_nope, ckv_cache) else "triton"
+class Choice(NamedTuple):
+    name: str  # flashmla | seesaw | wgmma | triton | flashinfer | torch
+    reason: str
+
+
+@functools.lru_cache(maxsize=4096)
+def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, dtype: torch.dtype, capability,
+                         n_query: int = 1, *, kernel: str = "auto", tma_layout: bool = True,
+                         rows_aligned: bool = True, flashmla: bool = False, flashinfer: bool = False) -> Choice:
+    """The decode kernel for one call's shape class: Choice(name, reason).
+
+    H heads (rows) per request, R latent and P rope width, `page_size` (1 for a sparse index list), `sparse`
+    (mla::sparse_decode), dtype, `capability`: the CUDA device's (major, minor), "interpreter" (CPU tensors
+    handed to the kernels: Triton's interpreter) or None (CPU tensors: the op's CPU impl), n_query query tokens
+    per request. Facts of the call's tensors: `tma_layout` (caches view as [slots, width] with pages of whole
+    64-token tiles, `_gluon.tma_layout`), `rows_aligned` (16-byte aligned rows, `_gluon.rows_aligned`),
+    `flashmla` (FlashMLA imports, takes these shapes and reads the caches in place), `flashinfer` (FlashInfer
+    usable now: installed, R 512, not under CUDA-graph capture). `kernel`: "auto" or the one asked for
+    (mla_compile/tuning.py); one that cannot serve the call falls back to auto's choice, saying why.
+
+    auto, first match (H200 measurements: issue 24's table and benchmarks/RESULTS.md, ops table and the seesaw /
+    Gluon kernel sections; every kernel timed as a CUDA-graph replay):
+
+    | shape class | kernel | why |
+    |---|---|---|
+    | CPU tensors at the op | torch | the op's CPU impl, the plain-torch definition |
+    | FlashMLA installed, sm_90, dense, 1 query token, R 512, P 64 or 0, page 64, half precision, caches in one [NP, PS, R + P] buffer | flashmla | fastest measured on every H200 shape: ours 1.06-1.09x its time at H 16, 1.20-1.35x at H 128 (FlashInfer 1.04-1.17x) |
+    | sm_90, half precision, H >= 64, 1 query token, TMA layout (page a multiple of 64), P 64, R/2 a power of two <= 256 | seesaw | warp-specialised Gluon kernel: 1-6% faster than the two-warpgroup one (B=8 128K stage 1 669 vs 708 us, 429 TFLOP/s) |
+    | sm_90, half precision, H >= 64, 1 query token, other pages / sparse index lists (rows 16-byte aligned) or P != 64 | wgmma | hand-laid warpgroup MMAs (TMA boxes, else 16-byte async copies per row): 1.5-1.6x the Triton TMA kernel at H 128 |
+    | everything else (H < 64, not sm_90, fp32, P = 0, several query tokens) | triton | split-KV Triton kernels: memory-bound few-head decode at 0.79-0.92 of copy bandwidth; the only kernel for n_query > 1 and for P = 0 (a zero rope column) |
+
+    FlashInfer is never auto's: at H 128 it is faster than ours but slower than FlashMLA, and its cached
+    workspace broke torch.compile's cudagraph-tree pool check (H200 2026-11-30); asked for, it serves eager calls.
+    FlashMLA with caches that do not share rows would copy them per call (more bytes than the attention reads),
+    so auto takes it only in place.
+
+    Cheap: cached on its (hashable) arguments, no device query.
+    """
+    if kernel not in _tuning.DECODE_KERNELS:
+        raise ValueError(f"kernel: expected one of {', '.join(_tuning.DECODE_KERNELS)}, got {kernel!r}")
+    one_dense = n_query == 1 and not sparse
+    sm90 = capability == (9, 0)
+    gluon = (sm90 and dtype in HALF and H >= MANY_HEADS and n_query == 1 and P > 0 and _wgmma.fits(R, P))
+    cannot = {  # kernel -> why it cannot serve this call ("": it can)
+        "flashmla": "" if flashmla and one_dense and sm90 else
+                    "FlashMLA: needs flash_mla on sm_90, one query token, a paged cache it reads in place",
+        "flashinfer": "" if flashinfer and one_dense and P > 0 else
+                      "FlashInfer: needs it installed, R 512, P > 0, one query token, no CUDA-graph capture",
+        "seesaw": "" if gluon and tma_layout and _seesaw.fits(R, P) else
+                  "seesaw: needs sm_90, fp16/bf16, >= 64 heads, one query token, pages of whole 64-token tiles, P 64",
+        "wgmma": "" if gluon and (tma_layout or (rows_aligned and _wgmma.gather_fits(R, P))) else
+                 "wgmma: needs sm_90, fp16/bf16, >= 64 heads, one query token, power-of-two R/2 and P, aligned rows",
+        "triton": "",
+    }
+    if capability is None:
+        return Choice("torch", "CPU tensors: the op's CPU impl (the plain-torch definition)")
+    if kernel != "auto":
+        if not cannot[kernel]:
+            return Choice(kernel, "asked for")
+        auto = select_decode_kernel(H, R, P, page_size, sparse, dtype, capability, n_query, tma_layout=tma_layout,
+                                    rows_aligned=rows_aligned, flashmla=flashmla, flashinfer=flashinfer)
+        return Choice(auto.name, f"asked for {kernel}, which cannot serve this call ({cannot[kernel]}); auto: "
+                                 f"{auto.reason}")
+    if not cannot["flashmla"]:
+        return Choice("flashmla", "FlashMLA: the fastest measured decode on every H200 shape")
+    if not cannot["seesaw"]:
+        return Choice("seesaw", "many heads on sm_90, TMA layout, rope 64: the warp-specialised Gluon kernel")
+    if not cannot["wgmma"]:
+        return Choice("wgmma", "many heads on sm_90: the Gluon warpgroup-MMA kernel ("
+                               + ("TMA boxes" if tma_layout and not sparse else "16-byte row copies") + ")")
+    why = ("several query tokens per request" if n_query > 1 else "rope-less (P = 0): a zero rope column" if P == 0
+           else "few heads" if H < MANY_HEADS else "not an sm_90 GPU" if not sm90 else
+           "not fp16/bf16" if dtype not in HALF else "a shape or layout the Gluon kernels do not take")
+    return Choice("triton", f"{why}: the Triton split-KV kernels")
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device):
+    """What `select_decode_kernel` takes as `capability`: (major, minor) of a CUDA device; CPU tensors reaching
+    these CUDA impls are a direct call for the Triton kernels (they run under TRITON_INTERPRET=1)."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else "interpreter"
+
+
+def _flashmla():
+    """kernels/flashmla.py when FlashMLA is installed and usable here, else None (the module itself is optional)."""
+    try:
+        from . import flashmla
+    except ImportError:
+        return None
+    return flashmla if flashmla.available() else None
+
+
+def _flashmla_in_place(q_nope, ckv_cache, kpe_cache, page_size) -> bool:
+    """FlashMLA takes this call and reads the caches without copying them (P = 0, or one shared buffer)."""
+    fm = _flashmla()
+    if fm is None or not fm.supported(q_nope, ckv_cache, page_size, kpe_cache)[0]:
+        return False
+    return kpe_cache.shape[-1] == 0 or fm.shares_rows(ckv_cache, kpe_cache)
+
+
+def _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool, n_query: int) -> tuple[tuple, dict]:
+    """`select_decode_kernel`'s shape-class arguments and layout facts for these tensors."""
+    cap = _capability(q_nope.device)
+    H = q_nope.shape[1]
+    gluon_device = cap == (9, 0) and H >= MANY_HEADS  # the layout facts matter (and are computed) only there
+    return ((H, q_nope.shape[2], q_pe.shape[-1], 1 if sparse else ckv_cache.shape[1], sparse, q_nope.dtype, cap,
+             n_query),
+            dict(tma_layout=gluon_device and _gluon.tma_layout(ckv_cache, kpe_cache, sparse),
+                 rows_aligned=gluon_device and _gluon.rows_aligned(ckv_cache, kpe_cache)))
+
+
+def decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False, n_query: int = 1,
+                  kernel: str | None = None) -> Choice:
+    """The kernel `decode` / `sparse_decode` run for these tensors: `select_decode_kernel` on the call's facts.
+    `kernel`: the one asked for (default: the tuning in effect, mla_compile/tuning.py)."""
+    kernel = _tuning.decode_kernel() if kernel is None else kernel
+    args, facts = _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse, n_query)
+    sm90, page_size = args[6] == (9, 0), args[3]
+    return select_decode_kernel(
+        *args, kernel=kernel, **facts,
+        flashmla=(kernel in ("auto", "flashmla") and sm90 and not sparse
+                  and _flashmla_in_place(q_nope, ckv_cache, kpe_cache, page_size)),
+        flashinfer=kernel == "flashinfer" and not sparse and _fi.usable(q_nope, ckv_cache))
+
+
+def own_decode_config(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False) -> _decode.DecodeConfig:
+    """The DecodeConfig of the kernel of ours that `auto` runs for these tensors where FlashMLA is absent (what a
+    benchmark times as "ours")."""
+    args, facts = _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse, 1)
+    return _config(q_nope, ckv_cache, sparse, select_decode_kernel(*args, **facts).name)
+
+
+def _config(q_nope, ckv_cache, sparse: bool, name: str) -> _decode.DecodeConfig:
+    """decode.py's config for the chosen kernel: its tiling and split policy, the stage-1 kernel set."""
+    cfg = _decode.default_config(q_nope.shape[1], q_nope.shape[2], 1 if sparse else ckv_cache.shape[1])
+    return cfg if name == "triton" else dataclasses.replace(cfg, kernel=name)
 
 
 # Rope-less MLA (P = 0: glm5_next, mistral_large4's no_rope_layers). The kernels are written and tuned for P > 0
@@ -69,15 +200,23 @@ def _with_zero_rope(q_nope, ckv_cache):
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=1):
     """n_query = S > 1: S query tokens per request folded into q's rows ([B, S*H, *], see kernels/decode.py
     `decode`): the Triton pointer kernel only (FlashInfer and the many-head kernels take one token per request)."""
+    name = decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, n_query=n_query).name
+    if name == "flashmla":
+        return _flashmla().decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+    if name == "flashinfer":
+        return _fi.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+    if name in ("seesaw", "wgmma"):
+        cfg = _config(q_nope, ckv_cache, False, name)
+        return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, cfg=cfg)
     if rope_less(q_pe):  # see above: the Triton kernel with a zero rope column
         q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache)
-        return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=n_query)
-    if n_query == 1 and decode_backend(q_nope, ckv_cache) == "flashinfer":
-        return _fi.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
     return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=n_query)
 
 
 def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
+    if decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse=True).name == "wgmma":
+        cfg = _config(q_nope, ckv_cache, True, "wgmma")
+        return _decode.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, cfg=cfg)
     if rope_less(q_pe):
         q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache)
     return _decode.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
@@ -120,21 +259,12 @@ def fused_linear(x, weights):
 
 
 def linear_partials(x, weights, splits):
-    """Up to 16 rows in fp16/bf16: the few-token kernel writes the partials (one launch per pair of weights);
-    otherwise the op's definition in torch ops."""
-    if not few_token_rows(x.shape[0], x.dtype):
-        from ..ops.linear import _partials
-
-        return _partials(x, weights, splits)
+    """The few-token kernel writes the partials (one launch per pair of weights); x within its range (the op's CUDA
+    impl sends the rest to the op's definition)."""
     return _linear.linear_partials(x, weights, splits)
 
 
 def per_head_linear(x, weight):
-    """Up to 16 rows in fp16/bf16: one few-token launch over (head, row block) writing [B, H, N] directly;
-    otherwise the op's definition (bmm over heads)."""
-    if not few_token_rows(x.shape[0], x.dtype):
-        from ..ops.linear import _per_head
-
-        return _per_head(x, weight)
+    """One few-token launch over (head, row block) writing [B, H, N] directly; x within its range (the op's CUDA
+    impl sends the rest to the op's definition, a bmm over heads)."""
     return _linear.per_head_linear(x, weight)
-

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.linear import FEW_TOKEN_ROWS, K_ALIGN, split_width
+from .few_token import FEW_TOKEN_ROWS, K_ALIGN, split_width
 from ._util import dot_mode, mma, pdl_enter, pdl_launch, sm_count
 
 MAX_M = FEW_TOKEN_ROWS  # the MMA's N side (rows of x padded to it)

@@ -20,16 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels.few_token import FEW_TOKEN_ROWS, K_ALIGN, few_token_rows, split_width  # noqa: F401 (re-exported)
 from . import _checks as C
-
-K_ALIGN = 128  # linear_partials: every split's K range is a whole number of these (the kernel's K step)
-FEW_TOKEN_ROWS = 16  # the few-token kernels' row limit (the MMA's N side); more rows belong to a normal GEMM
-
-
-def few_token_rows(rows, dtype: torch.dtype) -> bool:
-    """Inside the few-token Triton kernels' range (the CUDA impls of these ops; the passes that route projections
-    to them): at most FEW_TOKEN_ROWS rows (a static int) of fp16 / bf16."""
-    return isinstance(rows, int) and rows <= FEW_TOKEN_ROWS and dtype in (torch.float16, torch.bfloat16)
 
 
 def check_fused_linear_args(x, weights):
@@ -92,12 +84,6 @@ fused_linear.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------------------------- linear_partials
-def split_width(K: int, splits: int, align: int = K_ALIGN) -> int:
-    """K per split: ceil(K / splits) rounded up to whole `align`-wide steps, so only the last non-empty split
-    can be short."""
-    return -(-(-(-K // splits)) // align) * align
-
-
 def split_ranges(K: int, splits: int) -> list[tuple[int, int]]:
     """The K range of each partial: `splits` ranges of `split_width(K, splits)`, the last ones short or empty."""
     w = split_width(K, splits)
@@ -153,6 +139,8 @@ def _(x, weights, splits):
 @linear_partials.register_kernel("cuda")
 def _(x, weights, splits):
     check_linear_partials_args(x, weights, splits)
+    if not few_token_rows(x.shape[0], x.dtype):  # outside the few-token kernel's range: the definition
+        return _partials(x, weights, splits)
     from ..kernels import dispatch
 
     return dispatch.linear_partials(x, weights, splits)
@@ -224,6 +212,8 @@ def _(x, weight):
 @per_head_linear.register_kernel("cuda")
 def _(x, weight):
     check_per_head_linear_args(x, weight)
+    if not few_token_rows(x.shape[0], x.dtype):  # outside the few-token kernel's range: the definition
+        return _per_head(x, weight)
     from ..kernels import dispatch
 
     return dispatch.per_head_linear(x, weight)

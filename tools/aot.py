@@ -1,8 +1,10 @@
-"""The decode stage-1 kernels compiled for Hopper (sm_90a) without a GPU: Triton's ahead-of-time compiler plus
-its bundled ptxas give the PTX and the register / spill counts of exactly what a launch would build.
+"""The decode stage-1 and few-token linear kernels compiled for Hopper (sm_90a) without a GPU: Triton's
+ahead-of-time compiler plus its bundled ptxas give the PTX and the register / spill counts of exactly what a launch
+would build.
 
-Used by tests/test_kernel_codegen.py (CI guards on the default kernels) and `benchmarks/decode_sweep.py --aot`
-(prune tile configs before spending GPU time). Development tooling: nothing at run time imports it.
+Development tooling, outside the package (nothing at run time imports it): used by tests/test_kernel_codegen.py
+(CI guards on the default kernels) and `benchmarks/decode_sweep.py --aot` (prune tile configs before spending GPU
+time). Import it with the repository root on sys.path: `from tools import aot`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import decode as D
+from mla_compile.kernels import decode as D
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 _POINTERS = {"Qn": "*bf16", "Qp": "*bf16", "Ckv": "*bf16", "Kpe": "*bf16", "Table": "*i32", "Lens": "*i32",
@@ -87,34 +89,39 @@ def stage1_sm90(cfg: D.DecodeConfig, R: int = 512, P: int = 64, page_size: int =
     return dict(out, kernel="tma" if tma else "pointer", instructions=sum(ops.values()))
 
 
-def wgmma_stage1_sm90(R: int = 512, P: int = 64, page_size: int = 64, dtype: str = "bf16", **variant) -> dict:
-    """A Gluon many-head stage-1 kernel compiled for sm_90a: decode_wgmma.py's TMA one, with gather=True (and
-    sparse=...) its gather one, with seesaw=True the warp-specialised one (decode_seesaw.py)."""
+GLUON_KERNELS = ("wgmma", "gather", "seesaw")
+
+
+def wgmma_stage1_sm90(R: int = 512, P: int = 64, page_size: int = 64, dtype: str = "bf16", kernel: str = "wgmma",
+                      sparse: bool = False) -> dict:
+    """A Gluon many-head stage-1 kernel compiled for sm_90a: `kernel` "wgmma" decode_wgmma.py's TMA kernel,
+    "gather" its gather kernel (pages smaller than a tile; `sparse` index lists), "seesaw" the warp-specialised
+    one (decode_seesaw.py)."""
     from triton.experimental.gluon import language as gl
 
-    from . import decode_wgmma as W
+    from mla_compile.kernels import decode_seesaw as S
+    from mla_compile.kernels import decode_wgmma as W
 
+    if kernel not in GLUON_KERNELS:
+        raise ValueError(f"kernel: expected one of {GLUON_KERNELS}, got {kernel!r}")
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
     desc = {name: f"tensordesc<{dtype}[{W.BLOCK_N}, {width}],{gl.NVMMASharedLayout.get_default_for([W.BLOCK_N, width], gdt)!r}>"
             for name, width in (("CkvDesc", R // 2), ("KpeDesc", P))}
     desc.update({name: f"*{dtype}" for name in ("Qn", "Qp", "Ckv", "Kpe")})
-    if variant.pop("seesaw", False):  # the warp-specialised kernel (decode_seesaw.py): 4 + 4 + 1 warps
-        from . import decode_seesaw as S
-
-        return compile_sm90(S._stage1_seesaw_kernel, S.constexprs(R, P, page_size, **variant), desc, S.NUM_WARPS, 1,
+    if kernel == "seesaw":  # 4 + 4 + 1 warps
+        return compile_sm90(S._stage1_seesaw_kernel, S.constexprs(R, P, page_size), desc, S.NUM_WARPS, 1,
                             gluon=True)
-    if variant.pop("gather", False):  # the gather kernel (pages smaller than a tile, sparse index lists)
-        constexprs = W.gather_constexprs(R, P, page_size, **variant)
-        return compile_sm90(W._stage1_gather_kernel, constexprs, desc, W.NUM_WARPS, 1, gluon=True)
-    constexprs = W.constexprs(R, P, page_size, **variant)
-    return compile_sm90(W._stage1_wgmma_kernel, constexprs, desc, W.NUM_WARPS, 1, gluon=True)
+    if kernel == "gather":
+        return compile_sm90(W._stage1_gather_kernel, W.gather_constexprs(R, P, page_size, sparse), desc,
+                            W.NUM_WARPS, 1, gluon=True)
+    return compile_sm90(W._stage1_wgmma_kernel, W.constexprs(R, P, page_size), desc, W.NUM_WARPS, 1, gluon=True)
 
 
 def linear_sm90(M: int, K: int, N: int, cfg=None, pdl: bool = False) -> dict:
     """The few-token linear kernel (kernels/linear.py) that `fused_linear` launches for x [M, K] and a weight
     pair of N rows in all (bf16, row-contiguous), compiled for sm_90a. Unit strides are constexprs, as Triton
     specialises them at launch."""
-    from . import linear as Lin
+    from mla_compile.kernels import linear as Lin
 
     cfg = cfg or Lin.default_linear_config(M, K, N)
     ptrs = {"X": "*bf16", "W0": "*bf16", "W1": "*bf16"}
@@ -129,7 +136,7 @@ def linear_sm90(M: int, K: int, N: int, cfg=None, pdl: bool = False) -> dict:
 def per_head_linear_sm90(transposed: bool, block_n: int = 16, K: int = 512, pdl: bool = False) -> dict:
     """`mla::per_head_linear`'s kernel as launched for MLA's W_UV (weight rows K-contiguous) or, `transposed`, W_UK
     (a transposed view: N contiguous), bf16, compiled for sm_90a."""
-    from . import linear as Lin
+    from mla_compile.kernels import linear as Lin
 
     ptrs = {"X": "*bf16", "W": "*bf16", "Y": "*bf16"}
     unit = {"s_xk": 1, "s_yn": 1, **({"s_wn": 1} if transposed else {"s_wk": 1})}

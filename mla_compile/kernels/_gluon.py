@@ -1,0 +1,96 @@
+"""What the Gluon many-head stage-1 kernels share (decode_wgmma.py, decode_seesaw.py): the Gluon import, tile
+sizes, shared-memory limit, split bounds, q into shared memory, TMA descriptors.
+
+Both kernels compute the same thing as the Triton stage 1 (decode.py): per (request, block of 64 heads, KV split)
+the normalised partial out and natural-log lse, so decode.py's merge serves all of them. Which one runs is
+decided in one place: `dispatch.select_decode_kernel`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._util import caches_view_as_slots
+
+try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every shape
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the Triton build
+    gluon = None
+
+BLOCK_H = 64  # one warpgroup MMA's M: heads per program
+BLOCK_N = 64  # tokens per tile
+SMEM_LIMIT = 227 * 1024  # Hopper's largest per-block shared memory
+LOG2E = 1.4426950408889634
+
+
+def tma_layout(ckv_cache, kpe_cache, sparse: bool) -> bool:
+    """Tiles are TMA boxes: a paged (not sparse) cache with pages of whole 64-token tiles that views as
+    [slots, width], 16-byte aligned."""
+    return not sparse and ckv_cache.shape[1] % BLOCK_N == 0 and caches_view_as_slots(ckv_cache, kpe_cache)
+
+
+def rows_aligned(ckv_cache, kpe_cache) -> bool:
+    """Every cache row starts 16 bytes aligned with unit inner stride: what 16-byte async copies per row need."""
+    return all(t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0 and t.data_ptr() % 16 == 0
+               for t in (ckv_cache, kpe_cache))
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
+def descriptors(ckv_cache, kpe_cache):
+    """TMA descriptors over the whole caches viewed as [slots, width]: boxes of one tile of one latent half, and of
+    the rope part."""
+    NP, PS, R = ckv_cache.shape
+    P = kpe_cache.shape[2]
+    gdt = _gl_dtype(ckv_cache.dtype)
+    c_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R // 2], gdt)
+    k_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, P], gdt)
+    return (TensorDescriptor.from_tensor(ckv_cache.view(NP * PS, R), [BLOCK_N, R // 2], c_layout),
+            TensorDescriptor.from_tensor(kpe_cache.view(NP * PS, P), [BLOCK_N, P], k_layout))
+
+
+def strides(q_nope, q_pe, ckv_cache, kpe_cache, table, o, l, s_on, s_ln, ns) -> tuple:
+    """The stride arguments every Gluon stage-1 kernel takes, in their order."""
+    return (q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), ckv_cache.stride(0),
+            ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1), table.stride(0),
+            s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1), ns)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def load_rows(base, rows, offs_c, valid, WIDTH: gl.constexpr):
+        """[len(rows), WIDTH] from base + rows[:, None] + offs_c[None, :], zero where not valid."""
+        return gl.load(base + rows[:, None] + offs_c[None, :], mask=valid[:, None] & (offs_c[None, :] < WIDTH),
+                       other=0.0)
+
+    @gluon.jit
+    def split_bounds(n, split, n_splits, BLOCK_N: gl.constexpr):
+        """[start, end) of this split's tokens and its number of whole tiles (the split length is rounded to whole
+        tiles, so only a split's last tile can be partial)."""
+        split_len = gl.cdiv(gl.cdiv(n, n_splits), BLOCK_N) * BLOCK_N
+        start = split * split_len
+        end = gl.minimum(start + split_len, n)
+        return start, end, gl.maximum(end - start, 0) // BLOCK_N
+
+    @gluon.jit
+    def q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt: gl.constexpr, RH: gl.constexpr,
+                  P: gl.constexpr, BLOCK_H: gl.constexpr, LD: gl.constexpr):
+        """q's latent halves and rope part of this head block into shared memory, once: the A operand of every
+        score MMA (heads past H are zero)."""
+        offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LD))
+        offs_r = gl.arange(0, RH, layout=gl.SliceLayout(0, LD))
+        offs_p = gl.arange(0, P, layout=gl.SliceLayout(0, LD))
+        mask_h = offs_h < H
+        qn_rows = b * s_qnb + offs_h * s_qnh
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, RH], dt)
+        qp_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, P], dt)
+        q0_s = gl.allocate_shared_memory(dt, [BLOCK_H, RH], q_sl, load_rows(Qn, qn_rows, offs_r, mask_h, RH))
+        q1_s = gl.allocate_shared_memory(dt, [BLOCK_H, RH], q_sl, load_rows(Qn + RH, qn_rows, offs_r, mask_h, RH))
+        qp_s = gl.allocate_shared_memory(dt, [BLOCK_H, P], qp_sl,
+                                         load_rows(Qp, b * s_qpb + offs_h * s_qph, offs_p, mask_h, P))
+        return q0_s, q1_s, qp_s

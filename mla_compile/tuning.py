@@ -1,0 +1,111 @@
+"""The one configuration surface for run-time choices: a frozen `Tuning`, its fields documented, defaults = the
+measured choices.
+
+How a Tuning reaches the code that reads it:
+- `torch.compile(m, backend="mla_dcp", options={"decode_kernel": "triton", ...})`: the backend takes the Tuning
+  keys out of `options` (`from_options`) and runs the compile and every call of the compiled graph under it
+  (`use`, `bind`);
+- eager code, benchmarks and tests: `with tuning.use(Tuning(decode_kernel="wgmma")): ...`;
+- readers call `current()` (the innermost `use`, else the defaults) once per op call: a context-variable read.
+
+Environment variables are kept only where a process-wide switch is the point (an operator's or a debugging
+switch, read at each call so a test may set it):
+- MLA_COMPILE_DECODE_BACKEND = auto | flashmla | seesaw | wgmma | triton | flashinfer: the decode kernel wherever
+  `Tuning.decode_kernel` is left at "auto" (`decode_kernel()`);
+- MLA_COMPILE_PDL = auto | 1 | 0: programmatic dependent launch of our kernels (kernels/_util.py);
+- MLA_COMPILE_CHECK_DATA = 1: value checks (host syncs) on CUDA too (ops/_checks.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import os
+from collections.abc import Mapping
+from typing import Any
+
+DECODE_KERNEL_ENV = "MLA_COMPILE_DECODE_BACKEND"
+# what `mla::decode` / `mla::sparse_decode` may run on CUDA (kernels/dispatch.select_decode_kernel has the table)
+DECODE_KERNELS = ("auto", "flashmla", "seesaw", "wgmma", "triton", "flashinfer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Run-time choices; the defaults are what the measurements chose (benchmarks/RESULTS.md).
+
+    decode_kernel: the CUDA decode kernel, one of DECODE_KERNELS. "auto" (default): the fastest measured for the
+        call's shape class (kernels/dispatch.select_decode_kernel), or MLA_COMPILE_DECODE_BACKEND where that is
+        set. Any other value asks for that kernel; a call it cannot serve (shape, device, layout, or FlashInfer
+        under CUDA-graph capture) falls back to auto's choice, with the reason in `dispatch.decode_kernel`'s
+        answer.
+    """
+
+    decode_kernel: str = "auto"
+
+    def __post_init__(self):
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel: expected one of {', '.join(DECODE_KERNELS)}, got {self.decode_kernel!r}")
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Tuning))
+DEFAULT = Tuning()
+_current: contextvars.ContextVar[Tuning] = contextvars.ContextVar("mla_compile_tuning", default=DEFAULT)
+
+
+def current() -> Tuning:
+    """The Tuning in effect: the innermost `use`, else the defaults."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def use(tuning: Tuning):
+    """Run the block under `tuning` (nested uses: the innermost wins; per thread / task, as context variables)."""
+    if not isinstance(tuning, Tuning):
+        raise TypeError(f"tuning: expected a Tuning, got {type(tuning).__name__}")
+    token = _current.set(tuning)
+    try:
+        yield tuning
+    finally:
+        _current.reset(token)
+
+
+def bind(fn, tuning: Tuning):
+    """fn, called under `tuning` every time (a compiled graph: its ops choose kernels when they run, and under
+    CUDA graphs when they are recorded). The defaults: fn itself, nothing added per call."""
+    if tuning == DEFAULT:
+        return fn
+
+    @functools.wraps(fn)
+    def under_tuning(*args, **kwargs):
+        token = _current.set(tuning)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _current.reset(token)
+
+    return under_tuning
+
+
+def from_options(options: Mapping[str, Any] | None) -> tuple[Tuning, dict[str, Any]]:
+    """(the Tuning named by `options`' Tuning keys (FIELDS), the other options) for a backend: a bad value raises
+    ValueError naming the key."""
+    rest = dict(options or {})
+    ours = {k: rest.pop(k) for k in FIELDS if k in rest}
+    try:
+        return Tuning(**ours), rest
+    except ValueError as e:
+        raise ValueError(f"options: {e}") from None
+
+
+def decode_kernel() -> str:
+    """The decode kernel asked for: `current().decode_kernel`, or, where that is "auto", MLA_COMPILE_DECODE_BACKEND
+    (a process-wide switch; "auto" when unset)."""
+    asked = current().decode_kernel
+    if asked != "auto":
+        return asked
+    env = os.environ.get(DECODE_KERNEL_ENV, "auto").lower() or "auto"
+    if env not in DECODE_KERNELS:
+        raise ValueError(f"{DECODE_KERNEL_ENV}: expected one of {', '.join(DECODE_KERNELS)}, got {env!r}")
+    return env
