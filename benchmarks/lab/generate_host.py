@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import shutil
@@ -41,6 +42,8 @@ def compile_cfg(variant: str):
     opts = {}
     if "noguard" in variant:
         opts["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    if "notrees" in variant:
+        opts["triton.cudagraph_trees"] = False
     if variant.startswith("hf"):
         cfg = CompileConfig(mode=None, options={"mode": "reduce-overhead", **opts}) if opts else CompileConfig()
         cfg._compile_all_devices = True
@@ -58,7 +61,8 @@ class Timers:
         def timed(*a, **k):
             t0 = time.perf_counter()
             try:
-                return fn(*a, **k)
+                with torch.profiler.record_function(f"part:{name}"):
+                    return fn(*a, **k)
             finally:
                 self.t[name] += time.perf_counter() - t0
         return timed
@@ -67,7 +71,9 @@ class Timers:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--variants", nargs="+", default=["hf", "mla", "mla_noguard", "mla_deferred", "hf_deferred"])
+    ap.add_argument("--variants", nargs="+", default=["hf", "mla", "mla_deferred", "mla_mg_deferred",
+                                                      "mla_mg_deferred_noguard", "mla_mg_deferred_notrees"])
+    ap.add_argument("--profile", default="mla_mg_deferred", help="the variant whose steps are profiled")
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--heads", type=int, default=16)
@@ -90,13 +96,19 @@ def main():
     orig_get = model.get_compiled_call
     orig_stop = gu.StopCheck.__call__
     orig_dstop = gu.DeferredStopCheck.__call__
-    profiled = False
     for variant in args.variants:
         torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
         for attr in ("_compiled_call", "_last_compile_config"):
             if hasattr(model, attr):
                 delattr(model, attr)
         deferred = "deferred" in variant
+        if "_mg" in variant:  # HF's mask built inside the compiled graph (integrations.hf.create_masks_in_graph)
+            from mla_compile.integrations.hf import create_masks_in_graph
+
+            model.create_masks_for_generate = create_masks_in_graph
+        elif "create_masks_for_generate" in vars(model):
+            del model.create_masks_for_generate
         gu.DeferredStopCheck.is_supported = (staticmethod(lambda *a, **k: True) if deferred else orig_supported)
         timers = Timers()
         model.prepare_inputs_for_generation = timers.wrap("prepare", orig_prepare)
@@ -121,7 +133,9 @@ def main():
             entry["first_call_s"] = time.perf_counter() - t0
             gen(args.new)
             e2e, pre, parts = [], [], []
+            entry["rewritten"] = int(torch._dynamo.utils.counters["mla_compile"].get("mla_attention_rewritten", 0))
             for _ in range(3):
+                gc.collect()
                 timers.t.clear()
                 t0 = time.perf_counter()
                 gen(args.new)
@@ -139,9 +153,8 @@ def main():
             entry["host_us_per_step"] = {k: v / steps * 1e6 for k, v in loop.items()}
             entry["host_us_per_step"]["other"] = (body - sum(loop.values())) / steps * 1e6
             entry["tokens_equal_first_call"] = bool(torch.equal(first, gen(args.new)))
-            if variant.startswith("mla") and not profiled:
-                profiled = True
-                entry["compiled_call_breakdown_us"] = profile_call(gen, steps=16)
+            if variant == args.profile:
+                entry["profile_us_per_step"] = profile_parts(gen, args.new)
         except Exception as e:  # keep the other variants' numbers
             entry["error"] = f"{type(e).__name__}: {e}"[:2000]
         result["variants"][variant] = entry
@@ -151,27 +164,34 @@ def main():
     save_code(Path(args.out))
 
 
-def profile_call(gen, steps: int) -> dict:
-    """Self CPU time per event name inside the compiled decode calls ('Torch-Compiled Region'), per step."""
+def profile_parts(gen, new: int) -> dict:
+    """Per HF loop part (the `part:*` regions), its host time per step and the self CPU time of the events
+    inside it by name (top 12), plus the GPU kernel time per step; the same generate length as the timed calls
+    (another length is another cache shape: a recompile)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        gen(steps + 1)
-    regions = [e for e in prof.events() if e.name.startswith("Torch-Compiled Region")]
-    self_us = defaultdict(float)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        gen(new)
+    steps = new - 1
+    out = {}
+    events = prof.events()
+    for part in ("prepare", "call", "update", "stop"):
+        regions = [e for e in events if e.name == f"part:{part}"]
+        self_us = defaultdict(float)
 
-    def walk(e):
-        self_us[e.name] += e.self_cpu_time_total
-        for c in e.cpu_children:
-            walk(c)
+        def walk(e):
+            self_us[e.name] += e.self_cpu_time_total
+            for c in e.cpu_children:
+                walk(c)
 
-    for r in regions:
-        walk(r)
-    n = max(len(regions), 1)
-    top = sorted(self_us.items(), key=lambda kv: -kv[1])[:30]
-    out = {name[:80]: round(us / n, 1) for name, us in top}
-    out["_calls"] = len(regions)
-    out["_total_us_per_call"] = round(sum(r.cpu_time_total for r in regions) / n, 1)
+        for r in regions:
+            walk(r)
+        top = sorted(self_us.items(), key=lambda kv: -kv[1])[:12]
+        out[part] = {"_total": round(sum(r.cpu_time_total for r in regions) / steps, 1),
+                     **{name[:70]: round(us / steps, 1) for name, us in top}}
+    gpu = sum(e.self_device_time_total for e in prof.key_averages()
+              if e.device_type == torch.autograd.DeviceType.CUDA)
+    out["gpu_kernels_us_per_step_incl_prefill"] = round(gpu / steps, 1)
     return out
 
 
