@@ -194,7 +194,7 @@ def bench_flashmla(row, fm, peers, qn, qp, ckv, kpe, fckv, fkpe, fkv, table, len
                                          causal=False, use_legacy=True)
 
     out, lse = raw()
-    peers["flashmla"] = (out.view(qn.shape), lse.view(qn.shape[:2]))
+    peers["flashmla"] = (out.reshape(qn.shape), lse.reshape(qn.shape[:2]))
     row["flashmla_graph_ms"] = ms(raw, graph=True)
     fused = lambda: FMLA.decode(qn, qp, fckv, fkpe, table, lens, scale)  # noqa: E731
     copied = lambda: FMLA.decode(qn, qp, ckv, kpe, table, lens, scale)  # noqa: E731
