@@ -29,6 +29,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 import mla_compile  # noqa: F401
 from mla_compile import paged
 from mla_compile.kernels import decode as D
+from mla_compile.kernels import dispatch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import reference as ref  # noqa: E402
@@ -128,9 +129,10 @@ def checked(res: dict, H: int, name: str, cfg: D.DecodeConfig, page: int) -> boo
 
 
 def aot_report(path: str) -> None:
-    """Every config of this round compiled for sm_90a on this machine (mla_compile/kernels/aot.py): a GPU-free
-    first look (a config that spills or lost its async copies is rarely worth device time)."""
-    from mla_compile.kernels import aot
+    """Every config of this round compiled for sm_90a on this machine (tools/aot.py): a GPU-free first look (a
+    config that spills or lost its async copies is rarely worth device time)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from tools import aot
 
     res = {}
     for H, configs in CONFIGS.items():
@@ -185,7 +187,7 @@ def split_probe(path: str, split_counts: list[int]) -> None:
         if H == 16:
             layouts["page1"] = (ckv.view(-1, 1, R), kpe.view(-1, 1, P), tok)
         for layout, (c, k, t) in layouts.items():
-            cfg = D.default_config(H, R, c.shape[1])
+            cfg = dispatch.own_decode_config(qn, qp, c, k)  # the kernel of ours auto runs (Gluon at H 128)
             row = {"H": H, "B": B, "L": L, "layout": layout, "cfg": str(cfg),
                    "policy_splits": D.num_splits(B, H, t.shape[1] * c.shape[1], qn.device, cfg), "us": {}}
             for ns in [None] + split_counts:

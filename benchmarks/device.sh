@@ -56,7 +56,7 @@ stage_profile() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_PROFILE:-300
 # few-token linear layers (issue 5's HF step): mla_compile.kernels.linear configs vs cuBLAS
 stage_linear() { timeout "${T_LINEAR:-300}" python3 benchmarks/linear_sweep.py "$OUT/linear_sweep.json" ${LINEAR_ARGS:-}; }
 # where the Gluon many-head decode kernel spends its time (phases dropped one at a time)
-stage_wgmma() { timeout "${T_WGMMA:-200}" python3 benchmarks/wgmma_probe.py "$OUT/wgmma_probe.json" ${WGMMA_ARGS:-}; }
+stage_wgmma() { echo "wgmma: the phase probe is retired (benchmarks/lab/README.md)"; }
 stage_bench() { timeout "${T_BENCH:-400}" python3 benchmarks/bench_ops.py "$OUT/bench_ops.json" ${BENCH_ARGS:-}; }
 
 # DCP (issue 4): torchrun n = 1, 2, 4 (those that fit the GPUs here), then one merged $OUT/dcp.json.

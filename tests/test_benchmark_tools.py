@@ -223,7 +223,7 @@ def run_script(script, argv, monkeypatch):
     return 0
 
 
-@pytest.mark.parametrize("script", ["bench_ops.py", "decode_sweep.py", "dsa_gpu.py", "wgmma_probe.py",
+@pytest.mark.parametrize("script", ["bench_ops.py", "decode_sweep.py", "dsa_gpu.py",
                                     "hf_decode.py", "hf_profile.py", "dcp_gpu.py", "linear_sweep.py",
                                     "compile_suite.py"])
 def test_benchmark_scripts_print_help_without_cuda(script, monkeypatch, capsys):
@@ -232,7 +232,7 @@ def test_benchmark_scripts_print_help_without_cuda(script, monkeypatch, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
-@pytest.mark.parametrize("script", ["bench_ops.py", "decode_sweep.py", "dsa_gpu.py", "wgmma_probe.py"])
+@pytest.mark.parametrize("script", ["bench_ops.py", "decode_sweep.py", "dsa_gpu.py"])
 def test_gpu_benchmark_scripts_say_they_need_cuda(script, tmp_path, monkeypatch, capsys):
     assert run_script(script, [str(tmp_path / "x.json")], monkeypatch) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -22,9 +22,10 @@ DEV = "cuda"
 
 
 @pytest.fixture(autouse=True)
-def _triton_backend(monkeypatch):
-    # `auto` may pick FlashInfer for eager decode; these tests are about the Triton kernels unless they say so
-    monkeypatch.setenv("MLA_COMPILE_DECODE_BACKEND", "triton")
+def _auto_backend(monkeypatch):
+    # the kernels `auto` picks (dispatch.select_decode_kernel): ours here, since these tests' caches are two
+    # separate tensors (FlashMLA only reads one shared buffer in place) and auto never picks FlashInfer
+    monkeypatch.delenv("MLA_COMPILE_DECODE_BACKEND", raising=False)
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 
 
@@ -111,14 +112,15 @@ def test_decode_short_lens_large_capacity():
 
 
 KERNEL_CONFIGS = {  # name: (H, DecodeConfig fields, page sizes); tma=True configs must be TMA-eligible there
-    "h16": (16, dict(block_h=16, block_n=32, num_warps=4, num_stages=3, q_in_loop=True, tma=True), (32, 64, 128)),
-    "h16-q-held": (16, dict(block_h=16, block_n=32, num_warps=4, num_stages=3, tma=True), (32, 64, 128)),
+    "h16": (16, dict(block_h=16, block_n=32, num_warps=4, num_stages=3, tma=True), (32, 64, 128)),
     "h128": (128, dict(block_h=64, block_n=32, num_warps=8, num_stages=2, ctas_per_sm=1, tma=True), (32, 64, 128)),
     "ptr-h16": (16, dict(block_h=16, block_n=64, num_warps=4, num_stages=3, max_splits=256), (1, 16, 64)),
     "ptr-h128": (128, dict(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1), (1, 64)),
-    # the Gluon warpgroup-MMA kernel (decode_wgmma.py) on sm_90; elsewhere this config runs the TMA kernel
-    "wgmma-h128": (128, dict(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, tma=True, wgmma=True),
-                   (64, 128)),
+    # the Gluon kernels (decode_wgmma.py, decode_seesaw.py): sm_90 only
+    "wgmma-h128": (128, dict(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, tma=True,
+                             kernel="wgmma"), (64, 128)),
+    "seesaw-h128": (128, dict(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, tma=True,
+                              kernel="seesaw"), (64, 128)),
 }
 CONFIG_PAGES = [(name, ps) for name, (_, _, pages) in sorted(KERNEL_CONFIGS.items()) for ps in pages]
 
@@ -132,6 +134,8 @@ def test_decode_kernel_config(which, PS, splits):
 
     H, kw, _ = KERNEL_CONFIGS[which]
     cfg = K.DecodeConfig(**kw)
+    if cfg.kernel != "triton" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("warpgroup MMA: sm_90 only")
     b, qn, qp = make_batch([0, 1, 777, 64, 1500, 0, 33, 256], H, 512, 64, PS, torch.bfloat16, seed=PS)
     assert K.tma_eligible(b.ckv_cache, b.kpe_cache, False, cfg) == cfg.tma
     lens = b.seq_lens.clone()
@@ -305,14 +309,16 @@ def test_flashinfer_matches_triton(H, PS, monkeypatch):
     want = ref_of(b, qn, qp, 0.06)
     args = (qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.06)
     monkeypatch.setenv("MLA_COMPILE_DECODE_BACKEND", "flashinfer")
-    assert dispatch.decode_backend(qn, b.ckv_cache) == "flashinfer"
+    assert dispatch.decode_kernel(qn, qp, b.ckv_cache, b.kpe_cache).name == "flashinfer"
     fi = torch.ops.mla.decode(*args)
     monkeypatch.setenv("MLA_COMPILE_DECODE_BACKEND", "triton")
+    assert dispatch.decode_kernel(qn, qp, b.ckv_cache, b.kpe_cache).name == "triton"
     tr = torch.ops.mla.decode(*args)
     assert_attention(*fi, *want, torch.bfloat16)
     assert_attention(*tr, *want, torch.bfloat16)
     monkeypatch.setenv("MLA_COMPILE_DECODE_BACKEND", "auto")
-    assert dispatch.decode_backend(qn, b.ckv_cache) == "triton"  # CUDA-graph-tree safe default (dispatch.py)
+    # never auto's choice: CUDA-graph-tree safe (dispatch.select_decode_kernel)
+    assert dispatch.decode_kernel(qn, qp, b.ckv_cache, b.kpe_cache).name != "flashinfer"
 
 
 @pytest.mark.parametrize("H", [16, 128])
@@ -438,59 +444,69 @@ def test_per_head_linear_cuda_graph_replay():
 
 
 # ------------------------------------------------------------------------------------------------ Gluon decode
-def assert_decodes(b, qn, qp, dtype, splits_list, new_lens, scale=0.08):
-    """mla's decode kernels (as the config picks them) at each split count vs the float64 reference; for bf16 also a
-    CUDA graph of the policy's split count replayed once per lengths list in new_lens."""
+def gluon_config(b, H, kernel, sparse=False):
+    """decode.py's config with the Gluon stage-1 `kernel` forced, after checking dispatch would choose it: as auto
+    ("seesaw" on the TMA layout with rope 64, "wgmma" elsewhere) or as asked for."""
+    from mla_compile.kernels import dispatch
+
+    qn = torch.empty(1, H, 512, dtype=b.ckv_cache.dtype, device=DEV)
+    qp = torch.empty(1, H, b.kpe_cache.shape[-1], dtype=b.ckv_cache.dtype, device=DEV)
+    assert dispatch.decode_kernel(qn, qp, b.ckv_cache, b.kpe_cache, sparse, kernel=kernel).name == kernel
+    return dispatch._config(qn, b.ckv_cache, sparse, kernel)
+
+
+def assert_decodes(b, qn, qp, dtype, splits_list, new_lens, kernel, scale=0.08):
+    """The Gluon stage-1 `kernel` at each split count vs the float64 reference; for bf16 also a CUDA graph of the
+    policy's split count replayed once per lengths list in new_lens."""
     from mla_compile.kernels import decode as K
 
+    cfg = gluon_config(b, qn.shape[1], kernel)
     want = ref_of(b, qn, qp, scale)
     for splits in splits_list:
-        out, lse = K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, scale, splits=splits)
+        out, lse = K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, scale, cfg=cfg,
+                            splits=splits)
         assert_attention(out, lse, *want, dtype)
     if dtype == torch.bfloat16:
         lens = b.seq_lens.clone()
-        graph, (out, lse) = capture(lambda: K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, lens, scale))
+        graph, (out, lse) = capture(lambda: K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, lens, scale,
+                                                     cfg=cfg))
         assert_replays(graph, out, lse, lens, b, qn, qp, scale, new_lens)
 
 
-@pytest.mark.parametrize("kernel", ["seesaw", "pipe", "no-pipe"])
+@pytest.mark.parametrize("kernel", ["seesaw", "wgmma"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H,PS", [(128, 64), (64, 128), (96, 64)])
-def test_wgmma_kernel(H, PS, dtype, kernel, monkeypatch):
-    # the many-head Gluon kernels on the TMA layout (the warp-specialised one and both loop schedules of the other):
-    # lengths on and off tile edges, odd and even tile counts, several tiles per split (the slots wrap), a partial
-    # head block (H=96), forced and policy split counts; unused cache slots hold NaN. Then a CUDA graph replayed
-    # with new lengths
-    from mla_compile.kernels import decode as K
-    from mla_compile.kernels import decode_wgmma as W
+def test_wgmma_kernel(H, PS, dtype, kernel):
+    # the many-head Gluon kernels on the TMA layout (the warp-specialised one, auto's choice here, and the
+    # two-warpgroup one): lengths on and off tile edges, odd and even tile counts, several tiles per split (the
+    # slots wrap), a partial head block (H=96), forced and policy split counts; unused cache slots hold NaN. Then a
+    # CUDA graph replayed with new lengths; and torch.ops.mla.decode runs auto's choice
+    from mla_compile.kernels import dispatch
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("warpgroup MMA: sm_90 only")
-    monkeypatch.setattr(W, "SEESAW", kernel == "seesaw")
-    monkeypatch.setattr(W, "PIPE", kernel == "pipe")
     b, qn, qp = make_batch([0, 1, 63, 64, 65, 777, 4101, 0, 33, 256, 128, 192], H, 512, 64, PS, dtype, seed=H + PS)
-    assert W.eligible(qn, b.ckv_cache, b.kpe_cache)
-    assert K.default_config(H, 512, PS).wgmma
+    assert dispatch.decode_kernel(qn, qp, b.ckv_cache, b.kpe_cache).name == "seesaw"
     assert_decodes(b, qn, qp, dtype, (1, 2, 3, 40, None),
-                   ([0, 1, 60, 64, 1, 700, 4000, 0, 0, 255, 127, 191], [0, 1, 5, 5, 5, 5, 5, 0, 5, 5, 5, 5]))
+                   ([0, 1, 60, 64, 1, 700, 4000, 0, 0, 255, 127, 191], [0, 1, 5, 5, 5, 5, 5, 0, 5, 5, 5, 5]), kernel)
+    out, lse = torch.ops.mla.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.08)
+    assert_attention(out, lse, *ref_of(b, qn, qp, 0.08), dtype)
 
 
-@pytest.mark.parametrize("seesaw", [True, False])
-def test_wgmma_kernel_large_logits(seesaw, monkeypatch):
+@pytest.mark.parametrize("kernel", ["seesaw", "wgmma"])
+def test_wgmma_kernel_large_logits(kernel):
     # scores far from 0 (q scaled up): the online softmax's running max must keep exp2 in range, and rows whose
     # first tiles hold the largest scores must still weigh later tiles right (in the seesaw kernel the two
     # warpgroups' maxima meet every pair of tiles)
     from mla_compile.kernels import decode as K
-    from mla_compile.kernels import decode_wgmma as W
-
-    monkeypatch.setattr(W, "SEESAW", seesaw)
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("warpgroup MMA: sm_90 only")
     b, qn, qp = make_batch([2000, 130, 64], 128, 512, 64, 64, torch.bfloat16, seed=5)
     qn, qp = qn * 8, qp * 8
     want = ref_of(b, qn, qp, 0.1)
-    out, lse = K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.1, splits=2)
+    out, lse = K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.1,
+                        cfg=gluon_config(b, 128, kernel), splits=2)
     assert_attention(out, lse, *want, torch.bfloat16)
 
 
@@ -499,14 +515,16 @@ def test_wgmma_kernel_large_logits(seesaw, monkeypatch):
 def test_wgmma_gather_kernel(H, PS, dtype):
     # pages smaller than a tile: the Gluon gather kernel (16-byte async copies through the table), lengths on and
     # off tile edges, forced and policy splits, then a CUDA graph replayed with new lengths; unused slots hold NaN
-    from mla_compile.kernels import decode_wgmma as W
+    from mla_compile.kernels import _gluon as G
+    from mla_compile.kernels import dispatch
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("warpgroup MMA: sm_90 only")
     b, qn, qp = make_batch([0, 1, 63, 64, 65, 777, 2101, 0, 33, 256], H, 512, 64, PS, dtype, seed=H + PS)
-    assert W.eligible(qn, b.ckv_cache, b.kpe_cache) and not W.tma_layout(b.ckv_cache, b.kpe_cache, False)
+    assert not G.tma_layout(b.ckv_cache, b.kpe_cache, False)
+    assert dispatch.decode_kernel(qn, qp, b.ckv_cache, b.kpe_cache).name == "wgmma"  # auto's choice here
     assert_decodes(b, qn, qp, dtype, (1, 3, None),
-                   ([0, 1, 60, 64, 1, 700, 2000, 0, 0, 255], [0, 1, 5, 5, 5, 5, 5, 0, 5, 5]))
+                   ([0, 1, 60, 64, 1, 700, 2000, 0, 0, 255], [0, 1, 5, 5, 5, 5, 5, 0, 5, 5]), "wgmma")
 
 
 @pytest.mark.parametrize("splits", [1, 4, None])
@@ -514,7 +532,7 @@ def test_wgmma_gather_sparse(splits):
     # mla::sparse_decode at 128 heads on the gather kernel: index lists with -1 holes, a row with none, a list
     # longer than one split's tiles
     from mla_compile.kernels import decode as K
-    from mla_compile.kernels import decode_wgmma as W
+    from mla_compile.kernels import dispatch
     from mla_compile.ops.attention import token_slots
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -526,7 +544,10 @@ def test_wgmma_gather_sparse(splits):
     idx[0, :1000] = slots[0, torch.randperm(1500, generator=g)[:1000]].int()
     idx[1, torch.randperm(1024, generator=g)[:300]] = slots[1, torch.randperm(900, generator=g)[:300]].int()
     idx = idx.to(DEV)
-    assert W.eligible(qn, b.ckv_cache, b.kpe_cache, sparse=True)
+    assert dispatch.decode_kernel(qn, qp, b.ckv_cache, b.kpe_cache, sparse=True).name == "wgmma"
     want = ref.ref_sparse_decode(qn.cpu(), qp.cpu(), b.ckv_cache.cpu(), b.kpe_cache.cpu(), idx.cpu(), 0.08)
-    out, lse = K.sparse_decode(qn, qp, b.ckv_cache, b.kpe_cache, idx, 0.08, splits=splits)
+    cfg = gluon_config(b, 128, "wgmma", sparse=True)
+    out, lse = K.sparse_decode(qn, qp, b.ckv_cache, b.kpe_cache, idx, 0.08, cfg=cfg, splits=splits)
+    assert_attention(out, lse, *want, torch.bfloat16)
+    out, lse = torch.ops.mla.sparse_decode(qn, qp, b.ckv_cache, b.kpe_cache, idx, 0.08)  # auto: the same kernel
     assert_attention(out, lse, *want, torch.bfloat16)
