@@ -288,3 +288,20 @@ def test_split_policy_invariants(B, H, capacity, sms):
     assert 1 <= ns <= cfg.max_splits
     assert ns == 1 or programs * ns <= cfg.ctas_per_sm * sms
     assert ns <= max(1, -(-capacity // cfg.min_split_tokens))
+
+
+def test_kernels_sit_below_the_ops_in_no_import_circle():
+    # tools/import_graph.py reads every import (deferred ones too) from the source
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tools import import_graph as ig
+
+    assert ig.circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the checker finds one
+    g = ig.graph("mla_compile")
+    assert not [c for c in ig.circles(g) if any(m.startswith("mla_compile.kernels") for m in c)]
+    assert ig.upward(g, "mla_compile", ["kernels"]) == []
+    # what the kernels import from the package outside kernels/: the leaf configuration module only
+    outside = {t for m, ts in g.items() if m.startswith("mla_compile.kernels") for t in ts
+               if not t.startswith("mla_compile.kernels")}
+    assert outside == {"mla_compile.tuning"} and not g["mla_compile.tuning"]

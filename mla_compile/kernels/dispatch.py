@@ -210,7 +210,8 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
         return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, cfg=cfg)
     if rope_less(q_pe):  # see above: the Triton kernel with a zero rope column
         q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache)
-    return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=n_query)
+    multi = {"n_query": n_query} if n_query > 1 else {}  # a one-token call is the plain kernels' call
+    return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, **multi)
 
 
 def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
