@@ -47,6 +47,7 @@ import torch
 
 from .. import layout, ops  # noqa: F401  (registers torch.ops.mla.*)
 from ..ops.attention import token_slots
+from .generate import compile_config, create_masks_in_graph, optimize_generate  # noqa: F401  (the generate road)
 
 try:  # transformers >= 5.17 (both the GPU machine's 5.17 and the latest have it)
     from transformers.cache_utils import Cache, StaticIndexedLayer as _BaseLayer
@@ -160,47 +161,6 @@ def cache_kwargs(model, cache) -> dict:
 @functools.lru_cache(maxsize=None)
 def _cache_arg_name(cls) -> str:
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
-
-
-def compile_config(mode: str | None = "reduce-overhead", *, dynamic: bool | None = False, fullgraph: bool = False,
-                   **options):
-    """HF `CompileConfig` that makes `generate()`'s own auto-compile use the `mla_dcp` backend:
-
-        model.generate(ids, ..., cache_implementation="static", compile_config=compile_config())
-        # or once: model.generation_config.compile_config = compile_config()
-
-    HF prefills eagerly and compiles the decode step itself (`model.get_compiled_call`); with this config the
-    step is `torch.compile(model.__call__, backend="mla_dcp", mode=mode)`: absorbed MLA decode over the latent
-    cache, CUDA-graph trees with "reduce-overhead" (the default, as HF's own). `mode="default"`: no CUDA graphs.
-    `dynamic=False` (not HF's None): a batch of another size compiles its own static graph instead of a
-    dynamic one. `options`: our backend keys and Inductor keys (`mla_compile.backend.BACKEND_OPTIONS`); with
-    options the mode travels inside them (torch.compile refuses `mode=` together with `options=`). On a device
-    HF does not auto-compile on (CPU) the config asks HF to compile anyway.
-    """
-    from transformers import CompileConfig
-
-    if options:
-        cfg = CompileConfig(backend="mla_dcp", mode=None, dynamic=dynamic, fullgraph=fullgraph,
-                            options={"mode": mode, **options} if mode is not None else dict(options))
-    else:
-        cfg = CompileConfig(backend="mla_dcp", mode=mode, dynamic=dynamic, fullgraph=fullgraph)
-    cfg._compile_all_devices = True  # HF skips auto-compile off CUDA/XPU otherwise
-    return cfg
-
-
-def create_masks_in_graph(config, inputs_embeds, attention_mask, cache=None, past_key_values=None, **kwargs):
-    """A `create_masks_for_generate` for static caches (install it: `model.create_masks_for_generate =
-    create_masks_in_graph`): instead of HF's precomputed 4-D mask, built before the compiled forward (so an eager
-    float mask is a graph input of unknown values and the attention pass cannot prove it), hand the forward the
-    2-D padding mask padded to the cache's fixed length [B, Lmax]. The forward then builds HF's own mask inside the
-    graph (the same values: positions past the current one are causally masked anyway), at one fixed shape."""
-    from transformers.masking_utils import find_first_full_attention_index, prepare_padding_mask
-
-    cache = cache if cache is not None else past_key_values  # transformers < 5.24 passes past_key_values=
-    if attention_mask is None or cache is None or attention_mask.ndim != 2:
-        return attention_mask
-    kv_length, kv_offset = cache.get_mask_sizes(inputs_embeds.shape[1], find_first_full_attention_index(cache))
-    return prepare_padding_mask(attention_mask, kv_length, kv_offset)
 
 
 ALL_SELECTED_OPS = {torch.ops.mla_hf.all_selected.default, torch.ops.mla_hf.all_selected}

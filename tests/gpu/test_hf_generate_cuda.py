@@ -105,3 +105,43 @@ def test_generate_compiled_forward_recipe():
     finally:
         model.forward = forward
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] >= 2
+
+
+@pytest.mark.parametrize("eos", [False, True], ids=["max_length", "eos"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_optimize_generate_deferred_stop_tokens_equal_eager(attn, eos):
+    """`optimize_generate(model)`: the mask built in the graph and HF's DeferredStopCheck on CUDA. fp32 tokens equal
+    eager generate's, stopping by max length and by EOS (the deferral's extra step is undone: same length, same
+    tokens), and the deferral really ran (DeferredStopCheck was constructed)."""
+    from transformers.generation import utils as gen_utils
+
+    from mla_compile.integrations.hf import optimize_generate
+
+    model = M.deepseek_v3(num_layers=2, heads=16, hidden=256, attn_impl=attn).cuda()
+    ids, mask = _inputs()
+    kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=20)
+    with torch.no_grad():
+        probe = model.generate(ids, attention_mask=mask, cache_implementation="static", disable_compile=True, **kw)
+    if eos:  # a token row 0 emits mid-way: every row stops at its first occurrence, generate when all have
+        kw["eos_token_id"] = int(probe[0, ids.shape[1] + 6])
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, cache_implementation="static", disable_compile=True, **kw)
+    _fresh(model)
+    optimize_generate(model)
+    built = []
+    orig_init = gen_utils.DeferredStopCheck.__init__
+
+    def counting_init(self, *a, **k):
+        built.append(1)
+        orig_init(self, *a, **k)
+
+    gen_utils.DeferredStopCheck.__init__ = counting_init
+    try:
+        for _ in range(2):
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=mask, **kw)
+            assert torch.equal(out, ref)
+    finally:
+        gen_utils.DeferredStopCheck.__init__ = orig_init
+    assert built == [1, 1]
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2

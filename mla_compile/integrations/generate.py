@@ -1,0 +1,142 @@
+"""HF `generate()` through the `mla_dcp` backend: the compile config, the in-graph mask, and the one call that sets
+up both plus deferred stop checks (`optimize_generate`).
+
+Where the time of a generate() decode step goes once the attention is absorbed (H200, 4-layer DeepSeek-V3 with MoE,
+H 16, batch 8, 4K prompt; `benchmarks/lab/generate_host.py`, benchmarks/RESULTS.md "HF generate()"): the GPU runs a
+step in ~1.2 ms, but the host spends ~0.5 ms in HF's `prepare_inputs_for_generation` (most of it building the 4-D
+attention mask in Python), ~0.7 ms in the compiled call (Dynamo guards, cudagraph-tree bookkeeping, the graph
+launch), ~0.2 ms updating kwargs, and then waits for the device every step (HF's stop check reads
+`unfinished_sequences.max() == 0` on the host). Host and device take turns instead of overlapping.
+
+`optimize_generate(model)` removes the two parts that are not inherent:
+* the mask is built inside the compiled step (`create_masks_in_graph`): on the device, and provable by the pass;
+* HF's own `DeferredStopCheck` (HF enables it on mps only) runs on CUDA for this model: the host reads the stop
+  flag one step late, so it queues step t+1 while the device runs step t.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def compile_config(mode: str | None = "reduce-overhead", *, dynamic: bool | None = False, fullgraph: bool = False,
+                   **options):
+    """HF `CompileConfig` that makes `generate()`'s own auto-compile use the `mla_dcp` backend:
+
+        model.generate(ids, ..., cache_implementation="static", compile_config=compile_config())
+        # or once: model.generation_config.compile_config = compile_config()
+
+    HF prefills eagerly and compiles the decode step itself (`model.get_compiled_call`); with this config the
+    step is `torch.compile(model.__call__, backend="mla_dcp", mode=mode)`: absorbed MLA decode over the latent
+    cache, CUDA-graph trees with "reduce-overhead" (the default, as HF's own). `mode="default"`: no CUDA graphs.
+    `dynamic=False` (not HF's None): a batch of another size compiles its own static graph instead of a
+    dynamic one. `options`: our backend keys and Inductor keys (`mla_compile.backend.BACKEND_OPTIONS`); with
+    options the mode travels inside them (torch.compile refuses `mode=` together with `options=`). On a device
+    HF does not auto-compile on (CPU) the config asks HF to compile anyway.
+    """
+    from transformers import CompileConfig
+
+    if options:
+        cfg = CompileConfig(backend="mla_dcp", mode=None, dynamic=dynamic, fullgraph=fullgraph,
+                            options={"mode": mode, **options} if mode is not None else dict(options))
+    else:
+        cfg = CompileConfig(backend="mla_dcp", mode=mode, dynamic=dynamic, fullgraph=fullgraph)
+    cfg._compile_all_devices = True  # HF skips auto-compile off CUDA/XPU otherwise
+    return cfg
+
+
+def create_masks_in_graph(config, inputs_embeds, attention_mask, cache=None, past_key_values=None, **kwargs):
+    """A `create_masks_for_generate` for static caches (install it: `model.create_masks_for_generate =
+    create_masks_in_graph`, or `optimize_generate(model)`): instead of HF's precomputed 4-D mask, built before the
+    compiled forward (so an eager float mask is a graph input of unknown values and the attention pass cannot
+    prove it, and building it costs host time every step), hand the forward the 2-D padding mask padded to the
+    cache's fixed length [B, Lmax]. The forward then builds HF's own mask inside the graph (the same values:
+    positions past the current one are causally masked anyway), at one fixed shape."""
+    from transformers.masking_utils import find_first_full_attention_index, prepare_padding_mask
+
+    cache = cache if cache is not None else past_key_values  # transformers < 5.24 passes past_key_values=
+    if attention_mask is None or cache is None or attention_mask.ndim != 2:
+        return attention_mask
+    kv_length, kv_offset = cache.get_mask_sizes(inputs_embeds.shape[1], find_first_full_attention_index(cache))
+    return prepare_padding_mask(attention_mask, kv_length, kv_offset)
+
+
+def optimize_generate(model, mode: str | None = "reduce-overhead", *, masks_in_graph: bool = True,
+                      defer_stop_check: bool = True, **options):
+    """Make `model.generate()` decode through `mla_dcp` with little host time per step; returns `model`.
+
+        optimize_generate(model)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False)
+
+    * `generation_config.compile_config = compile_config(mode, **options)`: HF's auto-compile with our backend;
+      `generation_config.cache_implementation = "static"` unless one is set (HF auto-compiles static caches only;
+      a cache passed to generate() still wins).
+    * `masks_in_graph`: `model.create_masks_for_generate = create_masks_in_graph` (the mask is built inside the
+      compiled step; eager attention is rewritten too).
+    * `defer_stop_check`: HF's own `DeferredStopCheck` on CUDA for this model's generate() calls. On a stop by
+      EOS it runs one extra step whose token HF drops (and, for a cache handed back to the caller, crops: HF only
+      defers then when the cache is croppable — its own rule, unchanged). Streamers get tokens one step late.
+      Other models and devices keep HF's default.
+    """
+    if not isinstance(masks_in_graph, bool) or not isinstance(defer_stop_check, bool):
+        raise ValueError(f"masks_in_graph / defer_stop_check: expected bools, got {masks_in_graph!r} / "
+                         f"{defer_stop_check!r}")
+    gen_cfg = model.generation_config
+    gen_cfg.compile_config = compile_config(mode, **options)
+    if gen_cfg.cache_implementation is None:
+        gen_cfg.cache_implementation = "static"
+    if masks_in_graph:
+        model.create_masks_for_generate = create_masks_in_graph
+    if defer_stop_check and _install_deferral_hook() and not getattr(model.generate, _DEFERS, False):
+        model.generate = _deferring(model.generate)
+    return model
+
+
+# --------------------------------------------------------------------------- deferred stop checks on CUDA
+_DEFERRING = contextvars.ContextVar("mla_compile_defer_stop_check", default=False)
+_DEFERS = "_mla_compile_defers_stop_check"
+
+
+def _deferring(generate):
+    @functools.wraps(generate)
+    def deferring_generate(*args, **kwargs):
+        token = _DEFERRING.set(True)
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            _DEFERRING.reset(token)
+
+    setattr(deferring_generate, _DEFERS, True)
+    return deferring_generate
+
+
+def _install_deferral_hook() -> bool:
+    """Wrap HF's `DeferredStopCheck.is_supported` once so that, inside a deferring generate() on CUDA, it answers
+    with HF's own rule for mps (the device HF enables deferral on). False (nothing to do) on a transformers
+    without `DeferredStopCheck`."""
+    try:
+        from transformers.generation import utils as gen_utils
+    except ImportError:  # pragma: no cover - transformers is optional
+        return False
+    cls = getattr(gen_utils, "DeferredStopCheck", None)
+    if cls is None or not hasattr(cls, "is_supported"):
+        log.info("mla_compile: this transformers has no DeferredStopCheck; generate() keeps its per-step stop sync")
+        return False
+    if getattr(cls.is_supported, _DEFERS, False):
+        return True
+    hf_rule = cls.is_supported
+
+    def is_supported(device, cache, cache_is_returned, *args, **kwargs):
+        if _DEFERRING.get() and torch.device(device).type == "cuda":
+            return hf_rule(torch.device("mps"), cache, cache_is_returned, *args, **kwargs)
+        return hf_rule(device, cache, cache_is_returned, *args, **kwargs)
+
+    setattr(is_supported, _DEFERS, True)
+    cls.is_supported = staticmethod(is_supported)
+    return True

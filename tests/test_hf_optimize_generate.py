@@ -1,0 +1,84 @@
+"""`optimize_generate(model)`: the one call that sets generate() up for our backend (compile config, static cache,
+the mask built in the graph, HF's deferred stop check on CUDA). fp32 tokens must equal eager generate's, every
+decode layer must be rewritten (sdpa and eager attention), and the deferral hook must answer with HF's own rule
+only inside this model's generate() on CUDA (tests/gpu/test_hf_generate_cuda.py runs the deferral itself)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_models as M
+from mla_compile.integrations import generate as G
+from mla_compile.integrations.hf import optimize_generate
+from mla_compile.passes import mla_attention
+
+transformers = pytest.importorskip("transformers")
+from transformers.generation import utils as gen_utils  # noqa: E402
+
+COUNTERS = torch._dynamo.utils.counters
+
+
+def _eager(model, ids, mask, new, **kw):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
+                              cache_implementation="static", disable_compile=True, **kw)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_optimize_generate_matches_eager_and_rewrites(attn):
+    model = M.deepseek_v3(num_layers=2, attn_impl=attn)
+    ids, mask = M.batch(B=2, T=6, L=6, pad=2)
+    ref = _eager(model, ids, mask, 8, do_sample=False)
+    torch._dynamo.reset()
+    COUNTERS.clear()
+    assert optimize_generate(model) is model
+    cfg = model.generation_config
+    assert cfg.compile_config.backend == "mla_dcp" and cfg.cache_implementation == "static"
+    with torch.no_grad():  # the plain call: no cache_implementation, no compile_config
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                             pad_token_id=0)
+    assert torch.equal(out, ref)
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2, dict(COUNTERS["mla_compile"])
+    assert COUNTERS["mla_compile"].get("mla_attention_not_rewritten", 0) == 0
+    assert COUNTERS["stats"]["unique_graphs"] == 1
+
+
+def test_optimize_generate_wraps_generate_once_and_keeps_a_set_cache_implementation():
+    model = M.deepseek_v3(num_layers=1)
+    model.generation_config.cache_implementation = "paged"  # whatever the user set stays
+    optimize_generate(model)
+    first = model.generate
+    optimize_generate(model)
+    assert model.generate is first and getattr(first, G._DEFERS)
+    assert model.generation_config.cache_implementation == "paged"
+    plain = M.deepseek_v3(num_layers=1)
+    optimize_generate(plain, defer_stop_check=False, masks_in_graph=False)
+    assert not getattr(plain.generate, G._DEFERS, False) and "create_masks_for_generate" not in vars(plain)
+
+
+def test_deferral_hook_answers_hf_rule_only_inside_a_deferring_generate_on_cuda():
+    assert G._install_deferral_hook()
+    ask = gen_utils.DeferredStopCheck.is_supported
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+
+    class Cache:
+        is_croppable = False
+
+    assert ask(cuda, None, False, is_assistant=False) is False  # outside: HF's default (mps only)
+    seen = []
+    inside = G._deferring(lambda: seen.extend([ask(cuda, None, False, is_assistant=False),
+                                               ask(cuda, Cache(), True, is_assistant=False),  # HF: not croppable
+                                               ask(cuda, Cache(), False, is_assistant=False),
+                                               ask(cuda, None, False, is_assistant=True),  # HF: not assistants
+                                               ask(cpu, None, False, is_assistant=False)]))
+    inside()
+    assert seen == [True, False, True, False, False]
+    assert ask(cuda, None, False, is_assistant=False) is False  # reset after the call
+    assert G._install_deferral_hook() and gen_utils.DeferredStopCheck.is_supported is ask  # installed once
+
+
+def test_optimize_generate_rejects_non_bool_switches():
+    model = M.deepseek_v3(num_layers=1)
+    with pytest.raises(ValueError, match="defer_stop_check"):
+        optimize_generate(model, defer_stop_check="yes")
