@@ -13,9 +13,12 @@ Modes, each a plain `model.generate(ids, attention_mask=..., max_new_tokens=N, d
 cache_implementation="static", ...)`:
   eager    `disable_compile=True`: HF eager decode (kv_b_proj over the whole cache every step)
   hf       HF's own auto-compile of the decode step (torch.compile(mode="reduce-overhead"), Inductor, CUDA graphs)
-  mla      the same auto-compile with our backend: `compile_config=mla_compile.integrations.hf.compile_config()`
-           (CompileConfig(backend="mla_dcp"), mode "reduce-overhead": CUDA-graph trees)
-  mla_default  our backend without CUDA graphs (CompileConfig(backend="mla_dcp", mode="default"))
+  mla      the documented road: `mla_compile.integrations.hf.optimize_generate(model)` once (HF's auto-compile with
+           our backend, mode "reduce-overhead": CUDA-graph trees; the mask built in the graph; HF's DeferredStopCheck
+           on CUDA), then plain generate() calls
+  mla_config   only `compile_config=mla_compile.integrations.hf.compile_config()` (CompileConfig(backend="mla_dcp"))
+  mla_default  `optimize_generate(model, mode="default")`: our backend without CUDA graphs
+  hf_deferred  HF's own auto-compile plus the deferred stop check alone (what HF would get from that part)
 HF prefills eagerly in every mode (its auto-compile covers decode steps only).
 
 Per (H, batch, prompt, mode): `first_call_s` (the first generate, compile and CUDA-graph capture included),
@@ -60,21 +63,42 @@ def prompts(B: int, T: int, vocab: int, device, pad: int = 3):
     return ids.to(device), mask.to(device)
 
 
-def generate_kwargs(mode: str) -> dict:
-    if mode == "eager":
-        return dict(disable_compile=True)
+def _hf_compile_config():
     from transformers import CompileConfig
 
-    if mode == "hf":
-        cfg = CompileConfig()  # HF's defaults: Inductor, "reduce-overhead"
-        cfg._compile_all_devices = True  # CPU smoke runs: HF auto-compiles on CUDA only
-        return dict(compile_config=cfg)
-    from mla_compile.integrations.hf import compile_config
+    cfg = CompileConfig()  # HF's defaults: Inductor, "reduce-overhead"
+    cfg._compile_all_devices = True  # CPU smoke runs: HF auto-compiles on CUDA only
+    return cfg
 
+
+def set_up_mode(model, mode: str) -> None:
+    """What a mode installs on the model once (`optimize_generate`), after undoing the previous mode's."""
+    from mla_compile.integrations.hf import optimize_generate
+
+    for attr in ("generate", "create_masks_for_generate"):  # instance attributes optimize_generate sets
+        vars(model).pop(attr, None)
+    model.generation_config.compile_config = None
     if mode == "mla":
+        optimize_generate(model)
+    elif mode == "mla_default":
+        optimize_generate(model, mode="default")
+    elif mode == "hf_deferred":
+        optimize_generate(model, masks_in_graph=False)
+        model.generation_config.compile_config = _hf_compile_config()
+
+
+def generate_kwargs(mode: str) -> dict:
+    """generate() keywords of a mode (after `set_up_mode`)."""
+    if mode == "eager":
+        return dict(disable_compile=True)
+    if mode == "hf":
+        return dict(compile_config=_hf_compile_config())
+    if mode == "mla_config":
+        from mla_compile.integrations.hf import compile_config
+
         return dict(compile_config=compile_config())
-    if mode == "mla_default":
-        return dict(compile_config=compile_config(mode="default"))
+    if mode in ("mla", "mla_default", "hf_deferred"):
+        return {}
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -125,6 +149,7 @@ def run_case(H, B, T, args, device, dtype, log, result, save):
         for attr in ("_compiled_call", "_last_compile_config"):  # HF keeps its compiled call on the model
             if hasattr(model, attr):
                 delattr(model, attr)
+        set_up_mode(model, mode)
         entry = {}
         try:
             t0 = time.perf_counter()
