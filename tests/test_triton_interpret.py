@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CHECKS = ["decode", "decode_tma", "decode_strided_q", "decode_fp32_odd_dims", "sparse_decode",
+CHECKS = ["decode", "decode_tma", "decode_strided_q", "decode_fp32_odd_dims", "decode_multi_token", "sparse_decode",
           "merge_states", "cache_write", "indexer_topk", "k_only_indices", "fused_linear",
           "linear_partials", "per_head_linear"]
 
@@ -104,6 +104,40 @@ def check_decode_tma():
     # page 16 = one tile per page, page 32 = two; lengths on and off tile edges, a 0-length row
     _check_decode(20, 64, 16, 16, torch.bfloat16, [37, 0, 5, 48], [1, 3], 2e-2, tma=True)
     _check_decode(4, 32, 16, 32, torch.float32, [70, 16, 1], [1, 2], 1e-5, tma=True)
+
+
+def check_decode_multi_token():
+    """S query tokens per request folded into the kernel's rows (n_query): S 1..4, H 1 and 16, ragged lengths
+    including ones below S (the early rows' limits <= 0: (0, -inf)) and 0, the causal [B] lengths and a [B, S]
+    limits table, the default multi-token tiling (up to 64 rows a program; 3 splits) and 16-row blocks splitting a
+    request's rows (each block its own token range; 1 split), fp32 (page 4) and bf16 (page 1) by turns."""
+    import torch
+
+    import reference as ref
+    from mla_compile.kernels import decode as K
+
+    R, P = 32, 16
+    for S in (1, 2, 3, 4):
+        for H in (1, 16):
+            for PS, dtype, tol in [((4, torch.float32, 1e-5), (1, torch.bfloat16, 2e-2))[(S + H) % 2]]:
+                gen = torch.Generator().manual_seed(S * 31 + H + PS)
+                lens = [S + 37, 0, S, 1, 70 + S]  # 1 < S: rows 0 .. S-2 see nothing
+                bt, qn, qp = _batch(lens, S * H, R, P, PS, dtype, gen)
+                q4, p4 = qn.view(len(lens), S, H, R), qp.view(len(lens), S, H, P)
+                lim = torch.tensor([[0, 5, 9, 40][:S], [0] * S, [1] * S, [0] * (S - 1) + [1], [3, 3, 50, 70][:S]],
+                                   dtype=torch.int32)
+                lim = torch.minimum(lim.cummax(1).values, bt.seq_lens[:, None])  # non-decreasing, within each request
+                for lens_arg in (bt.seq_lens, lim):
+                    want = ref.ref_decode_multi(q4, p4, bt.ckv_cache, bt.kpe_cache, bt.block_table, lens_arg, 0.2)
+                    cfgs = [None] + ([K.DecodeConfig(block_h=16, block_n=16)] if S * H > 16 else [])
+                    for cfg, ns in zip(cfgs, (3, 1)):
+                        kw = dict(n_query=S) if S > 1 else {}
+                        if S == 1 and lens_arg.dim() == 2:
+                            lens_arg = lens_arg[:, 0].contiguous()
+                        out, lse = K.decode(qn, qp, bt.ckv_cache, bt.kpe_cache, bt.block_table, lens_arg, 0.2,
+                                            cfg=cfg, splits=ns, **kw)
+                        assert out.shape == qn.shape and lse.shape == qn.shape[:2]
+                        _check_attention(out.view_as(q4), lse.view(q4.shape[:-1]), *want, tol)
 
 
 def check_decode_strided_q():

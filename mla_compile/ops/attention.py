@@ -16,12 +16,28 @@ _NEG_INF = float("-inf")
 
 
 # --------------------------------------------------------------------------------------------- validation
+def query_tokens(q_nope: torch.Tensor) -> int:
+    """S, the query tokens per request: q [B, S, H, *]; the 3-D form [B, H, *] is S = 1."""
+    return q_nope.shape[1] if q_nope.dim() == 4 else 1
+
+
 def _check_q(q_nope, q_pe, dtypes):
-    C.check_tensor(q_nope, "q_nope", 3, dtypes)
-    C.check_tensor(q_pe, "q_pe", 3, dtypes)
+    for t, name, width in ((q_nope, "q_nope", "R"), (q_pe, "q_pe", "P")):
+        C.check(isinstance(t, torch.Tensor), name, f"expected a Tensor, got {type(t).__name__}")
+        C.check(t.dim() in (3, 4), name, f"expected 3 dims [B, H, {width}] or 4 dims [B, S, H, {width}] (S query "
+                                         f"tokens per request), got shape {tuple(t.shape)}")
+        C.check(t.dtype in dtypes, name, f"expected dtype in {dtypes}, got {t.dtype}")
     C.check(q_pe.dtype == q_nope.dtype, "q_pe", f"dtype {q_pe.dtype} differs from q_nope's {q_nope.dtype}")
-    C.check(q_pe.shape[:2] == q_nope.shape[:2], "q_pe",
-            f"batch/heads {tuple(q_pe.shape[:2])} differ from q_nope's {tuple(q_nope.shape[:2])}")
+    C.check(q_pe.dim() == q_nope.dim(), "q_pe", f"shape {tuple(q_pe.shape)} has {q_pe.dim()} dims, q_nope's "
+                                                f"{tuple(q_nope.shape)} {q_nope.dim()}")
+    if q_nope.dim() == 4:
+        C.check(q_nope.shape[1] >= 1, "q_nope", f"needs S >= 1 query tokens per request, got shape "
+                                                f"{tuple(q_nope.shape)}")
+        C.check(q_pe.shape[1] == q_nope.shape[1], "q_pe",
+                f"query tokens S = {q_pe.shape[1]} differ from q_nope's {q_nope.shape[1]}")
+    lead = q_nope.dim() - 1
+    C.check(q_pe.shape[:lead] == q_nope.shape[:lead], "q_pe",
+            f"batch/heads {tuple(q_pe.shape[:lead])} differ from q_nope's {tuple(q_nope.shape[:lead])}")
 
 
 def _check_cache_dtype(q_nope, ckv_cache, kpe_cache):
@@ -29,34 +45,77 @@ def _check_cache_dtype(q_nope, ckv_cache, kpe_cache):
     C.check(kpe_cache.dtype == q_nope.dtype, "kpe_cache", f"dtype {kpe_cache.dtype} differs from q_nope's {q_nope.dtype}")
 
 
+def _check_lens(block_table, seq_lens, B: int, S: int) -> None:
+    """seq_lens int32 [B] (causal: token j sees seq_lens[b] - S + 1 + j tokens), or with S query tokens an int32
+    [B, S] table of each query token's limit."""
+    if isinstance(seq_lens, torch.Tensor) and seq_lens.dim() == 2:
+        C.check_tensor(seq_lens, "seq_lens", 2, torch.int32)
+        C.check(tuple(seq_lens.shape) == (B, S), "seq_lens", f"a table of per-query-token limits must be [B, S] = "
+                                                             f"{(B, S)}, got {tuple(seq_lens.shape)}")
+        C.check_block_table(block_table, seq_lens[:, 0], B)
+    else:
+        C.check_block_table(block_table, seq_lens, B)
+
+
 def check_decode_metadata(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
                           dtypes=C.FLOAT_DTYPES) -> tuple[int, int]:
     """Shapes, dtypes, devices of a decode call (no data read); returns (num_pages, page_size).
     `dtypes`: the q / cache dtypes the caller takes (mla::decode adds float64; DCP's lse packing does not)."""
     _check_q(q_nope, q_pe, dtypes)
-    B, _, R = q_nope.shape
-    num_pages, page_size = C.check_paged_cache(ckv_cache, kpe_cache, R, q_pe.shape[2], dtypes)
+    B, R = q_nope.shape[0], q_nope.shape[-1]
+    num_pages, page_size = C.check_paged_cache(ckv_cache, kpe_cache, R, q_pe.shape[-1], dtypes)
     _check_cache_dtype(q_nope, ckv_cache, kpe_cache)
-    C.check_block_table(block_table, seq_lens, B)
+    if q_nope.dim() == 4:
+        _check_lens(block_table, seq_lens, B, q_nope.shape[1])
+    else:
+        C.check_block_table(block_table, seq_lens, B)
     C.check_scale(sm_scale)
     C.check_same_device(dict(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv_cache, kpe_cache=kpe_cache,
                              block_table=block_table, seq_lens=seq_lens))
     return num_pages, page_size
 
 
+def check_query_lens(seq_lens, S: int) -> None:
+    """Values (where checks read them): with S > 1 query tokens a request's length counts its S new tokens, so it
+    is 0 (an empty request: every row empty) or >= S."""
+    if S == 1 or C.is_fake(seq_lens) or not C.data_checks_enabled(seq_lens.device) or not seq_lens.numel():
+        return
+    short = (seq_lens > 0) & (seq_lens < S)
+    if bool(short.any()):
+        C.fail("seq_lens", f"with S = {S} query tokens per request a length counts the S new tokens (already in the "
+                           f"cache): it must be 0 or >= {S}, got {int(seq_lens[short][0])}")
+
+
+def _check_limits_data(seq_lens) -> None:
+    """A [B, S] limits table: >= 0 and non-decreasing over the query tokens (a later token sees no less)."""
+    if C.is_fake(seq_lens) or not C.data_checks_enabled(seq_lens.device) or not seq_lens.numel():
+        return
+    lo = int(seq_lens.min())
+    C.check(lo >= 0, "seq_lens", f"per-query-token limits must be >= 0, got {lo}")
+    C.check(bool((seq_lens[:, 1:] >= seq_lens[:, :-1]).all()), "seq_lens",
+            "per-query-token limits must be non-decreasing over the query tokens (causal)")
+
+
 def check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
     num_pages, page_size = check_decode_metadata(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
                                                  C.REFERENCE_DTYPES)
+    if seq_lens.dim() == 2:
+        _check_limits_data(seq_lens)
+        seq_lens = seq_lens.amax(1) if seq_lens.numel() else seq_lens[:, 0]  # the last token sees the most
+    else:
+        check_query_lens(seq_lens, query_tokens(q_nope))
     C.check_block_table_data(block_table, seq_lens, num_pages, page_size)
 
 
 def check_sparse_args(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
     _check_q(q_nope, q_pe, C.REFERENCE_DTYPES)
-    num_pages, page_size = C.check_paged_cache(ckv_cache, kpe_cache, q_nope.shape[2], q_pe.shape[2],
+    num_pages, page_size = C.check_paged_cache(ckv_cache, kpe_cache, q_nope.shape[-1], q_pe.shape[-1],
                                                C.REFERENCE_DTYPES)
     _check_cache_dtype(q_nope, ckv_cache, kpe_cache)
-    C.check_tensor(indices, "indices", 2, torch.int32)
+    C.check_tensor(indices, "indices", q_nope.dim() - 1, torch.int32)  # [B, K], or [B, S, K] with S query tokens
     C.check_dim(indices, "indices", 0, q_nope.shape[0], "the batch size")
+    if q_nope.dim() == 4:
+        C.check_dim(indices, "indices", 1, q_nope.shape[1], "q_nope's query tokens S")
     C.check_scale(sm_scale)
     C.check_same_device(dict(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv_cache, kpe_cache=kpe_cache, indices=indices))
     if not C.is_fake(indices) and C.data_checks_enabled(indices.device) and indices.numel():
@@ -78,6 +137,22 @@ def decode_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: i
     return token_slots(block_table, page_size, num_tokens), valid
 
 
+def query_limits(seq_lens: torch.Tensor, S: int) -> torch.Tensor:
+    """int32 [B, S]: the tokens query token j of each request sees, seq_lens[b] - S + 1 + j (seq_lens counts the S
+    new tokens; <= 0 for a length-0 request: nothing). A [B, S] seq_lens is such a table already. Device ops only
+    (no host sync): DCP derives its per-rank limits from these (ops/dcp.py)."""
+    if seq_lens.dim() == 2:
+        return seq_lens
+    return seq_lens[:, None] + torch.arange(1 - S, 1, dtype=seq_lens.dtype, device=seq_lens.device)
+
+
+def multi_token_slots(block_table: torch.Tensor, limits: torch.Tensor, page_size: int, num_tokens: int):
+    """(slots int64 [B, T], valid bool [B, T]: some query token sees the token, seen bool [B, S, T]: query token j
+    sees it) for per-query-token limits [B, S]."""
+    seen = torch.arange(num_tokens, device=limits.device) < limits.long()[..., None]
+    return token_slots(block_table, page_size, num_tokens), seen.any(1), seen
+
+
 def _slot_rows(cache: torch.Tensor) -> torch.Tensor:
     """[NP, PS, D] -> [NP * PS, D] by explicit sizes: reshape(-1, D) is ambiguous for a rope-less D = 0."""
     return cache.reshape(cache.shape[0] * cache.shape[1], cache.shape[2])
@@ -94,47 +169,52 @@ def _gather_slots(ckv_cache, kpe_cache, slots, valid, dtype):
     return safe, ckv, kpe
 
 
-def _softmax_over_slots(q_nope, q_pe, ckv, kpe, valid, sm_scale):
-    """(probs [B, H, T], lse [B, H]) of scores = sm_scale * (q_nope . ckv + q_pe . kpe); a row with no valid
-    slot gives probs 0 and lse -inf."""
-    scores = sm_scale * (torch.einsum("bhr,btr->bht", q_nope, ckv) + torch.einsum("bhp,btp->bht", q_pe, kpe))
-    scores = scores.masked_fill(~valid[:, None, :], _NEG_INF)
+def _softmax_over_slots(q_nope, q_pe, ckv, kpe, seen, sm_scale):
+    """(probs [B, (S,) H, T], lse [B, (S,) H]) of scores = sm_scale * (q_nope . ckv + q_pe . kpe) for q [B, H, *]
+    or [B, S, H, *]; `seen` [B, (S,) T] masks tokens per request (and query token). A row with no token it sees
+    gives probs 0 and lse -inf."""
+    scores = sm_scale * (torch.einsum("b...hr,btr->b...ht", q_nope, ckv)
+                         + torch.einsum("b...hp,btp->b...ht", q_pe, kpe))
+    scores = scores.masked_fill(~seen.unsqueeze(-2), _NEG_INF)
     lse = torch.logsumexp(scores, dim=-1)  # -inf for rows with no valid slot
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
     return probs, lse
 
 
-def attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale):
-    """Attention of every head over the listed slots; `valid` masks slots out. (out, lse); the math runs in
+def attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale, seen=None):
+    """Attention of every head over the listed slots; `valid` [B, T] masks slots out; `seen` [B, S, T] (q
+    [B, S, H, *]: S query tokens) masks them per query token (default: valid). (out, lse); the math runs in
     C.lse_dtype (float32, float64 for float64 inputs)."""
     dt = C.lse_dtype(q_nope.dtype)
     _, ckv, kpe = _gather_slots(ckv_cache, kpe_cache, slots, valid, dt)
-    probs, lse = _softmax_over_slots(q_nope.to(dt), q_pe.to(dt), ckv, kpe, valid, sm_scale)
-    out = torch.einsum("bht,btr->bhr", probs, ckv)
+    probs, lse = _softmax_over_slots(q_nope.to(dt), q_pe.to(dt), ckv, kpe, valid if seen is None else seen, sm_scale)
+    out = torch.einsum("b...ht,btr->b...hr", probs, ckv)
     return out.to(q_nope.dtype).contiguous(), lse.contiguous()
 
 
-def attend_slots_backward(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale, grad_out, grad_lse):
+def attend_slots_backward(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale, grad_out, grad_lse, seen=None):
     """Gradients of `attend_slots` w.r.t. (q_nope, q_pe, ckv_cache, kpe_cache), the softmax recomputed.
 
     With p = softmax(s), out = p . v and lse = logsumexp(s): ds = p * (dout . v - dout . out + dlse);
     dq = sm_scale * ds . k; dk = sm_scale * ds^T . q; dv = p^T . dout. Token gradients are summed into their
-    slots (a slot listed twice gets both); masked tokens, empty rows and unused slots get exactly 0.
-    Plain torch with static shapes (no data-dependent size), so AOTAutograd traces it into the backward graph.
+    slots (a slot listed twice gets both) over heads and query tokens; masked tokens, empty rows and unused slots
+    get exactly 0. Plain torch with static shapes (no data-dependent size), so AOTAutograd traces it into the
+    backward graph.
     """
     dt = C.lse_dtype(q_nope.dtype)
     qn, qp = q_nope.to(dt), q_pe.to(dt)
     safe, ckv, kpe = _gather_slots(ckv_cache, kpe_cache, slots, valid, dt)
-    probs, _ = _softmax_over_slots(qn, qp, ckv, kpe, valid, sm_scale)
-    out = torch.einsum("bht,btr->bhr", probs, ckv)
+    probs, _ = _softmax_over_slots(qn, qp, ckv, kpe, valid if seen is None else seen, sm_scale)
+    out = torch.einsum("b...ht,btr->b...hr", probs, ckv)
     g_out = torch.zeros_like(out) if grad_out is None else grad_out.to(dt)
     g_lse = torch.zeros_like(out[..., 0]) if grad_lse is None else grad_lse.to(dt)
-    d_probs = torch.einsum("bhr,btr->bht", g_out, ckv)
+    d_probs = torch.einsum("b...hr,btr->b...ht", g_out, ckv)
     d_scores = probs * (d_probs - (g_out * out).sum(-1, keepdim=True) + g_lse[..., None])
-    d_q_nope = sm_scale * torch.einsum("bht,btr->bhr", d_scores, ckv)
-    d_q_pe = sm_scale * torch.einsum("bht,btp->bhp", d_scores, kpe)
-    d_ckv = sm_scale * torch.einsum("bht,bhr->btr", d_scores, qn) + torch.einsum("bht,bhr->btr", probs, g_out)
-    d_kpe = sm_scale * torch.einsum("bht,bhp->btp", d_scores, qp)
+    d_q_nope = sm_scale * torch.einsum("b...ht,btr->b...hr", d_scores, ckv)
+    d_q_pe = sm_scale * torch.einsum("b...ht,btp->b...hp", d_scores, kpe)
+    d_ckv = (sm_scale * torch.einsum("b...ht,b...hr->btr", d_scores, qn)
+             + torch.einsum("b...ht,b...hr->btr", probs, g_out))
+    d_kpe = sm_scale * torch.einsum("b...ht,b...hp->btp", d_scores, qp)
 
     def to_slots(d_tok, cache):  # [B, T, D] -> cache-shaped sums per slot
         # masked tokens point at slot 0: keep whatever they carry (0 * a non-finite upstream grad) out of it
@@ -144,6 +224,20 @@ def attend_slots_backward(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_s
         return flat.index_add(0, safe.reshape(-1), rows).view(cache.shape).to(cache.dtype)
 
     return (d_q_nope.to(q_nope.dtype), d_q_pe.to(q_pe.dtype), to_slots(d_ckv, ckv_cache), to_slots(d_kpe, kpe_cache))
+
+
+def _decode_on_slots(q_nope, ckv_cache, block_table, seq_lens, num_tokens):
+    """`mla::decode`'s definition over the first num_tokens logical tokens: (slots, valid, seen) for
+    `attend_slots`; seen is None for one query token (q [B, H, *], valid masks each request)."""
+    if q_nope.dim() == 3:
+        return (*decode_slots(block_table, seq_lens, ckv_cache.shape[1], num_tokens), None)
+    limits = query_limits(seq_lens, q_nope.shape[1])
+    return multi_token_slots(block_table, limits, ckv_cache.shape[1], num_tokens)
+
+
+def _longest(seq_lens) -> int:
+    """The most tokens any query token sees (CPU: reading lengths is free; gather only what is used)."""
+    return max(int(seq_lens.max()), 0) if seq_lens.numel() else 0
 
 
 # --------------------------------------------------------------------------------------------- mla::decode
@@ -156,7 +250,7 @@ def attend_slots_backward(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_s
            "Tensor seq_lens, float sm_scale) -> (Tensor, Tensor)",
 )
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
-    """Absorbed-MLA decode attention over a paged latent cache (one query token per request).
+    """Absorbed-MLA decode attention over a paged latent cache, S >= 1 query tokens per request.
 
     Shapes: q_nope [B, H, R], q_pe [B, H, P] (R = kv_lora_rank >= 1, P = rope dim >= 0); ckv_cache [NP, PS, R],
     kpe_cache [NP, PS, P] (NP pages of PS tokens); block_table int32 [B, MP]; seq_lens int32 [B].
@@ -164,37 +258,58 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
     Token t < seq_lens[b] of request b sits at slot block_table[b, t // PS] * PS + t % PS.
     scores = sm_scale * (q_nope . ckv + q_pe . kpe); returns out [B, H, R] (q's dtype) = softmax(scores) . ckv
     and lse float32 [B, H] = logsumexp(scores) (natural log). A row with seq_lens 0 gives (0, -inf).
+
+    S query tokens per request (MTP, speculative verification): q_nope [B, S, H, R], q_pe [B, S, H, P] ->
+    out [B, S, H, R], lse [B, S, H]. seq_lens counts the S new tokens (already written into the cache): query
+    token j of request b sees tokens t < seq_lens[b] - S + 1 + j, and every length is 0 (an empty request) or
+    >= S. Or seq_lens int32 [B, S] gives each query token's limit itself (>= 0, non-decreasing in j: DCP's
+    per-rank counts). A row whose limit is <= 0 gives (0, -inf). The 3-D form is S = 1.
+
     float64 inputs (the reference / gradcheck precision) compute in float64 and return a float64 lse.
-    Differentiable in q_nope, q_pe, ckv_cache and kpe_cache.
+    Differentiable in q_nope, q_pe, ckv_cache and kpe_cache (any S).
     """
     check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
-    T = int(seq_lens.max()) if seq_lens.numel() else 0  # CPU: reading lengths is free; gather only what is used
-    slots, valid = decode_slots(block_table, seq_lens, ckv_cache.shape[1], T)
-    return attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale)
+    slots, valid, seen = _decode_on_slots(q_nope, ckv_cache, block_table, seq_lens, _longest(seq_lens))
+    return attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale, seen)
 
 
-def _decode_all_slots(block_table, seq_lens, page_size):
-    """Slots over the block table's whole capacity: a static width (no length read, no host sync)."""
-    return decode_slots(block_table, seq_lens, page_size, block_table.shape[1] * page_size)
+def _decode_all_slots(q_nope, ckv_cache, block_table, seq_lens):
+    """(slots, valid, seen) over the block table's whole capacity: a static width (no length read, no host sync)."""
+    return _decode_on_slots(q_nope, ckv_cache, block_table, seq_lens, block_table.shape[1] * ckv_cache.shape[1])
 
 
 @decode.register_fake
 def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
     check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
-    B, H, _ = q_nope.shape
     # contiguous, like the real impls (not empty_like: q_nope is often a transposed view after absorption)
-    return q_nope.new_empty(q_nope.shape), q_nope.new_empty((B, H), dtype=C.lse_dtype(q_nope.dtype))
+    return q_nope.new_empty(q_nope.shape), q_nope.new_empty(q_nope.shape[:-1], dtype=C.lse_dtype(q_nope.dtype))
 
 
 @decode.register_kernel("cuda")
 def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
     check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
     if q_nope.dtype == torch.float64:  # no kernel computes in float64: the reference, at a static width
-        slots, valid = _decode_all_slots(block_table, seq_lens, ckv_cache.shape[1])
-        return attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale)
+        slots, valid, seen = _decode_all_slots(q_nope, ckv_cache, block_table, seq_lens)
+        return attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale, seen)
     from ..kernels import dispatch
 
-    return dispatch.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+    if q_nope.dim() == 3:
+        return dispatch.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+    return _decode_folded(dispatch.decode, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+
+
+def _decode_folded(kernel, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
+    """q [B, S, H, *] through a kernel entry that takes rows: S folded into them ([B, S*H, *], row j*H + h; a view
+    where q's strides allow), n_query = S. S = 1 is the one-token call (its limits column as the lengths)."""
+    B, S, H, R = q_nope.shape
+    rows = (B, S * H)
+    qn, qp = q_nope.reshape(*rows, R), q_pe.reshape(*rows, q_pe.shape[-1])
+    if S == 1:
+        out, lse = kernel(qn, qp, ckv_cache, kpe_cache, block_table,
+                          seq_lens[:, 0] if seq_lens.dim() == 2 else seq_lens, sm_scale)
+    else:
+        out, lse = kernel(qn, qp, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=S)
+    return out.view(B, S, H, R), lse.view(B, S, H)
 
 
 def _decode_setup_context(ctx, inputs, output):
@@ -205,8 +320,9 @@ def _decode_setup_context(ctx, inputs, output):
 
 def _decode_backward(ctx, grad_out, grad_lse):
     q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens = ctx.saved_tensors
-    slots, valid = _decode_all_slots(block_table, seq_lens, ckv_cache.shape[1])
-    grads = attend_slots_backward(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, ctx.sm_scale, grad_out, grad_lse)
+    slots, valid, seen = _decode_all_slots(q_nope, ckv_cache, block_table, seq_lens)
+    grads = attend_slots_backward(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, ctx.sm_scale, grad_out, grad_lse,
+                                  seen)
     return (*grads, None, None, None)
 
 
@@ -229,22 +345,39 @@ def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
     indices int32 [B, K] (flat slots page * PS + offset; -1 = ignored). Same math as `mla::decode` over the
     selected tokens; a row with no valid slot gives (0, -inf). Returns out [B, H, R], lse float32 [B, H]
     (float64 for float64 inputs). Differentiable in q_nope, q_pe, ckv_cache and kpe_cache.
+    S query tokens per request: q_nope [B, S, H, R], q_pe [B, S, H, P], indices int32 [B, S, K] (each query token
+    its own top-k, causal by construction) -> out [B, S, H, R], lse [B, S, H].
     """
     check_sparse_args(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
     return _sparse_reference(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
 
 
+def _tokens_as_batch(q_nope, q_pe, indices):
+    """[B, S, H, *] queries with [B, S, K] index lists -> [B*S, H, *] / [B*S, K]: with an index list per query token
+    the tokens share no tile, so each is a request of its own. The 3-D form as it is."""
+    if q_nope.dim() == 3:
+        return q_nope, q_pe, indices
+    rows = q_nope.shape[0] * q_nope.shape[1]
+    return (q_nope.reshape(rows, *q_nope.shape[2:]), q_pe.reshape(rows, *q_pe.shape[2:]),
+            indices.reshape(rows, indices.shape[-1]))
+
+
+def _unfold(like, out, lse):
+    """Results of `_tokens_as_batch`'d inputs back to like's [B, S, H, *] (the 3-D form as they are)."""
+    return out.view(like.shape), lse.view(like.shape[:-1])
+
+
 def _sparse_reference(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
-    slots = indices.long()
-    return attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, slots >= 0, sm_scale)
+    qn, qp, idx = _tokens_as_batch(q_nope, q_pe, indices)
+    slots = idx.long()
+    return _unfold(q_nope, *attend_slots(qn, qp, ckv_cache, kpe_cache, slots, slots >= 0, sm_scale))
 
 
 @sparse_decode.register_fake
 def _(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
     check_sparse_args(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
-    B, H, _ = q_nope.shape
     # contiguous, like the real impls (not empty_like: q_nope is often a transposed view after absorption)
-    return q_nope.new_empty(q_nope.shape), q_nope.new_empty((B, H), dtype=C.lse_dtype(q_nope.dtype))
+    return q_nope.new_empty(q_nope.shape), q_nope.new_empty(q_nope.shape[:-1], dtype=C.lse_dtype(q_nope.dtype))
 
 
 @sparse_decode.register_kernel("cuda")
@@ -254,7 +387,10 @@ def _(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
         return _sparse_reference(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
     from ..kernels import dispatch
 
-    return dispatch.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
+    if q_nope.dim() == 3:
+        return dispatch.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
+    qn, qp, idx = _tokens_as_batch(q_nope, q_pe, indices)
+    return _unfold(q_nope, *dispatch.sparse_decode(qn, qp, ckv_cache, kpe_cache, idx, sm_scale))
 
 
 def _sparse_setup_context(ctx, inputs, output):
@@ -265,10 +401,12 @@ def _sparse_setup_context(ctx, inputs, output):
 
 def _sparse_backward(ctx, grad_out, grad_lse):
     q_nope, q_pe, ckv_cache, kpe_cache, indices = ctx.saved_tensors
-    slots = indices.long()
-    grads = attend_slots_backward(q_nope, q_pe, ckv_cache, kpe_cache, slots, slots >= 0, ctx.sm_scale, grad_out,
-                                  grad_lse)
-    return (*grads, None, None)
+    qn, qp, idx = _tokens_as_batch(q_nope, q_pe, indices)
+    slots = idx.long()
+    fold = (lambda g: g) if q_nope.dim() == 3 else (lambda g: None if g is None else g.reshape(-1, *g.shape[2:]))
+    d_qn, d_qp, d_ckv, d_kpe = attend_slots_backward(qn, qp, ckv_cache, kpe_cache, slots, slots >= 0, ctx.sm_scale,
+                                                     fold(grad_out), fold(grad_lse))
+    return d_qn.view(q_nope.shape), d_qp.view(q_pe.shape), d_ckv, d_kpe, None, None
 
 
 sparse_decode.register_autograd(_sparse_backward, setup_context=_sparse_setup_context)

@@ -34,7 +34,7 @@ import torch
 from .. import layout
 from . import _checks as C
 from . import dcp_consistency as agree
-from .attention import check_decode_metadata
+from .attention import check_decode_metadata, check_query_lens, query_limits, query_tokens
 
 # ------------------------------------------------------------------------------------------------ schema
 torch.library.define(
@@ -85,11 +85,13 @@ def check_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_l
     the peers as a REJECT in the call's collective (`dcp_consistency`), and every rank raises."""
     check_group_args(dcp_size, dcp_rank, group_name)
     C.check(isinstance(check_lens, bool), "check_lens", f"must be a bool, got {check_lens!r}")
+    C.check_tensor(seq_lens, "seq_lens", 1, torch.int32)  # GLOBAL lengths [B] (no per-token limits table)
     num_pages, page_size = check_decode_metadata(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
     if C.is_fake(seq_lens) or not C.data_checks_enabled(seq_lens.device) or not seq_lens.numel():
         return num_pages, page_size
     lo = int(seq_lens.min())
     C.check(lo >= 0, "seq_lens", f"lengths must be >= 0, got {lo}")
+    check_query_lens(seq_lens, query_tokens(q_nope))
     capacity = block_table.shape[1] * page_size
     local_max = int(layout.local_lens(seq_lens, dcp_size, dcp_rank).max())
     C.check(local_max <= capacity, "seq_lens",
@@ -116,6 +118,13 @@ def unpack_states(packed: torch.Tensor, R: int) -> tuple[torch.Tensor, torch.Ten
     return packed[..., :R], lse.squeeze(-1)
 
 
+def local_query_limits(seq_lens: torch.Tensor, S: int, dcp_size: int, dcp_rank: int) -> torch.Tensor:
+    """int32 [B, S]: of the tokens query token j may see (the first seq_lens[b] - S + 1 + j, GLOBAL), how many this
+    rank holds: `layout.local_lens` of each query token's global limit (non-decreasing in j, as mla::decode's
+    limits table needs). Device ops only, no host sync; a length-0 request's limits clamp to 0."""
+    return layout.local_lens(query_limits(seq_lens, S), dcp_size, dcp_rank).clamp_min(0)
+
+
 def gather_states(out: torch.Tensor, lse: torch.Tensor, dcp_size: int, group_name: str):
     """ONE all-gather of every rank's (out, lse): -> (outs [n,B,H,R], lses float32 [n,B,H]), rank order.
     No consistency trailer (the bare communication, as the benchmarks time it)."""
@@ -137,6 +146,11 @@ def dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sca
     Returns out [B, H, R] (q's dtype) and lse float32 [B, H] over ALL ranks' tokens; a request with
     length 0 gives (0, -inf). dcp_size 1 is `mla::decode` (group_name unused).
 
+    S query tokens per request: q_nope [B, S, H, R], q_pe [B, S, H, P] -> out [B, S, H, R], lse [B, S, H]; the
+    GLOBAL seq_lens count the S new tokens (query token j sees global tokens t < seq_lens[b] - S + 1 + j, every
+    length 0 or >= S), and each rank attends to its share of each query token's tokens (`local_query_limits`).
+    One all-gather as for S = 1 (S folded into the head rows).
+
     Every rank must make the same call (`dcp_consistency`): shapes, sm_scale and, with check_lens, seq_lens
     are compared across ranks on the call's own all-gather. A disagreement, or a rank whose checks fail,
     is a ValueError on EVERY rank where checks read values (CPU, MLA_COMPILE_CHECK_DATA=1), else NaN (out
@@ -148,14 +162,36 @@ def dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sca
                               dcp_rank, group_name, check_lens)
         if dcp_size == 1:
             return torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
-        sig = agree.signature(call, agree.OP_DCP, q_nope, q_pe, sm_scale, dcp_size, check_lens)
-        local = layout.local_lens(seq_lens, dcp_size, dcp_rank)
-        out, lse = torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, local, sm_scale)
+        if q_nope.dim() == 4:
+            sig, out, lse = _local_decode_tokens(call, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens,
+                                                 sm_scale, dcp_size, dcp_rank, check_lens)
+        else:
+            sig = agree.signature(call, agree.OP_DCP, q_nope, q_pe, sm_scale, dcp_size, check_lens)
+            local = layout.local_lens(seq_lens, dcp_size, dcp_rank)
+            out, lse = torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, local, sm_scale)
     header = agree.data_header(sig, seq_lens)
     payloads, trails = agree.gather_with_trailer(pack_states(out, lse), agree.trailer(seq_lens, header), dcp_size,
                                                  group_name)
     ok = agree.verdict(call, trails, header, sig)  # the same on every rank: a ValueError, or rows to keep
-    return agree.poison(*torch.ops.mla.merge_states(*unpack_states(payloads, out.shape[-1])), ok)
+    out, lse = agree.poison(*torch.ops.mla.merge_states(*unpack_states(payloads, out.shape[-1])), ok)
+    if q_nope.dim() == 4:
+        return out.view(q_nope.shape), lse.view(q_nope.shape[:-1])
+    return out, lse
+
+
+def _local_decode_tokens(call, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size,
+                         dcp_rank, check_lens):
+    """S query tokens per request (q [B, S, H, *]): (signature, out [B, S*H, R], lse [B, S*H]) of this rank's
+    decode. Past the local decode every (query token, head) row merges on its own, so S is folded into the head
+    rows for the gather, the merge and the consistency signature (whose heads field is then S*H: the payload size
+    every rank must agree on)."""
+    B, S, H, R = q_nope.shape
+    rows = (B, S * H)
+    sig = agree.signature(call, agree.OP_DCP, q_nope.reshape(*rows, R), q_pe.reshape(*rows, q_pe.shape[-1]),
+                          sm_scale, dcp_size, check_lens)
+    local = local_query_limits(seq_lens, S, dcp_size, dcp_rank)
+    out, lse = torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, local, sm_scale)
+    return sig, out.reshape(*rows, R), lse.reshape(rows)
 
 
 # ------------------------------------------------------------------------------------------------ owner writes

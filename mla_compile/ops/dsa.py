@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks as C
-from .attention import token_slots
+from .attention import check_query_lens, query_limits, token_slots
 
 
 def _check_topk(topk):
@@ -16,10 +16,14 @@ def _check_topk(topk):
 
 
 def check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
-    C.check_tensor(q, "q", 3, C.FLOAT_DTYPES)
-    B, Hi, Di = q.shape
-    C.check_tensor(weights, "weights", 2, torch.float32)
-    C.check(tuple(weights.shape) == (B, Hi), "weights", f"shape {tuple(weights.shape)} must be [B, Hi] = {(B, Hi)}")
+    C.check(isinstance(q, torch.Tensor), "q", f"expected a Tensor, got {type(q).__name__}")
+    tokens = q.dim() == 4  # S query tokens per request: q [B, S, Hi, Di]
+    C.check_tensor(q, "q", 4 if tokens else 3, C.FLOAT_DTYPES)
+    B, Hi, Di = q.shape[0], q.shape[-2], q.shape[-1]
+    lead = tuple(q.shape[:-1])  # (B, Hi) or (B, S, Hi)
+    C.check_tensor(weights, "weights", len(lead), torch.float32)
+    C.check(tuple(weights.shape) == lead, "weights", f"shape {tuple(weights.shape)} must be "
+            f"{'[B, S, Hi]' if tokens else '[B, Hi]'} = {lead}")
     C.check_tensor(k_cache, "k_cache", 3, C.FLOAT_DTYPES)
     C.check_dim(k_cache, "k_cache", 2, Di, "q.shape[-1] (index head dim Di)")
     C.check(k_cache.dtype == q.dtype, "k_cache", f"dtype {k_cache.dtype} differs from q's {q.dtype}")
@@ -29,18 +33,30 @@ def check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scal
     C.check_scale(sm_scale)
     C.check_same_device(dict(q=q, weights=weights, k_cache=k_cache, block_table=block_table, seq_lens=seq_lens))
     C.check_block_table_data(block_table, seq_lens, k_cache.shape[0], k_cache.shape[1], int32_slots=True)
+    check_query_lens(seq_lens, q.shape[1] if tokens else 1)
 
 
-def check_k_only_args(block_table, seq_lens, page_size, topk):
+def check_k_only_args(block_table, seq_lens, page_size, topk, n_query=1):
     C.check_tensor(block_table, "block_table", 2, torch.int32)
     C.check_block_table(block_table, seq_lens, block_table.shape[0])
     C.check(isinstance(page_size, int) and page_size > 0, "page_size", f"must be a positive int, got {page_size!r}")
     _check_topk(topk)
+    C.check(isinstance(n_query, int) and not isinstance(n_query, bool) and n_query >= 1, "n_query",
+            f"must be an int >= 1, got {n_query!r}")
+    check_query_lens(seq_lens, n_query)
     C.check_same_device(dict(block_table=block_table, seq_lens=seq_lens))
     if not C.is_fake(seq_lens) and C.data_checks_enabled(seq_lens.device) and seq_lens.numel():
         hi = int(seq_lens.max())
         C.check(hi <= topk, "seq_lens", f"k-only indexing needs every length <= topk ({topk}), saw {hi}")
     C.check_block_table_data(block_table, seq_lens, None, page_size, int32_slots=True)
+
+
+def per_query_token(block_table: torch.Tensor, seq_lens: torch.Tensor, S: int):
+    """S query tokens per request as B*S requests of their own: (block_table [B*S, MP], lengths int32 [B*S]),
+    row b*S + j being query token j of request b with the tokens it may see (`query_limits`, >= 0). Each query
+    token takes its own top-k, so the rows share nothing else. Device ops only, no host sync."""
+    limits = query_limits(seq_lens, S).clamp_min(0)
+    return block_table.repeat_interleave(S, dim=0), limits.reshape(-1)
 
 
 def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -79,8 +95,20 @@ def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
     Rows with seq_len > topk list them by descending score. Rows with seq_len <= topk select every token,
     so they skip the logits and list their slots in token order (the k-only identity): one long request in
     a batch does not make the short ones pay for the indexer.
+    S query tokens per request: q [B, S, Hi, Di], weights float32 [B, S, Hi] -> int32 [B, S, topk], query token j
+    ranking the tokens it may see, t < seq_lens[b] - S + 1 + j (seq_lens counts the S new tokens; 0 or >= S).
     """
     check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)
+    if q.dim() == 4:
+        B, S = q.shape[:2]
+        table, lens = per_query_token(block_table, seq_lens, S)
+        out = _indexer_topk(q.reshape(B * S, *q.shape[2:]), weights.reshape(B * S, -1), k_cache, table, lens, topk,
+                            sm_scale)
+        return out.view(B, S, topk)
+    return _indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)
+
+
+def _indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
     page_size = k_cache.shape[1]
     out = k_only_slots(block_table, seq_lens, page_size, topk)
     rows = (seq_lens > topk).nonzero().squeeze(1)  # CPU: data-dependent selection is free here
@@ -105,7 +133,7 @@ def _topk_by_score(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
 @indexer_topk.register_fake
 def _(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
     check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)
-    return q.new_empty((q.shape[0], topk), dtype=torch.int32)
+    return q.new_empty((*q.shape[:-2], topk), dtype=torch.int32)
 
 
 @indexer_topk.register_kernel("cuda")
@@ -113,6 +141,12 @@ def _(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
     check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)
     from ..kernels import dispatch
 
+    if q.dim() == 4:
+        B, S = q.shape[:2]
+        table, lens = per_query_token(block_table, seq_lens, S)
+        out = dispatch.indexer_topk(q.reshape(B * S, *q.shape[2:]), weights.reshape(B * S, -1), k_cache, table, lens,
+                                    topk, sm_scale)
+        return out.view(B, S, topk)
     return dispatch.indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)
 
 
@@ -120,16 +154,22 @@ def _(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
     "dsa::k_only_indices",
     mutates_args=(),
     device_types="cpu",
-    schema="(Tensor block_table, Tensor seq_lens, int page_size, int topk) -> Tensor",
+    schema="(Tensor block_table, Tensor seq_lens, int page_size, int topk, int n_query=1) -> Tensor",
 )
-def k_only_indices(block_table, seq_lens, page_size, topk):
+def k_only_indices(block_table, seq_lens, page_size, topk, n_query=1):
     """Identity top-k for requests that fit entirely in the top-k budget (the indexer's logits are skipped).
 
     Shapes: block_table int32 [B, MP], seq_lens int32 [B]; every seq_len <= topk.
     Returns int32 [B, topk]: physical slots of tokens 0..seq_len-1 in order, then -1 — the same set
     `dsa::indexer_topk` selects when seq_len <= topk.
+    n_query = S > 1 query tokens per request: int32 [B, S, topk], query token j listing the tokens it may see,
+    0 .. seq_lens[b] - S + j (seq_lens counts the S new tokens; 0 or >= S) — what `dsa::indexer_topk` gives q
+    [B, S, Hi, Di] there.
     """
-    check_k_only_args(block_table, seq_lens, page_size, topk)
+    check_k_only_args(block_table, seq_lens, page_size, topk, n_query)
+    if n_query > 1:
+        table, lens = per_query_token(block_table, seq_lens, n_query)
+        return k_only_slots(table, lens, page_size, topk).view(block_table.shape[0], n_query, topk)
     return k_only_slots(block_table, seq_lens, page_size, topk)
 
 
@@ -142,14 +182,18 @@ def k_only_slots(block_table, seq_lens, page_size, topk):
 
 
 @k_only_indices.register_fake
-def _(block_table, seq_lens, page_size, topk):
-    check_k_only_args(block_table, seq_lens, page_size, topk)
-    return block_table.new_empty((block_table.shape[0], topk), dtype=torch.int32)
+def _(block_table, seq_lens, page_size, topk, n_query=1):
+    check_k_only_args(block_table, seq_lens, page_size, topk, n_query)
+    lead = (block_table.shape[0], n_query) if n_query > 1 else (block_table.shape[0],)
+    return block_table.new_empty((*lead, topk), dtype=torch.int32)
 
 
 @k_only_indices.register_kernel("cuda")
-def _(block_table, seq_lens, page_size, topk):
-    check_k_only_args(block_table, seq_lens, page_size, topk)
+def _(block_table, seq_lens, page_size, topk, n_query=1):
+    check_k_only_args(block_table, seq_lens, page_size, topk, n_query)
     from ..kernels import dispatch
 
+    if n_query > 1:
+        table, lens = per_query_token(block_table, seq_lens, n_query)
+        return dispatch.k_only_indices(table, lens, page_size, topk).view(block_table.shape[0], n_query, topk)
     return dispatch.k_only_indices(block_table, seq_lens, page_size, topk)

@@ -39,7 +39,7 @@ import torch
 from .. import layout
 from . import _checks as C
 from . import dcp_consistency as agree
-from .dcp import check_dcp_decode_args, pack_states, unpack_states
+from .dcp import check_dcp_decode_args, local_query_limits, pack_states, unpack_states
 
 # ------------------------------------------------------------------------------------------------ schema
 torch.library.define(
@@ -56,7 +56,7 @@ def check_tp_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, se
     failure on one rank reaches its peers in that gather (a REJECT) instead of leaving them in the all-to-all."""
     num_pages, page_size = check_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
                                                  dcp_size, dcp_rank, group_name, check_lens)
-    C.check(q_nope.shape[1] >= 1, "q_nope", f"needs at least one head on this rank (H_local >= 1), got shape "
+    C.check(q_nope.shape[-2] >= 1, "q_nope", f"needs at least one head on this rank (H_local >= 1), got shape "
             f"{tuple(q_nope.shape)}")
     C.check_block_table_data(block_table, layout.local_lens(seq_lens, dcp_size, dcp_rank), num_pages, page_size)
 
@@ -102,17 +102,39 @@ def tp_dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_
     gives (0, -inf). Collectives: one all-gather of q, one all-to-all of (out, lse). dcp_size 1 is
     `mla::decode` (group_name unused). Cross-rank consistency (shapes, sm_scale, seq_lens with check_lens)
     as `mla::dcp_decode`, checked on the q all-gather: a ValueError on every rank, or NaN rows.
+
+    S query tokens per request: q_nope [B, S, H_local, R], q_pe [B, S, H_local, P] -> out [B, S, H_local, R],
+    lse [B, S, H_local]; GLOBAL seq_lens count the S new tokens (query token j sees global tokens
+    t < seq_lens[b] - S + 1 + j, every length 0 or >= S). The same two collectives (S rides in the batch rows).
     """
     with agree.dcp_call(group_name, dcp_size, q_nope, seq_lens) as call:
         check_tp_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size,
                                  dcp_rank, group_name, check_lens)
         if dcp_size == 1:
             return torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
-        sig = agree.signature(call, agree.OP_TP, q_nope, q_pe, sm_scale, dcp_size, check_lens)
+        tokens = q_nope.dim() == 4  # S query tokens per request: [B, S, Hl, *]
+        B, S, Hl, R = q_nope.shape if tokens else (q_nope.shape[0], 1, *q_nope.shape[1:])
+        # the signature sees q as [B, S*Hl, *]: batch B, as the trailer's B lengths, and the same payload size
+        sig = agree.signature(call, agree.OP_TP, q_nope.reshape(B, S * Hl, R) if tokens else q_nope,
+                              q_pe.reshape(B, S * Hl, q_pe.shape[-1]) if tokens else q_pe, sm_scale, dcp_size,
+                              check_lens)
     header = agree.data_header(sig, seq_lens)
+    if tokens:  # the collectives move [B*S, Hl, *] rows: S rides in the batch rows, heads stay per-rank slices
+        q_nope, q_pe = q_nope.reshape(B * S, Hl, R), q_pe.reshape(B * S, Hl, q_pe.shape[-1])
     q_all, qpe_all, trails = gather_heads(q_nope, q_pe, dcp_size, group_name, agree.trailer(seq_lens, header))
     ok = agree.verdict(call, trails, header, sig)  # the same on every rank, before any decode work
-    local = layout.local_lens(seq_lens, dcp_size, dcp_rank)
-    out, lse = torch.ops.mla.decode(q_all, qpe_all, ckv_cache, kpe_cache, block_table, local, sm_scale)
+    if tokens:
+        H = dcp_size * Hl
+        local = local_query_limits(seq_lens, S, dcp_size, dcp_rank)
+        out, lse = torch.ops.mla.decode(q_all.view(B, S, H, R), qpe_all.view(B, S, H, -1), ckv_cache, kpe_cache,
+                                        block_table, local, sm_scale)
+        out, lse = out.view(B * S, H, R), lse.view(B * S, H)
+        ok = None if ok is None else ok.repeat_interleave(S)  # request b's verdict for each of its S rows
+    else:
+        local = layout.local_lens(seq_lens, dcp_size, dcp_rank)
+        out, lse = torch.ops.mla.decode(q_all, qpe_all, ckv_cache, kpe_cache, block_table, local, sm_scale)
     outs, lses = exchange_states(out, lse, dcp_size, group_name)
-    return agree.poison(*torch.ops.mla.merge_states(outs, lses), ok)
+    out, lse = agree.poison(*torch.ops.mla.merge_states(outs, lses), ok)
+    if tokens:
+        return out.view(B, S, Hl, R), lse.view(B, S, Hl)
+    return out, lse
