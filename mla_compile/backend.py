@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.mla / torch.ops.dsa)
-from .passes.manager import PassManager
+from .passes.manager import GraphPass, PassManager
 
 log = logging.getLogger(__name__)
 
@@ -118,43 +118,41 @@ def mode_config(mode: str | None) -> dict[str, Any]:
 
 
 def build_pass_manager(opts: BackendOptions) -> PassManager:
-    """Post-grad passes for Inductor (graph-level rewrites run on the Dynamo graph, see `rewrite_graph`).
+    """The graph passes `opts` asks for, in order, on the Dynamo graph (where attention still has one form on every
+    device; `rewrite_graph` runs them):
 
-    The attention rewrite runs before AOTAutograd (`rewrite_graph`), so Inductor's FX graph cache keys on the
-    already-rewritten graph; this manager (empty today) only has to carry a uuid so the cache stays on. The uuid
-    also hashes our op modules: composite ops (`mla::dcp_decode`, `mla::tp_dcp_decode`) are decomposed by
-    AOTAutograd after the cache key is taken from the Dynamo graph, so an edit to their Python would otherwise
-    keep serving a stale compiled graph."""
-    return PassManager(sources=_op_sources())
+    mla_attention (rewrite_attention): HF MLA decode attention -> absorbed `mla.decode` / `mla.dcp_decode`
+    (`passes/mla_attention.py`); sites it cannot prove equivalent are left unchanged and logged.
+    fused_linear: bias-free linears over the same x -> one `mla.fused_linear` (`passes/fused_linear.py`).
+    outer_product (always): matmuls with a contraction of length 1 -> broadcast multiplies (exact).
+    split_argmax (always): argmax / argmin of a few long rows -> two-stage reductions (exact).
+
+    Its uuid keys Inductor's caches (`PassManager.cache_key`). It also hashes our op modules and `layout.py`:
+    composite ops (`mla::dcp_decode`, `mla::tp_dcp_decode`) are decomposed by AOTAutograd after the cache key is
+    taken from the Dynamo graph, so an edit to their Python would otherwise keep serving a stale compiled graph."""
+    from .passes import _fx, fused_linear, mla_attention, outer_product, split_argmax
+
+    passes = []
+    if opts.rewrite_attention:
+        passes.append(GraphPass("mla_attention", mla_attention.rewrite_mla_attention, mla_attention.SOURCES))
+    passes += [
+        GraphPass("fused_linear", functools.partial(fused_linear.fuse_shared_input_linears, where=opts.fuse_linears),
+                  (fused_linear.__file__, _fx.__file__)),
+        GraphPass("outer_product", outer_product.matmuls_to_outer_products, (outer_product.__file__, _fx.__file__)),
+        GraphPass("split_argmax", split_argmax.split_arg_reductions, (split_argmax.__file__, _fx.__file__)),
+    ]
+    return PassManager(passes, sources=_op_sources())
 
 
 @functools.lru_cache(maxsize=None)
 def _op_sources() -> tuple[str, ...]:
-    return tuple(sorted(str(p) for p in (Path(__file__).parent / "ops").glob("*.py")))
+    here = Path(__file__).parent
+    return tuple(sorted(str(p) for p in (here / "ops").glob("*.py"))) + (str(here / "layout.py"),)
 
 
 def rewrite_graph(gm: torch.fx.GraphModule, example_inputs, opts: BackendOptions) -> torch.fx.GraphModule:
-    """Rewrites on the Dynamo graph, where attention still has one form on every device.
-
-    rewrite_attention: HF MLA decode attention -> absorbed `mla.decode` / `mla.dcp_decode`
-    (`passes/mla_attention.py`); sites it cannot prove equivalent are left unchanged and logged.
-    fuse_linears: bias-free linears over the same x -> one `mla.fused_linear` (`passes/fused_linear.py`).
-    Always: matmuls with a contraction of length 1 -> broadcast multiplies (`passes/outer_product.py`, exact);
-    argmax / argmin of a few long rows -> two-stage reductions (`passes/split_argmax.py`, exact)."""
-    if opts.rewrite_attention:
-        from .passes.mla_attention import MLAAttentionPass
-
-        MLAAttentionPass()(gm.graph)
-    from .passes.fused_linear import fuse_shared_input_linears
-
-    fuse_shared_input_linears(gm, opts.fuse_linears)
-    from .passes.outer_product import matmuls_to_outer_products
-
-    matmuls_to_outer_products(gm)
-    from .passes.split_argmax import split_arg_reductions
-
-    split_arg_reductions(gm)
-    return gm
+    """Our rewrites on the Dynamo graph: `build_pass_manager(opts)`'s passes, in order."""
+    return build_pass_manager(opts)(gm)
 
 
 def config_patches(opts: BackendOptions, mode: str | None, inductor_patches: dict[str, Any],
@@ -162,7 +160,7 @@ def config_patches(opts: BackendOptions, mode: str | None, inductor_patches: dic
     """Inductor config for one compile: our CUDA defaults, then the mode's settings, then the user's keys."""
     defaults = CUDA_INDUCTOR_DEFAULTS if on_cuda else {}
     return {**defaults, **mode_config(mode or opts.mode), **inductor_patches,
-            "post_grad_custom_pre_pass": build_pass_manager(opts)}
+            "post_grad_custom_pre_pass": build_pass_manager(opts).cache_key()}
 
 
 def _prefill_without_cudagraphs(gm: torch.fx.GraphModule, patches: dict[str, Any],

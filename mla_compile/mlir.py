@@ -9,8 +9,8 @@ Pipeline (each step is the one the `mla_dcp` backend uses, so the exported graph
 2. `backend.rewrite_graph` rewrites it (HF MLA attention -> `mla.decode` / `mla.dcp_decode`, ...).
 3. `torch.export` (non-strict) traces the rewritten graph to ATen, with auto-functionalization **v1**
    (`torch._export.config.enable_auto_functionalized_v2_for_export=False`): torch-mlir imports
-   `auto_functionalized` but not `auto_functionalized_v2`; then torch-mlir's decomposition table runs and
-   the Inductor-level passes of `backend.build_pass_manager` (if any) run on the ATen graph.
+   `auto_functionalized` but not `auto_functionalized_v2`; then torch-mlir's decomposition table runs (the
+   backend has no ATen-level passes: all of `backend.build_pass_manager`'s run in step 2).
 4. `FxImporter.import_program` imports it with mutation support: a mutated input (the paged latent cache
    written by `mla.cache_write`) becomes a `!torch.tensor` argument; the write is
    `torch.operator "torch.mla.cache_write"` returning the new cache values, followed by
@@ -207,13 +207,6 @@ def export_program(model_or_fn: Callable, example_args: tuple, example_kwargs: d
         if decompose:
             table = _torch_mlir()[3]() if is_available() else torch.export.default_decompositions()
             ep = ep.run_decompositions(table)
-        pm = backend.build_pass_manager(opts) if rewrite else None
-        if getattr(pm, "passes", None):  # the backend's ATen-level (post-grad) passes
-            pm(ep.graph_module.graph)
-            ep.graph_module.recompile()
-            # re-trace: a pass that inserted a mutating op (mla.cache_write) gets it functionalized and its
-            # mutation recorded in the graph signature, or torch-mlir would import a result-less op
-            ep = ep.run_decompositions({})
     return ep, arg_names
 
 
@@ -225,7 +218,7 @@ def export_mlir(model_or_fn: Callable, example_args, example_kwargs: dict | None
 
     model_or_fn: an `nn.Module` (e.g. HF `DeepseekV3ForCausalLM`) or a function; example_args /
     example_kwargs: one decode step's inputs (a cache object is fine: its tensors become arguments; it is
-    not advanced). rewrite: run `mla_compile.backend.rewrite_graph` (and the backend's ATen passes) first.
+    not advanced). rewrite: run `mla_compile.backend.rewrite_graph` first.
     options: the backend's `options=` keys. weights: "arguments" (parameters/buffers become function
     arguments: small text) or "constants" (embedded as `dense_resource` literals). annotate: prefix a
     `//` comment per function argument naming the Python input it binds (`%arg3 = ckv_cache (mutated)`).

@@ -1,0 +1,322 @@
+"""The attention rewrite's matcher: find HF MLA decode attention in a Dynamo graph and describe it.
+
+`match_site(node)` walks back from an attention output (SDPA, or HF eager's matmul / softmax / matmul) through the
+K assembly, the kv_b_proj expansion of the latent and the rope latent's expand, and returns a `Site` (or None: not
+attention; `NoMatch`: attention it cannot rewrite, saying why). `latent_source(site)` says where the latent comes
+from: a plain tensor (HF StaticCache) or our caches' gather op (paged, DCP-sharded). The forms matched are drawn in
+`passes.mla_attention`'s docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from . import attention_mask as masks
+from .attention_checks import check_private
+from ._fx import NoMatch, arg as _arg, batch_shape as _shape, is_fn as _is_fn, is_op as _is_op, same, val as _val
+
+_SDPA = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
+_LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
+_MATMUL = {torch.matmul, operator.matmul, torch.Tensor.matmul}
+_CAT = {torch.cat, torch.concat, torch.concatenate}
+_DROPOUT = {torch.nn.functional.dropout}
+
+
+# ------------------------------------------------------------------------------------------- node helpers
+# shapes (`_shape`): ints, with a possibly symbolic batch (dim 0)
+def _dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _shape_args(node: fx.Node, start: int = 1) -> tuple:
+    args = node.args[start:]
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        args = tuple(args[0])
+    return tuple(args)
+
+
+def is_attention(node) -> bool:
+    """A node `match_site` looks at: an SDPA call or a matmul (HF eager's probabilities @ V)."""
+    return _is_fn(node, _SDPA) or _is_fn(node, _MATMUL) or _is_op(node, "matmul")
+
+
+def last_dim_cat_parts(node) -> list | None:
+    """The parts of `node` if it is a cat on its last dim (HF: cat(q_pass, q_rot), cat(k_nope, kpe)), else None."""
+    if not _is_fn(node, _CAT):
+        return None
+    ndim = len(_shape(node))
+    return list(node.args[0]) if _dim(_arg(node, 1, "dim", 0), ndim) == ndim - 1 else None
+
+
+# ------------------------------------------------------------------------------------------ match records
+@dataclasses.dataclass
+class LatentSource:
+    """Where the latent cache of a site comes from (how to hand it to mla.decode)."""
+
+    kind: str  # "tensor" | "paged" | "dcp"
+    ckv: fx.Node  # "tensor": [B,1,L,R] / [B,L,R]; "paged"/"dcp": [NP,PS,R] page pool
+    kpe: fx.Node
+    block_table: fx.Node | None = None  # "paged"/"dcp": int32 [B, MP]
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    group_name: str = ""
+
+
+@dataclasses.dataclass
+class Site:
+    out: fx.Node  # attention output [B, H, 1, v]
+    q: fx.Node  # [B, H, 1, nope + P]
+    weight: fx.Node  # kv_b_proj weight [H * (nope + v), R]
+    latent: fx.Node  # input of kv_b_proj
+    kpe: fx.Node  # rope latent before expand
+    mask: Any  # fx.Node or None
+    proof: masks.MaskProof  # what the mask means (valid tokens, what an empty row gives)
+    scale: float
+    nope: int
+    v_dim: int
+    rope: int
+    nope_offset: int  # where the nope part sits in Q / K's last dim (rope is the other part)
+    rope_offset: int
+    heads: int
+    nodes: set  # nodes that die with the rewrite
+    impl: str  # "sdpa" | "eager"
+    dtypes: tuple  # what the masked scores are cast to through the softmax (attention_mask.prove_mask)
+    sparse: Any = None  # dsa_indexer.SparseIndexer: DSA sparse graph -> dsa.indexer_topk + mla.sparse_decode
+
+
+# ----------------------------------------------------------------------------------------- the matcher
+def _match_expansion(k_nope: fx.Node, v: fx.Node, nodes: set):
+    """k_nope, V = split(linear(c, W).view(B, L, H, d).transpose(1, 2), [nope, v], -1)."""
+    for n, idx in ((k_nope, 0), (v, 1)):
+        if not (_is_fn(n, {operator.getitem}) and n.args[1] == idx):
+            raise NoMatch(f"{'K nope part' if idx == 0 else 'V'} ({n.name}) is not item {idx} of a split")
+    split = v.args[0]
+    if k_nope.args[0] is not split or not _is_op(split, "split"):
+        raise NoMatch("K nope part and V do not come from the same split")
+    sizes = _arg(split, 1, "split_size_or_sections")
+    if sizes is None:
+        sizes = _arg(split, 1, "split_size")
+    dim = _arg(split, 2, "dim", 0)
+    X = split.args[0]
+    xs = _shape(X)
+    if not (isinstance(sizes, (list, tuple)) and len(sizes) == 2 and _dim(dim, len(xs)) == len(xs) - 1):
+        raise NoMatch(f"split {split.name} is not a 2-way split of the last dim (sizes={sizes}, dim={dim})")
+    nope, v_dim = int(sizes[0]), int(sizes[1])
+    if not (_is_op(X, "transpose") and len(xs) == 4
+            and sorted(_dim(d, 4) for d in _shape_args(X)) == [1, 2]):
+        raise NoMatch(f"{X.name}: expected .transpose(1, 2) of the expanded kv")
+    view = X.args[0]
+    if not _is_op(view, "view", "reshape"):
+        raise NoMatch(f"{view.name}: expected a view of kv_b_proj's output")
+    lin = view.args[0]
+    if not _is_fn(lin, _LINEAR):
+        raise NoMatch(f"{lin.name}: expected kv_b_proj (linear) over the latent, got {lin.target}")
+    latent, weight = lin.args[0], _arg(lin, 1, "weight")
+    bias = _arg(lin, 2, "bias")
+    if bias is not None:
+        raise NoMatch("kv_b_proj has a bias")
+    ls, ws, vs, lins = _shape(latent), _shape(weight), _shape(view), _shape(lin)
+    B, H, L, d = xs
+    if not (len(ls) in (3, 4) and (len(ls) == 3 or ls[1] == 1) and same(ls[0], B) and ls[-2] == L):
+        raise NoMatch(f"latent {latent.name} has shape {ls}, expected [B, 1, L, R] with B={B}, L={L}")
+    R = ls[-1]
+    if not same(vs, (B, L, H, d)) or ws != (H * d, R) or d != nope + v_dim or lins[-1] != H * d:
+        raise NoMatch(f"kv_b_proj expansion shapes do not line up: view {vs}, weight {ws}, split {sizes}")
+    nodes.update({split, X, view, lin, k_nope, v})
+    return latent, weight, nope, v_dim, X
+
+
+def _match_rope_expand(n: fx.Node, B: int, H: int, L: int, nodes: set) -> fx.Node:
+    if not _is_op(n, "expand"):
+        raise NoMatch(f"{n.name}: expected the rope latent .expand(-1, H, -1, -1)")
+    src = n.args[0]
+    ss = _shape(src)
+    es = _shape(n)
+    if not (len(ss) == 4 and same(ss[0], B) and ss[1] == 1 and ss[2] == L and same(es, (B, H, L, ss[3]))):
+        raise NoMatch(f"rope latent {src.name} {ss} expanded to {es}: expected [B, 1, L, P] -> [B, H, L, P]")
+    nodes.add(n)
+    return src
+
+
+def _match_key(K: fx.Node, attn_users: set, nodes: set):
+    """K = [k_nope | kpe.expand] (new_empty + two slice copies, or cat). Returns (k_nope, kpe_expand,
+    nope_offset, rope_offset)."""
+    parts = {}  # offset -> source node
+    ks = _shape(K)
+    if _is_fn(K, _CAT):
+        tensors = last_dim_cat_parts(K)
+        if tensors is None or len(tensors) != 2:
+            raise NoMatch(f"{K.name}: K is a cat that is not 2 parts on the last dim")
+        off = 0
+        for t in tensors:
+            parts[off] = t
+            off += _shape(t)[-1]
+        nodes.add(K)
+    elif _is_op(K, "new_empty", "empty_like", "empty"):
+        for user in K.users:
+            if user in attn_users:
+                continue
+            if not (_is_fn(user, {operator.getitem}) and isinstance(user.args[1], tuple)
+                    and len(user.args[1]) == 2 and user.args[1][0] is Ellipsis
+                    and isinstance(user.args[1][1], slice) and user.args[1][1].step in (None, 1)):
+                raise NoMatch(f"K buffer {K.name} has an unexpected user {user.name} ({user.target})")
+            sl = user.args[1][1]
+            start = sl.start or 0
+            copies = list(user.users)
+            if len(copies) != 1 or not _is_op(copies[0], "copy_") or copies[0].args[0] is not user:
+                raise NoMatch(f"K slice {user.name} is not written by exactly one copy_")
+            src = copies[0].args[1]
+            stop = ks[-1] if sl.stop is None else sl.stop
+            if _shape(user)[-1] != stop - start or not same(_shape(src), _shape(user)):
+                raise NoMatch(f"K slice {user.name} is written with a broadcast / mismatched copy")
+            if start in parts:
+                raise NoMatch(f"K buffer {K.name} written twice at offset {start}")
+            parts[start] = src
+            nodes.update({user, copies[0]})
+        nodes.add(K)
+    else:
+        raise NoMatch(f"K ({K.name}, {K.target}) is neither HF's new_empty+copy_ nor a cat")
+    if len(parts) != 2:
+        raise NoMatch(f"K is assembled from {len(parts)} parts, expected 2")
+    (o1, p1), (o2, p2) = sorted(parts.items(), key=lambda kv: kv[0])
+    if o1 != 0 or o2 != _shape(p1)[-1] or o2 + _shape(p2)[-1] != ks[-1]:
+        raise NoMatch("K parts do not tile its last dim")
+    if _is_op(p1, "expand"):
+        return p2, p1, o2, o1
+    return p1, p2, o1, o2
+
+
+def _match_sdpa(node: fx.Node):
+    q, k, v = (_arg(node, i, nm) for i, nm in enumerate(("query", "key", "value")))
+    mask = _arg(node, 3, "attn_mask")
+    dropout = _arg(node, 4, "dropout_p", 0.0)
+    is_causal = _arg(node, 5, "is_causal", False)
+    scale = _arg(node, 6, "scale", None)
+    if node.kwargs.get("enable_gqa", False):
+        raise NoMatch("sdpa with enable_gqa")
+    if dropout != 0.0:
+        raise NoMatch(f"sdpa with dropout_p={dropout}")
+    if is_causal is not False:
+        raise NoMatch(f"sdpa with is_causal={is_causal} (HF passes an explicit mask for decode)")
+    if scale is None:
+        scale = _shape(q)[-1] ** -0.5
+    if not isinstance(scale, (int, float)):
+        raise NoMatch(f"sdpa scale is not a constant ({scale})")
+    return q, k, v, mask, float(scale), set(), {node}, (_val(q).dtype,)
+
+
+def _match_eager(node: fx.Node):
+    """out = matmul(dropout(softmax(matmul(Q, K.transpose(2, 3)) * s [+ M], -1).to(dt)), V)."""
+    p, v = node.args[0], node.args[1]
+    chain = {node}
+    while True:
+        if _is_op(p, "to", "type", "float"):
+            pass
+        elif _is_fn(p, _DROPOUT):
+            if _arg(p, 1, "p", 0.5) != 0.0 and _arg(p, 2, "training", True) is not False:
+                raise NoMatch("eager attention with active dropout")
+        else:
+            break
+        chain.add(p)
+        p = p.args[0]
+    if not _is_op(p, "softmax"):
+        if _is_fn(p, {operator.getitem}) and _is_op(p.args[0], "softmax"):
+            # softmax over [scores | per-head sink], the sink column dropped (hy_v4's attention sinks): attention,
+            # but not the form the rewrite proves, so it is counted and logged rather than skipped silently
+            raise NoMatch("the probabilities are a slice of a wider softmax (attention sinks?): not supported")
+        return None
+    sm_dim = _arg(p, 1, "dim")
+    if sm_dim not in (-1, 3):
+        raise NoMatch(f"softmax over dim {sm_dim}")
+    chain.add(p)
+    s = p.args[0]
+    mask = None
+    dtypes = (_val(s).dtype, _val(p).dtype)  # the masked scores', then the softmax's (HF: float32)
+    if _is_op(s, "add", "__add__") or _is_fn(s, {operator.add}):
+        chain.add(s)
+        s, mask = s.args[0], s.args[1]
+    scale = 1.0
+    if _is_op(s, "mul", "__mul__") or _is_fn(s, {operator.mul}):
+        chain.add(s)
+        a, b = s.args
+        if isinstance(b, (int, float)):
+            scale, s = float(b), a
+        elif isinstance(a, (int, float)):
+            scale, s = float(a), b
+        else:
+            raise NoMatch("attention scores scaled by a tensor")
+    if not (_is_op(s, "matmul") or _is_fn(s, _MATMUL)):
+        raise NoMatch("softmax input is not (Q @ K^T) * scale [+ mask]")
+    chain.add(s)
+    q, kt = s.args[0], s.args[1]
+    if not (_is_op(kt, "transpose") and sorted(_dim(d, 4) for d in _shape_args(kt)) == [2, 3]):
+        raise NoMatch("scores are not Q @ K.transpose(2, 3)")
+    chain.add(kt)
+    return q, kt.args[0], v, mask, scale, {kt}, chain, dtypes
+
+
+def match_site(node: fx.Node) -> Site | None:
+    """Return a Site if `node` is an attention output; None if it is not attention at all; NoMatch if it is
+    attention that cannot be rewritten."""
+    if _is_fn(node, _SDPA):
+        impl = "sdpa"
+        q, K, V, mask, scale, k_users, chain, dtypes = _match_sdpa(node)
+    elif _is_fn(node, _MATMUL) or _is_op(node, "matmul"):
+        impl = "eager"
+        m = _match_eager(node)
+        if m is None:
+            return None
+        q, K, V, mask, scale, k_users, chain, dtypes = m
+    else:
+        return None
+    qv = _val(q)
+    if not (isinstance(qv, torch.Tensor) and qv.dim() == 4):
+        raise NoMatch(f"query {q.name} is not a [B, H, 1, D] tensor")
+    if not (isinstance(qv.shape[2], int) and qv.shape[2] == 1):  # symbolic: Dynamo specializes a length of 1
+        raise NoMatch(f"query length {qv.shape[2]} != 1 (prefill / multi-token steps are left to HF attention)")
+    B, H, Sq, Dq = qs = _shape(q)
+    nodes = set(chain)
+    attn_users = {node} | k_users
+    k_nope, kpe_e, nope_off, rope_off = _match_key(K, attn_users, nodes)
+    latent, weight, nope, v_dim, X = _match_expansion(k_nope, V, nodes)
+    _, H2, L, _ = _shape(X)
+    if H2 != H:
+        raise NoMatch(f"K has {H2} heads, Q has {H} (grouped heads are not supported)")
+    kpe = _match_rope_expand(kpe_e, B, H, L, nodes)
+    P = _shape(kpe)[-1]
+    if Dq != nope + P or not same(_shape(K), (B, H, L, nope + P)) or _shape(V)[-1] != v_dim:
+        raise NoMatch(f"head dims do not line up: Q {qs}, K {_shape(K)}, nope {nope}, rope {P}")
+    lv = _val(latent)
+    if lv.dtype != qv.dtype or _val(kpe).dtype != qv.dtype or _val(weight).dtype != qv.dtype:
+        raise NoMatch(f"mixed dtypes: q {qv.dtype}, latent {lv.dtype}, kpe {_val(kpe).dtype}")
+    if mask is not None:
+        ms = _shape(mask)
+        if not (len(ms) == 4 and (same(ms[0], 1) or same(ms[0], B)) and ms[1] == 1 and ms[2] == 1 and ms[3] == L):
+            raise NoMatch(f"mask shape {ms} is not [B|1, 1, 1, L={L}] (per-head masks are not supported)")
+    # NoMatch for a mask it cannot prove to be a hard mask (before anything is emitted)
+    proof = masks.prove_mask(mask, additive=impl == "eager", dtypes=dtypes)
+    check_private(node, nodes)  # every intermediate dies with the site
+    return Site(out=node, q=q, weight=weight, latent=latent, kpe=kpe, mask=mask, proof=proof, scale=scale,
+                nope=nope, v_dim=v_dim, rope=P, nope_offset=nope_off, rope_offset=rope_off, heads=H, nodes=nodes,
+                impl=impl, dtypes=dtypes)
+
+
+def latent_source(site: Site) -> LatentSource:
+    """Identify where the latent comes from: our caches' gather op, or a plain tensor."""
+    from ..integrations import hf as hf_int
+
+    lat, kpe = site.latent, site.kpe
+    if (_is_fn(lat, {operator.getitem}) and _is_fn(kpe, {operator.getitem}) and lat.args[0] is kpe.args[0]
+            and lat.args[1] == 0 and kpe.args[1] == 1):
+        g = lat.args[0]
+        if _is_fn(g, hf_int.GATHER_OPS):
+            return hf_int.describe_gather(g, LatentSource)
+    if _is_fn(lat, {operator.getitem}) and _is_fn(lat.args[0], getattr(hf_int, "GATHER_OPS", set())):
+        raise NoMatch("latent and rope latent come from different cache gathers")
+    return LatentSource("tensor", lat, kpe)
+
