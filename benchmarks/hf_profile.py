@@ -33,6 +33,8 @@ from unittest import mock
 
 import torch
 
+from mla_compile import tuning
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_decode import build_model, decode, filled_cache, greedy_step, rewind, sync  # noqa: E402
 
@@ -58,40 +60,44 @@ def categorize(row: dict) -> dict:
     return out
 
 
-# variant -> (mask marked static?, backend options, experiment: {"module.attribute" or "$ENV_VAR": value} set
-# for the variant)
-# programmatic dependent launch is on by default (ours and Inductor's): a kernel's profiled time then includes
+# variant -> (mask marked static?, backend options, Tuning (mla_compile/tuning.py), environment switches): each
+# experiment undoes one default through the public surface (a Tuning field or a process-wide env var), never a
+# module's private name.
+# Programmatic dependent launch is on by default (ours and Inductor's): a kernel's profiled time then includes
 # waiting for its predecessor, so per-kernel attribution wants "static+nopdl"
-_NO_PDL_OURS = {"$MLA_COMPILE_PDL": "0"}
+_NO_PDL_OURS = {"MLA_COMPILE_PDL": "0"}
+DEFAULT = tuning.Tuning()
 VARIANTS = {
-    "input": (False, {}, {}),
-    "static": (True, {}, {}),
-    "static+nopdl": (True, {"triton.enable_pdl": False}, _NO_PDL_OURS),
-    "static+pdl_inductor_only": (True, {}, _NO_PDL_OURS),
-    "static+pdl_ours_only": (True, {"triton.enable_pdl": False}, {}),
-    "static+nocombo": (True, {"combo_kernels": False}, {}),
-    # session 7's defaults undone one at a time: lone linears only with K >= 8192 (q_b, o_proj to cuBLAS); W_UK /
-    # W_UV as cuBLAS bmms; both (session 6's step); and the greedy pick as one whole-row argmax
-    "static+cublas_small": (True, {}, {"mla_compile.passes.fused_linear._MIN_K_ALONE": 8192}),
-    "static+absorb_bmm": (True, {}, {"mla_compile.passes.mla_attention._ABSORB": "bmm"}),
-    "static+session6": (True, {}, {"mla_compile.passes.fused_linear._MIN_K_ALONE": 8192,
-                                   "mla_compile.passes.mla_attention._ABSORB": "bmm"}),
-    "static+whole_argmax": (True, {}, {"mla_compile.passes.split_argmax.MAX_ROWS": 0}),
-    # lm_head to the few-token kernel too (session 6 call 1: 744 vs 727 us wall - slower)
-    "static+lone_linears": (True, {}, {"mla_compile.passes.fused_linear._MAX_N_ALONE": 1 << 30}),
+    "input": (False, {}, DEFAULT, {}),
+    "static": (True, {}, DEFAULT, {}),
+    "static+nopdl": (True, {"triton.enable_pdl": False}, DEFAULT, _NO_PDL_OURS),
+    "static+pdl_inductor_only": (True, {}, DEFAULT, _NO_PDL_OURS),
+    "static+pdl_ours_only": (True, {"triton.enable_pdl": False}, DEFAULT, {}),
+    "static+nocombo": (True, {"combo_kernels": False}, DEFAULT, {}),
+    # the measured defaults undone one at a time: lone linears only with K >= 8192 (q_b, o_proj to cuBLAS); W_UK /
+    # W_UV as cuBLAS bmms; both (the step before those two defaults); and the greedy pick as one whole-row argmax
+    "static+cublas_small": (True, {}, tuning.Tuning(lone_linear_min_k=8192), {}),
+    "static+absorb_bmm": (True, {}, tuning.Tuning(absorb="bmm"), {}),
+    "static+session6": (True, {}, tuning.Tuning(lone_linear_min_k=8192, absorb="bmm"), {}),
+    "static+whole_argmax": (True, {}, tuning.Tuning(split_argmax_max_rows=0), {}),
+    # lm_head to the few-token kernel too (measured 744 vs 727 us wall: slower)
+    "static+lone_linears": (True, {}, tuning.Tuning(lone_linear_max_n=1 << 30), {}),
+    # our own many-head kernels instead of `auto` (FlashMLA where it is installed and the caches share rows)
+    "static+triton_decode": (True, {}, tuning.Tuning(decode_kernel="triton"), {}),
 }
 
 
-def experiment_patches(experiment: dict) -> contextlib.ExitStack:
-    """The variant's experiment as one context: environment variables ("$NAME") and module attributes."""
+def experiment(variant: str) -> contextlib.ExitStack:
+    """The variant's Tuning and environment switches as one context (what the variant compiles, records and runs
+    under)."""
+    _, _, tune, env = VARIANTS[variant]
     stack = contextlib.ExitStack()
-    env = {k[1:]: v for k, v in experiment.items() if k.startswith("$")}
     if env:
         stack.enter_context(mock.patch.dict(os.environ, env))
-    for target, value in experiment.items():
-        if not target.startswith("$"):
-            stack.enter_context(mock.patch(target, value))
+    stack.enter_context(tuning.use(tune))
     return stack
+
+
 GAP_BUCKETS_US = (1.0, 2.0, 5.0, 20.0)
 
 
@@ -127,8 +133,8 @@ def wall_us_per_step(run, steps: int, device) -> float:
 
 def profile_case(H, kv, args, device, variant="input"):
     model, cache, mask = model_cache_mask(H, kv, args, device)
-    static_mask, options, experiment = VARIANTS[variant]
-    with experiment_patches(experiment):
+    static_mask, options, _, _ = VARIANTS[variant]
+    with experiment(variant):
         return _profile(H, kv, args, device, variant, model, cache, mask, static_mask, options)
 
 
@@ -191,18 +197,19 @@ def ab_case(H, kv, args, device, variants, rounds: int) -> dict:
     assert args.step == "greedy", "--ab times the greedy step (--step greedy)"
     runs = {}
     for variant in variants:
-        static_mask, options, experiment = VARIANTS[variant]
+        static_mask, options, tune, _ = VARIANTS[variant]
         assert static_mask, f"--ab compares static-mask variants only, not {variant}"
-        # Dynamo caches compiled code per code object and backend; variants that differ only in module patches or
+        # Dynamo caches compiled code per code object and backend; variants that differ only in their Tuning or
         # environment (same backend, equal options) would reuse the first one's code: each variant gets a step
         # function with a code object of its own
         step = greedy_step(model)
         target = types.FunctionType(step.__code__.replace(co_name=f"step_{len(runs)}"), step.__globals__,
                                     closure=step.__closure__)
-        with experiment_patches(experiment):  # active while the variant compiles and records its graphs
+        with experiment(variant):  # active while the variant compiles and records its graphs
             fn = torch.compile(target, backend="mla_dcp", options={"mode": "reduce-overhead", **options},
                                fullgraph=True)
-            runs[variant] = lambda steps, fn=fn: decode(fn, cache, tok, mask, kv, steps, model=model)  # noqa: E731
+            run = lambda steps, fn=fn: decode(fn, cache, tok, mask, kv, steps, model=model)  # noqa: E731
+            runs[variant] = tuning.bind(run, tune)  # its kernel choices when it runs, too
             runs[variant](4)
             rewind(cache, kv)
     samples = {v: [] for v in variants}

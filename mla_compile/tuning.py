@@ -29,6 +29,7 @@ from typing import Any
 DECODE_KERNEL_ENV = "MLA_COMPILE_DECODE_BACKEND"
 # what `mla::decode` / `mla::sparse_decode` may run on CUDA (kernels/dispatch.select_decode_kernel has the table)
 DECODE_KERNELS = ("auto", "flashmla", "seesaw", "wgmma", "triton", "flashinfer")
+ABSORB = ("auto", "per_head_linear", "bmm")  # how the attention pass writes the absorbed W_UK / W_UV products
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,14 +40,38 @@ class Tuning:
         call's shape class (kernels/dispatch.select_decode_kernel), or MLA_COMPILE_DECODE_BACKEND where that is
         set. Any other value asks for that kernel; a call it cannot serve (shape, device, layout, or FlashInfer
         under CUDA-graph capture) falls back to auto's choice, with the reason in `dispatch.decode_kernel`'s
-        answer.
+        answer. Read per op call.
+
+    The graph rewrites read these while they compile (a change means a new compile, not a changed graph):
+
+    absorb: how passes/mla_attention.py writes the absorbed projections (q_nope @ W_UK, attn @ W_UV), one of ABSORB.
+        "auto": `mla.per_head_linear` (one few-token Triton launch writing [B, H, N], PDL-chained with its
+        neighbours) for CUDA half-precision decode batches, else "bmm" (over heads, then a transpose copy).
+        H200, HF H=16 32K greedy step, side by side, with q_b / o_proj also on the few-token kernel: 679.5 vs
+        689.0 us a step; an Inductor multiply + sum was slower (747 vs 736 us).
+    lone_linear_min_k, lone_linear_max_n: a bias-free linear without a partner (passes/fused_linear.py) goes to
+        the few-token kernel when K >= min_k and N <= max_n: q_b_proj, o_proj, down_proj, not lm_head (whose wide
+        GEMM suits cuBLAS). H200, same step: 679.5 vs 689.0 us with only K >= 8192 (down_proj); lm_head too was
+        slower (744 vs 727 us).
+    split_argmax_max_rows: passes/split_argmax.py splits argmax / argmin of at most this many rows (more rows fill
+        the GPU already).
     """
 
     decode_kernel: str = "auto"
+    absorb: str = "auto"
+    lone_linear_min_k: int = 1024
+    lone_linear_max_n: int = 8192
+    split_argmax_max_rows: int = 256
 
     def __post_init__(self):
         if self.decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"decode_kernel: expected one of {', '.join(DECODE_KERNELS)}, got {self.decode_kernel!r}")
+        if self.absorb not in ABSORB:
+            raise ValueError(f"absorb: expected one of {', '.join(ABSORB)}, got {self.absorb!r}")
+        for name in ("lone_linear_min_k", "lone_linear_max_n", "split_argmax_max_rows"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Tuning))

@@ -28,17 +28,22 @@ def test_profile_categories_split_the_step_exactly():
     assert all(v > 0 for v in cats.values())
 
 
-def test_profile_variant_experiments_patch_env_and_attributes_then_restore(monkeypatch):
-    from mla_compile.passes import fused_linear
+def test_profile_variants_set_their_tuning_and_env_then_restore(monkeypatch):
+    # every experiment goes through the public surface: a Tuning and process-wide env switches, no private names
+    from mla_compile import tuning
 
     monkeypatch.delenv("MLA_COMPILE_PDL", raising=False)
-    before = fused_linear._MIN_K_ALONE
-    for name, (_, _, experiment) in hf_profile.VARIANTS.items():  # every target names something that exists
-        with hf_profile.experiment_patches(experiment):
-            pass
-    with hf_profile.experiment_patches({"$MLA_COMPILE_PDL": "1", "mla_compile.passes.fused_linear._MIN_K_ALONE": 3}):
-        assert os.environ["MLA_COMPILE_PDL"] == "1" and fused_linear._MIN_K_ALONE == 3
-    assert "MLA_COMPILE_PDL" not in os.environ and fused_linear._MIN_K_ALONE == before
+    for name, (_, _, tune, env) in hf_profile.VARIANTS.items():
+        assert isinstance(tune, tuning.Tuning) and all(k.startswith("MLA_COMPILE_") for k in env), name
+        with hf_profile.experiment(name):
+            assert tuning.current() == tune
+            assert all(os.environ[k] == v for k, v in env.items())
+        assert tuning.current() == tuning.DEFAULT and "MLA_COMPILE_PDL" not in os.environ
+    with hf_profile.experiment("static+nopdl"):
+        assert os.environ["MLA_COMPILE_PDL"] == "0"
+    with hf_profile.experiment("static+cublas_small"):
+        assert tuning.current().lone_linear_min_k == 8192
+    assert "MLA_COMPILE_PDL" not in os.environ
 
 
 def test_gap_stats_buckets_and_largest_gaps():

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from transformers import StaticCache
 
 import hf_models as M
+from mla_compile import tuning
 from mla_compile.passes.fused_linear import COUNTER, SPLIT_COUNTER, fuse_shared_input_linears
 
 COUNTERS = torch._dynamo.utils.counters
@@ -177,18 +178,16 @@ def test_lone_linear_goes_to_the_op_with_k_from_1024_and_n_to_8192():
     assert linears == [torch.ops.mla.linear_partials.default, torch._C._nn.linear]
     assert COUNTERS["mla_compile"][SPLIT_COUNTER] == 1
     assert sum(n.target is torch.ops.aten.add.Tensor for n in gm.graph.nodes) == 7
-    assert fused_linear._lone_worth_it(torch.empty(fused_linear._MAX_N_ALONE, fused_linear._MIN_K_ALONE))
+    t = tuning.current()
+    assert fused_linear._lone_worth_it(torch.empty(t.lone_linear_max_n, t.lone_linear_min_k))
     assert not fused_linear._lone_worth_it(torch.empty(32768, 2048))  # lm_head
     assert not fused_linear._lone_worth_it(torch.empty(2048, 512))
 
 
-def test_lone_linear_n_cap(monkeypatch):
+def test_lone_linear_n_cap():
     """A lone linear wider than the cap stays a linear."""
-    from mla_compile.passes import fused_linear
-
-    monkeypatch.setattr(fused_linear, "_MIN_K_ALONE", 16)
-    monkeypatch.setattr(fused_linear, "_MAX_N_ALONE", 8)
-    linears, _ = _lone_linears_graph((16, 8), (16, 9))  # N 8 within the cap, N 9 above it
+    with tuning.use(tuning.Tuning(lone_linear_min_k=16, lone_linear_max_n=8)):
+        linears, _ = _lone_linears_graph((16, 8), (16, 9))  # N 8 within the cap, N 9 above it
     assert COUNTERS["mla_compile"][COUNTER] == 1
     assert linears == [torch.ops.mla.fused_linear.default, torch._C._nn.linear]
 

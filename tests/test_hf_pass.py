@@ -89,11 +89,13 @@ def test_bf16_decode_within_tolerance(impl):
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
 
 
-def test_absorbed_projections_as_per_head_linear_match_eager(monkeypatch):
+def test_absorbed_projections_as_per_head_linear_match_eager():
     """The pass's `mla.per_head_linear` spelling of W_UK / W_UV computes what the bmm spelling does."""
-    monkeypatch.setattr(mla_attention, "_ABSORB", "per_head_linear")
+    from mla_compile import tuning
+
     model = M.deepseek_v3(num_layers=2)
-    _check(model, 2, lambda: StaticCache(config=model.config, max_cache_len=32), L=32)
+    with tuning.use(tuning.Tuning(absorb="per_head_linear")):
+        _check(model, 2, lambda: StaticCache(config=model.config, max_cache_len=32), L=32)
 
 
 def test_paged_cache_single_rank():

@@ -7,7 +7,7 @@ at load time; this pass fuses them in the graph with no copy of the weights: the
 CUDA impl is one kernel launch per pair (ops/linear.py); alone, a linear goes there when K >= 1024 and
 N <= 8192 (q_b_proj, o_proj, down_proj): alone on the H200 ours and cuBLAS were close at K <= 2048 (6.0-6.8 vs
 5.7-6.0 us), but in the step ours chain with their neighbours by programmatic dependent launch and cuBLAS's do not
-(see _MIN_K_ALONE). The op computes exactly what the linears did, so
+(`tuning.Tuning.lone_linear_min_k`). The op computes exactly what the linears did, so
 the rewrite is semantics-preserving wherever it fires; `where` decides only where it is worth firing:
 
   auto:   CUDA, fp16/bf16, x with at most 16 rows (decode batches), where the H200 sweep measured it faster
@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 from torch.ops import aten
 
+from .. import tuning
 from ..ops.linear import FEW_TOKEN_ROWS, few_token_rows
 from ._fx import Builder, arg, fake_mode_of, finish_edits, graph_of, meta_val
 
@@ -41,11 +42,6 @@ COUNTER = "fused_linear_groups"
 SPLIT_COUNTER = "fused_linear_split_k_groups"  # of those, written as linear_partials + adds
 WHERE = ("auto", "always", "never")
 _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
-# a linear without a partner: K >= 1024 and N <= 8192 (q_b_proj, o_proj, down_proj; not lm_head, whose wide GEMM
-# suits cuBLAS). Measured (H200, HF H=16 32K greedy step, side by side, with W_UK / W_UV as mla.per_head_linear):
-# 679.5 vs 689.0 us a step with only K >= 8192 (down_proj); lm_head too was slower (744 vs 727 us)
-_MIN_K_ALONE = 1024
-_MAX_N_ALONE = 8192
 
 
 def few_token_worth_it(x: torch.Tensor, rows=None) -> bool:
@@ -56,8 +52,10 @@ def few_token_worth_it(x: torch.Tensor, rows=None) -> bool:
 
 
 def _lone_worth_it(w: torch.Tensor) -> bool:
-    """A linear without a partner goes to the few-token kernel with K >= _MIN_K_ALONE and N <= _MAX_N_ALONE."""
-    return w.shape[1] >= _MIN_K_ALONE and w.shape[0] <= _MAX_N_ALONE
+    """A linear without a partner goes to the few-token kernel with K >= lone_linear_min_k and N <=
+    lone_linear_max_n (mla_compile/tuning.py says why those)."""
+    t = tuning.current()
+    return w.shape[1] >= t.lone_linear_min_k and w.shape[0] <= t.lone_linear_max_n
 
 
 def _candidate(node: fx.Node, where: str):

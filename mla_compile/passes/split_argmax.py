@@ -11,7 +11,8 @@ Exact, ties and NaN included: within a chunk argmax returns the first index of t
 which compares above everything) and amax that value (NaN propagates); across chunks the first chunk holding the
 maximum (the first NaN) wins, so the result is the first index of the global maximum - torch's definition.
 Argmin mirrors it with amin. Fires for floating inputs with a static shape, dim = the last dim (any spelling),
-N >= MIN_N with a divisor C in [256, 4096], and at most MAX_ROWS rows (more rows already fill the GPU).
+N >= MIN_N with a divisor C in [256, 4096], and at most `tuning.Tuning.split_argmax_max_rows` rows (more rows
+already fill the GPU).
 Runs on the Dynamo graph; counted in `counters["mla_compile"]["split_arg_reductions"]`.
 """
 
@@ -23,11 +24,11 @@ import operator
 import torch
 import torch.fx as fx
 
+from .. import tuning
 from ._fx import Builder, arg, fake_mode_of, meta_val, replace_each
 
 COUNTER = "split_arg_reductions"
 MIN_N = 8192
-MAX_ROWS = 256
 _EXTREME = {"argmax": torch.amax, "argmin": torch.amin}
 _FUNCTIONS = {torch.argmax: "argmax", torch.argmin: "argmin"}
 
@@ -56,7 +57,7 @@ def _site(node: fx.Node):
     if not all(isinstance(s, int) for s in shape) or dim % len(shape) != len(shape) - 1:
         return None
     n, rows = shape[-1], math.prod(shape[:-1])
-    c = chunk_width(n) if n >= MIN_N and rows <= MAX_ROWS else None
+    c = chunk_width(n) if n >= MIN_N and rows <= tuning.current().split_argmax_max_rows else None
     return None if c is None else (kind, x, keepdim, c)
 
 

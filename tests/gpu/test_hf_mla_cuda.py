@@ -59,11 +59,13 @@ def test_hf_decode_cuda_split_k_partials_and_combo_kernels():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_hf_decode_cuda_absorbed_projections_as_per_head_linear(monkeypatch, dtype, tol):
+def test_hf_decode_cuda_absorbed_projections_as_per_head_linear(dtype, tol):
     """The pass's `per_head_linear` spelling of W_UK / W_UV (the few-token Triton kernel in bf16; fp32 takes the
     op's bmm definition) under Inductor + CUDA-graph trees, against eager HF."""
-    monkeypatch.setattr(mla_attention, "_ABSORB", "per_head_linear")
-    logits, ref_l = _compiled_vs_eager(M.deepseek_v3(num_layers=2, heads=16, hidden=256, dtype=dtype))
+    from mla_compile import tuning
+
+    with tuning.use(tuning.Tuning(absorb="per_head_linear")):
+        logits, ref_l = _compiled_vs_eager(M.deepseek_v3(num_layers=2, heads=16, hidden=256, dtype=dtype))
     assert M.rel_err(logits, ref_l) < tol
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
 
