@@ -5,6 +5,7 @@ eligibility and default configs."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import unittest.mock as mock
 from pathlib import Path
 
@@ -196,7 +197,7 @@ def test_the_table_in_architecture_md_names_every_choice():
     doc = D_.select_decode_kernel.__doc__
     arch = (Path(__file__).resolve().parents[1] / "ARCHITECTURE.md").read_text()
     for name in ("flashmla", "seesaw", "wgmma", "triton", "torch"):
-        assert f"| {name} |" in doc
+        assert re.search(rf"\| {name} +\|", doc), name
         assert f"`{name}`" in arch, name
 
 
@@ -258,7 +259,7 @@ def test_decode_runs_exactly_the_configured_stage1_kernel(kernel, monkeypatch):
 def test_dispatch_decode_runs_the_selected_kernel(choice, monkeypatch):
     ran = []
     fake_fm = mock.Mock(decode=lambda *a: ran.append("flashmla"))
-    monkeypatch.setattr(D_, "_flashmla", lambda: fake_fm)
+    monkeypatch.setattr(D_, "_flashmla", lambda device: fake_fm)
     monkeypatch.setattr(D_._fi, "decode", lambda *a: ran.append("flashinfer"))
     monkeypatch.setattr(D_._decode, "decode", lambda *a, cfg=None, **k: ran.append(cfg.kernel if cfg else "triton"))
     monkeypatch.setattr(D_, "decode_kernel", lambda *a, **k: D_.Choice(choice, "test"))
@@ -305,3 +306,23 @@ def test_kernels_sit_below_the_ops_in_no_import_circle():
     outside = {t for m, ts in g.items() if m.startswith("mla_compile.kernels") for t in ts
                if not t.startswith("mla_compile.kernels")}
     assert outside == {"mla_compile.tuning"} and not g["mla_compile.tuning"]
+
+
+def test_flashmla_only_where_it_reads_the_caches_in_place(monkeypatch):
+    # FlashMLA over two separate caches would copy them every call (more bytes than the attention reads): auto
+    # takes it for one shared [NP, PS, R + P] buffer (flashmla.fused_caches) or P = 0, and never without it
+    from mla_compile.kernels import flashmla
+
+    fake = mock.Mock(supported=lambda *a: (True, ""), shares_rows=flashmla.shares_rows)
+    monkeypatch.setattr(D_, "_capability", lambda device: H200)
+    monkeypatch.setattr(D_, "_flashmla", lambda device: fake)
+    q_nope, q_pe, ckv, kpe = _cpu_call()
+    assert D_.decode_kernel(q_nope, q_pe, ckv, kpe).name != "flashmla"
+    ckv2, kpe2 = flashmla.fused_caches(4, 64, 512, 64, BF16, "cpu")
+    assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2).name == "flashmla"
+    assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2, kernel="triton").name == "triton"
+    assert D_.decode_kernel(q_nope, q_pe[..., :0], ckv, kpe[..., :0]).name == "flashmla"  # P = 0: ckv alone
+    fake.supported = lambda *a: (False, "page size")
+    assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2).name != "flashmla"
+    monkeypatch.setattr(D_, "_flashmla", lambda device: None)  # not installed
+    assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2).name != "flashmla"

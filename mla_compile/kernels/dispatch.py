@@ -59,18 +59,26 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     auto, first match (H200 measurements: issue 24's table and benchmarks/RESULTS.md, ops table and the seesaw /
     Gluon kernel sections; every kernel timed as a CUDA-graph replay):
 
-    | shape class | kernel | why |
-    |---|---|---|
-    | CPU tensors at the op | torch | the op's CPU impl, the plain-torch definition |
-    | FlashMLA installed, sm_90, dense, 1 query token, R 512, P 64 or 0, page 64, half precision, caches in one [NP, PS, R + P] buffer | flashmla | fastest measured on every H200 shape: ours 1.06-1.09x its time at H 16, 1.20-1.35x at H 128 (FlashInfer 1.04-1.17x) |
-    | sm_90, half precision, H >= 64, 1 query token, TMA layout (page a multiple of 64), P 64, R/2 a power of two <= 256 | seesaw | warp-specialised Gluon kernel: 1-6% faster than the two-warpgroup one (B=8 128K stage 1 669 vs 708 us, 429 TFLOP/s) |
-    | sm_90, half precision, H >= 64, 1 query token, other pages / sparse index lists (rows 16-byte aligned) or P != 64 | wgmma | hand-laid warpgroup MMAs (TMA boxes, else 16-byte async copies per row): 1.5-1.6x the Triton TMA kernel at H 128 |
-    | everything else (H < 64, not sm_90, fp32, P = 0, several query tokens) | triton | split-KV Triton kernels: memory-bound few-head decode at 0.79-0.92 of copy bandwidth; the only kernel for n_query > 1 and for P = 0 (a zero rope column) |
+    | shape class (first match)                                          | kernel   | why |
+    |--------------------------------------------------------------------|----------|-----|
+    | CPU tensors at the op                                              | torch    | the op's CPU impl (definition) |
+    | FlashMLA in place (1), sm_90, dense, 1 query token                 | flashmla | fastest on every H200 shape (2) |
+    | sm_90, fp16/bf16, H >= 64, 1 query token, TMA layout (3), P 64     | seesaw   | 1-6% faster than wgmma (4) |
+    | sm_90, fp16/bf16, H >= 64, 1 query token, other layouts (5), P > 0 | wgmma    | 1.5-1.6x Triton TMA at H 128 |
+    | the rest: H < 64, not sm_90, fp32, P = 0, n_query > 1              | triton   | memory-bound few heads (6) |
+
+    (1) FlashMLA installed, R 512, P 64 or 0, page 64, fp16/bf16, ckv and kpe the two column ranges of one
+        [NP, PS, R + P] buffer (kernels/flashmla.fused_caches); over two separate caches it would copy them every
+        call (more bytes than the attention reads).
+    (2) ours takes 1.06-1.09x its time at H 16, 1.20-1.35x at H 128; FlashInfer 1.04-1.17x.
+    (3) pages of whole 64-token tiles viewing as [slots, width]; R/2 a power of two <= 256.
+    (4) the warp-specialised kernel: B=8 128K stage 1 669 vs 708 us, 429 TFLOP/s.
+    (5) page sizes under 64 or sparse index lists (16-byte aligned rows, R/2 and P >= 64), or P != 64.
+    (6) split-KV Triton kernels at 0.79-0.92 of copy bandwidth; the only kernel for several query tokens and for
+        P = 0 (a zero rope column).
 
     FlashInfer is never auto's: at H 128 it is faster than ours but slower than FlashMLA, and its cached
     workspace broke torch.compile's cudagraph-tree pool check (H200 2026-11-30); asked for, it serves eager calls.
-    FlashMLA with caches that do not share rows would copy them per call (more bytes than the attention reads),
-    so auto takes it only in place.
 
     Cheap: cached on its (hashable) arguments, no device query.
     """
@@ -119,18 +127,20 @@ def _capability(device: torch.device):
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else "interpreter"
 
 
-def _flashmla():
-    """kernels/flashmla.py when FlashMLA is installed and usable here, else None (the module itself is optional)."""
+@functools.lru_cache(maxsize=None)
+def _flashmla(device: torch.device):
+    """kernels/flashmla.py when FlashMLA is installed and serves `device` (an sm_90 GPU), else None; the module
+    itself is optional. Asked once per device."""
     try:
         from . import flashmla
     except ImportError:
         return None
-    return flashmla if flashmla.available() else None
+    return flashmla if device.type == "cuda" and _capability(device) == (9, 0) and flashmla.available() else None
 
 
 def _flashmla_in_place(q_nope, ckv_cache, kpe_cache, page_size) -> bool:
     """FlashMLA takes this call and reads the caches without copying them (P = 0, or one shared buffer)."""
-    fm = _flashmla()
+    fm = _flashmla(q_nope.device)
     if fm is None or not fm.supported(q_nope, ckv_cache, page_size, kpe_cache)[0]:
         return False
     return kpe_cache.shape[-1] == 0 or fm.shares_rows(ckv_cache, kpe_cache)
@@ -202,7 +212,7 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
     `decode`): the Triton pointer kernel only (FlashInfer and the many-head kernels take one token per request)."""
     name = decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, n_query=n_query).name
     if name == "flashmla":
-        return _flashmla().decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+        return _flashmla(q_nope.device).decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
     if name == "flashinfer":
         return _fi.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
     if name in ("seesaw", "wgmma"):
