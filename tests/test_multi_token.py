@@ -451,3 +451,33 @@ def test_compiled_decode_matches_eager():
     want = step(qn, qp, c, k, bt, sl)
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1])
+
+
+# ----------------------------------------------------------------------------------------- kernel build (sm_90a)
+def _aot():
+    try:
+        from tools import aot
+    except ImportError:
+        aot = pytest.importorskip("mla_compile.kernels.aot")
+    if not aot.available():
+        pytest.skip("triton's bundled ptxas is missing")
+    return aot
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,page_size", [(32, 64), (64, 1), (512, 64)])
+def test_multi_token_kernel_builds_without_spills_within_shared_memory(rows, page_size, dtype):
+    """The S > 1 pointer kernel at its default tiling compiled for sm_90a (no GPU needed): nothing spills and its
+    shared memory stays well inside the H200's 227 KB per block (a 64-row, 64-token tile config needed 216 KB)."""
+    pytest.importorskip("triton")
+    from mla_compile.kernels import decode as D
+
+    aot = _aot()
+    cfg = D.multi_token_config(rows, page_size, dtype)
+    ptr = "*fp32" if dtype == torch.float32 else "*bf16"
+    got = aot.compile_sm90(D._stage1_kernel,
+                           dict(D.pointer_constexprs(cfg, 512, 64, page_size, False, dtype, True), PDL=False),
+                           {k: ptr for k in ("Qn", "Qp", "Ckv", "Kpe")}, cfg.num_warps, cfg.num_stages)
+    assert got["spill_bytes"] == 0, got["registers"]
+    assert got["shared_bytes"] <= 160 * 1024, got["shared_bytes"]
+    assert cfg.block_h == min(64 if dtype == torch.bfloat16 else 32, rows)

@@ -248,16 +248,24 @@ def default_config(H: int, R: int, page_size: int) -> DecodeConfig:
     return DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=stages, max_splits=256)
 
 
-def multi_token_config(rows: int, page_size: int) -> DecodeConfig:
+def multi_token_config(rows: int, page_size: int, dtype: torch.dtype = torch.bfloat16) -> DecodeConfig:
     """S > 1 query tokens per request (rows = S * H): the pointer kernel with up to 64 rows per program, so a KV tile
     is loaded once for all S tokens of up to 64 rows (H 16: S <= 4 in one program). The Gluon / TMA many-head
-    kernels take one query token per request only. Rows beyond 16 double the accumulator and q in registers:
-    8 warps keep them from spilling (the sm_90a build of tests/test_kernel_codegen.py checks it)."""
+    kernels take one query token per request only. Sized from the sm_90a builds (tools/aot.py, R 512 / P 64):
+    rows past 16 double the accumulator and q, so 8 warps keep them in registers (32 rows: 194 registers, 112 KB
+    shared); 64 rows with 64-token tiles need 216-221 KB of shared memory (at the H200's 227 KB limit) and spill,
+    32-token tiles 144 KB and no spill. fp32 operands (twice the bytes) stay at 32 rows and 16-token tiles (124 KB)."""
+    if dtype == torch.float32:
+        block_h = min(32, block(rows))
+        return DecodeConfig(block_h=block_h, block_n=16, num_warps=4 if block_h <= 16 else 8, num_stages=2,
+                            max_splits=256)
     block_h = min(64, block(rows))
     stages = 2 if page_size % 64 == 0 else 3
     if block_h <= 16:
         return DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=stages, max_splits=256)
-    return DecodeConfig(block_h=block_h, block_n=64, num_warps=8, num_stages=stages, ctas_per_sm=1, max_splits=256)
+    if block_h == 32:
+        return DecodeConfig(block_h=32, block_n=64, num_warps=8, num_stages=stages, max_splits=256)
+    return DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=3, ctas_per_sm=1, max_splits=256)
 
 
 def num_splits(batch: int, heads: int, capacity: int, device: torch.device, cfg: DecodeConfig) -> int:
@@ -365,7 +373,7 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
     # an index list (sparse_decode) gathers every token through a table load, as a page-1 token table does
     page_size = 1 if indices is not None else ckv_cache.shape[1]
     multi = n_query > 1
-    cfg = cfg or (multi_token_config(H, page_size) if multi else default_config(H, R, page_size))
+    cfg = cfg or (multi_token_config(H, page_size, q_nope.dtype) if multi else default_config(H, R, page_size))
     ns = splits or num_splits(B, H, capacity, q_nope.device, cfg)
     if ns == 1:
         o, l = out, lse
