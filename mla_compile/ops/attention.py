@@ -101,7 +101,7 @@ def check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens,
                                                  C.REFERENCE_DTYPES)
     if seq_lens.dim() == 2:
         _check_limits_data(seq_lens)
-        seq_lens = seq_lens.amax(1) if seq_lens.numel() else seq_lens[:, 0]  # the last token sees the most
+        seq_lens = seq_lens[:, -1]  # non-decreasing (checked where values are read): the last token sees the most
     else:
         check_query_lens(seq_lens, query_tokens(q_nope))
     C.check_block_table_data(block_table, seq_lens, num_pages, page_size)
