@@ -10,7 +10,7 @@ import torch
 
 import hf_models as M
 from mla_compile.integrations import generate as G
-from mla_compile.integrations.hf import optimize_generate
+from mla_compile.integrations.hf import MLAPagedCache, cache_kwargs, optimize_generate
 from mla_compile.passes import mla_attention
 
 transformers = pytest.importorskip("transformers")
@@ -47,14 +47,30 @@ def test_optimize_generate_matches_eager_and_rewrites(attn):
 def test_optimize_generate_wraps_generate_once_and_keeps_a_set_cache_implementation():
     model = M.deepseek_v3(num_layers=1)
     model.generation_config.cache_implementation = "paged"  # whatever the user set stays
+    hf_generate = model.generate
     optimize_generate(model)
     first = model.generate
-    optimize_generate(model)
-    assert model.generate is first and getattr(first, G._DEFERS)
+    assert getattr(first, G._DEFERS) and getattr(first, G._WRAPS) == hf_generate
+    optimize_generate(model, defer_stop_check=False, masks_in_graph=False)  # re-wraps HF's generate, not ours
+    assert getattr(model.generate, G._WRAPS) == hf_generate and not getattr(model.generate, G._DEFERS)
+    assert "create_masks_for_generate" not in vars(model)
     assert model.generation_config.cache_implementation == "paged"
-    plain = M.deepseek_v3(num_layers=1)
-    optimize_generate(plain, defer_stop_check=False, masks_in_graph=False)
-    assert not getattr(plain.generate, G._DEFERS, False) and "create_masks_for_generate" not in vars(plain)
+
+
+def test_optimize_generate_with_a_passed_cache():
+    """HF refuses cache_implementation together with a cache: the caller's cache wins over our "static" default."""
+    model = M.deepseek_v3(num_layers=2)
+    ids, mask = M.batch(B=2, T=6, L=6, pad=2)
+    ref = _eager(model, ids, mask, 6, do_sample=False)
+    torch._dynamo.reset()
+    COUNTERS.clear()
+    optimize_generate(model)
+    cache = MLAPagedCache(model.config, max_cache_len=16, page_size=4, shuffle_pages=True)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                             pad_token_id=0, **cache_kwargs(model, cache))
+    assert torch.equal(out, ref)
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
 
 
 def test_deferral_hook_answers_hf_rule_only_inside_a_deferring_generate_on_cuda():
@@ -67,11 +83,11 @@ def test_deferral_hook_answers_hf_rule_only_inside_a_deferring_generate_on_cuda(
 
     assert ask(cuda, None, False, is_assistant=False) is False  # outside: HF's default (mps only)
     seen = []
-    inside = G._deferring(lambda: seen.extend([ask(cuda, None, False, is_assistant=False),
+    inside = G._wrap_generate(lambda: seen.extend([ask(cuda, None, False, is_assistant=False),
                                                ask(cuda, Cache(), True, is_assistant=False),  # HF: not croppable
                                                ask(cuda, Cache(), False, is_assistant=False),
                                                ask(cuda, None, False, is_assistant=True),  # HF: not assistants
-                                               ask(cpu, None, False, is_assistant=False)]))
+                                               ask(cpu, None, False, is_assistant=False)]), defer=True)
     inside()
     assert seen == [True, False, True, False, False]
     assert ask(cuda, None, False, is_assistant=False) is False  # reset after the call

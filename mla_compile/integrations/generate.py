@@ -76,7 +76,7 @@ def optimize_generate(model, mode: str | None = "reduce-overhead", *, masks_in_g
 
     * `generation_config.compile_config = compile_config(mode, **options)`: HF's auto-compile with our backend;
       `generation_config.cache_implementation = "static"` unless one is set (HF auto-compiles static caches only;
-      a cache passed to generate() still wins).
+      a cache passed to generate() still wins: HF refuses both at once, so generate() then drops the default).
     * `masks_in_graph`: `model.create_masks_for_generate = create_masks_in_graph` (the mask is built inside the
       compiled step; eager attention is rewritten too).
     * `defer_stop_check`: HF's own `DeferredStopCheck` on CUDA for this model's generate() calls. On a stop by
@@ -93,27 +93,35 @@ def optimize_generate(model, mode: str | None = "reduce-overhead", *, masks_in_g
         gen_cfg.cache_implementation = "static"
     if masks_in_graph:
         model.create_masks_for_generate = create_masks_in_graph
-    if defer_stop_check and _install_deferral_hook() and not getattr(model.generate, _DEFERS, False):
-        model.generate = _deferring(model.generate)
+    elif vars(model).get("create_masks_for_generate") is create_masks_in_graph:
+        del model.create_masks_for_generate
+    defer = defer_stop_check and _install_deferral_hook()
+    hf_generate = getattr(model.generate, _WRAPS, model.generate)  # a second call re-wraps HF's own generate
+    model.generate = _wrap_generate(hf_generate, defer)
     return model
 
 
-# --------------------------------------------------------------------------- deferred stop checks on CUDA
+# --------------------------------------------------------------------------- generate(), wrapped once
 _DEFERRING = contextvars.ContextVar("mla_compile_defer_stop_check", default=False)
-_DEFERS = "_mla_compile_defers_stop_check"
+_WRAPS = "_mla_compile_wraps"  # on our wrapper: the generate it wraps
+_DEFERS = "_mla_compile_defers_stop_check"  # on our wrapper: whether it defers the stop check
+_CACHE_KWARGS = ("cache", "past_key_values")
 
 
-def _deferring(generate):
+def _wrap_generate(generate, defer: bool):
     @functools.wraps(generate)
-    def deferring_generate(*args, **kwargs):
-        token = _DEFERRING.set(True)
+    def mla_generate(*args, **kwargs):
+        if any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
+            kwargs.setdefault("cache_implementation", None)  # the caller's cache replaces our "static" default
+        token = _DEFERRING.set(defer)
         try:
             return generate(*args, **kwargs)
         finally:
             _DEFERRING.reset(token)
 
-    setattr(deferring_generate, _DEFERS, True)
-    return deferring_generate
+    setattr(mla_generate, _WRAPS, generate)
+    setattr(mla_generate, _DEFERS, defer)
+    return mla_generate
 
 
 def _install_deferral_hook() -> bool:
