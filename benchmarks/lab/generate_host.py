@@ -11,7 +11,8 @@ CUDA), `other` (logits processing, argmax, cat: the rest of the loop body). For 
 breakdown of the host time inside the compiled call (self CPU per event name, per step) and the decode graph's code.
 
 Variants: hf / mla = HF's auto-compile with Inductor / with mla_dcp (reduce-overhead); `_noguard` adds
-guard_filter_fn=skip_guard_on_all_nn_modules_unsafe; `_deferred` forces HF's DeferredStopCheck (HF enables it on
+guard_filter_fn=skip_guard_on_all_nn_modules_unsafe; `_nopdl` turns programmatic dependent launch off (Inductor's
+and ours); `_deferred` forces HF's DeferredStopCheck (HF enables it on
 mps only: the host reads the stop flag one step late, so it can queue the next step while the device runs).
 """
 from __future__ import annotations
@@ -44,6 +45,8 @@ def compile_cfg(variant: str):
         opts["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
     if "notrees" in variant:
         opts["triton.cudagraph_trees"] = False
+    if "nopdl" in variant:  # programmatic dependent launch off, Inductor's and ours (a cheaper graph launch?)
+        opts["triton.enable_pdl"] = False
     if variant.startswith("hf"):
         cfg = CompileConfig(mode=None, options={"mode": "reduce-overhead", **opts}) if opts else CompileConfig()
         cfg._compile_all_devices = True
@@ -103,6 +106,7 @@ def main():
             if hasattr(model, attr):
                 delattr(model, attr)
         deferred = "deferred" in variant
+        os.environ["MLA_COMPILE_PDL"] = "0" if "nopdl" in variant else "auto"
         if "_mg" in variant:  # HF's mask built inside the compiled graph (integrations.hf.create_masks_in_graph)
             from mla_compile.integrations.hf import create_masks_in_graph
 
