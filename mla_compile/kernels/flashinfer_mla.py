@@ -2,9 +2,10 @@
 
 CUDA graphs: FlashInfer's `plan()` copies the lengths to the host (a sync) and schedules work from their
 values, so a plan captured once would be wrong after the lengths change. We therefore use FlashInfer only
-eagerly: `usable()` is False while the current stream is capturing and `dispatch` falls back to Triton there
-(torch.compile's cudagraph trees capture the Triton kernel). Eager calls plan on every call (the lengths
-may differ each step); the wrapper, its workspace and the JIT module are cached per shape.
+eagerly and only when asked for (`dispatch.select_decode_kernel`: never auto's choice): `usable()` is False
+while the current stream is capturing, and dispatch then runs auto's choice (torch.compile's cudagraph trees
+capture that kernel). Eager calls plan on every call (the lengths may differ each step); the wrapper, its
+workspace and the JIT module are cached per shape.
 
 Each request gets its whole block-table row as its page list (kv_indptr = arange * MP), so the page list
 needs no data-dependent compaction; FlashInfer reads only the pages its kv_len covers.
