@@ -151,10 +151,11 @@ def _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool, n_query: int) -> tu
     cap = _capability(q_nope.device)
     H = q_nope.shape[1]
     gluon_device = cap == (9, 0) and H >= MANY_HEADS  # the layout facts matter (and are computed) only there
+    tma = gluon_device and _gluon.tma_layout(ckv_cache, kpe_cache, sparse)
     return ((H, q_nope.shape[2], q_pe.shape[-1], 1 if sparse else ckv_cache.shape[1], sparse, q_nope.dtype, cap,
              n_query),
-            dict(tma_layout=gluon_device and _gluon.tma_layout(ckv_cache, kpe_cache, sparse),
-                 rows_aligned=gluon_device and _gluon.rows_aligned(ckv_cache, kpe_cache)))
+            # TMA boxes are 16-byte aligned rows too: the row check only where the gather kernel would copy them
+            dict(tma_layout=tma, rows_aligned=tma or (gluon_device and _gluon.rows_aligned(ckv_cache, kpe_cache))))
 
 
 def decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False, n_query: int = 1,
