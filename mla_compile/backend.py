@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.mla / torch.ops.dsa)
+from . import tuning as tuning_
 from .passes.manager import GraphPass, PassManager
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ class BackendOptions:
     mode: str | None = None  # Inductor mode; torch.compile refuses mode= and options= together, so it fits here
     rewrite_attention: bool = True  # rewrite HF MLA attention into absorbed mla.decode / mla.dcp_decode
     fuse_linears: str = "auto"  # linears sharing x -> mla.fused_linear: auto | always | never (passes/fused_linear.py)
+    # run-time choices (mla_compile/tuning.py): given as their own keys (options={"decode_kernel": "triton"}) or
+    # whole (options={"tuning": Tuning(...)}); the rewrites compile under it and the compiled graph runs under it
+    tuning: tuning_.Tuning = tuning_.DEFAULT
 
     def __post_init__(self):
         from .passes.fused_linear import WHERE
@@ -64,6 +68,8 @@ class BackendOptions:
         if not isinstance(self.rewrite_attention, bool):  # "no" or 0 must not pass as a truth value
             raise OptionsError(f"options: 'rewrite_attention' must be a bool (True / False), got "
                                f"{self.rewrite_attention!r} ({type(self.rewrite_attention).__name__})")
+        if not isinstance(self.tuning, tuning_.Tuning):
+            raise OptionsError(f"options: 'tuning' must be a mla_compile.tuning.Tuning, got {type(self.tuning).__name__}")
         if not (isinstance(self.fuse_linears, str) and self.fuse_linears in WHERE):
             raise OptionsError(f"options: 'fuse_linears' must be one of {', '.join(WHERE)}, got {self.fuse_linears!r}")
 
@@ -80,16 +86,24 @@ def parse_options(options: dict[str, Any] | None) -> tuple[BackendOptions, dict[
     OptionsError (a ValueError). Callable on its own, to validate options before the first compile."""
     if options is not None and not isinstance(options, Mapping):
         raise OptionsError(f"options: expected a dict, got {type(options).__name__}")
+    try:
+        tune, options = tuning_.from_options(options)
+    except ValueError as e:
+        raise OptionsError(str(e)) from None
     ours, inductor = {}, {}
+    if tune != tuning_.DEFAULT:
+        if isinstance(options.get("tuning"), tuning_.Tuning):
+            raise OptionsError(f"options: give 'tuning' or its keys ({', '.join(tuning_.FIELDS)}), not both")
+        ours["tuning"] = tune
     inductor_keys = _inductor_config_keys()
-    for key, value in (options or {}).items():
+    for key, value in options.items():
         if key in BACKEND_OPTIONS:
             ours[key] = value
         elif key in inductor_keys:
             inductor[key] = value
         else:
             raise OptionsError(
-                f"options: unknown key {key!r}. Valid keys: {', '.join(BACKEND_OPTIONS)}, "
+                f"options: unknown key {key!r}. Valid keys: {', '.join(BACKEND_OPTIONS + tuning_.FIELDS)}, "
                 f"or any torch._inductor.config key (e.g. 'triton.cudagraphs', 'max_autotune')")
     return BackendOptions(**ours), inductor
 
@@ -141,7 +155,7 @@ def build_pass_manager(opts: BackendOptions) -> PassManager:
         GraphPass("outer_product", outer_product.matmuls_to_outer_products, (outer_product.__file__, _fx.__file__)),
         GraphPass("split_argmax", split_argmax.split_arg_reductions, (split_argmax.__file__, _fx.__file__)),
     ]
-    return PassManager(passes, sources=_op_sources())
+    return PassManager(passes, sources=_op_sources(), key=repr(opts.tuning))
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,10 +201,11 @@ def mla_dcp(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None
         raise OptionsError(f"options: 'mode' ({opts.mode!r}) contradicts mode= ({mode!r})")
     patches = config_patches(opts, mode, inductor_patches, _on_cuda(example_inputs))
     _prefill_without_cudagraphs(gm, patches, inductor_patches)
-    gm = rewrite_graph(gm, example_inputs, opts)
-    # host-int bookkeeping (e.g. the DSA cache's max_kv_len += 1) stays out of the Inductor graph: no int input
-    from .passes.host_ints import split_host_outputs
+    with tuning_.use(opts.tuning):
+        gm = rewrite_graph(gm, example_inputs, opts)
+        # host-int bookkeeping (e.g. the DSA cache's max_kv_len += 1) stays out of the Inductor graph: no int input
+        from .passes.host_ints import split_host_outputs
 
-    gm, example_inputs, wrap = split_host_outputs(gm, example_inputs)
-    compiled = compile_fx(gm, example_inputs, config_patches=patches)
-    return compiled if wrap is None else wrap(compiled)
+        gm, example_inputs, wrap = split_host_outputs(gm, example_inputs)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    return tuning_.bind(compiled if wrap is None else wrap(compiled), opts.tuning)

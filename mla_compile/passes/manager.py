@@ -33,9 +33,11 @@ class GraphPass:
 class PassManager:
     """Runs graph passes in order on a Dynamo graph."""
 
-    def __init__(self, passes: Sequence[GraphPass] = (), sources: Sequence[str] = ()):
+    def __init__(self, passes: Sequence[GraphPass] = (), sources: Sequence[str] = (), key: str = ""):
+        """`key`: what else decides the passes' output (the backend's Tuning), hashed into the uuid."""
         self.passes = list(passes)
         self.sources = tuple(sources)
+        self.key = key
 
     def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
         for p in self.passes:
@@ -45,7 +47,8 @@ class PassManager:
 
     def uuid(self) -> bytes:
         files = {f for p in self.passes for f in p.sources} | set(self.sources)
-        return get_hash_for_files((__file__,) + tuple(sorted(files))) + ",".join(p.name for p in self.passes).encode()
+        names = ",".join(p.name for p in self.passes)
+        return get_hash_for_files((__file__,) + tuple(sorted(files))) + f"{names};{self.key}".encode()
 
     def cache_key(self) -> CustomGraphPass:
         """The post-grad custom pass for Inductor's config (`post_grad_custom_pre_pass`): does nothing, keys the
