@@ -47,7 +47,28 @@ setup() {
 # the whole GPU suite (174 tests) takes ~290 s on an H200 (session 9 call 4): T_KERNELS defaults above that
 # KERNELS_K: a pytest -k expression (may hold spaces), KERNELS_ARGS: more pytest arguments, KERNELS_ENV: NAME=value
 # pairs for the tests only (e.g. MLA_COMPILE_PDL=1)
-stage_kernels() { env ${KERNELS_ENV:-} timeout "${T_KERNELS:-420}" python3 -m pytest -q -p no:cacheprovider tests/gpu ${KERNELS_K:+-k "$KERNELS_K"} ${KERNELS_ARGS:-}; }
+# KERNELS_SHARDS=N: N pytest processes side by side on the one GPU, test files dealt round-robin (correctness tests
+# only: nothing in tests/gpu times itself), each shard's output in run.log after it ends
+stage_kernels() {
+  local n=${KERNELS_SHARDS:-1}
+  if [ "$n" -le 1 ]; then
+    env ${KERNELS_ENV:-} timeout "${T_KERNELS:-420}" python3 -m pytest -q -p no:cacheprovider tests/gpu ${KERNELS_K:+-k "$KERNELS_K"} ${KERNELS_ARGS:-}
+    return
+  fi
+  local files=(tests/gpu/test_*.py) i rc=0 pids=()
+  for ((i = 0; i < n; i++)); do
+    local shard=()
+    for ((j = i; j < ${#files[@]}; j += n)); do shard+=("${files[j]}"); done
+    env ${KERNELS_ENV:-} timeout "${T_KERNELS:-420}" python3 -m pytest -q -p no:cacheprovider "${shard[@]}" \
+      ${KERNELS_K:+-k "$KERNELS_K"} ${KERNELS_ARGS:-} >"/tmp/kernels_shard$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for ((i = 0; i < n; i++)); do
+    wait "${pids[i]}" || rc=1
+    echo "--- kernels shard $i"; cat "/tmp/kernels_shard$i.log"
+  done
+  return $rc
+}
 # tile-config sweep of the decode kernels (issue 3) and a profile of the HF mla_dcp step (issue 5)
 stage_sweep() { timeout "${T_SWEEP:-300}" python3 benchmarks/decode_sweep.py "$OUT/decode_sweep.json" ${SWEEP_ARGS:-}; }
 # a fresh Inductor cache per HF stage: a cached graph compiled with the mask as a plain input was seen to keep
