@@ -124,6 +124,9 @@ def moe_left_alone(case, W, Wt, ids, x):
         return torch.bmm(W[ids], torch.stack([x, x], -1))
     if case == "index_select":  # refuses negative ids, where the op reads them from the end
         return torch.bmm(W.index_select(0, ids.clamp(0)), x[:, :, None])
+    if case == "autocast":  # a float32 bmm computes (and returns) bfloat16 here; the op would not
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.bmm(W[ids], x[:, :, None])
     if case == "no_gather":  # a plain bmm: not a site
         return torch.bmm(W, Wt)
     raise AssertionError(case)
@@ -131,7 +134,7 @@ def moe_left_alone(case, W, Wt, ids, x):
 
 @pytest.mark.parametrize("case,sites", [("computed_weight", 1), ("ids_2d", 1), ("two_indices", 1),
                                         ("written_between", 1), ("wide_activations", 1), ("index_select", 1),
-                                        ("no_gather", 0)])
+                                        ("autocast", 1), ("no_gather", 0)])
 def test_unprovable_sites_unchanged_and_counted(case, sites, caplog):
     g = torch.Generator().manual_seed(1)
     W = torch.randn(4, 6, 5, generator=g)
@@ -161,6 +164,23 @@ def test_select_when_activations_are_not_an_unsqueeze():
         torch.testing.assert_close(got, want)
     assert COUNTERS["mla_compile"][COUNTER] == 2 and calls(after, EXPERT_LINEAR) == 2
     assert calls(after, torch.select) == 2
+
+
+def test_symbolic_pairs():
+    # dynamic=True: S (pairs) symbolic, E / O / I static; one graph serves both sizes
+    g = torch.Generator().manual_seed(4)
+    W = torch.randn(4, 6, 5, generator=g)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(rewrite_expert_gathers(gm))
+        return gm.forward
+
+    f = torch.compile(lambda W, ids, x: torch.bmm(W[ids], x.unsqueeze(-1)).squeeze(-1), backend=backend, dynamic=True)
+    for S in (3, 7):
+        ids, x = torch.randint(-4, 4, (S,), generator=g), torch.randn(S, 5, generator=g)
+        torch.testing.assert_close(f(W, ids, x), torch.bmm(W[ids], x.unsqueeze(-1)).squeeze(-1))
+    assert graphs == [1] and COUNTERS["mla_compile"][COUNTER] == 1
 
 
 def test_generate_with_the_pass_in_the_backend(monkeypatch):

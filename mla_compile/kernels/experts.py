@@ -5,10 +5,13 @@ BLOCK_O weight rows along I in BLOCK_I steps and dots them with x[s] in fp32 (a 
 token, so there is no MMA to fill). The weight may have any strides (HF's transposed experts arrive as a
 transposed view, contiguous along O instead of I; the tile loads stay coalesced along whichever is contiguous).
 
-A pair reads its expert's weight once, so an expert picked by k pairs is read k times (from L2 when they run
-close together). When pairs outnumber experts (S > E: decode with few experts) a kernel grouped by expert would
-read each expert once with its pairs as an MMA's N side; that needs the pairs sorted by expert (a sort or
-histogram + offsets on the device, no host sync) and a per-expert pair range.
+A pair reads its expert's weight once, so an expert picked by k pairs is read k times. The pairs are the grid's
+fastest axis so that the programs resident together are all pairs' programs for the same few row blocks: pairs
+that share an expert then read the same rows at about the same time, mostly from L2. When pairs outnumber
+experts (S > E: decode with few experts) a kernel grouped by expert would read each expert once, with its pairs
+as an MMA's N side; that needs the pairs ordered by expert on the device (a histogram + offsets or a sort, no
+host sync, inside the CUDA graph) and a launch over (expert, row block) with each program looping over its
+expert's pair range.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ def _expert_linear_kernel(X, W, IDS, Y, O, N_IN, E, s_xs, s_xi, s_we, s_wo, s_wi
     mask_o = offs_o < O
     w_ptrs = W + e * s_we + offs_o[:, None].to(tl.int64) * s_wo + offs_i[None, :] * s_wi
     x_ptrs = X + s * s_xs + offs_i * s_xi
-    acc = tl.zeros([BLOCK_O], tl.float32)
+    # products summed elementwise across the I steps, reduced over I once at the end (not a cross-thread
+    # reduction per step)
+    acc = tl.zeros([BLOCK_O, BLOCK_I], tl.float32)
     for i0 in range(0, N_IN, BLOCK_I):
         if EVEN_I:  # masks constant along I: the weight loads stay vectors
             w = tl.load(w_ptrs, mask=mask_o[:, None], other=0.0)
@@ -46,10 +51,10 @@ def _expert_linear_kernel(X, W, IDS, Y, O, N_IN, E, s_xs, s_xi, s_we, s_wo, s_wi
             i_ok = (i0 + offs_i) < N_IN
             w = tl.load(w_ptrs, mask=mask_o[:, None] & i_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=i_ok, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_I * s_wi
         x_ptrs += BLOCK_I * s_xi
-    tl.store(Y + s * s_ys + offs_o * s_yo, acc.to(Y.dtype.element_ty), mask=mask_o)
+    tl.store(Y + s * s_ys + offs_o * s_yo, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=mask_o)
 
 
 def expert_linear(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor,

@@ -31,6 +31,7 @@ import torch.fx as fx
 
 from ..ops import _checks
 from ..ops import experts  # noqa: F401  (registers mla::expert_linear)
+from . import _fx
 from ._fx import Builder, NoMatch, arg, erase_dead, fake_mode_of, finish_edits, first_write, graph_of, is_call, \
     meta_val, same
 
@@ -38,7 +39,8 @@ log = logging.getLogger(__name__)
 
 COUNTER = "expert_gather_rewritten"
 SKIP_COUNTER = "expert_gather_not_rewritten"
-SOURCES = (__file__, _checks.__file__, experts.__file__)
+# the files whose code decides what the rewrite emits (the pass manager's uuid hashes them)
+SOURCES = (__file__, _fx.__file__, _checks.__file__, experts.__file__)
 
 _PRODUCT_FUNCTIONS = {torch.bmm, torch.matmul, operator.matmul}
 _PRODUCT_METHODS = {"bmm", "matmul", "__matmul__"}
@@ -180,6 +182,13 @@ def rewrite(graph: fx.Graph, node: fx.Node, site: Site, fake_mode) -> fx.Node:
     except ValueError as e:  # the op's own argument checks (fake impl) refused it
         b.rollback()
         raise NoMatch(f"mla.expert_linear refuses the operands: {e}") from None
+    # what the product gave, dtype included (under autocast a float32 bmm computes and returns bfloat16; the op
+    # would not): anything else stays HF's
+    got, want = meta_val(out), meta_val(node)
+    if not (isinstance(want, torch.Tensor) and got.dtype == want.dtype and same(tuple(got.shape), tuple(want.shape))):
+        b.rollback()
+        raise NoMatch(f"the rewrite would give {got.dtype} {tuple(got.shape)} where the product gives "
+                      f"{getattr(want, 'dtype', None)} {tuple(getattr(want, 'shape', ()))}")
     return out
 
 
@@ -207,7 +216,7 @@ def rewrite_expert_gathers(gm: fx.GraphModule | fx.Graph) -> int:
         graph.erase_node(node)
         erase_dead(graph, [g.node, site.other])
         rewritten += 1
-        log.info("expert_gather: %s (%s @ %s) -> mla.expert_linear%s", node.name, g.weight.name, site.ids.name,
+        log.info("expert_gather: %s of %s[%s] -> mla.expert_linear%s", node.name, g.weight.name, site.ids.name,
                  " (transposed experts)" if site.transposed else "")
     if rewritten:
         counters[COUNTER] += rewritten
