@@ -77,6 +77,65 @@ def test_owner_slots_bad_group():
         layout.owner_slots(bt, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 0)
 
 
+@given(n=st.integers(1, 5), data=st.data(), seed=st.integers(0, 2**31 - 1))
+def test_local_mask_and_lens_holding(n, data, seed):
+    """local_mask: rank r's local position j is global token j * n + r (False past the length, however wide the
+    capacity); lens_holding: a global length whose share on rank r is the rank's own count."""
+    g = torch.Generator().manual_seed(seed)
+    r, B, L = data.draw(st.integers(0, n - 1)), data.draw(st.integers(1, 3)), data.draw(st.integers(1, 20))
+    cap = data.draw(st.integers(1, 2 * (L // n + 1)))
+    valid = torch.rand(B, L, generator=g) > 0.4
+    got = layout.local_mask(valid, L, n, r, cap)
+    assert got.dtype == torch.bool and got.shape == (B, cap)
+    for b in range(B):
+        for j in range(cap):
+            t = j * n + r
+            assert bool(got[b, j]) == (t < L and bool(valid[b, t])), (b, j, t)
+    counts = got.sum(-1, dtype=torch.int32)
+    assert torch.equal(layout.local_lens(layout.lens_holding(counts, n), n, r), counts)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_interleave_shards_undoes_sharding(n):
+    """Each rank's tokens in local order (local_token_positions), stacked and interleaved: the request again."""
+    cap, B, L = 4, 2, 4 * n - 1  # the last rank is one token short of its capacity
+    x = torch.randn(B, L, 3)
+    shards = torch.zeros(n, B, cap, 3)
+    for r in range(n):
+        pos = layout.local_token_positions(L, n, r)
+        shards[r, :, :len(pos)] = x[:, pos]
+    assert torch.equal(layout.interleave_shards(shards)[:, :L], x)
+
+
+@given(data=st.data(), PS=st.sampled_from([1, 2, 3, 64]), seed=st.integers(0, 2**31 - 1))
+def test_page_slots(data, PS, seed):
+    """block_table[row, t // PS] * PS + t % PS, row by row ([B, T]) and token by token (rows=)."""
+    g = torch.Generator().manual_seed(seed)
+    B, MP, T = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4)), data.draw(st.integers(0, 9))
+    bt = torch.randperm(B * MP + 3, generator=g)[: B * MP].reshape(B, MP).to(torch.int32)
+    t = torch.randint(0, MP * PS, (B, T), generator=g, dtype=torch.int32)
+    got = layout.page_slots(bt, t, PS)
+    assert got.dtype == torch.int32
+    rows = torch.randint(0, B, (T,), generator=g)
+    flat = torch.randint(0, MP * PS, (T,), generator=g)
+    by_token = layout.page_slots(bt.long(), flat, PS, rows=rows)
+    for b in range(B):
+        for i in range(T):
+            p = int(t[b, i])
+            assert int(got[b, i]) == int(bt[b, p // PS]) * PS + p % PS
+    for i in range(T):
+        p, b = int(flat[i]), int(rows[i])
+        assert int(by_token[i]) == int(bt[b, p // PS]) * PS + p % PS
+
+
+def test_check_group():
+    for size, rank, bad in ((0, 0, "dcp_size"), (True, 0, "dcp_size"), (2.0, 0, "dcp_size"), (2, 2, "dcp_rank"),
+                            (2, -1, "dcp_rank"), (2, False, "dcp_rank")):
+        with pytest.raises(ValueError, match=f"^{bad}:"):
+            layout.check_group(size, rank)
+    layout.check_group(3, 2)
+
+
 # --------------------------------------------------------------------------- split over n, decode, merge
 def split_decode_merge(lens, n, PS, H, R, P, dtype, seed):
     g = torch.Generator().manual_seed(seed)

@@ -80,7 +80,7 @@ def gather_latent(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank
     if dcp_size > 1:
         gathered = torch.ops._c10d_functional.all_gather_into_tensor(local.contiguous(), dcp_size, group_name)
         gathered = torch.ops._c10d_functional.wait_tensor(gathered).view(dcp_size, B, cap, R + P)
-        local = gathered.permute(1, 2, 0, 3).reshape(B, cap * dcp_size, R + P)  # [B, global t, R+P]
+        local = layout.interleave_shards(gathered)  # [B, global t, R+P]
     full = local[:, :max_len]
     return (full[..., :R].unsqueeze(1).contiguous(), full[..., R:].to(kpe_cache.dtype).unsqueeze(1).contiguous())
 
@@ -93,9 +93,7 @@ def _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp
     C.check(kpe_cache.shape[:2] == ckv_cache.shape[:2], "kpe_cache",
             f"pages/page size {tuple(kpe_cache.shape[:2])} differ from ckv_cache {tuple(ckv_cache.shape[:2])}")
     C.check_tensor(block_table, "block_table", 2, torch.int32)
-    C.check(isinstance(dcp_size, int) and dcp_size >= 1, "dcp_size", f"must be an int >= 1, got {dcp_size!r}")
-    C.check(isinstance(dcp_rank, int) and 0 <= dcp_rank < dcp_size, "dcp_rank",
-            f"must be in [0, {dcp_size}), got {dcp_rank!r}")
+    layout.check_group(dcp_size, dcp_rank)
     capacity = block_table.shape[1] * ckv_cache.shape[1] * dcp_size
     C.check(isinstance(max_len, int) and 0 <= max_len <= capacity, "max_len",
             f"must be in [0, {capacity}] (block table pages x page size x dcp_size), got {max_len!r}")

@@ -1,7 +1,7 @@
 """FX node helpers shared by the passes: argument lookup, example values, shapes (static, or with a symbolic
 batch), node predicates (`is_fn`, `is_call`, `is_op`), writes and aliasing (`written_by`, `is_pure`,
 `first_write`), dead-code removal (`erase_dead`), the "no match" errors, the `Builder` that inserts nodes with
-their example values, and the end of an edit (`finish_edits`)."""
+their example values (`b.call`, or eager ATen code through `b.aten`), and the end of an edit (`finish_edits`)."""
 
 from __future__ import annotations
 
@@ -276,12 +276,35 @@ class Builder:
     def item(self, node, i) -> fx.Node:
         return self.call(operator.getitem, node, i)
 
+    @property
+    def aten(self) -> "_EmittingOps":
+        """A `torch.ops.aten` whose op overloads insert nodes here: code written against `aten.X.overload(...)`
+        with an `aten=` parameter (e.g. `layout.page_slots`) runs eagerly on tensors, or emits itself into the
+        graph on nodes (`aten=b.aten`), so the graph and the eager reference share one text."""
+        return _EmittingOps(self)
+
     def rollback(self) -> None:
         """Erase every node this builder inserted (the site is then exactly as before)."""
         for n in reversed(self.created):
             if not getattr(n, "_erased", False):
                 self.graph.erase_node(n)
         self.created.clear()
+
+
+class _EmittingOps:
+    def __init__(self, b: Builder):
+        self._b = b
+
+    def __getattr__(self, op: str):
+        return _EmittingPacket(self._b, getattr(torch.ops.aten, op))
+
+
+class _EmittingPacket:
+    def __init__(self, b: Builder, packet):
+        self._b, self._packet = b, packet
+
+    def __getattr__(self, overload: str):
+        return functools.partial(self._b.call, getattr(self._packet, overload))
 
 
 def _flatten(x) -> list:

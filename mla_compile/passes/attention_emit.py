@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from .. import layout
 from . import attention_mask as masks
 from ._fx import Builder, NoMatch, batch_shape as _shape, same, val as _val
 from .attention_match import LatentSource, Site, last_dim_cat_parts
@@ -162,20 +163,12 @@ def _emit_slots(b: Builder, site: Site, src: LatentSource, B, L: int, memo: Memo
                 empty = b.call(aten.logical_not.default, b.call(aten.any.dim, valid, -1))
                 if empty_rows_here == masks.EMPTY_UNIFORM:
                     valid = b.call(aten.bitwise_or.Tensor, valid, b.call(aten.unsqueeze.default, empty, 1))
-            # this rank's local position j holds global token j * n + r; valid restricted to those
-            n, r = src.dcp_size, src.dcp_rank
+            # the valid tokens this rank holds, in local order: a token table over its own shard
             cap = _shape(src.block_table)[1] * _shape(src.ckv)[1]  # local token capacity
-            need = cap * n
-            if need > L:  # pad to a multiple of n (positions >= L are never valid)
-                pad = b.call(aten.full.default, [B, need - L], False, dtype=torch.bool, device=device)
-                valid = b.call(aten.cat.default, [valid, pad], 1)
-            else:
-                valid = b.call(aten.slice.Tensor, valid, 1, 0, need)
-            valid = b.call(aten.reshape.default, valid, [_lead(B), cap, n])
-            valid = b.call(aten.select.int, valid, 2, r)  # [B, cap] local validity
+            valid = layout.local_mask(valid, L, src.dcp_size, src.dcp_rank, cap, aten=b.aten)  # [B, cap]
             table, seq_lens = _emit_token_table(b, valid, B, cap, device)
-            # dcp_decode derives local lengths from "global" ones: c * n has local length c
-            seq_lens = b.call(aten.mul.Tensor, seq_lens, src.dcp_size)
+            # dcp_decode takes global lengths: ones whose share on this rank is its count (check_lens=False)
+            seq_lens = layout.lens_holding(seq_lens, src.dcp_size, aten=b.aten)
         else:
             table, seq_lens = _emit_token_table(b, valid, B, L, device)
             if empty_rows_here != masks.EMPTY_ZERO:
@@ -257,12 +250,8 @@ def _emit_sparse_indices(b: Builder, site: Site, src: LatentSource, B, L: int, m
 
 
 def _paged_slots(b: Builder, t: fx.Node, src: LatentSource) -> fx.Node:
-    """int32 physical slots of logical token positions t [B, K] of a paged latent:
-    block_table[b, t // PS] * PS + t % PS."""
-    PS = _shape(src.ckv)[1]
-    page = b.call(aten.div.Tensor_mode, t, PS, rounding_mode="floor")
-    page = b.call(aten.gather.default, src.block_table, 1, b.call(aten._to_copy.default, page, dtype=torch.int64))
-    slot = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, page, PS), b.call(aten.remainder.Scalar, t, PS))
+    """int32 physical slots of logical token positions t [B, K] of a paged latent (`layout.page_slots`)."""
+    slot = layout.page_slots(src.block_table, t, _shape(src.ckv)[1], aten=b.aten)
     return b.call(aten._to_copy.default, slot, dtype=torch.int32)
 
 
@@ -278,10 +267,6 @@ def _q_part(b: Builder, q: fx.Node, start: int, width: int) -> fx.Node:
             return b.call(aten.select.int, part, 2, 0)
         off += w
     return b.call(aten.slice.Tensor, b.call(aten.select.int, q, 2, 0), 2, start, start + width)
-
-
-# how the absorbed projections are written (`absorb`; the driver's `mla_attention._ABSORB` says why "auto")
-ABSORB_CHOICES = ("auto", "per_head_linear", "bmm")
 
 
 def _absorb_with_kernel(x: torch.Tensor, absorb: str) -> bool:
@@ -310,7 +295,7 @@ def _rows(b: Builder, empty: fx.Node) -> fx.Node:
 
 def emit(b: Builder, site: Site, src: LatentSource, memo: Memo, absorb: str = "auto") -> fx.Node:
     """The absorbed computation; returns the node replacing the attention output [B, H, 1, v]. absorb: how the
-    per-head projections are written (ABSORB_CHOICES)."""
+    per-head projections are written (`tuning.Tuning.absorb`)."""
     H = site.heads
     B = _batch(b, site, memo)  # for shape arguments: int or a node
     L, R = _shape(site.latent)[-2:]
