@@ -183,11 +183,9 @@ def test_symbolic_pairs():
     assert graphs == [1] and COUNTERS["mla_compile"][COUNTER] == 1
 
 
-def test_generate_with_the_pass_in_the_backend(monkeypatch):
-    """generate() through optimize_generate with this pass appended to the backend's pass list (the lead wires it in
-    backend.build_pass_manager): tokens and logits as eager generate's, every MoE product rewritten."""
+def wire_into_backend(monkeypatch):
+    """The backend's pass list with this pass appended, as the lead wires it into backend.build_pass_manager."""
     from mla_compile import backend
-    from mla_compile.integrations.hf import optimize_generate
     from mla_compile.passes.manager import GraphPass
 
     build = backend.build_pass_manager
@@ -198,6 +196,14 @@ def test_generate_with_the_pass_in_the_backend(monkeypatch):
         return pm
 
     monkeypatch.setattr(backend, "build_pass_manager", with_expert_gather)
+
+
+def test_generate_with_the_pass_in_the_backend(monkeypatch):
+    """generate() through optimize_generate with this pass appended to the backend's pass list (the lead wires it in
+    backend.build_pass_manager): tokens and logits as eager generate's, every MoE product rewritten."""
+    from mla_compile.integrations.hf import optimize_generate
+
+    wire_into_backend(monkeypatch)
     model = deepseek_v3_moe(num_layers=2)
     ids, mask = M.batch(B=2, T=6, L=6, pad=2)
     kw = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,

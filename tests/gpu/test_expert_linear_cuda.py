@@ -72,3 +72,31 @@ def test_data_check_on_request(monkeypatch):
     monkeypatch.setenv("MLA_COMPILE_CHECK_DATA", "1")
     with pytest.raises(ValueError, match="^expert_ids: "):
         torch.ops.mla.expert_linear(x, w, torch.tensor([0, 1, 3, 2], device=DEV))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_moe_generate_with_the_pass(dtype, monkeypatch):
+    """generate() of a tiny all-MoE DeepSeek-V3 (batched_mm experts) through optimize_generate under CUDA graphs,
+    with passes/expert_gather.py appended to the backend's passes: every expert product runs the kernel; fp32 tokens
+    equal eager generate's, the first step's logits close in both dtypes."""
+    import hf_models as M
+    from mla_compile.integrations.hf import optimize_generate
+    from test_expert_gather_pass import COUNTER, SKIP_COUNTER, deepseek_v3_moe, wire_into_backend
+
+    wire_into_backend(monkeypatch)
+    model = deepseek_v3_moe(num_layers=2).to(DEV, dtype)
+    ids, mask = M.batch(B=2, T=6, L=6, pad=2)
+    kw = dict(attention_mask=mask.to(DEV), max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
+              return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        ref = model.generate(ids.to(DEV), cache_implementation="static", disable_compile=True, **kw)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    optimize_generate(model)
+    with torch.no_grad():
+        out = model.generate(ids.to(DEV), **kw)
+    assert counters["mla_compile"][COUNTER] == 4 and counters["mla_compile"][SKIP_COUNTER] == 0
+    assert rel(out.logits[1], ref.logits[1]) < (1e-4 if dtype == torch.float32 else 3e-2)  # the first decode step
+    if dtype == torch.float32:
+        assert torch.equal(out.sequences, ref.sequences)
