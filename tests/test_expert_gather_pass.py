@@ -150,6 +150,20 @@ def test_unprovable_sites_unchanged_and_counted(case, sites, caplog):
     assert len(skips) == sites  # once per site, with its reason
 
 
+def test_internal_error_leaves_the_site_and_warns(monkeypatch, caplog):
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(expert_gather, "_pairs", broken)
+    W, ids, x = torch.randn(3, 4, 5), torch.tensor([0, 2]), torch.randn(2, 5)
+    with caplog.at_level("WARNING", logger=expert_gather.__name__):
+        before, after, out = compiled(lambda W, ids, x: torch.bmm(W[ids], x[:, :, None]), W, ids, x)
+    torch.testing.assert_close(out, torch.bmm(W[ids], x[:, :, None]))
+    assert op_lines(after) == op_lines(before)
+    assert COUNTERS["mla_compile"][SKIP_COUNTER] == 1 and COUNTERS["mla_compile"][COUNTER] == 0
+    assert any("internal error RuntimeError: boom" in r.getMessage() for r in caplog.records)
+
+
 def test_select_when_activations_are_not_an_unsqueeze():
     # x[:, :, None] (a getitem, not an unsqueeze) and HF's transposed form spelled as matmul: still rewritten
     g = torch.Generator().manual_seed(2)

@@ -32,8 +32,8 @@ import torch.fx as fx
 from ..ops import _checks
 from ..ops import experts  # noqa: F401  (registers mla::expert_linear)
 from . import _fx
-from ._fx import Builder, NoMatch, arg, erase_dead, fake_mode_of, finish_edits, first_write, graph_of, is_call, \
-    meta_val, same
+from ._fx import (Builder, NoMatch, arg, erase_dead, fake_mode_of, finish_edits, first_write, graph_of, is_call,
+                  meta_val, same)
 
 log = logging.getLogger(__name__)
 
@@ -177,18 +177,21 @@ def rewrite(graph: fx.Graph, node: fx.Node, site: Site, fake_mode) -> fx.Node:
         w = site.gather.weight
         if site.transposed:
             w = b.call(torch.transpose, w, 1, 2)
-        y = b.call(torch.ops.mla.expert_linear.default, x, w, site.ids)
+        try:
+            y = b.call(torch.ops.mla.expert_linear.default, x, w, site.ids)
+        except ValueError as e:  # the op's own argument checks (its fake impl) refuse the operands
+            raise NoMatch(f"mla.expert_linear refuses the operands: {e}") from None
         out = b.call(torch.unsqueeze, y, unit_dim)
-    except ValueError as e:  # the op's own argument checks (fake impl) refused it
-        b.rollback()
-        raise NoMatch(f"mla.expert_linear refuses the operands: {e}") from None
-    # what the product gave, dtype included (under autocast a float32 bmm computes and returns bfloat16; the op
-    # would not): anything else stays HF's
-    got, want = meta_val(out), meta_val(node)
-    if not (isinstance(want, torch.Tensor) and got.dtype == want.dtype and same(tuple(got.shape), tuple(want.shape))):
-        b.rollback()
-        raise NoMatch(f"the rewrite would give {got.dtype} {tuple(got.shape)} where the product gives "
-                      f"{getattr(want, 'dtype', None)} {tuple(getattr(want, 'shape', ()))}")
+        # what the product gave, dtype included (under autocast a float32 bmm computes and returns bfloat16; the
+        # op would not): anything else stays HF's
+        got, want = meta_val(out), meta_val(node)
+        if not (isinstance(want, torch.Tensor) and got.dtype == want.dtype
+                and same(tuple(got.shape), tuple(want.shape))):
+            raise NoMatch(f"the rewrite would give {got.dtype} {tuple(got.shape)} where the product gives "
+                          f"{getattr(want, 'dtype', None)} {tuple(getattr(want, 'shape', ()))}")
+    except BaseException:
+        b.rollback()  # the site exactly as it was
+        raise
     return out
 
 
@@ -211,6 +214,11 @@ def rewrite_expert_gathers(gm: fx.GraphModule | fx.Graph) -> int:
         except NoMatch as e:
             counters[SKIP_COUNTER] += 1
             log.info("expert_gather: not rewritten: product %s of %s: %s", node.name, g.node.name, e)
+            continue
+        except Exception as e:  # noqa: BLE001 - a bug in the pass must not break the user's model
+            counters[SKIP_COUNTER] += 1
+            log.warning("expert_gather: not rewritten: product %s of %s: internal error %s: %s (site left unchanged; "
+                        "please report)", node.name, g.node.name, type(e).__name__, e, exc_info=True)
             continue
         node.replace_all_uses_with(out)
         graph.erase_node(node)
