@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import sys
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mla_compile.ops.experts  # noqa: F401  (registers mla::expert_linear)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 op = torch.ops.mla.expert_linear.default
 
@@ -146,6 +150,39 @@ def test_kernel_under_interpreter():
 
     verdict = interpreter_verdict(__file__)
     assert verdict == "ok", verdict
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("transposed", [False, True])
+def test_kernel_compiles_for_sm90_with_vector_weight_loads(transposed):
+    """The kernel as launched for bf16 experts, compiled for sm_90a ahead of time (tools/aot.py, no GPU): the weight
+    tile arrives as 16-byte vector loads along whichever of I (nn.Linear rows) or O (HF's transposed experts) is
+    contiguous, nothing spills, and with PDL the wait comes before every memory access."""
+    sys.path.insert(0, os.path.dirname(HERE))  # the repository root: tools/ is dev tooling
+    from test_kernel_codegen import _MEMORY_OP
+    from tools import aot
+
+    from mla_compile.kernels import experts as K
+
+    if not aot.available():
+        pytest.skip("triton's bundled ptxas is missing")
+    ptrs = {"X": "*bf16", "W": "*bf16", "IDS": "*i64", "Y": "*bf16"}
+    unit = {"s_xi": 1, "s_yo": 1, **({"s_wo": 1} if transposed else {"s_wi": 1})}  # Triton specialises unit strides
+    divisible = set(ptrs) | {"s_xs", "s_we", "s_wo", "s_wi", "s_ys", "N_IN", "O"} - set(unit)
+    for pdl in (False, True):
+        constexprs = dict(BLOCK_O=K.BLOCK_O, BLOCK_I=K.BLOCK_I, EVEN_I=True, PDL=pdl, **unit)
+        out = aot.compile_sm90(K._expert_linear_kernel, constexprs, dict(ptrs, O="i32"), 4, 3, divisible,
+                               gluon=True)  # gluon=True: no dot-mode constexprs (the kernel has no tl.dot)
+        ptx = out["ptx"]
+        vectors = len(re.findall(r"ld\.global(?:\.[a-z:0-9]+)*\.v4\.b32", ptx))
+        assert vectors * 8 * 32 * 4 >= K.BLOCK_O * K.BLOCK_I, f"weight tile not in 16-byte loads ({vectors} per thread)"
+        assert out["spill_bytes"] == 0, out["registers"]
+        wait = ptx.find("griddepcontrol.wait")
+        if pdl:
+            first_access = _MEMORY_OP.search(ptx)
+            assert first_access is not None and 0 <= wait < first_access.start(), "a memory access before the wait"
+        else:
+            assert wait < 0
 
 
 # (S, E, O, I, transposed, id dtype, block_o, block_i): the default blocks with an O tail and an I tail, HF's
