@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 from triton.testing import do_bench_cudagraph
@@ -65,12 +66,10 @@ def main(argv):
         print(json.dumps(row), file=sys.stderr, flush=True)
         del weight
         torch.cuda.empty_cache()
-    doc = dict(device=torch.cuda.get_device_name(), rows=rows)
-    text = json.dumps(doc, indent=1)
+    text = json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1)
     print(text)
     if argv:
-        with open(argv[0], "w") as f:
-            f.write(text)
+        Path(argv[0]).write_text(text)
 
 
 if __name__ == "__main__":
