@@ -120,6 +120,10 @@ def moe_left_alone(case, W, Wt, ids, x):
         sel = W[ids]
         W.mul_(2)
         return torch.bmm(sel, x[:, :, None])
+    if case == "copy_written":  # the gathered copy itself changes before the product (W does not)
+        sel = W[ids]
+        sel.transpose(1, 2).mul_(2)
+        return torch.bmm(sel, x[:, :, None])
     if case == "wide_activations":  # [S, I, 2]: two columns per pair, not a linear of one activation vector
         return torch.bmm(W[ids], torch.stack([x, x], -1))
     if case == "index_select":  # refuses negative ids, where the op reads them from the end
@@ -134,7 +138,7 @@ def moe_left_alone(case, W, Wt, ids, x):
 
 @pytest.mark.parametrize("case,sites", [("computed_weight", 1), ("ids_2d", 1), ("two_indices", 1),
                                         ("written_between", 1), ("wide_activations", 1), ("index_select", 1),
-                                        ("autocast", 1), ("no_gather", 0)])
+                                        ("autocast", 1), ("copy_written", 1), ("no_gather", 0)])
 def test_unprovable_sites_unchanged_and_counted(case, sites, caplog):
     g = torch.Generator().manual_seed(1)
     W = torch.randn(4, 6, 5, generator=g)
@@ -148,6 +152,27 @@ def test_unprovable_sites_unchanged_and_counted(case, sites, caplog):
     assert op_lines(after) == op_lines(before)
     skips = [r for r in caplog.records if "not rewritten" in r.getMessage()]
     assert len(skips) == sites  # once per site, with its reason
+
+
+def test_transposed_views_of_the_gather():
+    # W[ids].transpose(1, 2) / .permute(0, 2, 1) on either side: the per-pair matrix is a view of the gathered copy
+    g = torch.Generator().manual_seed(5)
+    W_oi, W_io = torch.randn(3, 7, 5, generator=g), torch.randn(3, 5, 7, generator=g)  # [E, O, I], [E, I, O]
+    ids, x = torch.tensor([2, 0, -3, 1, 1]), torch.randn(5, 5, generator=g)
+
+    def f(W_oi, W_io, ids, x):
+        return (torch.bmm(W_io[ids].transpose(1, 2), x.unsqueeze(-1)).squeeze(-1),  # [S, O, I] from [E, I, O]
+                torch.bmm(x.unsqueeze(1), W_oi[ids].transpose(-1, -2)).squeeze(1),  # [S, I, O] from [E, O, I]
+                torch.bmm(W_io[ids].permute(0, 2, 1), x.unsqueeze(2)).squeeze(2))
+
+    _, after, out = compiled(f, W_oi, W_io, ids, x)
+    want = f(W_oi, W_io, ids, x)
+    for got, ref in zip(out, want):
+        torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(want[0], torch.einsum("sio,si->so", W_io[ids], x))  # the form means what it says
+    assert COUNTERS["mla_compile"][COUNTER] == 3 and COUNTERS["mla_compile"][SKIP_COUNTER] == 0
+    assert calls(after, EXPERT_LINEAR) == 3 and calls(after, torch.bmm) == 0
+    assert gathers_of_parameters(after) == 0
 
 
 def test_internal_error_leaves_the_site_and_warns(monkeypatch, caplog):

@@ -13,7 +13,7 @@ form) unsqueezed to the bmm's shape; a bias (`out.add_(b[ids])`) stays as HF add
 
 Exact up to summation order: out[s] = W[ids[s]] @ x[s] is what the bmm computes for each pair, and the op reads
 ids as indexing does (negative ids from the end). Fires on a bmm / matmul of rank-3 operands where one is
-`W[ids]` (or `W[(ids,)]`) with W a graph input or parameter [E, O, I] and ids one
+`W[ids]` (or `W[(ids,)]`, or its per-pair transpose `W[ids].transpose(1, 2)`) with W a graph input or parameter [E, O, I] and ids one
 1-D int64 / int32 vector, the other operand the pairs' activations with a contraction and a unit dim that line
 up, one float dtype, and nothing writing W or ids between the gather and the product. Any other product of a
 gathered rank-3 tensor is a site left unchanged, counted in `counters["mla_compile"]["expert_gather_not_rewritten"]`
@@ -116,65 +116,104 @@ def _pairs(operand: fx.Node, unit_dim: int, b: Builder) -> fx.Node:
     return b.call(torch.select, operand, unit_dim, 0)
 
 
-class Site(NamedTuple):
+def _swaps_last_two(node) -> bool:
+    """transpose(t, 1, 2) / t.transpose(-1, -2) / t.permute(0, 2, 1) of a rank-3 t (a view)."""
+    if is_call(node, {torch.transpose}, {"transpose"}) and len(node.args) == 3 and not node.kwargs:
+        dims = node.args[1:]
+        return all(isinstance(d, int) for d in dims) and {d % 3 for d in dims} == {1, 2}
+    if is_call(node, {torch.permute}, {"permute"}) and not node.kwargs:
+        dims = node.args[1:] if len(node.args) == 4 else node.args[1] if len(node.args) == 2 else None
+        return (isinstance(dims, (tuple, list)) and all(isinstance(d, int) for d in dims)
+                and tuple(d % 3 for d in dims) == (0, 2, 1))
+    return False
+
+
+class Operand(NamedTuple):
+    """A product's operand that is W[ids], or its per-pair transpose (`W[ids].transpose(1, 2)`)."""
+
+    node: fx.Node  # the operand itself
     gather: Gather
-    ids: fx.Node
-    other: fx.Node  # the activations operand [S, I, 1] (or [S, 1, I])
-    transposed: bool  # W[ids] is the right operand: W [E, I, O]
+    swapped: bool  # the operand is the gather's transposed view
 
 
-def as_site(node: fx.Node) -> Gather | None:
-    """The gather operand of a product this pass looks at (a bmm / matmul with a gathered rank-3 operand)."""
-    if not is_call(node, _PRODUCT_FUNCTIONS, _PRODUCT_METHODS):
-        return None
-    for a in node.args[:2]:
-        g = as_gather(a)
+def as_gathered(node) -> Operand | None:
+    g = as_gather(node)
+    if g is not None:
+        return Operand(node, g, False)
+    if _swaps_last_two(node):
+        g = as_gather(node.args[0])
         if g is not None:
-            return g
+            return Operand(node, g, True)
     return None
 
 
-def prove(graph: fx.Graph, node: fx.Node, g: Gather) -> Site:
+class Site(NamedTuple):
+    operand: Operand
+    ids: fx.Node
+    other: fx.Node  # the activations operand [S, I, 1] (or [S, 1, I])
+    on_the_right: bool  # the gathered operand is the right one: x[:, None, :] @ [S, I, O]
+
+    @property
+    def transposed(self) -> bool:
+        """W is [E, I, O] (HF's `is_transposed`): the op reads it as W.transpose(1, 2)."""
+        return self.on_the_right != self.operand.swapped
+
+
+def as_site(node: fx.Node) -> Operand | None:
+    """The gathered operand of a product this pass looks at (a bmm / matmul with an operand `W[ids]` of a rank-3 W,
+    or its transpose)."""
+    if not is_call(node, _PRODUCT_FUNCTIONS, _PRODUCT_METHODS):
+        return None
+    for a in node.args[:2]:
+        op = as_gathered(a)
+        if op is not None:
+            return op
+    return None
+
+
+def prove(graph: fx.Graph, node: fx.Node, op: Operand) -> Site:
     """The site's parts once every condition of the rewrite holds (module docstring), else NoMatch saying which
     does not."""
     if len(node.args) != 2 or node.kwargs:
         raise NoMatch("the product has keyword arguments (out=) or not two operands")
     a, b = node.args
-    transposed = g.node is b
-    other = a if transposed else b
-    if as_gather(other) is not None:
+    on_the_right = op.node is b
+    other = a if on_the_right else b
+    if as_gathered(other) is not None:
         raise NoMatch("both operands are gathered")
+    g = op.gather
     w = _weight(g)
     ids = _ids(g)
-    wv, ov, gv = _tensor(w), _tensor(other), _tensor(g.node)
+    wv, ov, pv = _tensor(w), _tensor(other), _tensor(op.node)
     if ov is None or ov.dim() != 3:
         raise NoMatch(f"the activations operand has shape {None if ov is None else tuple(ov.shape)}, not rank 3")
     if not (wv.dtype == ov.dtype and wv.dtype in _checks.REFERENCE_DTYPES):
         raise NoMatch(f"dtypes {wv.dtype} (W) and {ov.dtype} (activations): not one float dtype")
     if wv.device != ov.device or _tensor(ids).device != wv.device:
         raise NoMatch("W, ids and the activations are not on one device")
-    S = gv.shape[0]
-    if transposed:  # [S, 1, I] @ [S, I, O]
-        ok = same(ov.shape[0], S) and same(ov.shape[1], 1) and same(ov.shape[2], wv.shape[1])
-        want = "[S, 1, I] with S = len(ids), I = W.shape[1]"
+    S = pv.shape[0]  # = len(ids)
+    if on_the_right:  # [S, 1, I] @ [S, I, O]
+        ok = same(ov.shape[0], S) and same(ov.shape[1], 1) and same(ov.shape[2], pv.shape[1])
+        want = "[S, 1, I] with S = len(ids), I = the per-pair weight's rows"
     else:  # [S, O, I] @ [S, I, 1]
-        ok = same(ov.shape[0], S) and same(ov.shape[1], wv.shape[2]) and same(ov.shape[2], 1)
-        want = "[S, I, 1] with S = len(ids), I = W.shape[2]"
+        ok = same(ov.shape[0], S) and same(ov.shape[1], pv.shape[2]) and same(ov.shape[2], 1)
+        want = "[S, I, 1] with S = len(ids), I = the per-pair weight's columns"
     if not ok:
         raise NoMatch(f"the activations operand has shape {tuple(ov.shape)}, not {want}")
-    written = first_write(graph, {w: g.node, ids: g.node}, node)
+    # W[ids] is a copy: the product reads what W, ids (and the copy itself) held at the gather
+    written = first_write(graph, {w: g.node, ids: g.node, g.node: g.node}, node)
     if written is not None:
         raise NoMatch(f"{written[1].name} is written by {written[0].name} between the gather and the product")
-    return Site(g, ids, other, transposed)
+    return Site(op, ids, other, on_the_right)
 
 
 def rewrite(graph: fx.Graph, node: fx.Node, site: Site, fake_mode) -> fx.Node:
     """Insert `expert_linear(x, W (transposed view), ids).unsqueeze(unit dim)` before the product; returns it."""
     b = Builder(graph, node, fake_mode, node)
-    unit_dim = 1 if site.transposed else 2
+    unit_dim = 1 if site.on_the_right else 2
     try:
         x = _pairs(site.other, unit_dim, b)
-        w = site.gather.weight
+        w = site.operand.gather.weight
         if site.transposed:
             w = b.call(torch.transpose, w, 1, 2)
         try:
@@ -203,11 +242,12 @@ def rewrite_expert_gathers(gm: fx.GraphModule | fx.Graph) -> int:
     fake_mode = None
     rewritten = 0
     for node in list(graph.nodes):
-        g = as_site(node)
-        if g is None:
+        op = as_site(node)
+        if op is None:
             continue
+        g = op.gather
         try:
-            site = prove(graph, node, g)
+            site = prove(graph, node, op)
             if fake_mode is None:
                 fake_mode = fake_mode_of(graph)
             out = rewrite(graph, node, site, fake_mode)
@@ -222,7 +262,7 @@ def rewrite_expert_gathers(gm: fx.GraphModule | fx.Graph) -> int:
             continue
         node.replace_all_uses_with(out)
         graph.erase_node(node)
-        erase_dead(graph, [g.node, site.other])
+        erase_dead(graph, [op.node, site.other])
         rewritten += 1
         log.info("expert_gather: %s of %s[%s] -> mla.expert_linear%s", node.name, g.weight.name, site.ids.name,
                  " (transposed experts)" if site.transposed else "")
