@@ -168,10 +168,10 @@ def test_kernel_compiles_for_sm90_with_vector_weight_loads(transposed):
         pytest.skip("triton's bundled ptxas is missing")
     ptrs = {"X": "*bf16", "W": "*bf16", "IDS": "*i64", "Y": "*bf16"}
     unit = {"s_xi": 1, "s_yo": 1, **({"s_wo": 1} if transposed else {"s_wi": 1})}  # Triton specialises unit strides
-    divisible = set(ptrs) | {"s_xs", "s_we", "s_wo", "s_wi", "s_ys", "N_IN", "O"} - set(unit)
+    divisible = set(ptrs) | {"s_xs", "s_we", "s_wo", "s_wi", "s_ys", "N_IN", "N_OUT"} - set(unit)
     for pdl in (False, True):
         constexprs = dict(BLOCK_O=K.BLOCK_O, BLOCK_I=K.BLOCK_I, EVEN_I=True, PDL=pdl, **unit)
-        out = aot.compile_sm90(K._expert_linear_kernel, constexprs, dict(ptrs, O="i32"), 4, 3, divisible,
+        out = aot.compile_sm90(K._expert_linear_kernel, constexprs, ptrs, 4, 3, divisible,
                                gluon=True)  # gluon=True: no dot-mode constexprs (the kernel has no tl.dot)
         ptx = out["ptx"]
         vectors = len(re.findall(r"ld\.global(?:\.[a-z:0-9]+)*\.v4\.b32", ptx))

@@ -27,7 +27,7 @@ BLOCK_I = 128
 
 
 @triton.jit
-def _expert_linear_kernel(X, W, IDS, Y, O, N_IN, E, s_xs, s_xi, s_we, s_wo, s_wi, s_ys, s_yo,
+def _expert_linear_kernel(X, W, IDS, Y, N_OUT, N_IN, E, s_xs, s_xi, s_we, s_wo, s_wi, s_ys, s_yo,
                           BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_I: tl.constexpr,
                           PDL: tl.constexpr = False):
     """Program (s, o-block): Y[s, rows] = W[e, rows, :] @ X[s, :] with e = IDS[s] (negative: + E, as indexing)."""
@@ -37,7 +37,7 @@ def _expert_linear_kernel(X, W, IDS, Y, O, N_IN, E, s_xs, s_xi, s_we, s_wo, s_wi
     e = tl.where(e < 0, e + E, e)
     offs_o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     offs_i = tl.arange(0, BLOCK_I)
-    mask_o = offs_o < O
+    mask_o = offs_o < N_OUT
     w_ptrs = W + e * s_we + offs_o[:, None].to(tl.int64) * s_wo + offs_i[None, :] * s_wi
     x_ptrs = X + s * s_xs + offs_i * s_xi
     # products summed elementwise across the I steps, reduced over I once at the end (not a cross-thread
