@@ -51,6 +51,7 @@ class BackendOptions:
     mode: str | None = None  # Inductor mode; torch.compile refuses mode= and options= together, so it fits here
     rewrite_attention: bool = True  # rewrite HF MLA attention into absorbed mla.decode / mla.dcp_decode
     fuse_linears: str = "auto"  # linears sharing x -> mla.fused_linear: auto | always | never (passes/fused_linear.py)
+    rewrite_experts: bool = True  # HF batched_mm MoE experts' W[ids] @ x -> mla.expert_linear (passes/expert_gather.py)
     # run-time choices (mla_compile/tuning.py): given as their own keys (options={"decode_kernel": "triton"}) or
     # whole (options={"tuning": Tuning(...)}); the rewrites compile under it and the compiled graph runs under it
     tuning: tuning_.Tuning = tuning_.DEFAULT
@@ -65,9 +66,11 @@ class BackendOptions:
                 mode_config(self.mode)
             except ValueError as e:
                 raise OptionsError(f"options: {e}") from None
-        if not isinstance(self.rewrite_attention, bool):  # "no" or 0 must not pass as a truth value
-            raise OptionsError(f"options: 'rewrite_attention' must be a bool (True / False), got "
-                               f"{self.rewrite_attention!r} ({type(self.rewrite_attention).__name__})")
+        for name in ("rewrite_attention", "rewrite_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):  # "no" or 0 must not pass as a truth value
+                raise OptionsError(f"options: {name!r} must be a bool (True / False), got {value!r} "
+                                   f"({type(value).__name__})")
         if not isinstance(self.tuning, tuning_.Tuning):
             raise OptionsError(f"options: 'tuning' must be a mla_compile.tuning.Tuning, got {type(self.tuning).__name__}")
         if not (isinstance(self.fuse_linears, str) and self.fuse_linears in WHERE):
@@ -138,24 +141,27 @@ def build_pass_manager(opts: BackendOptions) -> PassManager:
     mla_attention (rewrite_attention): HF MLA decode attention -> absorbed `mla.decode` / `mla.dcp_decode`
     (`passes/mla_attention.py`); sites it cannot prove equivalent are left unchanged and logged.
     fused_linear: bias-free linears over the same x -> one `mla.fused_linear` (`passes/fused_linear.py`).
+    expert_gather (rewrite_experts): HF batched_mm experts' `bmm(W[ids], x[..., None])` -> `mla.expert_linear`, no
+    per-(token, expert) weight copy (`passes/expert_gather.py`); sites it cannot prove are kept, counted, logged.
     outer_product (always): matmuls with a contraction of length 1 -> broadcast multiplies (exact).
     split_argmax (always): argmax / argmin of a few long rows -> two-stage reductions (exact).
 
     Its uuid keys Inductor's caches (`PassManager.cache_key`). It also hashes our op modules and `layout.py`:
     composite ops (`mla::dcp_decode`, `mla::tp_dcp_decode`) are decomposed by AOTAutograd after the cache key is
     taken from the Dynamo graph, so an edit to their Python would otherwise keep serving a stale compiled graph."""
-    from .passes import _fx, fused_linear, mla_attention, outer_product, split_argmax
+    from .passes import _fx, expert_gather, fused_linear, mla_attention, outer_product, split_argmax
 
-    passes = []
-    if opts.rewrite_attention:
-        passes.append(GraphPass("mla_attention", mla_attention.rewrite_mla_attention, mla_attention.SOURCES))
-    passes += [
-        GraphPass("fused_linear", functools.partial(fused_linear.fuse_shared_input_linears, where=opts.fuse_linears),
-                  (fused_linear.__file__, _fx.__file__)),
+    fused = functools.partial(fused_linear.fuse_shared_input_linears, where=opts.fuse_linears)
+    passes = [
+        GraphPass("mla_attention", mla_attention.rewrite_mla_attention, mla_attention.SOURCES)
+        if opts.rewrite_attention else None,
+        GraphPass("fused_linear", fused, (fused_linear.__file__, _fx.__file__)),
+        GraphPass("expert_gather", expert_gather.rewrite_expert_gathers, expert_gather.SOURCES)
+        if opts.rewrite_experts else None,
         GraphPass("outer_product", outer_product.matmuls_to_outer_products, (outer_product.__file__, _fx.__file__)),
         GraphPass("split_argmax", split_argmax.split_arg_reductions, (split_argmax.__file__, _fx.__file__)),
     ]
-    return PassManager(passes, sources=_op_sources(), key=repr(opts.tuning))
+    return PassManager([p for p in passes if p is not None], sources=_op_sources(), key=repr(opts.tuning))
 
 
 @functools.lru_cache(maxsize=None)

@@ -223,23 +223,18 @@ def test_symbolic_pairs():
 
 
 def wire_into_backend(monkeypatch):
-    """The backend's pass list with this pass appended, as the lead wires it into backend.build_pass_manager."""
+    """The backend runs this pass by default (`rewrite_experts`): assert it is in its pass list."""
     from mla_compile import backend
-    from mla_compile.passes.manager import GraphPass
 
-    build = backend.build_pass_manager
-
-    def with_expert_gather(opts):
-        pm = build(opts)
-        pm.passes.append(GraphPass("expert_gather", rewrite_expert_gathers, expert_gather.SOURCES))
-        return pm
-
-    monkeypatch.setattr(backend, "build_pass_manager", with_expert_gather)
+    names = [p.name for p in backend.build_pass_manager(backend.BackendOptions()).passes]
+    assert "expert_gather" in names, names
+    off = backend.build_pass_manager(backend.BackendOptions(rewrite_experts=False)).passes
+    assert "expert_gather" not in [p.name for p in off]
 
 
 def test_generate_with_the_pass_in_the_backend(monkeypatch):
-    """generate() through optimize_generate with this pass appended to the backend's pass list (the lead wires it in
-    backend.build_pass_manager): tokens and logits as eager generate's, every MoE product rewritten."""
+    """generate() through optimize_generate with the backend's own pass list (expert_gather in it by default): tokens
+    and logits as eager generate's, every MoE product rewritten."""
     from mla_compile.integrations.hf import optimize_generate
 
     wire_into_backend(monkeypatch)

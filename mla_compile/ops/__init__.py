@@ -3,10 +3,11 @@
 from .attention import decode, sparse_decode
 from .cache import cache_write
 from .dsa import indexer_topk, k_only_indices
+from .experts import expert_linear
 from .linear import fused_linear, linear_partials
 from .merge import merge_states
 from . import dcp  # noqa: F401,E402  (mla::dcp_decode + DCP owner-write helpers)
 from . import tp_dcp  # noqa: F401,E402  (mla::tp_dcp_decode: TP heads x DCP tokens)
 
 __all__ = ["decode", "sparse_decode", "cache_write", "indexer_topk", "k_only_indices", "merge_states", "fused_linear",
-           "linear_partials"]
+           "linear_partials", "expert_linear"]
