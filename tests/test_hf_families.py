@@ -81,14 +81,10 @@ VARIANTS = {
     "dots3_note:sliding": dict(layer_types=["indexed_attention", "sliding_attention"], sliding_window=4, head_dim=192),
 }
 
-_HY_SINKS = ("attention sinks (softmax over the scores plus a per-head sink column, then dropped): not rewritten "
-             "(counted and logged)")
 _GLM5_NEXT = ("its kpool indexer's data-dependent `pool_keys[:, keep]` breaks the graph inside the attention: K "
               "arrives as a graph input ('K is neither new_empty+copy_ nor a cat', counted) and one attention graph "
               "serves dense and sparse decode (1 site, not 2)")
 KNOWN = {  # (case, impl) -> the measured reason it does not pass today (strict xfail)
-    ("hy_v4", "eager"): _HY_SINKS,
-    ("hy_v4_vl", "eager"): _HY_SINKS,
     ("glm5_next", "sdpa"): _GLM5_NEXT,
     ("glm5_next", "eager"): _GLM5_NEXT,
     ("longcat_flash", "eager"): ("graph breaks (HF's MoE loop) bring the eager additive float mask in as a graph "
@@ -97,8 +93,8 @@ KNOWN = {  # (case, impl) -> the measured reason it does not pass today (strict 
 
 
 # the CI subset (cases, or "case-impl" ids), ~2 minutes on 2 CPU cores: every dense family with a quick build,
-# hybrids, one DSA family (the others' DSA path is tests/test_hf_dsa_graphs.py's too), P = 0 layers and the
-# silent-skip xfail. The rest (~2.5 more minutes: bigger DSA families, graph-break-heavy ones) is `-m slow`.
+# hybrids, one DSA family (the others' DSA path is tests/test_hf_dsa_graphs.py's too), P = 0 layers and
+# attention sinks (hy_v4, eager: a DSA family whose indexer folds its scale into the weights). The rest (~2.5 more minutes: bigger DSA families, graph-break-heavy ones) is `-m slow`.
 CI = {"deepseek_v2", "deepseek_v3", "sarvam_mla", "youtu", "glm4_moe_lite", "mistral4", "minicpm3", "kimi_linear",
       "bailing_hybrid", "axk1", "deepseek_v32", "hy_v4-eager", "mistral_large4:no_rope-sdpa"}
 
@@ -309,12 +305,3 @@ def family_table() -> str:
 
 if __name__ == "__main__":
     print(family_table())
-
-
-def test_attention_sink_sites_are_counted_not_skipped():
-    """hy_v4's eager attention with sinks is not rewritten yet, but each site is counted and logged (was: neither)."""
-    if "hy_v4" not in mla_families():
-        pytest.skip("hy_v4 is not in this transformers")
-    r = run_family("hy_v4", "eager")
-    assert r["sites"] == r["layers"] * r["graphs"] and r["not_rewritten"] == r["sites"] and r["rewritten"] == 0, r
-    assert torch.equal(r["tokens"], r["ref_tokens"])  # HF's attention ran

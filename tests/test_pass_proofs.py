@@ -174,6 +174,39 @@ def test_fully_masked_row_long_cache():
     _close(out, ref, torch.float32)
 
 
+def _sink_site(q, latent, kpe, w, mask, sinks):
+    """hy_v4's eager attention written out: softmax over [scores + mask | per-head sink] (minus the row max), the
+    sink's column dropped."""
+    B, _, L, _ = latent.shape
+    kv = torch.nn.functional.linear(latent, w).view(B, L, -1, 256).transpose(1, 2)
+    k_nope, v = torch.split(kv, [128, 128], dim=-1)
+    k = torch.cat([k_nope, kpe.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+    s = torch.matmul(q, k.transpose(2, 3)) * 0.07 + mask
+    c = torch.cat([s, sinks.reshape(1, -1, 1, 1).expand(B, -1, 1, -1)], dim=-1)
+    c = c - c.max(dim=-1, keepdim=True).values
+    p = torch.nn.functional.softmax(c, dim=-1, dtype=c.dtype)[..., :-1]
+    return torch.matmul(p.to(v.dtype), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["where-min", "where-neginf", "where-min-fill-min"])
+def test_attention_sinks_are_rewritten(kind, dtype):
+    """softmax([s | z])[..., :-1] @ V = (softmax(s) @ V) * sigmoid(lse(s) - z) per head, emitted after mla.decode
+    from its lse; a request with no valid token attends only the sink (0, whatever its mask constant)."""
+    q, latent, kpe, w, valid = M.synthetic_site_inputs(dtype=dtype)
+    valid[1] = False
+    sinks = torch.linspace(-2.0, 3.0, q.shape[1], dtype=dtype)  # from "sink negligible" to "sink dominates"
+
+    def fn(q, latent, kpe, w, valid, sinks):
+        return _sink_site(q, latent, kpe, w, _mask(kind, valid, q.dtype), sinks)
+
+    out, ref = _run(fn, (q, latent, kpe, w, valid, sinks), rewritten=1)
+    assert torch.equal(ref[1], torch.zeros_like(ref[1]))
+    plain = M.mla_attention_site(q, latent, kpe, w, _mask(kind, valid, dtype), impl="eager")
+    assert M.rel_err(ref[0], plain[0]) > 1e-2  # the sinks matter here (the test tells them apart)
+    _close(out, ref, dtype)
+
+
 def _empty_request_batch(L):
     """A left-padded batch whose second request is padding everywhere (its mask row all False)."""
     ids, mask = M.batch(B=3, L=L)

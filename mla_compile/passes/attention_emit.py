@@ -293,6 +293,20 @@ def _rows(b: Builder, empty: fx.Node) -> fx.Node:
     return b.call(aten.unsqueeze.default, b.call(aten.unsqueeze.default, empty, 1), 2)
 
 
+def _scale_by_sinks(b: Builder, lat: fx.Node, lse: fx.Node, sinks: fx.Node, empty) -> fx.Node:
+    """HF's attention sinks: softmax over [scores | z_h] with the sink's column dropped is softmax(scores) times
+    S / (S + e^z) = sigmoid(lse - z) per head (S = sum of e^score, lse = log S, natural log as the ops give it).
+    A row with no valid token attends only the sink: 0 (lse -inf gives it, except where such a row was given a flat
+    softmax over every slot: `empty`, which is then zeroed)."""
+    keep = b.call(aten.sigmoid.default, b.call(aten.sub.Tensor, lse, sinks))  # [B, H]
+    if empty is not None:
+        keep = b.call(aten.where.ScalarSelf, b.call(aten.unsqueeze.default, empty, 1), 0.0, keep)
+    scaled = b.call(aten.mul.Tensor, lat, b.call(aten.unsqueeze.default, keep, 2))
+    if _val(scaled).dtype == _val(lat).dtype:
+        return scaled
+    return b.call(aten._to_copy.default, scaled, dtype=_val(lat).dtype)
+
+
 def emit(b: Builder, site: Site, src: LatentSource, memo: Memo, absorb: str = "auto") -> fx.Node:
     """The absorbed computation; returns the node replacing the attention output [B, H, 1, v]. absorb: how the
     per-head projections are written (`tuning.Tuning.absorb`)."""
@@ -341,7 +355,9 @@ def emit(b: Builder, site: Site, src: LatentSource, memo: Memo, absorb: str = "a
         else:
             res = b.call(torch.ops.mla.decode.default, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale)
         lat = b.item(res, 0)  # [B, H, R]
-    if empty is not None and empty_rows == masks.EMPTY_NAN:  # HF: softmax of a row of -inf
+    if site.sinks is not None:
+        lat = _scale_by_sinks(b, lat, b.item(res, 1), site.sinks, empty)
+    elif empty is not None and empty_rows == masks.EMPTY_NAN:  # HF: softmax of a row of -inf
         lat = b.call(aten.where.ScalarSelf, _rows(b, empty), float("nan"), lat)
     out = _per_head_matmul(b, lat, w_uv, contract_last=True, absorb=absorb)  # [B, H, v]
     return b.call(aten.unsqueeze.default, out, 2)  # [B, H, 1, v]

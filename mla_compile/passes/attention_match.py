@@ -86,6 +86,7 @@ class Site:
     nodes: set  # nodes that die with the rewrite
     impl: str  # "sdpa" | "eager"
     dtypes: tuple  # what the masked scores are cast to through the softmax (attention_mask.prove_mask)
+    sinks: Any = None  # per-head sink logits [H] (eager softmax over [scores | sink], sink dropped), or None
     sparse: Any = None  # dsa_indexer.SparseIndexer: DSA sparse graph -> dsa.indexer_topk + mla.sparse_decode
 
 
@@ -207,11 +208,12 @@ def _match_sdpa(node: fx.Node):
         scale = _shape(q)[-1] ** -0.5
     if not isinstance(scale, (int, float)):
         raise NoMatch(f"sdpa scale is not a constant ({scale})")
-    return q, k, v, mask, float(scale), set(), {node}, (_val(q).dtype,)
+    return q, k, v, mask, float(scale), set(), {node}, (_val(q).dtype,), None
 
 
 def _match_eager(node: fx.Node):
-    """out = matmul(dropout(softmax(matmul(Q, K.transpose(2, 3)) * s [+ M], -1).to(dt)), V)."""
+    """out = matmul(dropout(softmax(matmul(Q, K.transpose(2, 3)) * s [+ M], -1).to(dt)), V), or with attention
+    sinks softmax(cat([.. [+ M], sinks], -1))[..., :-1] in its place (`_match_sinks`)."""
     p, v = node.args[0], node.args[1]
     chain = {node}
     while True:
@@ -224,19 +226,23 @@ def _match_eager(node: fx.Node):
             break
         chain.add(p)
         p = p.args[0]
+    sliced = None
+    if _is_fn(p, {operator.getitem}) and _is_op(p.args[0], "softmax"):  # attention sinks: probs[..., :-1]
+        chain.add(p)
+        sliced, p = p, p.args[0]
     if not _is_op(p, "softmax"):
-        if _is_fn(p, {operator.getitem}) and _is_op(p.args[0], "softmax"):
-            # softmax over [scores | per-head sink], the sink column dropped (hy_v4's attention sinks): attention,
-            # but not the form the rewrite proves, so it is counted and logged rather than skipped silently
-            raise NoMatch("the probabilities are a slice of a wider softmax (attention sinks?): not supported")
         return None
     sm_dim = _arg(p, 1, "dim")
     if sm_dim not in (-1, 3):
         raise NoMatch(f"softmax over dim {sm_dim}")
     chain.add(p)
     s = p.args[0]
+    sinks, dtypes = None, (_val(p).dtype,)
+    if sliced is not None:
+        s, sinks = _match_sinks(sliced, s, chain)
+        dtypes = (_val(p.args[0]).dtype,) + dtypes
     mask = None
-    dtypes = (_val(s).dtype, _val(p).dtype)  # the masked scores', then the softmax's (HF: float32)
+    dtypes = (_val(s).dtype,) + dtypes  # the masked scores', then what the softmax runs in (HF: float32)
     if _is_op(s, "add", "__add__") or _is_fn(s, {operator.add}):
         chain.add(s)
         s, mask = s.args[0], s.args[1]
@@ -257,7 +263,37 @@ def _match_eager(node: fx.Node):
     if not (_is_op(kt, "transpose") and sorted(_dim(d, 4) for d in _shape_args(kt)) == [2, 3]):
         raise NoMatch("scores are not Q @ K.transpose(2, 3)")
     chain.add(kt)
-    return q, kt.args[0], v, mask, scale, {kt}, chain, dtypes
+    return q, kt.args[0], v, mask, scale, {kt}, chain, dtypes, sinks
+
+
+def _match_sinks(sliced: fx.Node, c: fx.Node, chain: set):
+    """HF's attention sinks (hy_v4): probabilities sliced[..., :-1] of a softmax over
+    c = cat([S, sinks.reshape(1, -1, 1, 1).expand(B, -1, 1, -1)], -1) (optionally minus its row max): returns
+    (S, sinks [H])."""
+    idx = sliced.args[1]
+    if not (isinstance(idx, tuple) and len(idx) == 2 and idx[0] is Ellipsis and idx[1] == slice(None, -1, None)):
+        raise NoMatch(f"the probabilities are a slice {idx} of a wider softmax, not [..., :-1] (attention sinks)")
+    if _is_op(c, "sub", "__sub__") or _is_fn(c, {operator.sub}):  # a shift per row: the softmax is the same
+        x, shift = c.args
+        peak = shift.args[0] if _is_fn(shift, {operator.getitem}) and shift.args[1] == 0 else None
+        if not (_is_op(peak, "max") and peak.args[0] is x and _arg(peak, 1, "dim") in (-1, 3)
+                and _arg(peak, 2, "keepdim", False) is True):
+            raise NoMatch(f"the sink logits are shifted by {getattr(shift, 'name', shift)}, not by their row max")
+        chain.update({c, shift, peak})
+        c = x
+    parts = last_dim_cat_parts(c)
+    if parts is None or len(parts) != 2:
+        raise NoMatch(f"{c.name}: the softmax over [scores | sinks] is not a 2-part cat on the last dim")
+    S, e = parts
+    if len(_shape(S)) != 4:
+        raise NoMatch(f"{S.name}: scores of shape {_shape(S)} beside the sinks, expected [B, H, 1, L]")
+    B, H, Sq, _ = _shape(S)
+    r = e.args[0] if _is_op(e, "expand") else None
+    if not (_is_op(r, "reshape", "view") and same(_shape(e), (B, H, Sq, 1)) and _shape(r) == (1, H, 1, 1)
+            and _shape(r.args[0]) == (H,)):
+        raise NoMatch(f"{e.name}: the sink column is not a per-head [H] tensor .reshape(1, -1, 1, 1).expand(...)")
+    chain.update({c, e, r})
+    return S, r.args[0]
 
 
 def match_site(node: fx.Node) -> Site | None:
@@ -265,13 +301,13 @@ def match_site(node: fx.Node) -> Site | None:
     attention that cannot be rewritten."""
     if _is_fn(node, _SDPA):
         impl = "sdpa"
-        q, K, V, mask, scale, k_users, chain, dtypes = _match_sdpa(node)
+        q, K, V, mask, scale, k_users, chain, dtypes, sinks = _match_sdpa(node)
     elif _is_fn(node, _MATMUL) or _is_op(node, "matmul"):
         impl = "eager"
         m = _match_eager(node)
         if m is None:
             return None
-        q, K, V, mask, scale, k_users, chain, dtypes = m
+        q, K, V, mask, scale, k_users, chain, dtypes, sinks = m
     else:
         return None
     qv = _val(q)
@@ -303,7 +339,7 @@ def match_site(node: fx.Node) -> Site | None:
     check_private(node, nodes)  # every intermediate dies with the site
     return Site(out=node, q=q, weight=weight, latent=latent, kpe=kpe, mask=mask, proof=proof, scale=scale,
                 nope=nope, v_dim=v_dim, rope=P, nope_offset=nope_off, rope_offset=rope_off, heads=H, nodes=nodes,
-                impl=impl, dtypes=dtypes)
+                impl=impl, dtypes=dtypes, sinks=sinks)
 
 
 def latent_source(site: Site) -> LatentSource:

@@ -185,7 +185,8 @@ _MUL = {operator.mul, torch.mul}
 class SparseIndexer:
     """HF's indexer behind an index-masked attention mask `A & ~I` / `A.masked_fill(I, min)`, where
     I = ones.scatter(-1, topk(score masked by A[:, 0], k).indices, False) and
-    score[b, t] = weights[b] . relu(matmul(q.float(), keys[b, t].float()) * scale) (HF's formula)."""
+    score[b, t] = weights[b] . relu(matmul(q.float(), keys[b, t].float()) * scale) (HF's formula; scale 1 where
+    the model folds it into the weights)."""
 
     def __init__(self, A, topk, k, q, weights, keys, scale, nodes):
         self.A, self.topk, self.k, self.q, self.weights, self.keys = A, topk, k, q, weights, keys
@@ -242,15 +243,16 @@ def match_sparse_indexer(mask) -> SparseIndexer | None:
     if not (_is_call(relu, _RELU, ("relu",)) and len(relu.args) == 1 and not relu.kwargs.get("inplace", False)):
         raise NotSparse(f"{relu.name}: expected relu(logits * scale)")
     scaled = relu.args[0]
-    if not (_is_call(scaled, _MUL, ("mul", "__mul__")) and len(scaled.args) == 2):
-        raise NotSparse(f"{scaled.name}: expected logits * scale")
-    a, b = scaled.args
-    if isinstance(b, float) and isinstance(a, fx.Node):
-        logits, scale = a, b
-    elif isinstance(a, float) and isinstance(b, fx.Node):
-        logits, scale = b, a
-    else:
-        raise NotSparse(f"{scaled.name}: logits scaled by a non-constant")
+    if _is_call(scaled, _MUL, ("mul", "__mul__")) and len(scaled.args) == 2:
+        a, b = scaled.args
+        if isinstance(b, float) and isinstance(a, fx.Node):
+            logits, scale = a, b
+        elif isinstance(a, float) and isinstance(b, fx.Node):
+            logits, scale = b, a
+        else:
+            raise NotSparse(f"{scaled.name}: logits scaled by a non-constant")
+    else:  # the scale folded into the weights (hy_v4): weights . relu(logits), the formula with scale 1
+        logits, scale = scaled, 1.0
     if not (_is_call(logits, _MATMUL, ("matmul",)) and len(logits.args) == 2):
         raise NotSparse(f"{logits.name}: expected matmul(q.float(), keys^T)")
     qf, kt = logits.args

@@ -24,6 +24,12 @@ with Q [B, H, 1, nope + P] (decode: one query token). It is replaced by (W = W_k
 so the per-step `kv_b_proj` over the whole cache disappears. Exact algebra: q.(W_UK c) = (W_UK^T q).c and
 softmax.(W_UV c) = W_UV (softmax.c).
 
+Attention sinks (HF eager hy_v4 / hy_v4_vl): the probabilities are softmax(cat([scores + M, z_h], -1))[..., :-1],
+a softmax over the scores and one sink logit z_h per head whose column is then dropped. That is
+softmax(scores + M) * sigmoid(lse - z_h) per head (lse = logsumexp(scores + M), natural log): the rewrite scales
+the decode op's output by that factor, from the lse the op returns (DCP: the merged one); a row with no valid
+token attends only the sink, 0.
+
 Masks: HF builds, for decode with a static cache, a boolean [B, 1, 1, L] mask (SDPA) or
 `where(mask, 0, finfo.min)` (eager), possibly `& ~index_mask` / `masked_fill(index_mask, min)` (DSA).
 `attention_mask.prove_mask` recovers the boolean `valid[B, L]` from that expression (anything it cannot prove
