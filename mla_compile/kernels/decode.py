@@ -229,11 +229,18 @@ class DecodeConfig:
     kernel: str = "triton"
 
 
-def default_config(H: int, R: int, page_size: int) -> DecodeConfig:
+def default_config(H: int, R: int, page_size: int, dtype: torch.dtype = torch.bfloat16) -> DecodeConfig:
     """From H200 sweeps (benchmarks/decode_sweep.py, data/decode_sweep_round*.json; RESULTS.md): many heads
     take the TMA kernel where the layout allows it, few heads the pointer kernel at every page size. The pointer
     kernel gets one more stage when a tile spans pages (a page-1 token table, page 16): its addresses then come
-    from a per-token table load that the next tile's copy waits on (page 1, H=16: 2 stages 20% slower than 3)."""
+    from a per-token table load that the next tile's copy waits on (page 1, H=16: 2 stages 20% slower than 3).
+
+    fp32 operands (twice the bytes of the tuned half-precision tiles) take the pointer kernel at 32 rows x 16 tokens:
+    the half-precision tiling needs 396-432 KB of shared memory in fp32 at 64 rows (the H200 has 227 KB; it failed
+    there with OutOfResources) and spills at 16 rows; the fp32 tiling builds in 88-124 KB with no spill (sm_90a,
+    tools/aot.py; tests/test_kernel_codegen.py guards it)."""
+    if dtype == torch.float32:
+        return multi_token_config(H, page_size, dtype)
     stages = 2 if page_size % 64 == 0 else 3  # both configs use 64-token tiles
     if H >= 64 and R <= 512:
         # many heads (compute-bound): a 64-row tile reaches Hopper's warpgroup MMA and reads each KV tile for
@@ -373,7 +380,8 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
     # an index list (sparse_decode) gathers every token through a table load, as a page-1 token table does
     page_size = 1 if indices is not None else ckv_cache.shape[1]
     multi = n_query > 1
-    cfg = cfg or (multi_token_config(H, page_size, q_nope.dtype) if multi else default_config(H, R, page_size))
+    cfg = cfg or (multi_token_config(H, page_size, q_nope.dtype) if multi else
+                  default_config(H, R, page_size, q_nope.dtype))
     ns = splits or num_splits(B, H, capacity, q_nope.device, cfg)
     if ns == 1:
         o, l = out, lse

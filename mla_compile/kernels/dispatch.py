@@ -181,7 +181,7 @@ def own_decode_config(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False) 
 
 def _config(q_nope, ckv_cache, sparse: bool, name: str) -> _decode.DecodeConfig:
     """decode.py's config for the chosen kernel: its tiling and split policy, the stage-1 kernel set."""
-    cfg = _decode.default_config(q_nope.shape[1], q_nope.shape[2], 1 if sparse else ckv_cache.shape[1])
+    cfg = _decode.default_config(q_nope.shape[1], q_nope.shape[2], 1 if sparse else ckv_cache.shape[1], q_nope.dtype)
     return cfg if name == "triton" else dataclasses.replace(cfg, kernel=name)
 
 

@@ -14,6 +14,8 @@ import torch
 import reference as ref
 from gpu_util import capture, rel
 
+import mla_compile  # noqa: F401  (registers torch.ops.mla: this file may run alone)
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 DEV = "cuda"
