@@ -10,7 +10,9 @@ import dataclasses
 
 import torch
 
-from . import layout
+from . import fp8, layout
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # "auto": the tokens' dtype; "fp8_e4m3": mla_compile/fp8.py's format
 
 
 @dataclasses.dataclass
@@ -21,6 +23,7 @@ class PagedBatch:
     kpe_cache: torch.Tensor  # [NP, PS, P]
     block_table: torch.Tensor  # int32 [B, MP]
     seq_lens: torch.Tensor  # int32 [B], lengths held in THIS cache (local lengths on a DCP rank)
+    ckv_scale: torch.Tensor | None = None  # float32 [NP, PS, R / 128] of an FP8 ckv_cache (mla_compile/fp8.py)
 
     @property
     def page_size(self) -> int:
@@ -47,25 +50,36 @@ def make_block_table(seq_lens: list[int], page_size: int, max_pages: int | None 
 
 
 def fill_paged(ckv: list[torch.Tensor], kpe: list[torch.Tensor], page_size: int, *, max_pages: int | None = None,
-               shuffle: bool = True, spare_pages: int = 0, generator: torch.Generator | None = None) -> PagedBatch:
+               shuffle: bool = True, spare_pages: int = 0, generator: torch.Generator | None = None,
+               kv_cache_dtype: str = "auto") -> PagedBatch:
     """Lay out request b's tokens ckv[b] [L_b, R] / kpe[b] [L_b, P] in a fresh paged cache.
 
     Unused cache slots hold NaN so a kernel that reads outside the valid tokens is caught by tests.
+    kv_cache_dtype "fp8_e4m3": the FP8 format (mla_compile/fp8.py: one [NP, PS, 656]-byte buffer for R 512 / P 64,
+    ckv quantized on write, kpe kept in its dtype), its scales in `ckv_scale`; every byte
+    of an unused slot is 0xFF (NaN in all three views).
     """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     lens = [x.shape[0] for x in ckv]
     device, dtype = ckv[0].device, ckv[0].dtype
     table, num_pages = make_block_table(lens, page_size, max_pages, shuffle=shuffle, spare_pages=spare_pages,
                                         generator=generator, device=device)
     R, P = ckv[0].shape[1], kpe[0].shape[1]
-    ckv_cache = torch.full((num_pages, page_size, R), float("nan"), dtype=dtype, device=device)
-    kpe_cache = torch.full((num_pages, page_size, P), float("nan"), dtype=dtype, device=device)
+    ckv_scale = None
+    if kv_cache_dtype == "fp8_e4m3":
+        buf, ckv_cache, ckv_scale, kpe_cache = fp8.allocate(num_pages, page_size, R, P, device, kpe[0].dtype)
+        buf.fill_(0xFF)  # NaN in the e4m3, float32 and bf16 views alike
+    else:
+        ckv_cache = torch.full((num_pages, page_size, R), float("nan"), dtype=dtype, device=device)
+        kpe_cache = torch.full((num_pages, page_size, P), float("nan"), dtype=dtype, device=device)
     if sum(lens):
         req = torch.cat([torch.full((n,), b) for b, n in enumerate(lens)]).to(device)
         pos = torch.cat([torch.arange(n) for n in lens]).to(device)
         slots = layout.owner_slots(table, req, pos, page_size)
-        torch.ops.mla.cache_write(ckv_cache, kpe_cache, torch.cat(ckv), torch.cat(kpe), slots)
+        torch.ops.mla.cache_write(ckv_cache, kpe_cache, torch.cat(ckv), torch.cat(kpe), slots, ckv_scale)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    return PagedBatch(ckv_cache, kpe_cache, table, seq_lens)
+    return PagedBatch(ckv_cache, kpe_cache, table, seq_lens, ckv_scale)
 
 
 def shard_tokens(tokens: list[torch.Tensor], dcp_size: int, dcp_rank: int) -> list[torch.Tensor]:

@@ -211,3 +211,11 @@ def rel_err(a, ref, floor=1.0):
         return 0.0
     diff = (a[fin] - ref[fin]).abs().max().item()
     return diff / max(ref[fin].abs().max().item(), floor)
+
+
+def ref_dequantize_fp8(values, scales, group: int = 128):
+    """An FP8 latent cache read in float64: every e4m3 value times the float32 scale of its group of `group`
+    channels (values [..., R], scales [..., R / group]), written out element by element's group index."""
+    R = values.shape[-1]
+    group_of = torch.arange(R) // group
+    return values.double() * scales.double()[..., group_of]

@@ -5,13 +5,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .. import fp8
 from ._util import pdl_enter, pdl_launch
 
 
 @triton.jit
-def _cache_write_kernel(Ckv, Kpe, SrcC, SrcK, Slots, R, P, PS,
-                        s_cp, s_cs, s_kp, s_ks, s_sc, s_sk,
-                        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
+def _cache_write_kernel(Ckv, Kpe, SrcC, SrcK, Slots, Scale, SrcS, R, P, PS, G,
+                        s_cp, s_cs, s_kp, s_ks, s_sc, s_sk, s_gp, s_gs, s_ss,
+                        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr,
+                        FP8: tl.constexpr = False, PDL: tl.constexpr = False):
+    """FP8: SrcC holds the already quantized e4m3 values and SrcS their G float32 scales per token
+    (`fp8.quantize`, the format's one definition), scattered beside them into Scale."""
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t)
@@ -24,17 +28,30 @@ def _cache_write_kernel(Ckv, Kpe, SrcC, SrcK, Slots, R, P, PS,
         tl.store(Ckv + page * s_cp + off * s_cs + offs_r, c, mask=offs_r < R)
         k = tl.load(SrcK + t * s_sk + offs_p, mask=offs_p < P)
         tl.store(Kpe + page * s_kp + off * s_ks + offs_p, k, mask=offs_p < P)
+        if FP8:
+            offs_g = tl.arange(0, BLOCK_G)
+            s = tl.load(SrcS + t * s_ss + offs_g, mask=offs_g < G)
+            tl.store(Scale + page * s_gp + off * s_gs + offs_g, s, mask=offs_g < G)
 
 
-def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots) -> None:
+def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None) -> None:
+    """ckv_scale given: an FP8 cache; ckv is quantized here by `fp8.quantize` (device ops, no host sync) and the
+    kernel scatters values and scales."""
     T = ckv.shape[0]
     if T == 0:
         return
+    if ckv_scale is not None:
+        ckv, scales = fp8.quantize(ckv)
+    else:
+        scales = ckv  # unread placeholders without FP8
     ckv = ckv if ckv.stride(-1) == 1 else ckv.contiguous()
     kpe = kpe if kpe.stride(-1) == 1 else kpe.contiguous()
     R, P = ckv.shape[1], kpe.shape[1]
-    _cache_write_kernel[(T,)](ckv_cache, kpe_cache, ckv, kpe, slots, R, P, ckv_cache.shape[1],
+    G = scales.shape[1] if ckv_scale is not None else 1
+    dst_s = ckv_scale if ckv_scale is not None else ckv_cache
+    _cache_write_kernel[(T,)](ckv_cache, kpe_cache, ckv, kpe, slots, dst_s, scales, R, P, ckv_cache.shape[1], G,
                               ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
-                              ckv.stride(0), kpe.stride(0),
+                              ckv.stride(0), kpe.stride(0), dst_s.stride(0), dst_s.stride(1), scales.stride(0),
                               BLOCK_R=triton.next_power_of_2(max(R, 1)), BLOCK_P=triton.next_power_of_2(max(P, 1)),
+                              BLOCK_G=triton.next_power_of_2(G), FP8=ckv_scale is not None,
                               num_warps=4, **pdl_launch(ckv.device))

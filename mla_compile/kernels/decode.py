@@ -66,6 +66,21 @@ def _load_tile(Ckv, Kpe, page, off, valid, s_cp, s_cs, s_kp, s_ks, R, P, RH: tl.
 
 
 @triton.jit
+def _dequantize(c, Scale, srow, valid, col0: tl.constexpr, R: tl.constexpr, RH: tl.constexpr):
+    """An FP8 latent tile half [BLOCK_N, RH] (columns col0 .. col0 + RH) -> float32 value * its group's scale
+    (mla_compile/fp8.py: one float32 scale per 128 channels at Scale + srow + group). A half touches
+    ceil(RH / 128) groups: one [BLOCK_N, 1] scale load each, selected per column (no per-element gather)."""
+    cols = col0 + tl.arange(0, RH)[None, :]
+    grp = cols // 128
+    sc = tl.zeros(c.shape, tl.float32)
+    for g in tl.static_range((RH + 127) // 128):
+        gid = col0 // 128 + g
+        s = tl.load(Scale + srow + gid, mask=valid[:, None] & (gid < R // 128), other=0.0)
+        sc = tl.where(grp == gid, s, sc)
+    return c.to(tl.float32) * sc
+
+
+@triton.jit
 def _tile_update(qn0, qn1, qp, c0, c1, k, mask, m_i, l_i, acc0, acc1, scale_log2, MASKED: tl.constexpr,
                  DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """One online-softmax step over a KV tile whose latent comes as two column halves c0 | c1:
@@ -103,15 +118,15 @@ def _store_split(O, L, split, b, offs_h, mask_h, s_on, s_ob, s_oh, s_ln, s_lb, s
 
 
 @triton.jit
-def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L,
+def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale,
                    scale_log2, H, n_sparse,
-                   s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
+                   s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb, s_sp, s_ss,
                    s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
                    n_splits, n_query, heads_per_query, s_lenb, s_lenq, causal,
                    SPARSE: tl.constexpr, PS: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, RH: tl.constexpr, BLOCK_P: tl.constexpr,
                    DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, MULTI: tl.constexpr = False,
-                   PDL: tl.constexpr = False):
+                   FP8: tl.constexpr = False, PDL: tl.constexpr = False):
     """Any page size, any R/P (masked to RH-wide halves), and sparse index lists: every tile by pointers.
     R and P are constexprs: with R == 2 * RH the width masks fold away, so tile loads vectorise (16 B) and
     pipeline as async copies (a runtime R leaves 2-byte loads); the page size is one too (token // PS and
@@ -122,7 +137,11 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L,
     the block. Row j sees tokens t < its own limit: Lens[b * s_lenb + j * s_lenq] + causal * (j - n_query + 1)
     (causal 1, s_lenq 0: the causal limits of one length per request; causal 0: a [B, n_query] table of limits,
     as DCP's per-rank counts; non-decreasing in j, like every causal limit). The block's token range runs to its
-    largest limit, its last row's; each row masks the rest."""
+    largest limit, its last row's; each row masks the rest.
+
+    FP8: Ckv holds float8_e4m3fn values with float32 scales at Scale (strides s_sp, s_ss per page / slot, one per
+    128 channels: mla_compile/fp8.py); each tile is dequantized in registers (float32 value * scale, rounded once
+    to q's dtype) before the MMAs, which run in q's dtype as for a bf16 cache."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -157,6 +176,10 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L,
             page = tl.load(Table + b * s_tb + offs_t // PS, mask=valid, other=0).to(tl.int64)[:, None]
             off = (offs_t % PS)[:, None]
         c0, c1, k = _load_tile(Ckv, Kpe, page, off, valid, s_cp, s_cs, s_kp, s_ks, R, P, RH, BLOCK_P)
+        if FP8:
+            srow = page * s_sp + off * s_ss
+            c0 = _dequantize(c0, Scale, srow, valid, 0, R, RH).to(qn0.dtype)
+            c1 = _dequantize(c1, Scale, srow, valid, RH, R, RH).to(qn0.dtype)
         if MULTI:
             mask = valid[None, :] & (offs_t[None, :] < limit[:, None])
         else:
@@ -275,6 +298,22 @@ def multi_token_config(rows: int, page_size: int, dtype: torch.dtype = torch.bfl
     return DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=3, ctas_per_sm=1, max_splits=256)
 
 
+def fp8_config(rows: int, page_size: int, dtype: torch.dtype = torch.bfloat16, multi: bool = False) -> DecodeConfig:
+    """An FP8 latent cache (the pointer kernel, tiles dequantized in registers; `multi`: S > 1 query tokens, rows =
+    S * H). Sized from sm_90a builds (tools/aot.py, R 512 / P 64, bf16 q; tests/test_fp8_cache.py guards them): the
+    float32 dequantization of a tile doubles its registers, so the tiles are 32 tokens, not 64. 16 rows: 4 warps,
+    214-229 registers, 105 KB shared, no spill (64-token tiles need 8 warps and 191 KB). More rows, one query
+    token: 32 per program at 8 warps, 255 registers, 123 KB, no spill (64 rows spill 148-288 bytes at every tiling
+    tried; with S > 1, 32 rows spill too, so those stay at 16). fp32 q: the fp32 tiling of `multi_token_config`.
+    Not yet timed on a GPU."""
+    if dtype == torch.float32:
+        return multi_token_config(rows, page_size, dtype)
+    stages = 2 if page_size % 64 == 0 else 3
+    if rows <= 16 or multi:
+        return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=stages, max_splits=256)
+    return DecodeConfig(block_h=32, block_n=32, num_warps=8, num_stages=stages, max_splits=256)
+
+
 def num_splits(batch: int, heads: int, capacity: int, device: torch.device, cfg: DecodeConfig) -> int:
     """Splits from shapes only: as many as fit in one wave of `ctas_per_sm` programs per SM, never splits shorter
     than min_split_tokens. One wave, not more: H200 probe 2026-12-01 (benchmarks/RESULTS.md): H=16 B=32
@@ -308,11 +347,12 @@ def tma_constexprs(cfg: DecodeConfig, R: int, P: int, dtype: torch.dtype) -> dic
 
 
 def pointer_constexprs(cfg: DecodeConfig, R: int, P: int, page_size: int, sparse: bool, dtype: torch.dtype,
-                       multi: bool = False) -> dict:
+                       multi: bool = False, fp8: bool = False) -> dict:
     """The compile-time arguments of `_stage1_kernel` (shared with tests/test_kernel_codegen.py); `multi`: several
-    query tokens per request, each row with its own causal limit."""
+    query tokens per request, each row with its own causal limit; `fp8`: an FP8 latent cache (q in `dtype`)."""
     return dict(SPARSE=sparse, PS=page_size, R=R, P=P, BLOCK_H=cfg.block_h,
-                BLOCK_N=cfg.block_n, RH=max(16, block(R) // 2), BLOCK_P=block(P), MULTI=multi, **dot_mode(dtype))
+                BLOCK_N=cfg.block_n, RH=max(16, block(R) // 2), BLOCK_P=block(P), MULTI=multi, FP8=fp8,
+                **dot_mode(dtype))
 
 
 def _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
@@ -336,7 +376,7 @@ def _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
 
 
 def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, o, l, s_on,
-                    s_ln, ns, cfg: DecodeConfig, n_query: int = 1):
+                    s_ln, ns, cfg: DecodeConfig, n_query: int = 1, ckv_scale=None):
     B, H, R = q_nope.shape
     P = q_pe.shape[2]
     sparse = indices is not None
@@ -346,16 +386,19 @@ def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, i
     causal = int(not multi or seq_lens.dim() == 1)
     s_lenb = seq_lens.stride(0) if multi else 1
     s_lenq = seq_lens.stride(1) if multi and not causal else 0
+    fp8 = ckv_scale is not None
+    scale = ckv_scale if fp8 else o  # an unread placeholder pointer without FP8
+    s_sp, s_ss = (ckv_scale.stride(0), ckv_scale.stride(1)) if fp8 else (0, 0)
     grid = (B, triton.cdiv(H, cfg.block_h), ns)
     return _stage1_kernel[grid](
-        q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens if not sparse else table, o, l,
+        q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens if not sparse else table, o, l, scale,
         sm_scale * _LOG2E, H, indices.shape[1] if sparse else 0,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
-        table.stride(0),
+        table.stride(0), s_sp, s_ss,
         s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
         ns, n_query, H // n_query, s_lenb, s_lenq, causal,
-        **pointer_constexprs(cfg, R, P, ckv_cache.shape[1], sparse, q_nope.dtype, multi),
+        **pointer_constexprs(cfg, R, P, ckv_cache.shape[1], sparse, q_nope.dtype, multi, fp8),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q_nope.device))
 
 
@@ -364,7 +407,7 @@ def _unit_inner_stride(t):
 
 
 def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, capacity,
-            cfg: DecodeConfig | None, splits: int | None, n_query: int = 1):
+            cfg: DecodeConfig | None, splits: int | None, n_query: int = 1, ckv_scale=None):
     B, H, R = q_nope.shape  # H: rows per request (n_query * heads)
     out = q_nope.new_empty(q_nope.shape)  # contiguous, as the fake impl says (empty_like would copy q's strides)
     lse = torch.empty((B, H), dtype=torch.float32, device=q_nope.device)
@@ -374,13 +417,15 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
     # lengths / tables. The kernels need unit inner strides only: copy just what lacks them
     q_nope, q_pe, seq_lens, block_table, indices = map(_unit_inner_stride, (q_nope, q_pe, seq_lens, block_table,
                                                                              indices))
-    for t, name in ((ckv_cache, "ckv_cache"), (kpe_cache, "kpe_cache")):
-        if t.stride(-1) != 1:
+    for t, name in ((ckv_cache, "ckv_cache"), (kpe_cache, "kpe_cache"), (ckv_scale, "ckv_scale")):
+        if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name}: last dim must be contiguous for the Triton kernel, strides {t.stride()}")
     # an index list (sparse_decode) gathers every token through a table load, as a page-1 token table does
     page_size = 1 if indices is not None else ckv_cache.shape[1]
     multi = n_query > 1
-    cfg = cfg or (multi_token_config(H, page_size, q_nope.dtype) if multi else
+    fp8 = ckv_scale is not None
+    cfg = cfg or (fp8_config(H, page_size, q_nope.dtype, multi) if fp8 else
+                  multi_token_config(H, page_size, q_nope.dtype) if multi else
                   default_config(H, R, page_size, q_nope.dtype))
     ns = splits or num_splits(B, H, capacity, q_nope.device, cfg)
     if ns == 1:
@@ -393,7 +438,10 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
     sparse = indices is not None
     # several query tokens: the pointer kernel only (its rows carry per-token causal limits; the TMA and Gluon
     # kernels take one limit per request)
-    if not multi and cfg.kernel == "seesaw":
+    if fp8:  # the pointer kernel dequantizes its tiles; the TMA and Gluon kernels read fp16/bf16 caches only
+        _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, o, l, s_on,
+                        s_ln, ns, cfg, n_query, ckv_scale)
+    elif not multi and cfg.kernel == "seesaw":
         _seesaw.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns)
     elif not multi and cfg.kernel == "wgmma":
         _wgmma.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
@@ -409,21 +457,23 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
 
 
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, *, cfg=None, splits=None,
-           n_query: int = 1):
+           n_query: int = 1, ckv_scale=None):
     """`mla::decode` on the GPU (or under TRITON_INTERPRET=1): (out [B, H, R] q dtype, lse float32 [B, H]).
 
     n_query = S > 1: S query tokens per request folded into the rows, q [B, S * H, R] with row j * H + h = head h
     of query token j (what q [B, S, H, R].reshape(B, S * H, R) gives), out / lse likewise. seq_lens int32 [B]
     counts the S new tokens (token j sees t < seq_lens[b] - S + 1 + j), or int32 [B, S] gives each query token's
-    limit itself (DCP's per-rank counts). The pointer kernel, each KV tile loaded once for all S tokens."""
+    limit itself (DCP's per-rank counts). The pointer kernel, each KV tile loaded once for all S tokens.
+    ckv_scale: an FP8 ckv_cache's scales (mla_compile/fp8.py): the pointer kernel, tiles dequantized in registers."""
     capacity = block_table.shape[1] * ckv_cache.shape[1]  # the longest a request can be: shape-only
     return _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, None, sm_scale, capacity, cfg, splits,
-                   n_query)
+                   n_query, ckv_scale)
 
 
-def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, *, cfg=None, splits=None):
+def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, *, cfg=None, splits=None, ckv_scale=None):
     """`mla::sparse_decode`: attention over the physical slots in indices [B, K] (-1 ignored)."""
-    return _attend(q_nope, q_pe, ckv_cache, kpe_cache, None, None, indices, sm_scale, indices.shape[1], cfg, splits)
+    return _attend(q_nope, q_pe, ckv_cache, kpe_cache, None, None, indices, sm_scale, indices.shape[1], cfg, splits,
+                   ckv_scale=ckv_scale)
 
 
 def flops(batch: int, heads: int, kv_len: int, R: int, P: int) -> float:

@@ -208,9 +208,14 @@ def _with_zero_rope(q_nope, ckv_cache):
     return zero_rope_column(zero, *q_nope.shape[:2]), zero_rope_column(zero, *ckv_cache.shape[:2])
 
 
-def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=1):
+def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=1, ckv_scale=None):
     """n_query = S > 1: S query tokens per request folded into q's rows ([B, S*H, *], see kernels/decode.py
-    `decode`): the Triton pointer kernel only (FlashInfer and the many-head kernels take one token per request)."""
+    `decode`): the Triton pointer kernel only (FlashInfer and the many-head kernels take one token per request).
+    An FP8 cache (ckv_scale given, mla_compile/fp8.py): the Triton pointer kernel, which dequantizes its tiles in
+    registers; FlashMLA, FlashInfer and the Gluon kernels take fp16/bf16 caches only."""
+    if ckv_scale is not None:
+        return _fp8_pointer(_decode.decode, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
+                            ckv_scale=ckv_scale, **({"n_query": n_query} if n_query > 1 else {}))
     name = decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, n_query=n_query).name
     if name == "flashmla":
         return _flashmla(q_nope.device).decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
@@ -225,7 +230,17 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
     return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, **multi)
 
 
-def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
+def _fp8_pointer(kernel, q_nope, q_pe, ckv_cache, kpe_cache, *args, **kwargs):
+    """An FP8-cache call of the Triton pointer kernel (a zero rope column for P = 0, as below)."""
+    if rope_less(q_pe):
+        q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache)
+    return kernel(q_nope, q_pe, ckv_cache, kpe_cache, *args, **kwargs)
+
+
+def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
+    if ckv_scale is not None:  # FP8: the pointer kernel (see decode)
+        return _fp8_pointer(_decode.sparse_decode, q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
+                            ckv_scale=ckv_scale)
     if decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse=True).name == "wgmma":
         cfg = _config(q_nope, ckv_cache, True, "wgmma")
         return _decode.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, cfg=cfg)
@@ -238,13 +253,14 @@ def merge_states(outs, lses):
     return _merge.merge_states(outs, lses)
 
 
-def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots):
+def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None):
+    """ckv_scale given: an FP8 cache, ckv quantized on the way in (kernels/cache.py)."""
     if rope_less(kpe):
         # P = 0: nothing to write for the rope part; the kernel (which always writes both) copies a zero element
         # onto itself instead of touching a zero-width (possibly null) buffer
-        zero = ckv.new_zeros(1)
+        zero = kpe_cache.new_zeros(1)
         kpe_cache, kpe = zero_rope_column(zero, *ckv_cache.shape[:2]), zero_rope_column(zero, ckv.shape[0])
-    _cache.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots)
+    _cache.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
 
 
 def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):

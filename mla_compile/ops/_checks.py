@@ -74,11 +74,12 @@ def check_latent_rank(R: int, r_name: str) -> None:
     check(R >= 1, r_name, f"kv_lora_rank R (last dim) must be >= 1, got {R}")
 
 
-def check_paged_cache(ckv_cache, kpe_cache, R: int, P: int, dtypes=FLOAT_DTYPES) -> tuple[int, int]:
+def check_paged_cache(ckv_cache, kpe_cache, R: int, P: int, dtypes=FLOAT_DTYPES,
+                      fp8_ok: bool = False) -> tuple[int, int]:
     """Latent cache pair [NP, PS, R] / [NP, PS, P] for queries of widths R >= 1 / P >= 0; returns
-    (num_pages, page_size)."""
+    (num_pages, page_size). fp8_ok: ckv_cache may also be the FP8 format's float8_e4m3fn (mla_compile/fp8.py)."""
     check_latent_rank(R, "q_nope")
-    check_tensor(ckv_cache, "ckv_cache", 3, dtypes)
+    check_tensor(ckv_cache, "ckv_cache", 3, dtypes + (torch.float8_e4m3fn,) if fp8_ok else dtypes)
     check_tensor(kpe_cache, "kpe_cache", 3, dtypes)
     check_dim(ckv_cache, "ckv_cache", 2, R, "q_nope.shape[-1] (kv_lora_rank R)")
     check_dim(kpe_cache, "kpe_cache", 2, P, "q_pe.shape[-1] (rope dim P)")
@@ -127,3 +128,27 @@ def check_block_table_data(block_table, seq_lens, num_pages: int | None, page_si
 
 def check_scale(sm_scale, name: str = "sm_scale") -> None:
     check(isinstance(sm_scale, (float, int)) and math.isfinite(sm_scale), name, f"expected a finite float, got {sm_scale!r}")
+
+
+def check_ckv_scale(ckv_cache, ckv_scale, cache_name: str = "ckv_cache", scale_name: str = "ckv_scale") -> None:
+    """The FP8 latent cache's scales (mla_compile/fp8.py): required, float32 [NP, PS, R / 128], when the cache is
+    float8_e4m3fn; None for any other cache dtype (a scale beside a bf16 cache would be silently ignored)."""
+    from .. import fp8
+
+    if not fp8.is_fp8(ckv_cache):
+        check(ckv_scale is None, scale_name, f"given for a {ckv_cache.dtype} {cache_name}: scales belong to a "
+                                             f"{fp8.DTYPE} cache only (pass None)")
+        return
+    check(ckv_scale is not None, scale_name, f"required: {cache_name} is {fp8.DTYPE}, whose values are read as "
+                                             f"value * scale (float32 [NP, PS, R / {fp8.GROUP}])")
+    check(isinstance(ckv_scale, torch.Tensor), scale_name, f"expected a Tensor, got {type(ckv_scale).__name__}")
+    check(ckv_scale.dtype == fp8.SCALE_DTYPE, scale_name, f"expected dtype {fp8.SCALE_DTYPE}, got {ckv_scale.dtype}")
+    R = ckv_cache.shape[-1]
+    check(R % fp8.GROUP == 0, cache_name, f"an FP8 cache needs R (last dim) a multiple of {fp8.GROUP} (one scale "
+                                          f"per {fp8.GROUP} channels), got {R}")
+    want = (*ckv_cache.shape[:-1], R // fp8.GROUP)
+    check(tuple(ckv_scale.shape) == want, scale_name, f"expected shape {want} ([NP, PS, R / {fp8.GROUP}] of "
+                                                      f"{cache_name} {tuple(ckv_cache.shape)}), got "
+                                                      f"{tuple(ckv_scale.shape)}")
+    check(ckv_scale.device == ckv_cache.device, scale_name, f"is on {ckv_scale.device} but {cache_name} is on "
+                                                            f"{ckv_cache.device}")

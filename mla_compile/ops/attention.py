@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import fp8
 from . import _checks as C
 
 _NEG_INF = float("-inf")
@@ -40,8 +41,11 @@ def _check_q(q_nope, q_pe, dtypes):
             f"batch/heads {tuple(q_pe.shape[:lead])} differ from q_nope's {tuple(q_nope.shape[:lead])}")
 
 
-def _check_cache_dtype(q_nope, ckv_cache, kpe_cache):
-    C.check(ckv_cache.dtype == q_nope.dtype, "ckv_cache", f"dtype {ckv_cache.dtype} differs from q_nope's {q_nope.dtype}")
+def _check_cache_dtype(q_nope, ckv_cache, kpe_cache, ckv_scale):
+    """ckv_cache in q's dtype, or the FP8 format (mla_compile/fp8.py) with its scales; kpe_cache in q's dtype."""
+    C.check_ckv_scale(ckv_cache, ckv_scale)
+    C.check(fp8.is_fp8(ckv_cache) or ckv_cache.dtype == q_nope.dtype, "ckv_cache",
+            f"dtype {ckv_cache.dtype} differs from q_nope's {q_nope.dtype}")
     C.check(kpe_cache.dtype == q_nope.dtype, "kpe_cache", f"dtype {kpe_cache.dtype} differs from q_nope's {q_nope.dtype}")
 
 
@@ -58,13 +62,14 @@ def _check_lens(block_table, seq_lens, B: int, S: int) -> None:
 
 
 def check_decode_metadata(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
-                          dtypes=C.FLOAT_DTYPES) -> tuple[int, int]:
+                          dtypes=C.FLOAT_DTYPES, ckv_scale=None) -> tuple[int, int]:
     """Shapes, dtypes, devices of a decode call (no data read); returns (num_pages, page_size).
-    `dtypes`: the q / cache dtypes the caller takes (mla::decode adds float64; DCP's lse packing does not)."""
+    `dtypes`: the q / cache dtypes the caller takes (mla::decode adds float64; DCP's lse packing does not);
+    ckv_cache may also be FP8 with its `ckv_scale` (mla_compile/fp8.py)."""
     _check_q(q_nope, q_pe, dtypes)
     B, R = q_nope.shape[0], q_nope.shape[-1]
-    num_pages, page_size = C.check_paged_cache(ckv_cache, kpe_cache, R, q_pe.shape[-1], dtypes)
-    _check_cache_dtype(q_nope, ckv_cache, kpe_cache)
+    num_pages, page_size = C.check_paged_cache(ckv_cache, kpe_cache, R, q_pe.shape[-1], dtypes, fp8_ok=True)
+    _check_cache_dtype(q_nope, ckv_cache, kpe_cache, ckv_scale)
     if q_nope.dim() == 4:
         _check_lens(block_table, seq_lens, B, q_nope.shape[1])
     else:
@@ -96,9 +101,9 @@ def _check_limits_data(seq_lens) -> None:
             "per-query-token limits must be non-decreasing over the query tokens (causal)")
 
 
-def check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
+def check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale=None):
     num_pages, page_size = check_decode_metadata(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
-                                                 C.REFERENCE_DTYPES)
+                                                 C.REFERENCE_DTYPES, ckv_scale)
     if seq_lens.dim() == 2:
         _check_limits_data(seq_lens)
         seq_lens = seq_lens[:, -1]  # non-decreasing (checked where values are read): the last token sees the most
@@ -107,11 +112,11 @@ def check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens,
     C.check_block_table_data(block_table, seq_lens, num_pages, page_size)
 
 
-def check_sparse_args(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
+def check_sparse_args(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
     _check_q(q_nope, q_pe, C.REFERENCE_DTYPES)
     num_pages, page_size = C.check_paged_cache(ckv_cache, kpe_cache, q_nope.shape[-1], q_pe.shape[-1],
-                                               C.REFERENCE_DTYPES)
-    _check_cache_dtype(q_nope, ckv_cache, kpe_cache)
+                                               C.REFERENCE_DTYPES, fp8_ok=True)
+    _check_cache_dtype(q_nope, ckv_cache, kpe_cache, ckv_scale)
     C.check_tensor(indices, "indices", q_nope.dim() - 1, torch.int32)  # [B, K], or [B, S, K] with S query tokens
     C.check_dim(indices, "indices", 0, q_nope.shape[0], "the batch size")
     if q_nope.dim() == 4:
@@ -158,13 +163,16 @@ def _slot_rows(cache: torch.Tensor) -> torch.Tensor:
     return cache.reshape(cache.shape[0] * cache.shape[1], cache.shape[2])
 
 
-def _gather_slots(ckv_cache, kpe_cache, slots, valid, dtype):
+def _gather_slots(ckv_cache, kpe_cache, slots, valid, dtype, ckv_scale=None):
     """(safe slots, ckv [B, T, R], kpe [B, T, P]) in `dtype`; masked tokens read slot 0 and are zeroed.
-    P = 0 (rope-less MLA) gives kpe [B, T, 0], whose products below are exactly 0."""
+    P = 0 (rope-less MLA) gives kpe [B, T, 0], whose products below are exactly 0. An FP8 ckv_cache is read as
+    fp8.dequantize(values, ckv_scale) (the format's definition), in `dtype`."""
     safe = torch.where(valid, slots, torch.zeros_like(slots))
     keep = valid[..., None]
+    rows = _slot_rows(ckv_cache)[safe]
+    rows = rows.to(dtype) if ckv_scale is None else fp8.dequantize(rows, _slot_rows(ckv_scale)[safe], dtype)
     # zero masked tokens: unused slots may hold anything (NaN), and 0-probability * NaN is still NaN
-    ckv = torch.where(keep, _slot_rows(ckv_cache)[safe].to(dtype), 0.0)
+    ckv = torch.where(keep, rows, 0.0)
     kpe = torch.where(keep, _slot_rows(kpe_cache)[safe].to(dtype), 0.0)
     return safe, ckv, kpe
 
@@ -181,29 +189,30 @@ def _softmax_over_slots(q_nope, q_pe, ckv, kpe, seen, sm_scale):
     return probs, lse
 
 
-def attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale, seen=None):
+def attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale, seen=None, ckv_scale=None):
     """Attention of every head over the listed slots; `valid` [B, T] masks slots out; `seen` [B, S, T] (q
     [B, S, H, *]: S query tokens) masks them per query token (default: valid). (out, lse); the math runs in
-    C.lse_dtype (float32, float64 for float64 inputs)."""
+    C.lse_dtype (float32, float64 for float64 inputs). ckv_scale: an FP8 ckv_cache's scales."""
     dt = C.lse_dtype(q_nope.dtype)
-    _, ckv, kpe = _gather_slots(ckv_cache, kpe_cache, slots, valid, dt)
+    _, ckv, kpe = _gather_slots(ckv_cache, kpe_cache, slots, valid, dt, ckv_scale)
     probs, lse = _softmax_over_slots(q_nope.to(dt), q_pe.to(dt), ckv, kpe, valid if seen is None else seen, sm_scale)
     out = torch.einsum("b...ht,btr->b...hr", probs, ckv)
     return out.to(q_nope.dtype).contiguous(), lse.contiguous()
 
 
-def attend_slots_backward(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale, grad_out, grad_lse, seen=None):
+def attend_slots_backward(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale, grad_out, grad_lse, seen=None,
+                          ckv_scale=None):
     """Gradients of `attend_slots` w.r.t. (q_nope, q_pe, ckv_cache, kpe_cache), the softmax recomputed.
 
     With p = softmax(s), out = p . v and lse = logsumexp(s): ds = p * (dout . v - dout . out + dlse);
     dq = sm_scale * ds . k; dk = sm_scale * ds^T . q; dv = p^T . dout. Token gradients are summed into their
     slots (a slot listed twice gets both) over heads and query tokens; masked tokens, empty rows and unused slots
     get exactly 0. Plain torch with static shapes (no data-dependent size), so AOTAutograd traces it into the
-    backward graph.
+    backward graph. An FP8 ckv_cache (ckv_scale given) is not differentiable: its gradient is None.
     """
     dt = C.lse_dtype(q_nope.dtype)
     qn, qp = q_nope.to(dt), q_pe.to(dt)
-    safe, ckv, kpe = _gather_slots(ckv_cache, kpe_cache, slots, valid, dt)
+    safe, ckv, kpe = _gather_slots(ckv_cache, kpe_cache, slots, valid, dt, ckv_scale)
     probs, _ = _softmax_over_slots(qn, qp, ckv, kpe, valid if seen is None else seen, sm_scale)
     out = torch.einsum("b...ht,btr->b...hr", probs, ckv)
     g_out = torch.zeros_like(out) if grad_out is None else grad_out.to(dt)
@@ -223,7 +232,8 @@ def attend_slots_backward(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_s
         rows = d_tok.reshape(d_tok.shape[0] * d_tok.shape[1], cache.shape[2])  # explicit: D may be 0 (no rope)
         return flat.index_add(0, safe.reshape(-1), rows).view(cache.shape).to(cache.dtype)
 
-    return (d_q_nope.to(q_nope.dtype), d_q_pe.to(q_pe.dtype), to_slots(d_ckv, ckv_cache), to_slots(d_kpe, kpe_cache))
+    return (d_q_nope.to(q_nope.dtype), d_q_pe.to(q_pe.dtype),
+            None if ckv_scale is not None else to_slots(d_ckv, ckv_cache), to_slots(d_kpe, kpe_cache))
 
 
 def _decode_on_slots(q_nope, ckv_cache, block_table, seq_lens, num_tokens):
@@ -247,9 +257,9 @@ def _longest(seq_lens) -> int:
     device_types="cpu",
     tags=(torch.Tag.flexible_layout,),  # q may come in any batch/head strides (a permuted bmm output)
     schema="(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor block_table, "
-           "Tensor seq_lens, float sm_scale) -> (Tensor, Tensor)",
+           "Tensor seq_lens, float sm_scale, Tensor? ckv_scale=None) -> (Tensor, Tensor)",
 )
-def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
+def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale=None):
     """Absorbed-MLA decode attention over a paged latent cache, S >= 1 query tokens per request.
 
     Shapes: q_nope [B, H, R], q_pe [B, H, P] (R = kv_lora_rank >= 1, P = rope dim >= 0); ckv_cache [NP, PS, R],
@@ -265,12 +275,16 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
     >= S. Or seq_lens int32 [B, S] gives each query token's limit itself (>= 0, non-decreasing in j: DCP's
     per-rank counts). A row whose limit is <= 0 gives (0, -inf). The 3-D form is S = 1.
 
+    FP8 latent cache (mla_compile/fp8.py): ckv_cache float8_e4m3fn [NP, PS, R] (R a multiple of 128) with
+    ckv_scale float32 [NP, PS, R / 128] (required then, None otherwise); the latent is read as
+    fp8.dequantize(ckv_cache, ckv_scale) exactly; q, kpe_cache and out keep q's dtype.
+
     float64 inputs (the reference / gradcheck precision) compute in float64 and return a float64 lse.
-    Differentiable in q_nope, q_pe, ckv_cache and kpe_cache (any S).
+    Differentiable in q_nope, q_pe, ckv_cache (not an FP8 one) and kpe_cache (any S).
     """
-    check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+    check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale)
     slots, valid, seen = _decode_on_slots(q_nope, ckv_cache, block_table, seq_lens, _longest(seq_lens))
-    return attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale, seen)
+    return attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale, seen, ckv_scale)
 
 
 def _decode_all_slots(q_nope, ckv_cache, block_table, seq_lens):
@@ -279,26 +293,28 @@ def _decode_all_slots(q_nope, ckv_cache, block_table, seq_lens):
 
 
 @decode.register_fake
-def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
-    check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale=None):
+    check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale)
     # contiguous, like the real impls (not empty_like: q_nope is often a transposed view after absorption)
     return q_nope.new_empty(q_nope.shape), q_nope.new_empty(q_nope.shape[:-1], dtype=C.lse_dtype(q_nope.dtype))
 
 
 @decode.register_kernel("cuda")
-def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
-    check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale=None):
+    check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale)
     if q_nope.dtype == torch.float64:  # no kernel computes in float64: the reference, at a static width
         slots, valid, seen = _decode_all_slots(q_nope, ckv_cache, block_table, seq_lens)
-        return attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale, seen)
+        return attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale, seen, ckv_scale)
     from ..kernels import dispatch
 
     if q_nope.dim() == 3:
-        return dispatch.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
-    return _decode_folded(dispatch.decode, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+        return dispatch.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
+                               ckv_scale=ckv_scale)
+    return _decode_folded(dispatch.decode, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
+                          ckv_scale)
 
 
-def _decode_folded(kernel, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
+def _decode_folded(kernel, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale=None):
     """q [B, S, H, *] through a kernel entry that takes rows: S folded into them ([B, S*H, *], row j*H + h; a view
     where q's strides allow), n_query = S. S = 1 is the one-token call (its limits column as the lengths)."""
     B, S, H, R = q_nope.shape
@@ -306,24 +322,25 @@ def _decode_folded(kernel, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_
     qn, qp = q_nope.reshape(*rows, R), q_pe.reshape(*rows, q_pe.shape[-1])
     if S == 1:
         out, lse = kernel(qn, qp, ckv_cache, kpe_cache, block_table,
-                          seq_lens[:, 0] if seq_lens.dim() == 2 else seq_lens, sm_scale)
+                          seq_lens[:, 0] if seq_lens.dim() == 2 else seq_lens, sm_scale, ckv_scale=ckv_scale)
     else:
-        out, lse = kernel(qn, qp, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=S)
+        out, lse = kernel(qn, qp, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=S,
+                          ckv_scale=ckv_scale)
     return out.view(B, S, H, R), lse.view(B, S, H)
 
 
 def _decode_setup_context(ctx, inputs, output):
-    q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale = inputs
+    q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale = inputs
     ctx.sm_scale = sm_scale
-    ctx.save_for_backward(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens)
+    ctx.save_for_backward(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, ckv_scale)
 
 
 def _decode_backward(ctx, grad_out, grad_lse):
-    q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens = ctx.saved_tensors
+    q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, ckv_scale = ctx.saved_tensors
     slots, valid, seen = _decode_all_slots(q_nope, ckv_cache, block_table, seq_lens)
     grads = attend_slots_backward(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, ctx.sm_scale, grad_out, grad_lse,
-                                  seen)
-    return (*grads, None, None, None)
+                                  seen, ckv_scale)
+    return (*grads, None, None, None, None)
 
 
 decode.register_autograd(_decode_backward, setup_context=_decode_setup_context)
@@ -335,10 +352,10 @@ decode.register_autograd(_decode_backward, setup_context=_decode_setup_context)
     mutates_args=(),
     device_types="cpu",
     tags=(torch.Tag.flexible_layout,),  # q may come in any batch/head strides (a permuted bmm output)
-    schema="(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor indices, float sm_scale)"
-           " -> (Tensor, Tensor)",
+    schema="(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor indices, float sm_scale, "
+           "Tensor? ckv_scale=None) -> (Tensor, Tensor)",
 )
-def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
+def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
     """Absorbed-MLA decode attention over the listed PHYSICAL slots only (DSA top-k attention).
 
     Shapes: q_nope [B, H, R], q_pe [B, H, P], ckv_cache [NP, PS, R], kpe_cache [NP, PS, P] (P >= 0),
@@ -347,9 +364,10 @@ def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
     (float64 for float64 inputs). Differentiable in q_nope, q_pe, ckv_cache and kpe_cache.
     S query tokens per request: q_nope [B, S, H, R], q_pe [B, S, H, P], indices int32 [B, S, K] (each query token
     its own top-k, causal by construction) -> out [B, S, H, R], lse [B, S, H].
+    An FP8 ckv_cache with its ckv_scale as for `mla::decode`.
     """
-    check_sparse_args(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
-    return _sparse_reference(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
+    check_sparse_args(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale)
+    return _sparse_reference(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale)
 
 
 def _tokens_as_batch(q_nope, q_pe, indices):
@@ -367,46 +385,47 @@ def _unfold(like, out, lse):
     return out.view(like.shape), lse.view(like.shape[:-1])
 
 
-def _sparse_reference(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
+def _sparse_reference(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
     qn, qp, idx = _tokens_as_batch(q_nope, q_pe, indices)
     slots = idx.long()
-    return _unfold(q_nope, *attend_slots(qn, qp, ckv_cache, kpe_cache, slots, slots >= 0, sm_scale))
+    return _unfold(q_nope, *attend_slots(qn, qp, ckv_cache, kpe_cache, slots, slots >= 0, sm_scale,
+                                         ckv_scale=ckv_scale))
 
 
 @sparse_decode.register_fake
-def _(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
-    check_sparse_args(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
+def _(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
+    check_sparse_args(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale)
     # contiguous, like the real impls (not empty_like: q_nope is often a transposed view after absorption)
     return q_nope.new_empty(q_nope.shape), q_nope.new_empty(q_nope.shape[:-1], dtype=C.lse_dtype(q_nope.dtype))
 
 
 @sparse_decode.register_kernel("cuda")
-def _(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale):
-    check_sparse_args(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
+def _(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
+    check_sparse_args(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale)
     if q_nope.dtype == torch.float64:  # no kernel computes in float64: the reference
-        return _sparse_reference(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
+        return _sparse_reference(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale)
     from ..kernels import dispatch
 
     if q_nope.dim() == 3:
-        return dispatch.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
+        return dispatch.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=ckv_scale)
     qn, qp, idx = _tokens_as_batch(q_nope, q_pe, indices)
-    return _unfold(q_nope, *dispatch.sparse_decode(qn, qp, ckv_cache, kpe_cache, idx, sm_scale))
+    return _unfold(q_nope, *dispatch.sparse_decode(qn, qp, ckv_cache, kpe_cache, idx, sm_scale, ckv_scale=ckv_scale))
 
 
 def _sparse_setup_context(ctx, inputs, output):
-    q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale = inputs
+    q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale = inputs
     ctx.sm_scale = sm_scale
-    ctx.save_for_backward(q_nope, q_pe, ckv_cache, kpe_cache, indices)
+    ctx.save_for_backward(q_nope, q_pe, ckv_cache, kpe_cache, indices, ckv_scale)
 
 
 def _sparse_backward(ctx, grad_out, grad_lse):
-    q_nope, q_pe, ckv_cache, kpe_cache, indices = ctx.saved_tensors
+    q_nope, q_pe, ckv_cache, kpe_cache, indices, ckv_scale = ctx.saved_tensors
     qn, qp, idx = _tokens_as_batch(q_nope, q_pe, indices)
     slots = idx.long()
     fold = (lambda g: g) if q_nope.dim() == 3 else (lambda g: None if g is None else g.reshape(-1, *g.shape[2:]))
     d_qn, d_qp, d_ckv, d_kpe = attend_slots_backward(qn, qp, ckv_cache, kpe_cache, slots, slots >= 0, ctx.sm_scale,
-                                                     fold(grad_out), fold(grad_lse))
-    return d_qn.view(q_nope.shape), d_qp.view(q_pe.shape), d_ckv, d_kpe, None, None
+                                                     fold(grad_out), fold(grad_lse), ckv_scale=ckv_scale)
+    return d_qn.view(q_nope.shape), d_qp.view(q_pe.shape), d_ckv, d_kpe, None, None, None
 
 
 sparse_decode.register_autograd(_sparse_backward, setup_context=_sparse_setup_context)

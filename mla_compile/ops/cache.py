@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import torch
 
+from .. import fp8
 from . import _checks as C
 
 
-def check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots):
-    C.check_tensor(ckv_cache, "ckv_cache", 3, C.FLOAT_DTYPES)
+def _views_as_slots(t: torch.Tensor) -> bool:
+    """[NP, PS, D] whose rows view as [NP * PS, D]: unit last stride, pages PS rows apart (a contiguous cache, or
+    one of the FP8 buffer's column views, fp8.allocate)."""
+    NP, PS, D = t.shape
+    return (D <= 1 or t.stride(2) == 1) and (NP <= 1 or t.stride(0) == PS * t.stride(1))
+
+
+def check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None):
+    C.check_tensor(ckv_cache, "ckv_cache", 3, C.FLOAT_DTYPES + (fp8.DTYPE,))
     C.check_tensor(kpe_cache, "kpe_cache", 3, C.FLOAT_DTYPES)
     C.check_tensor(ckv, "ckv", 2, C.FLOAT_DTYPES)
     C.check_tensor(kpe, "kpe", 2, C.FLOAT_DTYPES)
@@ -20,11 +28,17 @@ def check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots):
     C.check_dim(kpe, "kpe", 1, kpe_cache.shape[2], "kpe_cache.shape[2] (P)")
     C.check_dim(kpe, "kpe", 0, ckv.shape[0], "ckv.shape[0] (tokens T)")
     C.check_dim(slots, "slots", 0, ckv.shape[0], "ckv.shape[0] (tokens T)")
-    C.check(ckv.dtype == ckv_cache.dtype, "ckv", f"dtype {ckv.dtype} differs from ckv_cache's {ckv_cache.dtype}")
+    C.check_ckv_scale(ckv_cache, ckv_scale)
+    # an FP8 cache quantizes on write: ckv comes in any float dtype (the model's)
+    C.check(fp8.is_fp8(ckv_cache) or ckv.dtype == ckv_cache.dtype, "ckv",
+            f"dtype {ckv.dtype} differs from ckv_cache's {ckv_cache.dtype}")
     C.check(kpe.dtype == kpe_cache.dtype, "kpe", f"dtype {kpe.dtype} differs from kpe_cache's {kpe_cache.dtype}")
     C.check_same_device(dict(ckv_cache=ckv_cache, kpe_cache=kpe_cache, ckv=ckv, kpe=kpe, slots=slots))
-    C.check(ckv_cache.is_contiguous(), "ckv_cache", "must be contiguous (written in place through a flat view)")
-    C.check(kpe_cache.is_contiguous(), "kpe_cache", "must be contiguous (written in place through a flat view)")
+    # an FP8 cache's three views of one buffer (fp8.allocate) are strided: they need only view as [slots, width]
+    for t, name in ((ckv_cache, "ckv_cache"), (kpe_cache, "kpe_cache"), (ckv_scale, "ckv_scale")):
+        if t is not None:
+            C.check(_views_as_slots(t), name, f"must view as [slots, width] (written in place through a flat view), "
+                                              f"got strides {t.stride()} for shape {tuple(t.shape)}")
     if not C.is_fake(slots) and C.data_checks_enabled(slots.device) and slots.numel():
         capacity = ckv_cache.shape[0] * ckv_cache.shape[1]
         lo, hi = int(slots.min()), int(slots.max())
@@ -32,35 +46,50 @@ def check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots):
                 f"must be -1 (skip) or in [0, {capacity}), saw {lo if lo < -1 else hi}")
 
 
+def _slot_rows(cache: torch.Tensor) -> torch.Tensor:
+    """[NP, PS, D] -> [NP * PS, D] sharing storage (`_views_as_slots` checked); explicit sizes: a rope-less
+    kpe_cache [NP, PS, 0] makes view(-1, 0) ambiguous."""
+    return cache.as_strided((cache.shape[0] * cache.shape[1], cache.shape[2]), (cache.stride(1), cache.stride(2)))
+
+
 @torch.library.custom_op(
     "mla::cache_write",
-    mutates_args=("ckv_cache", "kpe_cache"),
+    mutates_args=("ckv_cache", "kpe_cache", "ckv_scale"),
     device_types="cpu",
-    schema="(Tensor(a!) ckv_cache, Tensor(b!) kpe_cache, Tensor ckv, Tensor kpe, Tensor slots) -> ()",
+    schema="(Tensor(a!) ckv_cache, Tensor(b!) kpe_cache, Tensor ckv, Tensor kpe, Tensor slots, "
+           "Tensor(c!)? ckv_scale=None) -> ()",
 )
-def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots):
+def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None):
     """Write T new tokens into the paged latent cache, in place.
 
     Shapes: ckv_cache [NP, PS, R], kpe_cache [NP, PS, P] (mutated); ckv [T, R], kpe [T, P] (P may be 0:
     rope-less MLA);
     slots int64 [T]: flat slot page * PS + offset, or -1 to skip the token (e.g. owned by another DCP rank).
+    FP8 cache (mla_compile/fp8.py): ckv_cache float8_e4m3fn with ckv_scale float32 [NP, PS, R / 128] (mutated;
+    required then, None otherwise); ckv (any float dtype) is quantized per token and 128 channels
+    (`fp8.quantize`), its scales written beside the values.
     """
-    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots)
+    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
     keep = slots >= 0
     idx = slots[keep]
-    for cache, new in ((ckv_cache, ckv), (kpe_cache, kpe)):
-        # explicit sizes: a rope-less kpe_cache [NP, PS, 0] makes view(-1, 0) ambiguous
-        cache.view(cache.shape[0] * cache.shape[1], cache.shape[2])[idx] = new[keep]
+    writes = [(kpe_cache, kpe[keep])]
+    if ckv_scale is None:
+        writes.append((ckv_cache, ckv[keep]))
+    else:
+        values, scales = fp8.quantize(ckv[keep])
+        writes += [(ckv_cache, values), (ckv_scale, scales)]
+    for cache, new in writes:
+        _slot_rows(cache)[idx] = new
 
 
 @cache_write.register_fake
-def _(ckv_cache, kpe_cache, ckv, kpe, slots):
-    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots)
+def _(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None):
+    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
 
 
 @cache_write.register_kernel("cuda")
-def _(ckv_cache, kpe_cache, ckv, kpe, slots):
-    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots)
+def _(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None):
+    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
     from ..kernels import dispatch
 
-    dispatch.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots)
+    dispatch.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)

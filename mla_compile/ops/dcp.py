@@ -40,7 +40,8 @@ from .attention import check_decode_metadata, check_query_lens, query_limits, qu
 torch.library.define(
     "mla::dcp_decode",
     "(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor block_table, Tensor seq_lens, "
-    "float sm_scale, int dcp_size, int dcp_rank, str group_name, bool check_lens=True) -> (Tensor, Tensor)",
+    "float sm_scale, int dcp_size, int dcp_rank, str group_name, bool check_lens=True, "
+    "Tensor? ckv_scale=None) -> (Tensor, Tensor)",
 )
 
 
@@ -76,7 +77,7 @@ def check_group_args(dcp_size, dcp_rank, group_name) -> None:
 
 
 def check_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size, dcp_rank,
-                          group_name, check_lens=True) -> tuple[int, int]:
+                          group_name, check_lens=True, ckv_scale=None) -> tuple[int, int]:
     """Decode's checks with GLOBAL seq_lens (each rank's LOCAL lengths must fit its block table); returns
     (num_pages, page_size) of this rank's shard.
 
@@ -86,7 +87,8 @@ def check_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_l
     check_group_args(dcp_size, dcp_rank, group_name)
     C.check(isinstance(check_lens, bool), "check_lens", f"must be a bool, got {check_lens!r}")
     C.check_tensor(seq_lens, "seq_lens", 1, torch.int32)  # GLOBAL lengths [B] (no per-token limits table)
-    num_pages, page_size = check_decode_metadata(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+    num_pages, page_size = check_decode_metadata(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
+                                                 ckv_scale=ckv_scale)
     if C.is_fake(seq_lens) or not C.data_checks_enabled(seq_lens.device) or not seq_lens.numel():
         return num_pages, page_size
     lo = int(seq_lens.min())
@@ -136,7 +138,7 @@ def gather_states(out: torch.Tensor, lse: torch.Tensor, dcp_size: int, group_nam
 # ------------------------------------------------------------------------------------------------ the op
 @torch.library.impl("mla::dcp_decode", "CompositeImplicitAutograd")
 def dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size, dcp_rank,
-               group_name, check_lens=True):
+               group_name, check_lens=True, ckv_scale=None):
     """Absorbed-MLA decode over a DCP-sharded latent cache; the merged result is identical on every rank.
 
     Shapes as `mla::decode`, but `seq_lens` int32 [B] are GLOBAL lengths while ckv_cache / kpe_cache /
@@ -156,19 +158,24 @@ def dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sca
     is a ValueError on EVERY rank where checks read values (CPU, MLA_COMPILE_CHECK_DATA=1), else NaN (out
     and lse) in the rows of the requests concerned. check_lens=False is for callers whose seq_lens differ
     across ranks by design (the attention pass passes each rank's own count of masked-in tokens times n).
+
+    FP8 shards (mla_compile/fp8.py): ckv_cache float8_e4m3fn with this shard's ckv_scale; each rank's local
+    decode reads them (`mla::decode`), the exchanged partials and the merge stay in out's dtype / float32.
     """
     with agree.dcp_call(group_name, dcp_size, q_nope, seq_lens) as call:
         check_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size,
-                              dcp_rank, group_name, check_lens)
+                              dcp_rank, group_name, check_lens, ckv_scale)
         if dcp_size == 1:
-            return torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+            return torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
+                                        ckv_scale)
         if q_nope.dim() == 4:
             sig, out, lse = _local_decode_tokens(call, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens,
-                                                 sm_scale, dcp_size, dcp_rank, check_lens)
+                                                 sm_scale, dcp_size, dcp_rank, check_lens, ckv_scale)
         else:
             sig = agree.signature(call, agree.OP_DCP, q_nope, q_pe, sm_scale, dcp_size, check_lens)
             local = layout.local_lens(seq_lens, dcp_size, dcp_rank)
-            out, lse = torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, local, sm_scale)
+            out, lse = torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, local, sm_scale,
+                                            ckv_scale)
     header = agree.data_header(sig, seq_lens)
     payloads, trails = agree.gather_with_trailer(pack_states(out, lse), agree.trailer(seq_lens, header), dcp_size,
                                                  group_name)
@@ -180,7 +187,7 @@ def dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sca
 
 
 def _local_decode_tokens(call, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size,
-                         dcp_rank, check_lens):
+                         dcp_rank, check_lens, ckv_scale=None):
     """S query tokens per request (q [B, S, H, *]): (signature, out [B, S*H, R], lse [B, S*H]) of this rank's
     decode. Past the local decode every (query token, head) row merges on its own, so S is folded into the head
     rows for the gather, the merge and the consistency signature (whose heads field is then S*H: the payload size
@@ -190,7 +197,7 @@ def _local_decode_tokens(call, q_nope, q_pe, ckv_cache, kpe_cache, block_table, 
     sig = agree.signature(call, agree.OP_DCP, q_nope.reshape(*rows, R), q_pe.reshape(*rows, q_pe.shape[-1]),
                           sm_scale, dcp_size, check_lens)
     local = local_query_limits(seq_lens, S, dcp_size, dcp_rank)
-    out, lse = torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, local, sm_scale)
+    out, lse = torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, local, sm_scale, ckv_scale)
     return sig, out.reshape(*rows, R), lse.reshape(rows)
 
 

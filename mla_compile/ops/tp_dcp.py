@@ -45,17 +45,18 @@ from .dcp import check_dcp_decode_args, local_query_limits, pack_states, unpack_
 torch.library.define(
     "mla::tp_dcp_decode",
     "(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor block_table, Tensor seq_lens, "
-    "float sm_scale, int dcp_size, int dcp_rank, str group_name, bool check_lens=True) -> (Tensor, Tensor)",
+    "float sm_scale, int dcp_size, int dcp_rank, str group_name, bool check_lens=True, "
+    "Tensor? ckv_scale=None) -> (Tensor, Tensor)",
 )
 
 
 def check_tp_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size,
-                             dcp_rank, group_name, check_lens=True) -> None:
+                             dcp_rank, group_name, check_lens=True, ckv_scale=None) -> None:
     """`dcp_decode`'s checks (group, shapes, GLOBAL seq_lens fitting this rank's block table) plus H_local >= 1,
     and the block-table data checks `mla::decode` would make after the q all-gather, made before it so that a
     failure on one rank reaches its peers in that gather (a REJECT) instead of leaving them in the all-to-all."""
     num_pages, page_size = check_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
-                                                 dcp_size, dcp_rank, group_name, check_lens)
+                                                 dcp_size, dcp_rank, group_name, check_lens, ckv_scale)
     C.check(q_nope.shape[-2] >= 1, "q_nope", f"needs at least one head on this rank (H_local >= 1), got shape "
             f"{tuple(q_nope.shape)}")
     C.check_block_table_data(block_table, layout.local_lens(seq_lens, dcp_size, dcp_rank), num_pages, page_size)
@@ -89,7 +90,7 @@ def exchange_states(out: torch.Tensor, lse: torch.Tensor, dcp_size: int, group_n
 # ------------------------------------------------------------------------------------------------ the op
 @torch.library.impl("mla::tp_dcp_decode", "CompositeImplicitAutograd")
 def tp_dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size, dcp_rank,
-                  group_name, check_lens=True):
+                  group_name, check_lens=True, ckv_scale=None):
     """TP x DCP absorbed-MLA decode: this rank's heads, attended over ALL ranks' tokens.
 
     q_nope [B, H_local, R], q_pe [B, H_local, P]: this rank's heads, rank r owning global heads
@@ -106,12 +107,14 @@ def tp_dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_
     S query tokens per request: q_nope [B, S, H_local, R], q_pe [B, S, H_local, P] -> out [B, S, H_local, R],
     lse [B, S, H_local]; GLOBAL seq_lens count the S new tokens (query token j sees global tokens
     t < seq_lens[b] - S + 1 + j, every length 0 or >= S). The same two collectives (S rides in the batch rows).
+    An FP8 shard: ckv_scale passed through to the local decode, as `mla::dcp_decode`.
     """
     with agree.dcp_call(group_name, dcp_size, q_nope, seq_lens) as call:
         check_tp_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, dcp_size,
-                                 dcp_rank, group_name, check_lens)
+                                 dcp_rank, group_name, check_lens, ckv_scale)
         if dcp_size == 1:
-            return torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+            return torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
+                                        ckv_scale)
         tokens = q_nope.dim() == 4  # S query tokens per request: [B, S, Hl, *]
         B, S, Hl, R = q_nope.shape if tokens else (q_nope.shape[0], 1, *q_nope.shape[1:])
         # the signature sees q as [B, S*Hl, *]: batch B, as the trailer's B lengths, and the same payload size
@@ -127,12 +130,13 @@ def tp_dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_
         H = dcp_size * Hl
         local = local_query_limits(seq_lens, S, dcp_size, dcp_rank)
         out, lse = torch.ops.mla.decode(q_all.view(B, S, H, R), qpe_all.view(B, S, H, -1), ckv_cache, kpe_cache,
-                                        block_table, local, sm_scale)
+                                        block_table, local, sm_scale, ckv_scale)
         out, lse = out.view(B * S, H, R), lse.view(B * S, H)
         ok = None if ok is None else ok.repeat_interleave(S)  # request b's verdict for each of its S rows
     else:
         local = layout.local_lens(seq_lens, dcp_size, dcp_rank)
-        out, lse = torch.ops.mla.decode(q_all, qpe_all, ckv_cache, kpe_cache, block_table, local, sm_scale)
+        out, lse = torch.ops.mla.decode(q_all, qpe_all, ckv_cache, kpe_cache, block_table, local, sm_scale,
+                                        ckv_scale)
     outs, lses = exchange_states(out, lse, dcp_size, group_name)
     out, lse = agree.poison(*torch.ops.mla.merge_states(outs, lses), ok)
     if tokens:

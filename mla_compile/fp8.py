@@ -1,0 +1,104 @@
+"""The FP8 latent cache format: one home for its layout, quantization and dequantization.
+
+Per token (DeepSeek-V3.2's 656-byte token, so FlashMLA's FP8 kernels can read the same pages later):
+
+    bytes   0 .. 511   the R = 512 latent values as float8_e4m3fn
+    bytes 512 .. 527   R / 128 = 4 float32 scales, one per group of 128 latent channels
+    bytes 528 .. 655   the P = 64 rope values as bfloat16 (not quantized: rope carries the position signal)
+
+Storage is ONE uint8 buffer [NP, PS, R + 4 * R / 128 + 2 * P] per layer, seen through three strided views (no copy):
+
+    ckv       = buf[..., :R].view(float8_e4m3fn)             [NP, PS, R]        strides (PS * W, W, 1)
+    ckv_scale = buf[..., R:R + 4G].view(float32)             [NP, PS, G]        strides (PS * W / 4, W / 4, 1)
+    kpe       = buf[..., R + 4G:].view(bfloat16)             [NP, PS, P]        strides (PS * W / 2, W / 2, 1)
+
+(W the token width in bytes, G = R / 128.) The float32 / bfloat16 views need W and the view offsets to be
+multiples of 4 / 2 bytes: R is a multiple of 128, so R and 4G are multiples of 4 and W = R + 4G + 2P is one when
+P is even. Refused: R not a positive multiple of 128, P odd or negative. The rope values may also be kept in
+float16 / float32 (`allocate(rope_dtype=...)`, for q of that dtype: the ops take kpe_cache in q's dtype); float64
+is refused (R + 4G is not a multiple of 8 bytes for R = 512).
+
+Quantization of one token's latent x [R] (float32 math), per group g of 128 channels:
+    scale_g = amax(|x_g|) / 448          (448 = e4m3's largest finite value; a float32 division, correctly rounded)
+    scale_g = 1 where amax is 0          (an all-zero group: any scale stores zeros; 1 keeps dequantize finite)
+    q_g     = e4m3(clamp(x_g / scale_g, -448, 448))   (round to nearest even; the clamp keeps the division's last
+                                                       ulp from overflowing to NaN, e4m3fn has no infinity)
+Dequantization, the definition every decode implementation reads the cache by: float32(q) * scale (a float32
+product; the float64 reference precision computes it in float64). A non-finite x gives a non-finite scale: NaN in,
+NaN out, never a silently finite token.
+
+Capacity: 656 bytes a token against 1152 for a bf16 cache (2 * (512 + 64)): 1.76x the tokens per GiB (the scales
+cost 16 bytes, 2.4% of the FP8 token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPE = torch.float8_e4m3fn
+GROUP = 128  # latent channels per scale
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+SCALE_DTYPE = torch.float32
+ROPE_DTYPE = torch.bfloat16
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    """A latent cache (or values) in this format's value dtype."""
+    return t.dtype == DTYPE
+
+
+def groups(R: int) -> int:
+    """Scales per token for latent width R (a positive multiple of GROUP; ValueError naming R otherwise)."""
+    if not (isinstance(R, int) and R > 0 and R % GROUP == 0):
+        raise ValueError(f"R: the FP8 latent cache needs a kv_lora_rank that is a positive multiple of {GROUP} (one "
+                         f"scale per {GROUP} channels), got {R!r}")
+    return R // GROUP
+
+
+ROPE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def token_bytes(R: int = 512, P: int = 64, rope_dtype: torch.dtype = ROPE_DTYPE) -> int:
+    """Bytes a token takes: R e4m3 values, R / 128 float32 scales, P rope values (656 for 512 / 64, bf16)."""
+    if not (isinstance(P, int) and P >= 0 and P % 2 == 0):
+        raise ValueError(f"P: the FP8 latent cache needs an even rope dim >= 0 (the token must stay 4-byte "
+                         f"aligned for the scales' view), got {P!r}")
+    if rope_dtype not in ROPE_DTYPES:
+        raise ValueError(f"rope_dtype: expected one of {ROPE_DTYPES}, got {rope_dtype}")
+    return R + 4 * groups(R) + rope_dtype.itemsize * P
+
+
+def allocate(num_pages: int, page_size: int, R: int = 512, P: int = 64, device="cpu",
+             rope_dtype: torch.dtype = ROPE_DTYPE):
+    """(buf uint8 [NP, PS, W], ckv e4m3 [NP, PS, R], ckv_scale float32 [NP, PS, R / 128], kpe rope_dtype
+    [NP, PS, P]): the three views share buf's memory. Zero-filled, so every scale starts finite
+    (dequantize(0, 0) = 0)."""
+    W = token_bytes(R, P, rope_dtype)
+    G = groups(R)
+    buf = torch.zeros(num_pages, page_size, W, dtype=torch.uint8, device=device)
+    ckv = buf[..., :R].view(DTYPE)
+    ckv_scale = buf[..., R:R + 4 * G].view(SCALE_DTYPE)
+    kpe = buf[..., R + 4 * G:].view(rope_dtype)
+    return buf, ckv, ckv_scale, kpe
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., R] (any float dtype) -> (q e4m3 [..., R], scale float32 [..., R / 128]) as the module docstring
+    defines. Device ops only (no host sync: usable inside a captured CUDA graph)."""
+    R = x.shape[-1]
+    G = groups(R)
+    xg = x.to(torch.float32).reshape(*x.shape[:-1], G, GROUP)
+    amax = xg.abs().amax(-1)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
+    q = (xg / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(DTYPE)
+    return q.reshape(x.shape), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(q e4m3 [..., R], scale float32 [..., R / 128]) -> [..., R] in `dtype` (float32, or float64 for the
+    reference precision: the product then computed in float64)."""
+    dt = torch.float64 if dtype == torch.float64 else torch.float32
+    R = q.shape[-1]
+    G = groups(R)
+    v = q.to(dt).reshape(*q.shape[:-1], G, GROUP) * scale.to(dt)[..., None]
+    return v.reshape(q.shape).to(dtype)

@@ -1,0 +1,143 @@
+"""The FP8 latent cache on the GPU (mla_compile/fp8.py): `mla::cache_write` quantizing on write (the Triton kernel,
+byte-identical to the CPU op), `mla::decode` / `mla::sparse_decode` through the Triton pointer kernel's FP8 path
+(tiles dequantized in registers, bf16 q) against the float64 reference over the dequantized cache; H 16 and 128,
+pages 1 and 64, ragged lengths with an empty request, S 1 and 2, one CUDA-graph capture replayed with new lengths.
+
+Run: python -m pytest -q tests/gpu/test_fp8_cuda.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference as ref
+from gpu_util import capture, rel
+
+import mla_compile  # noqa: F401  (registers torch.ops.mla: this file may run alone)
+from mla_compile import fp8, paged
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DEV = "cuda"
+R, P = 512, 64
+SCALE = 192 ** -0.5
+TOL = 2e-2  # out: relative norm error vs float64 (the dequantized tile is rounded to bf16 for the MMA)
+LSE_TOL = 2e-2  # lse: absolute
+LENS = [0, 1, 63, 64, 65, 1000, 4097, 3]  # on and off page / tile edges, an empty request
+
+
+def build(lens, H, PS, seed, S=None):
+    """(FP8 batch on the GPU, q_nope, q_pe bf16); unused slots hold NaN (every byte 0xFF)."""
+    g = torch.Generator().manual_seed(seed)
+    ckv = [torch.randn(n, R, generator=g).to(torch.bfloat16).to(DEV) for n in lens]
+    kpe = [torch.randn(n, P, generator=g).to(torch.bfloat16).to(DEV) for n in lens]
+    batch = paged.fill_paged(ckv, kpe, PS, generator=g, spare_pages=2, kv_cache_dtype="fp8_e4m3")
+    lead = (len(lens), H) if S is None else (len(lens), S, H)
+    qn = torch.randn(*lead, R, generator=g).to(torch.bfloat16).to(DEV)
+    qp = torch.randn(*lead, P, generator=g).to(torch.bfloat16).to(DEV)
+    return batch, qn, qp
+
+
+def reference(batch, qn, qp):
+    deq = ref.ref_dequantize_fp8(batch.ckv_cache.cpu(), batch.ckv_scale.cpu())
+    args = (qn.cpu(), qp.cpu(), deq, batch.kpe_cache.cpu(), batch.block_table.cpu(), batch.seq_lens.cpu(), SCALE)
+    return ref.ref_decode(*args) if qn.dim() == 3 else ref.ref_decode_multi(*args)
+
+
+def check(out, lse, want, shape):
+    ref_out, ref_lse = want
+    assert out.shape == shape and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    out, lse = out.cpu(), lse.cpu()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty), "empty rows differ"
+    assert (out[empty] == 0).all(), "empty rows must be exactly 0"
+    assert rel(out[~empty], ref_out[~empty]) < TOL
+    assert float((lse[~empty].double() - ref_lse[~empty]).abs().max()) < LSE_TOL
+
+
+def test_cache_write_kernel_matches_cpu_op_bytes():
+    g = torch.Generator().manual_seed(0)
+    x, kp = torch.randn(9, R, generator=g).to(torch.bfloat16), torch.randn(9, P, generator=g).to(torch.bfloat16)
+    slots = torch.tensor([5, -1, 0, 130, 64, 7, -1, 255, 1])
+    bufs = []
+    for dev in ("cpu", DEV):
+        buf, c, s, k = fp8.allocate(4, 64, device=dev)
+        buf.fill_(0x5A)
+        torch.ops.mla.cache_write(c, k, x.to(dev), kp.to(dev), slots.to(dev), s)
+        bufs.append(buf.cpu())
+    assert torch.equal(bufs[0], bufs[1])
+
+
+@pytest.mark.parametrize("PS", [1, 64])
+@pytest.mark.parametrize("H", [16, 128])
+@pytest.mark.parametrize("S", [1, 2])
+def test_decode_matches_reference(S, H, PS):
+    lens = [n if n == 0 else max(n, S) for n in LENS]
+    batch, qn, qp = build(lens, H, PS, seed=S * 10 + H + PS, S=None if S == 1 else S)
+    out, lse = torch.ops.mla.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, batch.seq_lens,
+                                    SCALE, batch.ckv_scale)
+    check(out, lse, reference(batch, qn, qp), qn.shape)
+
+
+@pytest.mark.parametrize("H", [16, 128])
+def test_sparse_decode_matches_reference(H):
+    batch, qn, qp = build([700, 0, 90], H, 64, seed=H)
+    g = torch.Generator().manual_seed(H)
+    rows = []
+    for b, n in enumerate([700, 0, 90]):
+        t = torch.randperm(max(n, 1), generator=g)[:64] if n else torch.empty(0, dtype=torch.long)
+        slots = batch.block_table[b].cpu().long()[t // 64] * 64 + t % 64
+        rows.append(torch.cat([slots, torch.full((64 - len(slots),), -1)]))
+    idx = torch.stack(rows).int().to(DEV)
+    out, lse = torch.ops.mla.sparse_decode(qn, qp, batch.ckv_cache, batch.kpe_cache, idx, SCALE, batch.ckv_scale)
+    deq = ref.ref_dequantize_fp8(batch.ckv_cache.cpu(), batch.ckv_scale.cpu())
+    want = ref.ref_sparse_decode(qn.cpu(), qp.cpu(), deq, batch.kpe_cache.cpu(), idx.cpu(), SCALE)
+    check(out, lse, want, qn.shape)
+
+
+@pytest.mark.parametrize("H", [16, 128])
+def test_cuda_graph_replay_with_new_lengths(H):
+    """One captured FP8 decode step (write the new token, then attend), replayed as the lengths grow."""
+    lens = [0, 5, 500, 1500]
+    batch, qn, qp = build([n + 4 for n in lens], H, 64, seed=H + 1)
+    sl = batch.seq_lens
+    sl.copy_(torch.tensor(lens, dtype=torch.int32))
+    new_c = torch.randn(len(lens), R, device=DEV).to(torch.bfloat16)
+    new_k = torch.randn(len(lens), P, device=DEV).to(torch.bfloat16)
+
+    def step():
+        slots = (batch.block_table.long().gather(1, (sl.long() // 64)[:, None])[:, 0] * 64 + sl.long() % 64)
+        torch.ops.mla.cache_write(batch.ckv_cache, batch.kpe_cache, new_c, new_k, slots, batch.ckv_scale)
+        return torch.ops.mla.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, sl + 1, SCALE,
+                                    batch.ckv_scale)
+
+    graph, (out, lse) = capture(step)
+    for grow in range(2):
+        sl.copy_(torch.tensor([n + grow for n in lens], dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference(paged.PagedBatch(batch.ckv_cache, batch.kpe_cache, batch.block_table, sl + 1,
+                                          batch.ckv_scale), qn, qp)
+        check(out, lse, want, qn.shape)
+
+
+def test_fp8_takes_the_pointer_kernel(monkeypatch):
+    """FlashMLA, FlashInfer and the Gluon kernels take fp16/bf16 caches only: an FP8 call never reaches them (the
+    dispatch sends it to the pointer kernel before choosing)."""
+    from mla_compile.kernels import decode as D
+    from mla_compile.kernels import dispatch
+
+    batch, qn, qp = build([100, 3], 128, 64, seed=3)
+    seen = []
+    original = D._launch_pointer
+
+    def spy(*args, **kwargs):
+        seen.append(args[-1] if len(args) > 15 else kwargs.get("ckv_scale"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(D, "_launch_pointer", spy)
+    dispatch.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, batch.seq_lens, SCALE,
+                    ckv_scale=batch.ckv_scale)
+    assert len(seen) == 1 and seen[0] is batch.ckv_scale
