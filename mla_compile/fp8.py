@@ -73,13 +73,19 @@ def allocate(num_pages: int, page_size: int, R: int = 512, P: int = 64, device="
     """(buf uint8 [NP, PS, W], ckv e4m3 [NP, PS, R], ckv_scale float32 [NP, PS, R / 128], kpe rope_dtype
     [NP, PS, P]): the three views share buf's memory. Zero-filled, so every scale starts finite
     (dequantize(0, 0) = 0)."""
-    W = token_bytes(R, P, rope_dtype)
+    buf = torch.zeros(num_pages, page_size, token_bytes(R, P, rope_dtype), dtype=torch.uint8, device=device)
+    return (buf, *views(buf, R, rope_dtype))
+
+
+def views(buf: torch.Tensor, R: int = 512, rope_dtype: torch.dtype = ROPE_DTYPE):
+    """(ckv, ckv_scale, kpe) views of a token buffer uint8 [NP, PS, W] (P follows from W).
+
+    Under torch.compile, make the views INSIDE the compiled function from the buffer as its input: AOTAutograd
+    refuses graph inputs that alias one another with different dtypes when one is mutated ("input mutations on
+    views with different dtypes", torch 2.13), which is what passing the three views to a compiled step that runs
+    `mla::cache_write` gives; views taken inside the graph are functionalized like any other."""
     G = groups(R)
-    buf = torch.zeros(num_pages, page_size, W, dtype=torch.uint8, device=device)
-    ckv = buf[..., :R].view(DTYPE)
-    ckv_scale = buf[..., R:R + 4 * G].view(SCALE_DTYPE)
-    kpe = buf[..., R + 4 * G:].view(rope_dtype)
-    return buf, ckv, ckv_scale, kpe
+    return (buf[..., :R].view(DTYPE), buf[..., R:R + 4 * G].view(SCALE_DTYPE), buf[..., R + 4 * G:].view(rope_dtype))
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
