@@ -438,6 +438,24 @@ def _interp_decode(H, PS, lens, dtype, splits, S=1, P=64, R=512):
     assert_close_to_reference(out, lse, r_out, r_lse, dtype)
 
 
+def _interp_dispatch(H, P, S=1):
+    """Through kernels/dispatch.py as the op's CUDA impl calls it (the route, the rope-less zero column)."""
+    from mla_compile.kernels import dispatch
+
+    lens = [0, 40, 7]
+    f8, _, g = fp8_batch(lens, 16, P=P, seed=H + P)
+    qn, qp = queries(g, len(lens), H, 256, P, torch.bfloat16)
+    assert dispatch.decode_kernel(qn, qp, f8.ckv_cache, f8.kpe_cache).name == "triton"
+    assert dispatch.decode_kernel(qn, qp, f8.ckv_cache, f8.kpe_cache, kernel="seesaw").name == "triton"
+    out, lse = dispatch.decode(qn, qp, f8.ckv_cache, f8.kpe_cache, f8.block_table, f8.seq_lens, 0.1,
+                               ckv_scale=f8.ckv_scale)
+    r_out, r_lse = ref.ref_decode(qn, qp, dequantized(f8), f8.kpe_cache, f8.block_table, f8.seq_lens, 0.1)
+    assert_close_to_reference(out, lse, r_out, r_lse, torch.bfloat16)
+    out, lse = dispatch.sparse_decode(qn, qp, f8.ckv_cache, f8.kpe_cache, torch.full((3, 4), -1, dtype=torch.int32),
+                                      0.1, ckv_scale=f8.ckv_scale)
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+
+
 def _interp_sparse():
     from mla_compile.kernels import decode as K
 
@@ -474,6 +492,8 @@ INTERPRETER_CHECKS = {
     "decode_h64_rope_less": lambda: _interp_decode(64, 16, [20, 0], torch.bfloat16, 1, P=0),
     "decode_r384": lambda: _interp_decode(2, 8, [9, 30], torch.float32, 2, R=384, P=32),
     "decode_query_tokens": lambda: _interp_decode(8, 16, [0, 3, 50], torch.bfloat16, 2, S=3),
+    "dispatch_h128": lambda: _interp_dispatch(128, 32),
+    "dispatch_rope_less": lambda: _interp_dispatch(16, 0),
     "sparse_decode": _interp_sparse,
     "cache_write": _interp_cache_write,
 }

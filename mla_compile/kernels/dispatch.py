@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import fp8
 from .. import tuning as _tuning
 from . import _gluon
 from . import cache as _cache
@@ -158,10 +159,17 @@ def _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool, n_query: int) -> tu
             dict(tma_layout=tma, rows_aligned=tma or (gluon_device and _gluon.rows_aligned(ckv_cache, kpe_cache))))
 
 
+FP8_REASON = ("an FP8 latent cache: the Triton pointer kernel, which dequantizes its tiles in registers (FlashMLA, "
+              "FlashInfer and the Gluon kernels take fp16/bf16 caches only)")
+
+
 def decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False, n_query: int = 1,
                   kernel: str | None = None) -> Choice:
     """The kernel `decode` / `sparse_decode` run for these tensors: `select_decode_kernel` on the call's facts.
-    `kernel`: the one asked for (default: the tuning in effect, mla_compile/tuning.py)."""
+    `kernel`: the one asked for (default: the tuning in effect, mla_compile/tuning.py). An FP8 ckv_cache
+    (mla_compile/fp8.py) takes the Triton pointer kernel whatever was asked for."""
+    if fp8.is_fp8(ckv_cache):
+        return Choice("triton", FP8_REASON)
     kernel = _tuning.decode_kernel() if kernel is None else kernel
     args, facts = _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse, n_query)
     sm90, page_size = args[6] == (9, 0), args[3]
@@ -211,11 +219,7 @@ def _with_zero_rope(q_nope, ckv_cache):
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=1, ckv_scale=None):
     """n_query = S > 1: S query tokens per request folded into q's rows ([B, S*H, *], see kernels/decode.py
     `decode`): the Triton pointer kernel only (FlashInfer and the many-head kernels take one token per request).
-    An FP8 cache (ckv_scale given, mla_compile/fp8.py): the Triton pointer kernel, which dequantizes its tiles in
-    registers; FlashMLA, FlashInfer and the Gluon kernels take fp16/bf16 caches only."""
-    if ckv_scale is not None:
-        return _fp8_pointer(_decode.decode, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
-                            ckv_scale=ckv_scale, **({"n_query": n_query} if n_query > 1 else {}))
+    An FP8 cache (ckv_scale given, mla_compile/fp8.py): the Triton pointer kernel (`decode_kernel`)."""
     name = decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, n_query=n_query).name
     if name == "flashmla":
         return _flashmla(q_nope.device).decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
@@ -226,27 +230,20 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
         return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, cfg=cfg)
     if rope_less(q_pe):  # see above: the Triton kernel with a zero rope column
         q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache)
-    multi = {"n_query": n_query} if n_query > 1 else {}  # a one-token call is the plain kernels' call
-    return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, **multi)
-
-
-def _fp8_pointer(kernel, q_nope, q_pe, ckv_cache, kpe_cache, *args, **kwargs):
-    """An FP8-cache call of the Triton pointer kernel (a zero rope column for P = 0, as below)."""
-    if rope_less(q_pe):
-        q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache)
-    return kernel(q_nope, q_pe, ckv_cache, kpe_cache, *args, **kwargs)
+    kwargs = {"n_query": n_query} if n_query > 1 else {}  # a one-token call is the plain kernels' call
+    if ckv_scale is not None:
+        kwargs["ckv_scale"] = ckv_scale
+    return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, **kwargs)
 
 
 def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
-    if ckv_scale is not None:  # FP8: the pointer kernel (see decode)
-        return _fp8_pointer(_decode.sparse_decode, q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
-                            ckv_scale=ckv_scale)
+    """An FP8 cache (ckv_scale given): the Triton pointer kernel (`decode_kernel`)."""
     if decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse=True).name == "wgmma":
         cfg = _config(q_nope, ckv_cache, True, "wgmma")
         return _decode.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, cfg=cfg)
     if rope_less(q_pe):
         q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache)
-    return _decode.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale)
+    return _decode.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=ckv_scale)
 
 
 def merge_states(outs, lses):
