@@ -1,6 +1,7 @@
 """The FP8 latent cache format: one home for its layout, quantization and dequantization.
 
-Per token (DeepSeek-V3.2's 656-byte token, so FlashMLA's FP8 kernels can read the same pages later):
+Per token (DeepSeek-V3.2's 656-byte token, the layout its FlashMLA FP8 sparse kernels read, so they could serve
+these pages later; not yet checked against them):
 
     bytes   0 .. 511   the R = 512 latent values as float8_e4m3fn
     bytes 512 .. 527   R / 128 = 4 float32 scales, one per group of 128 latent channels
@@ -26,6 +27,11 @@ Quantization of one token's latent x [R] (float32 math), per group g of 128 chan
 Dequantization, the definition every decode implementation reads the cache by: float32(q) * scale (a float32
 product; the float64 reference precision computes it in float64). A non-finite x gives a non-finite scale: NaN in,
 NaN out, never a silently finite token.
+
+Readers: the ops' CPU impls dequantize exactly as above; the Triton pointer kernel (kernels/decode.py) forms the
+same float32 product in registers and rounds it once more, to q's dtype, for its MMAs (as a bf16 cache would
+hold it); FlashMLA / FlashInfer / the Gluon kernels take fp16/bf16 caches only. Under torch.compile, pass the
+buffer and take the views inside the compiled function (`views`: why there).
 
 Capacity: 656 bytes a token against 1152 for a bf16 cache (2 * (512 + 64)): 1.76x the tokens per GiB (the scales
 cost 16 bytes, 2.4% of the FP8 token).
