@@ -387,20 +387,24 @@ def _aot():
     return aot
 
 
-@pytest.mark.parametrize("H,page_size,S", [(16, 64, 1), (16, 1, 1), (128, 64, 1), (128, 1, 1), (16, 64, 2), (16, 1, 4)])
-def test_fp8_pointer_kernel_builds_without_spills_within_shared_memory(H, page_size, S):
-    """The FP8 pointer kernel at its default tiling (bf16 q, R 512 / P 64) for sm_90a without a GPU: no spills,
-    shared memory within 200 KB (the H200 has 227 KB a block)."""
+@pytest.mark.parametrize("H,page_size,S,dtype", [(16, 64, 1, torch.bfloat16), (16, 1, 1, torch.bfloat16),
+                                                 (128, 64, 1, torch.bfloat16), (128, 1, 1, torch.bfloat16),
+                                                 (16, 64, 2, torch.bfloat16), (16, 1, 4, torch.bfloat16),
+                                                 (128, 1, 1, torch.float32), (16, 64, 2, torch.float32)])
+def test_fp8_pointer_kernel_builds_without_spills_within_shared_memory(H, page_size, S, dtype):
+    """The FP8 pointer kernel at its default tiling (R 512 / P 64) for sm_90a without a GPU: no spills, shared
+    memory within 200 KB (the H200 has 227 KB a block)."""
     pytest.importorskip("triton")
     from mla_compile.kernels import decode as D
 
     aot = _aot()
     rows = H * S
-    cfg = D.fp8_config(rows, page_size, multi=S > 1)
+    cfg = D.fp8_config(rows, page_size, dtype, multi=S > 1)
+    q = "*fp32" if dtype == torch.float32 else "*bf16"
     got = aot.compile_sm90(D._stage1_kernel,
-                           dict(D.pointer_constexprs(cfg, 512, 64, page_size, False, torch.bfloat16, S > 1, fp8=True),
+                           dict(D.pointer_constexprs(cfg, 512, 64, page_size, False, dtype, S > 1, fp8=True),
                                 PDL=False),
-                           {"Qn": "*bf16", "Qp": "*bf16", "Ckv": "*fp8e4nv", "Kpe": "*bf16", "Scale": "*fp32"},
+                           {"Qn": q, "Qp": q, "Ckv": "*fp8e4nv", "Kpe": q, "Scale": "*fp32"},
                            cfg.num_warps, cfg.num_stages)
     print(f"H {H} page {page_size} S {S}: {got['registers']} registers, {got['shared_bytes']} B shared")
     assert got["spill_bytes"] == 0, got["registers"]

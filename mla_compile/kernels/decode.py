@@ -304,10 +304,10 @@ def fp8_config(rows: int, page_size: int, dtype: torch.dtype = torch.bfloat16, m
     float32 dequantization of a tile doubles its registers, so the tiles are 32 tokens, not 64. 16 rows: 4 warps,
     214-229 registers, 105 KB shared, no spill (64-token tiles need 8 warps and 191 KB). More rows, one query
     token: 32 per program at 8 warps, 255 registers, 123 KB, no spill (64 rows spill 148-288 bytes at every tiling
-    tried; with S > 1, 32 rows spill too, so those stay at 16). fp32 q: the fp32 tiling of `multi_token_config`.
-    Not yet timed on a GPU."""
+    tried; with S > 1, 32 rows spill too, so those stay at 16). fp32 q (fp32 MMAs on the dequantized tile): 16 rows
+    x 16 tokens, 4 warps, 255 registers, 115 KB, no spill (32 rows spill 548-1820 bytes). Not yet timed on a GPU."""
     if dtype == torch.float32:
-        return multi_token_config(rows, page_size, dtype)
+        return DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2, max_splits=256)
     stages = 2 if page_size % 64 == 0 else 3
     if rows <= 16 or multi:
         return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=stages, max_splits=256)
