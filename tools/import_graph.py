@@ -3,7 +3,7 @@
 usage: python tools/import_graph.py [--package mla_compile] [--layers kernels ops passes backend]
 
 Every import counts, at module level or inside a function (a deferred import still ties the two modules
-together). Layers go from the bottom up: a module of one layer may import its own layer and the ones below, never
+together), except those under `if TYPE_CHECKING:` (never executed: annotations only). Layers go from the bottom up: a module of one layer may import its own layer and the ones below, never
 one above ("upward"). Modules in no layer: a leaf one (importing nothing of the package, e.g. tuning.py) may be
 imported from anywhere. Prints the circles (strongly connected components of more than one module) and the upward
 imports; exit status 1 if there is either.
@@ -33,7 +33,12 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
     is_pkg = path.name == "__init__.py"
     here = name if is_pkg else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    type_only = {id(n) for block in ast.walk(tree) if _is_type_checking_block(block)
+                 for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -53,6 +58,12 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
             if t and t != name:
                 found.add(t)
     return found
+
+
+def _is_type_checking_block(node) -> bool:
+    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def graph(package: str) -> dict[str, set[str]]:

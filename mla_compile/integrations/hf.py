@@ -46,7 +46,7 @@ import inspect
 import torch
 
 from .. import layout, ops  # noqa: F401  (registers torch.ops.mla.*)
-from ..ops.attention import token_slots
+from ..ops.hf_cache import ALL_SELECTED_OPS, GATHER_OPS, all_selected, gather_latent  # noqa: F401  (re-exported)
 from .generate import compile_config, create_masks_in_graph, optimize_generate  # noqa: F401  (the generate road)
 
 try:  # transformers >= 5.17 (both the GPU machine's 5.17 and the latest have it)
@@ -57,95 +57,6 @@ except ImportError:  # pragma: no cover - older transformers: no indexer cache
     except ImportError:
         Cache = _BaseLayer = None
 
-
-# ---------------------------------------------------------------------------------- mla_hf::gather_latent
-
-@torch.library.custom_op("mla_hf::gather_latent", mutates_args=(),
-                         schema="(Tensor ckv_cache, Tensor kpe_cache, Tensor block_table, int max_len, int dcp_size, "
-                                "int dcp_rank, str group_name) -> (Tensor, Tensor)")
-def gather_latent(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, group_name):
-    """The full latent of every request in token order: (ckv [B, 1, max_len, R], kpe [B, 1, max_len, P]).
-
-    ckv_cache [NP, PS, R] / kpe_cache [NP, PS, P] hold THIS rank's tokens through block_table int32 [B, MP]
-    (local token j at slot block_table[b, j // PS] * PS + j % PS). dcp_size > 1: all ranks' shards are
-    all-gathered (one collective) and global token t = j * n + r is taken from rank r. Slots never written
-    read as whatever the pages hold (zeros after allocation); HF's mask excludes them.
-    """
-    _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank)
-    B, MP = block_table.shape
-    PS, R, P = ckv_cache.shape[1], ckv_cache.shape[2], kpe_cache.shape[2]
-    cap = MP * PS
-    slots = token_slots(block_table, PS, cap)
-    local = torch.cat([ckv_cache.reshape(-1, R)[slots], kpe_cache.reshape(-1, P)[slots].to(ckv_cache.dtype)], -1)
-    if dcp_size > 1:
-        gathered = torch.ops._c10d_functional.all_gather_into_tensor(local.contiguous(), dcp_size, group_name)
-        gathered = torch.ops._c10d_functional.wait_tensor(gathered).view(dcp_size, B, cap, R + P)
-        local = layout.interleave_shards(gathered)  # [B, global t, R+P]
-    full = local[:, :max_len]
-    return (full[..., :R].unsqueeze(1).contiguous(), full[..., R:].to(kpe_cache.dtype).unsqueeze(1).contiguous())
-
-
-def _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank):
-    from ..ops import _checks as C
-
-    C.check_tensor(ckv_cache, "ckv_cache", 3, C.FLOAT_DTYPES)
-    C.check_tensor(kpe_cache, "kpe_cache", 3, C.FLOAT_DTYPES)
-    C.check(kpe_cache.shape[:2] == ckv_cache.shape[:2], "kpe_cache",
-            f"pages/page size {tuple(kpe_cache.shape[:2])} differ from ckv_cache {tuple(ckv_cache.shape[:2])}")
-    C.check_tensor(block_table, "block_table", 2, torch.int32)
-    layout.check_group(dcp_size, dcp_rank)
-    capacity = block_table.shape[1] * ckv_cache.shape[1] * dcp_size
-    C.check(isinstance(max_len, int) and 0 <= max_len <= capacity, "max_len",
-            f"must be in [0, {capacity}] (block table pages x page size x dcp_size), got {max_len!r}")
-    C.check_same_device(dict(ckv_cache=ckv_cache, kpe_cache=kpe_cache, block_table=block_table))
-
-
-@gather_latent.register_fake
-def _(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, group_name):
-    _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank)
-    B = block_table.shape[0]
-    return (ckv_cache.new_empty((B, 1, max_len, ckv_cache.shape[2])),
-            kpe_cache.new_empty((B, 1, max_len, kpe_cache.shape[2])))
-
-
-GATHER_OPS = {torch.ops.mla_hf.gather_latent.default, torch.ops.mla_hf.gather_latent}
-
-
-def describe_gather(node, LatentSource):
-    """The pass's view of a gather node: the pages, block table and DCP group behind the latent."""
-    args = list(node.args) + [None] * 7
-    names = ("ckv_cache", "kpe_cache", "block_table", "max_len", "dcp_size", "dcp_rank", "group_name")
-    a = {n: (node.kwargs[n] if n in node.kwargs else args[i]) for i, n in enumerate(names)}
-    n = int(a["dcp_size"])
-    return LatentSource("dcp" if n > 1 else "paged", a["ckv_cache"], a["kpe_cache"], a["block_table"],
-                        dcp_size=n, dcp_rank=int(a["dcp_rank"]), group_name=a["group_name"] or "")
-
-
-# ------------------------------------------------------------------------ DSA: dense marker and host int
-@torch.library.custom_op("mla_hf::all_selected", mutates_args=(), schema="(Tensor keys, int topk) -> Tensor")
-def all_selected(keys, topk):
-    """The indexer keys, unchanged (a copy: custom ops cannot return aliases), carrying a promise: this graph
-    is guarded by "every request's kv_len <= topk", so the indexer's top-k selects every valid token.
-
-    Emitted by `DSADenseMixin.update_indexer` only while tracing (eager code never sees it). The pass
-    (`passes.dsa_indexer`) replaces HF's index mask downstream of it by "all selected", which leaves the
-    indexer's logits and top-k dead, and then removes the marker itself.
-    """
-    _check_all_selected_args(keys, topk)
-    return keys.clone()
-
-
-def _check_all_selected_args(keys, topk):
-    if not isinstance(keys, torch.Tensor):
-        raise ValueError(f"keys: expected a Tensor, got {type(keys).__name__}")
-    if not (isinstance(topk, int) and topk > 0):
-        raise ValueError(f"topk: must be a positive int, got {topk!r}")
-
-
-@all_selected.register_fake
-def _(keys, topk):
-    _check_all_selected_args(keys, topk)
-    return torch.empty_like(keys)
 
 
 
@@ -161,7 +72,6 @@ def _cache_arg_name(cls) -> str:
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
-ALL_SELECTED_OPS = {torch.ops.mla_hf.all_selected.default, torch.ops.mla_hf.all_selected}
 
 MAX_KV_LEN_ATTR = "max_kv_len"
 # regex over Dynamo source names (torch.compiler.config.dynamic_sources), whatever the entry point calls the

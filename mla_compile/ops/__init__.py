@@ -8,6 +8,7 @@ from .linear import fused_linear, linear_partials
 from .merge import merge_states
 from . import dcp  # noqa: F401,E402  (mla::dcp_decode + DCP owner-write helpers)
 from . import tp_dcp  # noqa: F401,E402  (mla::tp_dcp_decode: TP heads x DCP tokens)
+from . import hf_cache  # noqa: F401,E402  (mla_hf::gather_latent / all_selected: what our HF caches emit)
 
 __all__ = ["decode", "sparse_decode", "cache_write", "indexer_topk", "k_only_indices", "merge_states", "fused_linear",
            "linear_partials", "expert_linear"]

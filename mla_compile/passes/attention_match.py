@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..ops.hf_cache import GATHER_OPS
 from . import attention_mask as masks
 from .attention_checks import check_private
 from ._fx import NoMatch, arg as _arg, batch_shape as _shape, is_fn as _is_fn, is_op as _is_op, same, val as _val
@@ -344,15 +345,23 @@ def match_site(node: fx.Node) -> Site | None:
 
 def latent_source(site: Site) -> LatentSource:
     """Identify where the latent comes from: our caches' gather op, or a plain tensor."""
-    from ..integrations import hf as hf_int
-
     lat, kpe = site.latent, site.kpe
     if (_is_fn(lat, {operator.getitem}) and _is_fn(kpe, {operator.getitem}) and lat.args[0] is kpe.args[0]
             and lat.args[1] == 0 and kpe.args[1] == 1):
         g = lat.args[0]
-        if _is_fn(g, hf_int.GATHER_OPS):
-            return hf_int.describe_gather(g, LatentSource)
-    if _is_fn(lat, {operator.getitem}) and _is_fn(lat.args[0], getattr(hf_int, "GATHER_OPS", set())):
+        if _is_fn(g, GATHER_OPS):
+            return _gather_source(g)
+    if _is_fn(lat, {operator.getitem}) and _is_fn(lat.args[0], GATHER_OPS):
         raise NoMatch("latent and rope latent come from different cache gathers")
     return LatentSource("tensor", lat, kpe)
+
+
+def _gather_source(node: fx.Node) -> LatentSource:
+    """The pages, block table and DCP group behind a `mla_hf::gather_latent` node."""
+    args = list(node.args) + [None] * 7
+    names = ("ckv_cache", "kpe_cache", "block_table", "max_len", "dcp_size", "dcp_rank", "group_name")
+    a = {n: (node.kwargs[n] if n in node.kwargs else args[i]) for i, n in enumerate(names)}
+    n = int(a["dcp_size"])
+    return LatentSource("dcp" if n > 1 else "paged", a["ckv_cache"], a["kpe_cache"], a["block_table"],
+                        dcp_size=n, dcp_rank=int(a["dcp_rank"]), group_name=a["group_name"] or "")
 

@@ -28,6 +28,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..ops.hf_cache import ALL_SELECTED_OPS
 from ._fx import BIG_NEGATIVE, NoMatch, arg, batch_shape, erase_dead, is_call as _is_call, is_fn, meta_val, same
 
 log = logging.getLogger(__name__)
@@ -39,9 +40,7 @@ _AND = {operator.and_, torch.bitwise_and, torch.logical_and}
 
 
 def _marker_ops():
-    from ..integrations import hf
-
-    return hf.ALL_SELECTED_OPS
+    return ALL_SELECTED_OPS
 
 
 _val, _arg = meta_val, arg
