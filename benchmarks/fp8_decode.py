@@ -3,7 +3,7 @@
     python benchmarks/fp8_decode.py [out.json]
 
 Shapes: (H 16, B 8), (H 16, B 32), (H 128, B 8), kv 32K per request, R 512 / P 64, page 64, bf16 q. The bf16
-cache is random bf16 tokens; the FP8 cache holds the same tokens quantized by `mla::cache_write` (656 bytes a
+cache is random bf16 tokens; the FP8 cache holds the same tokens quantized by `mla::cache_write_fp8` (656 bytes a
 token, one [NP, PS, 656] buffer). Timing: CUDA-graph replay (triton.testing.do_bench_cudagraph, median) of one
 `torch.ops.mla.decode` call, what a captured decode step runs: the bf16 call is what the dispatch picks for
 separate caches (the Triton / Gluon kernels; FlashMLA reads only a fused buffer), the FP8 call the Triton pointer
@@ -34,7 +34,7 @@ def caches(B, gen):
     kpe = torch.randn(pages, PS, P, generator=gen, device="cuda").to(torch.bfloat16)
     _, c8, s8, k8 = fp8.allocate(pages, PS, R, P, device="cuda")
     slots = torch.arange(pages * PS, device="cuda")
-    torch.ops.mla.cache_write(c8, k8, ckv.view(-1, R), kpe.view(-1, P), slots, s8)
+    torch.ops.mla.cache_write_fp8(c8, k8, s8, ckv.view(-1, R), kpe.view(-1, P), slots)
     table = torch.randperm(pages, generator=gen, device="cuda").view(B, KV // PS).int()
     return ckv, kpe, (c8, s8, k8), table, torch.full((B,), KV, dtype=torch.int32, device="cuda")
 

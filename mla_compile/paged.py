@@ -77,7 +77,10 @@ def fill_paged(ckv: list[torch.Tensor], kpe: list[torch.Tensor], page_size: int,
         req = torch.cat([torch.full((n,), b) for b, n in enumerate(lens)]).to(device)
         pos = torch.cat([torch.arange(n) for n in lens]).to(device)
         slots = layout.owner_slots(table, req, pos, page_size)
-        torch.ops.mla.cache_write(ckv_cache, kpe_cache, torch.cat(ckv), torch.cat(kpe), slots, ckv_scale)
+        if ckv_scale is None:
+            torch.ops.mla.cache_write(ckv_cache, kpe_cache, torch.cat(ckv), torch.cat(kpe), slots)
+        else:
+            torch.ops.mla.cache_write_fp8(ckv_cache, kpe_cache, ckv_scale, torch.cat(ckv), torch.cat(kpe), slots)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     return PagedBatch(ckv_cache, kpe_cache, table, seq_lens, ckv_scale)
 

@@ -1,4 +1,4 @@
-"""The FP8 latent cache (mla_compile/fp8.py): the format, quantize-on-write in `mla::cache_write`, and
+"""The FP8 latent cache (mla_compile/fp8.py): the format, quantize-on-write in `mla::cache_write_fp8`, and
 `mla::decode` / `mla::sparse_decode` / `mla::dcp_decode` / `mla::tp_dcp_decode` reading it, against the float64
 reference over the dequantized cache (tests/reference.py); the Triton pointer kernel's FP8 path under
 TRITON_INTERPRET=1 (this file run as a child: `__main__` below) and built for sm_90a; DCP on a 2-rank gloo group.
@@ -134,6 +134,13 @@ def test_quantize_keeps_nan_visible():
 
 
 # ----------------------------------------------------------------------------------------- cache_write
+def test_bf16_cache_write_refuses_an_fp8_cache():
+    _, c, s, k = fp8.allocate(1, 4)
+    with pytest.raises(ValueError, match="^ckv_cache: .*mla::cache_write_fp8"):
+        torch.ops.mla.cache_write(c, k, torch.zeros(1, 512), torch.zeros(1, 64, dtype=torch.bfloat16),
+                                  torch.tensor([0]))
+
+
 @pytest.mark.parametrize("P", [64, 0])
 def test_cache_write_quantizes_and_skips_minus_one(P):
     g = torch.Generator().manual_seed(1)
@@ -142,7 +149,7 @@ def test_cache_write_quantizes_and_skips_minus_one(P):
     before = buf.clone()
     x, kp = torch.randn(5, 512, generator=g), torch.randn(5, P, generator=g).bfloat16()
     slots = torch.tensor([0, 3, -1, 7, 11])
-    torch.ops.mla.cache_write(c, k, x, kp, slots, s)
+    torch.ops.mla.cache_write_fp8(c, k, s, x, kp, slots)
     q, sc = fp8.quantize(x)
     flat = buf.view(12, -1)
     for i, slot in enumerate(slots.tolist()):
@@ -269,7 +276,7 @@ def test_opcheck_fp8_ops():
                           (qn, qp, f8.ckv_cache, f8.kpe_cache, idx, 0.3, f8.ckv_scale), test_utils=OPCHECKS)
     _, c, s, k = fp8.allocate(3, 4, 128, 16, rope_dtype=torch.float32)
     x, kp = torch.randn(4, 128, generator=g), torch.randn(4, 16, generator=g)
-    torch.library.opcheck(torch.ops.mla.cache_write.default, (c, k, x, kp, torch.tensor([0, -1, 5, 11]), s),
+    torch.library.opcheck(torch.ops.mla.cache_write_fp8.default, (c, k, s, x, kp, torch.tensor([0, -1, 5, 11])),
                           test_utils=OPCHECKS)
 
 
@@ -308,7 +315,7 @@ def _call(op, a):
         return torch.ops.mla.dcp_decode(**a, dcp_size=1, dcp_rank=0, group_name="")
     a = dict(ckv_cache=a["ckv_cache"], kpe_cache=a["kpe_cache"], ckv=a["q_nope"][:, 0].float(),
              kpe=a["q_pe"][:, 0], slots=torch.tensor([0, 3]), ckv_scale=a["ckv_scale"])
-    return torch.ops.mla.cache_write(**a)
+    return torch.ops.mla.cache_write_fp8(**a)
 
 
 OPS = ["decode", "sparse_decode", "dcp_decode", "cache_write"]
@@ -360,7 +367,7 @@ def test_compiled_write_then_decode_from_the_buffer():
     refused by AOTAutograd (aliased inputs of different dtypes, one mutated), the limitation fp8.views documents."""
     def step(buf, x, kp, slots, qn, qp, bt, sl):
         c, s, k = fp8.views(buf, 128)
-        torch.ops.mla.cache_write(c, k, x, kp, slots, s)
+        torch.ops.mla.cache_write_fp8(c, k, s, x, kp, slots)
         return torch.ops.mla.decode(qn, qp, c, k, bt, sl, 0.2, s)
 
     g = torch.Generator().manual_seed(13)
@@ -482,7 +489,10 @@ def _interp_cache_write():
     x, kp = torch.randn(5, 512, generator=g).bfloat16(), torch.randn(5, 64, generator=g).bfloat16()
     slots = torch.tensor([9, -1, 0, 4, 13])
     bufs = []
-    for write in (dispatch.cache_write, torch.ops.mla.cache_write):
+    def op(c, k, x, kp, slots, s):
+        torch.ops.mla.cache_write_fp8(c, k, s, x, kp, slots)
+
+    for write in (dispatch.cache_write, op):
         buf, c, s, k = fp8.allocate(4, 4)
         buf.fill_(0x7E)
         write(c, k, x, kp, slots, s)

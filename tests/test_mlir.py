@@ -83,7 +83,8 @@ module {
     torch.overwrite.tensor.contents %2#0 overwrites %arg4 : !torch.vtensor<[4,4,8],f32>, !torch.tensor<[4,4,8],f32>
     torch.overwrite.tensor.contents %2#1 overwrites %arg5 : !torch.vtensor<[4,4,4],f32>, !torch.tensor<[4,4,4],f32>
     %float2.500000e-01 = torch.constant.float 2.500000e-01
-    %3:2 = torch.operator "torch.mla.decode"(%arg0, %arg1, %2#0, %2#1, %arg6, %arg7, %float2.500000e-01) : (!torch.vtensor<[2,4,8],f32>, !torch.vtensor<[2,4,4],f32>, !torch.vtensor<[4,4,8],f32>, !torch.vtensor<[4,4,4],f32>, !torch.vtensor<[2,2],si32>, !torch.vtensor<[2],si32>, !torch.float) -> (!torch.vtensor<[2,4,8],f32>, !torch.vtensor<[2,4],f32>)
+    %none = torch.constant.none
+    %3:2 = torch.operator "torch.mla.decode"(%arg0, %arg1, %2#0, %2#1, %arg6, %arg7, %float2.500000e-01, %none) : (!torch.vtensor<[2,4,8],f32>, !torch.vtensor<[2,4,4],f32>, !torch.vtensor<[4,4,8],f32>, !torch.vtensor<[4,4,4],f32>, !torch.vtensor<[2,2],si32>, !torch.vtensor<[2],si32>, !torch.float, !torch.none) -> (!torch.vtensor<[2,4,8],f32>, !torch.vtensor<[2,4],f32>)
     return %3#0, %3#1 : !torch.vtensor<[2,4,8],f32>, !torch.vtensor<[2,4],f32>
   }
 }
@@ -224,6 +225,6 @@ class TestHFDecodeStep(expecttest.TestCase):
     torch.overwrite.tensor.contents %3 overwrites %arg1 : !torch.vtensor<[],si64>, !torch.tensor<[],si64>
     torch.overwrite.tensor.contents %4 overwrites %arg2 : !torch.vtensor<[2,1,8,16],f32>, !torch.tensor<[2,1,8,16],f32>
     torch.overwrite.tensor.contents %5 overwrites %arg3 : !torch.vtensor<[2,1,8,8],f32>, !torch.tensor<[2,1,8,8],f32>
-    %6:2 = torch.operator "torch.mla.decode"(%7, %8, %9, %10, %11, %12, %13) : (!torch.vtensor<[2,2,16],f32>, !torch.vtensor<[2,2,8],f32>, !torch.vtensor<[16,1,16],f32>, !torch.vtensor<[16,1,8],f32>, !torch.vtensor<[2,8],si32>, !torch.vtensor<[2],si32>, !torch.float) -> (!torch.vtensor<[2,2,16],f32>, !torch.vtensor<[2,2],f32>)
-    return %14 : !torch.vtensor<[2,1,64],f32>
+    %6:2 = torch.operator "torch.mla.decode"(%7, %8, %9, %10, %11, %12, %13, %14) : (!torch.vtensor<[2,2,16],f32>, !torch.vtensor<[2,2,8],f32>, !torch.vtensor<[16,1,16],f32>, !torch.vtensor<[16,1,8],f32>, !torch.vtensor<[2,8],si32>, !torch.vtensor<[2],si32>, !torch.float, !torch.none) -> (!torch.vtensor<[2,2,16],f32>, !torch.vtensor<[2,2],f32>)
+    return %15 : !torch.vtensor<[2,1,64],f32>
 """)

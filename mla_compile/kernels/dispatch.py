@@ -243,7 +243,8 @@ def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_sca
         return _decode.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, cfg=cfg)
     if rope_less(q_pe):
         q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache)
-    return _decode.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=ckv_scale)
+    fp8_scales = {} if ckv_scale is None else {"ckv_scale": ckv_scale}  # a bf16 call as it always was
+    return _decode.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, **fp8_scales)
 
 
 def merge_states(outs, lses):
@@ -257,7 +258,10 @@ def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None):
         # onto itself instead of touching a zero-width (possibly null) buffer
         zero = kpe_cache.new_zeros(1)
         kpe_cache, kpe = zero_rope_column(zero, *ckv_cache.shape[:2]), zero_rope_column(zero, ckv.shape[0])
-    _cache.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
+    if ckv_scale is None:  # the bf16 call as it always was
+        _cache.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots)
+    else:
+        _cache.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
 
 
 def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):

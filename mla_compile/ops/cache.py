@@ -52,24 +52,7 @@ def _slot_rows(cache: torch.Tensor) -> torch.Tensor:
     return cache.as_strided((cache.shape[0] * cache.shape[1], cache.shape[2]), (cache.stride(1), cache.stride(2)))
 
 
-@torch.library.custom_op(
-    "mla::cache_write",
-    mutates_args=("ckv_cache", "kpe_cache", "ckv_scale"),
-    device_types="cpu",
-    schema="(Tensor(a!) ckv_cache, Tensor(b!) kpe_cache, Tensor ckv, Tensor kpe, Tensor slots, "
-           "Tensor(c!)? ckv_scale=None) -> ()",
-)
-def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None):
-    """Write T new tokens into the paged latent cache, in place.
-
-    Shapes: ckv_cache [NP, PS, R], kpe_cache [NP, PS, P] (mutated); ckv [T, R], kpe [T, P] (P may be 0:
-    rope-less MLA);
-    slots int64 [T]: flat slot page * PS + offset, or -1 to skip the token (e.g. owned by another DCP rank).
-    FP8 cache (mla_compile/fp8.py): ckv_cache float8_e4m3fn with ckv_scale float32 [NP, PS, R / 128] (mutated;
-    required then, None otherwise); ckv (any float dtype) is quantized per token and 128 channels
-    (`fp8.quantize`), its scales written beside the values.
-    """
-    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
+def _write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale):
     keep = slots >= 0
     idx = slots[keep]
     writes = [(kpe_cache, kpe[keep])]
@@ -82,13 +65,73 @@ def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None):
         _slot_rows(cache)[idx] = new
 
 
+def _check_not_fp8(ckv_cache):
+    C.check(not (isinstance(ckv_cache, torch.Tensor) and fp8.is_fp8(ckv_cache)), "ckv_cache",
+            f"is {fp8.DTYPE}: an FP8 cache is written by mla::cache_write_fp8 (quantize on write, with its ckv_scale)")
+
+
+@torch.library.custom_op(
+    "mla::cache_write",
+    mutates_args=("ckv_cache", "kpe_cache"),
+    device_types="cpu",
+    schema="(Tensor(a!) ckv_cache, Tensor(b!) kpe_cache, Tensor ckv, Tensor kpe, Tensor slots) -> ()",
+)
+def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots):
+    """Write T new tokens into the paged latent cache, in place.
+
+    Shapes: ckv_cache [NP, PS, R], kpe_cache [NP, PS, P] (mutated); ckv [T, R], kpe [T, P] (P may be 0:
+    rope-less MLA);
+    slots int64 [T]: flat slot page * PS + offset, or -1 to skip the token (e.g. owned by another DCP rank).
+    An FP8 cache is `mla::cache_write_fp8`'s.
+    """
+    _check_not_fp8(ckv_cache)
+    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots)
+    _write(ckv_cache, kpe_cache, ckv, kpe, slots, None)
+
+
 @cache_write.register_fake
-def _(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None):
-    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
+def _(ckv_cache, kpe_cache, ckv, kpe, slots):
+    _check_not_fp8(ckv_cache)
+    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots)
 
 
 @cache_write.register_kernel("cuda")
-def _(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None):
+def _(ckv_cache, kpe_cache, ckv, kpe, slots):
+    _check_not_fp8(ckv_cache)
+    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots)
+    from ..kernels import dispatch
+
+    dispatch.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots)
+
+
+# A separate op rather than an optional mutated argument of mla::cache_write: torch-mlir's importer cannot emit an
+# auto-functionalized `Tensor(c!)?` left None (a None result type), which every bf16 cache_write would then carry
+@torch.library.custom_op(
+    "mla::cache_write_fp8",
+    mutates_args=("ckv_cache", "kpe_cache", "ckv_scale"),
+    device_types="cpu",
+    schema="(Tensor(a!) ckv_cache, Tensor(b!) kpe_cache, Tensor(c!) ckv_scale, Tensor ckv, Tensor kpe, "
+           "Tensor slots) -> ()",
+)
+def cache_write_fp8(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
+    """`mla::cache_write` into an FP8 cache (mla_compile/fp8.py), quantizing on write.
+
+    Shapes: ckv_cache float8_e4m3fn [NP, PS, R] (R a multiple of 128), kpe_cache [NP, PS, P], ckv_scale float32
+    [NP, PS, R / 128] (all mutated; the three views of one token buffer, or separate tensors); ckv [T, R] in any
+    float dtype, quantized per token and 128 channels (`fp8.quantize`), its scales written beside the values;
+    kpe [T, P] in kpe_cache's dtype; slots int64 [T] as for `mla::cache_write` (-1 skipped).
+    """
+    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
+    _write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
+
+
+@cache_write_fp8.register_fake
+def _(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
+    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
+
+
+@cache_write_fp8.register_kernel("cuda")
+def _(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
     check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
     from ..kernels import dispatch
 

@@ -1,4 +1,4 @@
-"""The FP8 latent cache on the GPU (mla_compile/fp8.py): `mla::cache_write` quantizing on write (the Triton kernel,
+"""The FP8 latent cache on the GPU (mla_compile/fp8.py): `mla::cache_write_fp8` quantizing on write (the Triton kernel,
 byte-identical to the CPU op), `mla::decode` / `mla::sparse_decode` through the Triton pointer kernel's FP8 path
 (tiles dequantized in registers, bf16 q) against the float64 reference over the dequantized cache; H 16 and 128,
 pages 1 and 64, ragged lengths with an empty request, S 1 and 2, one CUDA-graph capture replayed with new lengths.
@@ -65,7 +65,7 @@ def test_cache_write_kernel_matches_cpu_op_bytes():
     for dev in ("cpu", DEV):
         buf, c, s, k = fp8.allocate(4, 64, device=dev)
         buf.fill_(0x5A)
-        torch.ops.mla.cache_write(c, k, x.to(dev), kp.to(dev), slots.to(dev), s)
+        torch.ops.mla.cache_write_fp8(c, k, s, x.to(dev), kp.to(dev), slots.to(dev))
         bufs.append(buf.cpu())
     assert torch.equal(bufs[0], bufs[1])
 
@@ -109,7 +109,7 @@ def test_cuda_graph_replay_with_new_lengths(H):
 
     def step():
         slots = (batch.block_table.long().gather(1, (sl.long() // 64)[:, None])[:, 0] * 64 + sl.long() % 64)
-        torch.ops.mla.cache_write(batch.ckv_cache, batch.kpe_cache, new_c, new_k, slots, batch.ckv_scale)
+        torch.ops.mla.cache_write_fp8(batch.ckv_cache, batch.kpe_cache, batch.ckv_scale, new_c, new_k, slots)
         return torch.ops.mla.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, sl + 1, SCALE,
                                     batch.ckv_scale)
 
