@@ -15,12 +15,14 @@ JSON document (also written to argv[1] if given).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import torch
 from triton.testing import do_bench_cudagraph
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from op_timing_out import emit, row_done  # noqa: E402
 
 import mla_compile.ops.experts  # noqa: F401  (registers mla::expert_linear)
 
@@ -63,13 +65,10 @@ def main(argv):
         except torch.OutOfMemoryError:
             row["hf_ms"] = None  # the gathered copy of every pair's weight does not fit
         rows.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
+        row_done(row)
         del weight
         torch.cuda.empty_cache()
-    text = json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1)
-    print(text)
-    if argv:
-        Path(argv[0]).write_text(text)
+    emit(dict(device=torch.cuda.get_device_name(), rows=rows), argv)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,13 @@ token, FP8: 656). Prints one JSON document (also written to argv[1] if given).
 
 from __future__ import annotations
 
-import json
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from op_timing_out import emit, row_done  # noqa: E402
 
 import mla_compile  # noqa: F401  (registers the ops)
 from mla_compile import fp8
@@ -80,16 +83,12 @@ def main(argv):
         row["bf16_gbps"] = tokens * 2 * (R + P) / row["bf16_ms"] / 1e6
         row["fp8_gbps"] = tokens * fp8.token_bytes(R, P) / row["fp8_ms"] / 1e6
         rows.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
+        row_done(row)
         del ckv, kpe, c8, s8, k8
         torch.cuda.empty_cache()
     doc = dict(device=torch.cuda.get_device_name(), token_bytes=dict(bf16=2 * (R + P), fp8=fp8.token_bytes(R, P)),
                rows=rows)
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if argv:
-        with open(argv[0], "w") as f:
-            f.write(text)
+    emit(doc, argv)
 
 
 if __name__ == "__main__":

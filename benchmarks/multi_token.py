@@ -13,11 +13,14 @@ reference of request 0 first (`check`). Prints one JSON document (also written t
 
 from __future__ import annotations
 
-import json
 import sys
+from pathlib import Path
 
 import torch
 from triton.testing import do_bench_cudagraph
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from op_timing_out import emit, row_done  # noqa: E402
 
 import mla_compile  # noqa: F401  (registers the ops)
 from mla_compile.kernels import decode as D
@@ -77,13 +80,8 @@ def main(argv):
                     lambda: D.decode(qn, qp, ckv, kpe, table, lens, SCALE, cfg=cfg), rep=50, return_mode="median")
             row["ratio"] = row["ms"] / base
             rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
-    doc = dict(device=torch.cuda.get_device_name(), rows=rows)
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if argv:
-        with open(argv[0], "w") as f:
-            f.write(text)
+            row_done(row)
+    emit(dict(device=torch.cuda.get_device_name(), rows=rows), argv)
 
 
 if __name__ == "__main__":
