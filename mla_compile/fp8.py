@@ -101,7 +101,9 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     G = groups(R)
     xg = x.to(torch.float32).reshape(*x.shape[:-1], G, GROUP)
     amax = xg.abs().amax(-1)
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
+    # a tensor divisor: CUDA divides by a Python scalar as a product with its reciprocal (1 ulp off the correctly
+    # rounded quotient the format defines, and unlike the CPU), an elementwise division rounds correctly everywhere
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, E4M3_MAX))
     q = (xg / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(DTYPE)
     return q.reshape(x.shape), scale
 

@@ -67,7 +67,9 @@ def test_cache_write_kernel_matches_cpu_op_bytes():
         buf.fill_(0x5A)
         torch.ops.mla.cache_write_fp8(c, k, s, x.to(dev), kp.to(dev), slots.to(dev))
         bufs.append(buf.cpu())
-    assert torch.equal(bufs[0], bufs[1])
+    diff = (bufs[0] != bufs[1]).nonzero().tolist()
+    where = [(page, tok, byte, int(bufs[0][page, tok, byte]), int(bufs[1][page, tok, byte])) for page, tok, byte in diff[:12]]
+    assert not diff, f"{len(diff)} bytes differ (page, token, byte, cpu, cuda): {where}"
 
 
 @pytest.mark.parametrize("PS", [1, 64])
