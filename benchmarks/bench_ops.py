@@ -105,21 +105,24 @@ def cfg_name(c: D.DecodeConfig) -> str:
 
 
 def bench_decode(results, copy_bw, sweep, shapes, heads=HEADS):
-    max_tokens = max(b * n for b, n in shapes)
-    num_pages = max_tokens // PS
-    ckv = torch.empty(num_pages, PS, R, dtype=DT, device="cuda").normal_()
-    kpe = torch.empty(num_pages, PS, P, dtype=DT, device="cuda").normal_()
     scale = 192 ** -0.5
     fm = None
-    if FMLA.available():  # the same data once more, in FlashMLA's one-buffer layout
+    if FMLA.available():
         import flash_mla as fm
-
-        fckv, fkpe = FMLA.fused_caches(num_pages, PS, R, P, DT, "cuda")
-        fckv.copy_(ckv)
-        fkpe.copy_(kpe)
-        fkv = FMLA.kv_cache(fckv, fkpe, None)[0]  # in place: [pages, 64, 1, 576]
     for B, L in shapes:
-        table = torch.randperm(num_pages, device="cuda")[: B * L // PS].view(B, L // PS).int()
+        # one pool per shape, just big enough: FlashInfer's fa3 MLA kernel reads wrong pages once the pool passes
+        # 2^31 elements (seen: every row wrong with one pool sized for B 128 x 128K), so a shared pool would time it
+        # on wrong answers
+        num_pages = B * L // PS
+        ckv = torch.empty(num_pages, PS, R, dtype=DT, device="cuda").normal_()
+        kpe = torch.empty(num_pages, PS, P, dtype=DT, device="cuda").normal_()
+        fckv = fkpe = fkv = None
+        if fm is not None:  # the same data once more, in FlashMLA's one-buffer layout
+            fckv, fkpe = FMLA.fused_caches(num_pages, PS, R, P, DT, "cuda")
+            fckv.copy_(ckv)
+            fkpe.copy_(kpe)
+            fkv = FMLA.kv_cache(fckv, fkpe, None)[0]  # in place: [pages, 64, 1, 576]
+        table = torch.randperm(num_pages, device="cuda").view(B, L // PS).int()
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
         for H in heads:
             qn = torch.randn(B, H, R, dtype=DT, device="cuda")

@@ -35,9 +35,11 @@ def available() -> bool:
 
 
 def usable(q_nope, ckv_cache) -> bool:
-    """FlashInfer's MLA kernels are built for R=512 / P=64 in half precision, on a CUDA device, outside capture."""
+    """FlashInfer's MLA kernels are built for R=512 / P=64 in half precision, on a CUDA device, outside capture,
+    and (0.5.3's fa3 kernel) for a latent pool under 2^31 elements: past that every request read wrong pages
+    (benchmarks/RESULTS.md, the decode peers table)."""
     return (available() and q_nope.is_cuda and q_nope.dtype in (torch.float16, torch.bfloat16)
-            and q_nope.shape[-1] == 512 and ckv_cache.stride(-1) == 1
+            and q_nope.shape[-1] == 512 and ckv_cache.stride(-1) == 1 and ckv_cache.numel() < 2 ** 31
             and not torch.cuda.is_current_stream_capturing())
 
 
