@@ -3,7 +3,7 @@
 #   stages: kernels (GPU tests)  bench (op benchmark)  sweep (decode configs)  linear (few-token GEMM configs)
 #           wgmma (the Gluon many-head decode kernel, phase by phase)
 #           profile (HF step)  dcp  dsa  hf  generate (HF generate() end to end)  gencrash (lab probe)  compile  report
-# Installs the wheels carried in .whl/ (run(carry=[".whl"])), records the environment, then runs each stage.
+# Installs the wheels carried in .whl/ (tools/device_wheels.sh fetches them; run(carry=[".whl"])), records the environment, then runs each stage.
 #
 # $OUT stays flat and small (the device tool returns at most 8 files). A full run
 #   bash benchmarks/device.sh kernels bench dcp dsa hf compile

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Download the wheels the GPU machine's image lacks into .whl/ (git-ignored), for `run(carry=[".whl"])`;
+# benchmarks/device.sh installs them with --no-deps into /tmp/site. The image has torch 2.11 + CUDA 13, Triton 3.6,
+# pytest, hypothesis and transformers 5.17; about 49 MB in all (the device tool carries at most 64 MiB).
+#   flashinfer-python + apache-tvm-ffi + nvidia-cudnn-frontend   FlashInfer's MLA (a decode peer, optional backend)
+#   sgl-flash-mla      FlashMLA's SM90 decode (peer + optional backend); its metadata asks for torch>=2.14.1, so it
+#                      must go in with --no-deps (it loads on 2.11: stable torch ABI)
+#   transformers 5.24 + huggingface-hub + tokenizers + safetensors + typer   the families V3.2 / GLM-DSA need
+#   expecttest         the GPU tests that import CPU test modules with snapshot tests
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .whl
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || grep -qx '/.whl/' .gitignore || echo '/.whl/' >>.git/info/exclude
+plat=()
+for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manylinux_2_27_x86_64 manylinux_2_28_x86_64 \
+         manylinux_2_31_x86_64 manylinux_2_34_x86_64 manylinux1_x86_64; do plat+=(--platform "$p"); done
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" -d .whl \
+  flashinfer-python==0.5.3 apache-tvm-ffi nvidia-cudnn-frontend sgl-flash-mla==1.0.0 transformers==5.24.0 \
+  huggingface-hub==1.31.0 tokenizers==0.23.3 safetensors==0.8.0 typer expecttest
+du -sh .whl
