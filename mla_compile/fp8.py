@@ -84,14 +84,29 @@ def allocate(num_pages: int, page_size: int, R: int = 512, P: int = 64, device="
 
 
 def views(buf: torch.Tensor, R: int = 512, rope_dtype: torch.dtype = ROPE_DTYPE):
-    """(ckv, ckv_scale, kpe) views of a token buffer uint8 [NP, PS, W] (P follows from W).
+    """(ckv, ckv_scale, kpe) views of a token buffer uint8 [NP, PS, W] (P follows from W): each a column slice of
+    the buffer reinterpreted, so each covers exactly its own bytes (safe to write through, also compiled).
 
     Under torch.compile, make the views INSIDE the compiled function from the buffer as its input: AOTAutograd
     refuses graph inputs that alias one another with different dtypes when one is mutated ("input mutations on
     views with different dtypes", torch 2.13), which is what passing the three views to a compiled step that runs
-    `mla::cache_write` gives; views taken inside the graph are functionalized like any other."""
+    `mla::cache_write` gives; views taken inside the graph are functionalized like any other. Compiled code that
+    runs every step should write with `mla::cache_write_fp8_tokens` (the buffer itself mutated) and read through
+    `read_views`: Inductor lowers a dtype view that changes the item size of a non-contiguous slice (the scales',
+    the rope part's) as a contiguous copy, of the whole cache, every step."""
     G = groups(R)
     return (buf[..., :R].view(DTYPE), buf[..., R:R + 4 * G].view(SCALE_DTYPE), buf[..., R + 4 * G:].view(rope_dtype))
+
+
+def read_views(buf: torch.Tensor, R: int = 512, rope_dtype: torch.dtype = ROPE_DTYPE):
+    """`views`' three tensors (same sizes, strides, offsets), made the other way round: the whole buffer
+    reinterpreted, then sliced, which Inductor keeps as views (no copy). READ ONLY under torch.compile: each of
+    these aliases the whole buffer, and AOTAutograd's write-back of a mutated one then loses the other views'
+    writes of the same graph (seen with cache_write_fp8 through them, backend aot_eager, torch 2.13: only the
+    scales survived). Write with `mla::cache_write_fp8_tokens`."""
+    G = groups(R)
+    rope = (R + 4 * G) // rope_dtype.itemsize
+    return buf.view(DTYPE)[..., :R], buf.view(SCALE_DTYPE)[..., R // 4:R // 4 + G], buf.view(rope_dtype)[..., rope:]
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
