@@ -55,7 +55,7 @@ def is_fp8(t: torch.Tensor) -> bool:
 
 def groups(R: int) -> int:
     """Scales per token for latent width R (a positive multiple of GROUP; ValueError naming R otherwise)."""
-    if not (isinstance(R, int) and R > 0 and R % GROUP == 0):
+    if not (isinstance(R, (int, torch.SymInt)) and R > 0 and R % GROUP == 0):  # SymInt: traced with dynamic shapes
         raise ValueError(f"R: the FP8 latent cache needs a kv_lora_rank that is a positive multiple of {GROUP} (one "
                          f"scale per {GROUP} channels), got {R!r}")
     return R // GROUP
@@ -66,7 +66,7 @@ ROPE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def token_bytes(R: int = 512, P: int = 64, rope_dtype: torch.dtype = ROPE_DTYPE) -> int:
     """Bytes a token takes: R e4m3 values, R / 128 float32 scales, P rope values (656 for 512 / 64, bf16)."""
-    if not (isinstance(P, int) and P >= 0 and P % 2 == 0):
+    if not (isinstance(P, (int, torch.SymInt)) and P >= 0 and P % 2 == 0):
         raise ValueError(f"P: the FP8 latent cache needs an even rope dim >= 0 (the token must stay 4-byte "
                          f"aligned for the scales' view), got {P!r}")
     if rope_dtype not in ROPE_DTYPES:
