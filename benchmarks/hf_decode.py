@@ -3,6 +3,7 @@
 usage:  python benchmarks/hf_decode.py OUT.json [--heads 16 128] [--kv 4096 32768] [--batch 8] [--layers 4]
                                                 [--modes eager default mla] [--steps 30] [--check-steps 4] [--runs 3]
                                                 [--mask input|static] [--step model|greedy] [--mla-options JSON]
+                                                [--kv-cache-dtype auto fp8_e4m3]
         python benchmarks/hf_decode.py OUT.json --smoke      # tiny shapes, CPU ok (checks the script itself)
 
 Model: DeepseekV3ForCausalLM, real MLA dims (kv_lora 512, rope 64, nope 128, v 128, q_lora 1536), hidden 2048,
@@ -20,6 +21,15 @@ from that same state:
 call plus the greedy pick (argmax over the last logits) inside, as gpt-fast / serving loops do; by default the
 pick runs eagerly after the compiled model (what an HF user gets), costing every mode the same ~10 us argmax
 and a few launch gaps between graphs per step.
+
+`--kv-cache-dtype`: one case per value, side by side. "auto": HF's StaticCache in the model's dtype (1152 bytes a
+token, bf16); "fp8_e4m3": `DSAStaticCache(kv_cache_dtype="fp8_e4m3")`, the FP8 latent cache (656 bytes a token:
+e4m3 latent, 4 float32 scales, bf16 rope; one page per request), filled with the same kind of random latents
+through the quantizing write. eager / default then run HF's attention over the dequantized latent; mla runs
+mla.decode over the FP8 pages. The fp32 reference runs over the FP8 cache's dequantized latent (so
+max_rel_err_vs_fp32 leaves out the filled tokens' quantization and counts only that of the steps' own new tokens;
+the quantization itself is measured by tests/test_hf_fp8_cache.py).
+E.g. the FP8 acceptance case (issue 25): --heads 16 --kv 32768 --batch 8 --modes mla --kv-cache-dtype auto fp8_e4m3
 
 The attention mask is one tensor for the whole run (all ones: no padding). `--mask input` hands it over as a
 plain tensor, which the CUDA-graph trees copy into their own buffer before every replay (2 MB at 32K: ~18 us a
@@ -71,16 +81,25 @@ def build_model(H: int, layers: int, hidden: int, vocab: int, dtype, device, sma
     return spread_weights(model, seed=0, dtype=dtype)
 
 
-def filled_cache(model, B: int, kv_len: int, max_len: int, device, seed: int = 1):
-    """A StaticCache holding kv_len random (normalized-scale) latent tokens per request."""
+def filled_cache(model, B: int, kv_len: int, max_len: int, device, seed: int = 1, kv_cache_dtype: str = "auto"):
+    """A StaticCache holding kv_len random (normalized-scale) latent tokens per request (FP8: a DSAStaticCache
+    with FP8 layers, the tokens quantized on write)."""
     from transformers import StaticCache
 
-    cache = StaticCache(config=model.config, max_cache_len=max_len)
+    if kv_cache_dtype != "auto":
+        from mla_compile.integrations.hf import DSAStaticCache
+
+        cache = DSAStaticCache(model.config, max_len, kv_cache_dtype=kv_cache_dtype)
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=max_len)
     with torch.no_grad():  # one short forward allocates the buffers (lazy init)
         model(torch.zeros(B, 1, dtype=torch.long, device=device), **cache_kwargs(model, cache),
               attention_mask=torch.ones(B, max_len, dtype=torch.long, device=device)[:, :1],
               cache_position=torch.arange(1, device=device))
     g = torch.Generator(device=device).manual_seed(seed)
+    if kv_cache_dtype != "auto":
+        _fill_fp8(cache, B, kv_len, max_len, device, g, model.dtype)
+        return cache
     for layer in cache.layers:
         for buf in (layer.keys, layer.values):  # [B, 1, max_len, R] / [B, 1, max_len, P]
             buf.zero_()
@@ -88,6 +107,34 @@ def filled_cache(model, B: int, kv_len: int, max_len: int, device, seed: int = 1
                                              dtype=torch.float32).to(buf.dtype)
         layer.cumulative_length.fill_(kv_len)
     return cache
+
+
+def _fill_fp8(cache, B, kv_len, max_len, device, g, dtype):
+    from mla_compile.integrations import fp8_cache
+
+    for layer in cache.layers:  # one page per request: token t of request b at slot block_table[b, 0] * max_len + t
+        buf = layer.keys
+        buf.zero_()
+        R, P = layer.k_head_dim, layer.v_head_dim
+        slots = (layer.block_table[:, :1].long() * max_len + torch.arange(kv_len, device=device)).reshape(-1)
+        for part in slots.split(1 << 16):  # bounded temporaries
+            n = part.numel()
+            ckv = torch.randn(n, R, generator=g, device=device, dtype=torch.float32).to(dtype)
+            kpe = torch.randn(n, P, generator=g, device=device, dtype=torch.float32).to(dtype)
+            fp8_cache.write(buf, ckv, kpe, part)
+    rewind(cache, kv_len)
+
+
+def dequantized_snapshot(cache, max_len: int):
+    """An FP8 DSAStaticCache's latent per layer as HF StaticCache tensors ([B, 1, max_len, R] / [.., P], float32)."""
+    from mla_compile import fp8
+
+    out = []
+    for layer in cache.layers:
+        ckv, scale, kpe = fp8.views(layer.keys, layer.k_head_dim, layer.dtype)
+        pages = layer.block_table[:, 0].long()  # [B]
+        out.append((fp8.dequantize(ckv[pages], scale[pages]).unsqueeze(1), kpe[pages].float().unsqueeze(1)))
+    return out
 
 
 def greedy_step(model):
@@ -152,20 +199,22 @@ def max_rel_err(logits, ref_logits) -> float:
 def rewind(cache, kv_len: int):
     for layer in cache.layers:
         layer.cumulative_length.fill_(kv_len)
+    if hasattr(cache, "max_kv_len"):  # our caches' host-side count: the kv length of the next one-token step
+        cache.max_kv_len = kv_len + 1
 
 
-def run_case(H, kv_len, args, device, dtype, modes, log, result, save):
+def run_case(H, kv_len, args, device, dtype, modes, log, result, save, kv_cache_dtype="auto"):
     B = args.batch
     max_len = kv_len + args.steps * 3 + args.check_steps + 64
     model = build_model(H, args.layers, args.hidden, args.vocab, dtype, device, small=args.smoke)
-    cache = filled_cache(model, B, kv_len, max_len, device)
+    cache = filled_cache(model, B, kv_len, max_len, device, kv_cache_dtype=kv_cache_dtype)
     mask = torch.ones(B, max_len, dtype=torch.long, device=device)
     if args.mask == "static":
         torch._dynamo.mark_static_address(mask)
     tok = torch.randint(1, args.vocab, (B, 1), device=device, generator=torch.Generator(device=device).manual_seed(2))
     result.update({"H": H, "kv_len": kv_len, "batch": B, "layers": args.layers, "hidden": args.hidden,
                    "dtype": str(dtype).replace("torch.", ""), "mask": args.mask, "step": args.step,
-                   "mla_options": args.mla_options,
+                   "mla_options": args.mla_options, "kv_cache_dtype": kv_cache_dtype,
                    "modes": {}})
     snapshot = [(lay.keys.clone(), lay.values.clone()) for lay in cache.layers]
 
@@ -205,7 +254,8 @@ def run_case(H, kv_len, args, device, dtype, modes, log, result, save):
                 ref_tokens = torch.cat([tok] + [lg.argmax(-1, keepdim=True) for lg in logits[:-1]], 1)
                 if args.fp32_ref:
                     try:
-                        ref32_logits = fp32_logits(model, snapshot, kv_len, max_len, tok, mask, ref_tokens,
+                        latent = snapshot if kv_cache_dtype == "auto" else dequantized_snapshot(cache, max_len)
+                        ref32_logits = fp32_logits(model, latent, kv_len, max_len, tok, mask, ref_tokens,
                                                    args.check_steps)
                     except torch.OutOfMemoryError as e:  # the fp32 eager expansion is the largest tensor here
                         result["fp32_ref_error"] = f"OutOfMemoryError: {e}"[:300]
@@ -273,6 +323,9 @@ def main(argv=None):
                     help="what each mode compiles: the HF model (the greedy pick runs eagerly after it), or a step "
                          "function = model + greedy pick (one graph, as serving loops compile it)")
     ap.add_argument("--mla-options", type=json.loads, default={}, help="JSON dict of extra mla_dcp options")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"],
+                    help="latent cache dtypes, one case each: auto (HF StaticCache, model dtype), fp8_e4m3 (the FP8 "
+                         "latent cache, DSAStaticCache)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU ok, fp32): checks the script")
     ap.add_argument("--no-fp32-ref", dest="fp32_ref", action="store_false",
                     help="skip the fp32-model reference logits (max_rel_err_vs_fp32)")
@@ -303,12 +356,14 @@ def main(argv=None):
 
     for H in args.heads:
         for kv in args.kv:
-            report["cases"].append({})
-            run_case(H, kv, args, device, dtype, args.modes, log, report["cases"][-1], save)
-    print(f"{'H':>4} {'kv':>6} " + " ".join(f"{m + ' tok/s':>14}" for m in args.modes) + "  mla/default")
+            for kv_dtype in args.kv_cache_dtype:
+                report["cases"].append({})
+                run_case(H, kv, args, device, dtype, args.modes, log, report["cases"][-1], save, kv_dtype)
+    print(f"{'H':>4} {'kv':>6} {'cache':>9} " + " ".join(f"{m + ' tok/s':>14}" for m in args.modes) + "  mla/default")
     for c in report["cases"]:
         cols = [f"{c['modes'].get(m, {}).get('tokens_per_s', float('nan')):14.1f}" for m in args.modes]
-        print(f"{c['H']:>4} {c['kv_len']:>6} " + " ".join(cols) + f"  {c.get('speedup_mla_vs_default', float('nan')):.1f}x")
+        print(f"{c['H']:>4} {c['kv_len']:>6} {c['kv_cache_dtype']:>9} " + " ".join(cols)
+              + f"  {c.get('speedup_mla_vs_default', float('nan')):.1f}x")
     return 0
 
 

@@ -55,7 +55,7 @@ def is_fp8(t: torch.Tensor) -> bool:
 
 def groups(R: int) -> int:
     """Scales per token for latent width R (a positive multiple of GROUP; ValueError naming R otherwise)."""
-    if not (isinstance(R, int) and R > 0 and R % GROUP == 0):
+    if not (isinstance(R, (int, torch.SymInt)) and R > 0 and R % GROUP == 0):  # SymInt: traced with dynamic shapes
         raise ValueError(f"R: the FP8 latent cache needs a kv_lora_rank that is a positive multiple of {GROUP} (one "
                          f"scale per {GROUP} channels), got {R!r}")
     return R // GROUP
@@ -66,7 +66,7 @@ ROPE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def token_bytes(R: int = 512, P: int = 64, rope_dtype: torch.dtype = ROPE_DTYPE) -> int:
     """Bytes a token takes: R e4m3 values, R / 128 float32 scales, P rope values (656 for 512 / 64, bf16)."""
-    if not (isinstance(P, int) and P >= 0 and P % 2 == 0):
+    if not (isinstance(P, (int, torch.SymInt)) and P >= 0 and P % 2 == 0):
         raise ValueError(f"P: the FP8 latent cache needs an even rope dim >= 0 (the token must stay 4-byte "
                          f"aligned for the scales' view), got {P!r}")
     if rope_dtype not in ROPE_DTYPES:
@@ -84,14 +84,29 @@ def allocate(num_pages: int, page_size: int, R: int = 512, P: int = 64, device="
 
 
 def views(buf: torch.Tensor, R: int = 512, rope_dtype: torch.dtype = ROPE_DTYPE):
-    """(ckv, ckv_scale, kpe) views of a token buffer uint8 [NP, PS, W] (P follows from W).
+    """(ckv, ckv_scale, kpe) views of a token buffer uint8 [NP, PS, W] (P follows from W): each a column slice of
+    the buffer reinterpreted, so each covers exactly its own bytes (safe to write through, also compiled).
 
     Under torch.compile, make the views INSIDE the compiled function from the buffer as its input: AOTAutograd
     refuses graph inputs that alias one another with different dtypes when one is mutated ("input mutations on
     views with different dtypes", torch 2.13), which is what passing the three views to a compiled step that runs
-    `mla::cache_write` gives; views taken inside the graph are functionalized like any other."""
+    `mla::cache_write` gives; views taken inside the graph are functionalized like any other. Compiled code that
+    runs every step should write with `mla::cache_write_fp8_tokens` (the buffer itself mutated) and read through
+    `read_views`: Inductor lowers a dtype view that changes the item size of a non-contiguous slice (the scales',
+    the rope part's) as a contiguous copy, of the whole cache, every step."""
     G = groups(R)
     return (buf[..., :R].view(DTYPE), buf[..., R:R + 4 * G].view(SCALE_DTYPE), buf[..., R + 4 * G:].view(rope_dtype))
+
+
+def read_views(buf: torch.Tensor, R: int = 512, rope_dtype: torch.dtype = ROPE_DTYPE):
+    """`views`' three tensors (same sizes, strides, offsets), made the other way round: the whole buffer
+    reinterpreted, then sliced, which Inductor keeps as views (no copy). READ ONLY under torch.compile: each of
+    these aliases the whole buffer, and AOTAutograd's write-back of a mutated one then loses the other views'
+    writes of the same graph (seen with cache_write_fp8 through them, backend aot_eager, torch 2.13: only the
+    scales survived). Write with `mla::cache_write_fp8_tokens`."""
+    G = groups(R)
+    rope = (R + 4 * G) // rope_dtype.itemsize
+    return buf.view(DTYPE)[..., :R], buf.view(SCALE_DTYPE)[..., R // 4:R // 4 + G], buf.view(rope_dtype)[..., rope:]
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

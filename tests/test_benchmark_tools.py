@@ -91,6 +91,20 @@ def test_hf_decode_smoke_both_step_kinds(tmp_path, step):
     assert modes["mla"]["token_steps_agree"] == "2/2"
 
 
+def test_hf_decode_smoke_fp8_cache(tmp_path):
+    """`--kv-cache-dtype fp8_e4m3`: the FP8 latent cache filled through the quantizing write; mla rewrites the layer
+    over it and matches eager HF over the same cache."""
+    import hf_decode
+
+    out = tmp_path / "hf.json"
+    torch._dynamo.reset()
+    assert hf_decode.main([str(out), "--smoke", "--modes", "eager", "mla", "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    (case,) = json.loads(out.read_text())["cases"]
+    modes = case["modes"]
+    assert case["kv_cache_dtype"] == "fp8_e4m3" and not any("error" in m for m in modes.values())
+    assert modes["mla"]["rewrites"] == 1 and modes["mla"]["ok"] and modes["mla"]["token_steps_agree"] == "2/2"
+
+
 def test_scaling_fit_recovers_fixed_cost_and_rate():
     import decode_sweep
 

@@ -27,6 +27,14 @@ def test_readme_snippet_runs(name):
     if name == "eager-generate":
         assert scope["out"].shape == (2, 16)
         assert torch._dynamo.utils.counters["mla_compile"]["mla_attention_rewritten"] == 2
+    if name == "fp8-cache":
+        from mla_compile import fp8
+
+        assert scope["out"].shape == (2, 16) and fp8.token_bytes(512, 64) == 656
+        assert scope["cache"].layers[0].keys.dtype == torch.uint8 and scope["cache"].layers[0].keys.shape[-1] == 656
+        assert torch._dynamo.utils.counters["mla_compile"]["mla_attention_rewritten"] == 2
+        stated = f"{(1 << 30) // 656:,} tokens per GiB against {(1 << 30) // 1152:,}"  # computed, scales counted
+        assert stated in README.read_text(), stated
     if name == "generate":
         assert scope["out"].shape == (2, 8 + 12)
         assert torch._dynamo.utils.counters["mla_compile"]["mla_attention_rewritten"] >= 2

@@ -46,6 +46,7 @@ import inspect
 import torch
 
 from .. import layout, ops  # noqa: F401  (registers torch.ops.mla.*)
+from . import fp8_cache
 from ..ops.hf_cache import ALL_SELECTED_OPS, GATHER_OPS, all_selected, gather_latent  # noqa: F401  (re-exported)
 from .generate import compile_config, create_masks_in_graph, optimize_generate  # noqa: F401  (the generate road)
 
@@ -138,13 +139,15 @@ class DSADenseMixin:
 if _BaseLayer is not None:
 
     class MLAPagedLayer(_BaseLayer):
-        """One layer's latent cache in pages; `keys`/`values` alias the ckv/kpe page pools."""
+        """One layer's latent cache in pages; `keys`/`values` alias the ckv/kpe page pools (FP8: both are the
+        layer's token buffer, `integrations.fp8_cache`)."""
 
         def __init__(self, max_cache_len: int, page_size: int = 64, dcp_size: int = 1, dcp_rank: int = 0,
-                     group_name: str = "", shuffle_pages: bool = False, **kwargs):
+                     group_name: str = "", shuffle_pages: bool = False, kv_cache_dtype: str | None = None, **kwargs):
             super().__init__(max_cache_len=max_cache_len)
             self.page_size, self.dcp_size, self.dcp_rank, self.group_name = page_size, dcp_size, dcp_rank, group_name
             self.shuffle_pages = shuffle_pages
+            self.fp8 = fp8_cache.check_kv_cache_dtype(kv_cache_dtype)
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             self.dtype, self.device = key_states.dtype, key_states.device
@@ -156,9 +159,14 @@ if _BaseLayer is not None:
             num_pages = self.batch_size * self.max_pages
             order = torch.randperm(num_pages) if self.shuffle_pages else torch.arange(num_pages)
             self.block_table = order.to(torch.int32).view(self.batch_size, self.max_pages).to(self.device)
-            self.keys = torch.zeros((num_pages, self.page_size, self.k_head_dim), dtype=self.dtype, device=self.device)
-            self.values = torch.zeros((num_pages, self.page_size, self.v_head_dim), dtype=self.dtype,
-                                      device=self.device)
+            if self.fp8:
+                self.keys = self.values = fp8_cache.allocate(num_pages, self.page_size, self.k_head_dim,
+                                                             self.v_head_dim, self.dtype, self.device)
+            else:
+                self.keys = torch.zeros((num_pages, self.page_size, self.k_head_dim), dtype=self.dtype,
+                                        device=self.device)
+                self.values = torch.zeros((num_pages, self.page_size, self.v_head_dim), dtype=self.dtype,
+                                          device=self.device)
             self.cumulative_length = self.cumulative_length.to(self.device)
             if not torch.compiler.is_compiling():
                 for t in (self.keys, self.values, self.block_table, self.cumulative_length):
@@ -180,8 +188,12 @@ if _BaseLayer is not None:
             req = torch.arange(B, device=self.device).repeat_interleave(T)
             slots = layout.owner_slots(self.block_table, req, positions.repeat(B), self.page_size,
                                        self.dcp_size, self.dcp_rank)
-            torch.ops.mla.cache_write(self.keys, self.values, key_states.reshape(B * T, R),
-                                      value_states.reshape(B * T, value_states.shape[-1]), slots)
+            ckv, kpe = key_states.reshape(B * T, R), value_states.reshape(B * T, value_states.shape[-1])
+            if self.fp8:
+                fp8_cache.write(self.keys, ckv, kpe, slots)
+                return fp8_cache.gather(self.keys, R, self.dtype, self.block_table, self.max_cache_len,
+                                        self.dcp_size, self.dcp_rank, self.group_name)
+            torch.ops.mla.cache_write(self.keys, self.values, ckv, kpe, slots)
             return torch.ops.mla_hf.gather_latent(self.keys, self.values, self.block_table, self.max_cache_len,
                                                   self.dcp_size, self.dcp_rank, self.group_name)
 
@@ -200,15 +212,18 @@ if _BaseLayer is not None:
         config: the model config; max_cache_len: tokens per request (global); page_size: tokens per page;
         dcp: None (single rank) or an object with `size`, `rank`, `group_name` (e.g.
         `mla_compile.distributed.init_dcp()`), one process per rank, every rank running the same model on the
-        same inputs. Use it like HF's StaticCache: `model(ids, **cache_kwargs(model, cache), ...)`.
+        same inputs. kv_cache_dtype: None / "auto" (the model's dtype) or "fp8_e4m3" (the FP8 latent cache,
+        `mla_compile/fp8.py`: quantized on write, 656 bytes a token for a bf16 model; DCP shards too). Use it
+        like HF's StaticCache: `model(ids, **cache_kwargs(model, cache), ...)`.
         """
 
         def __init__(self, config, max_cache_len: int, *, page_size: int = 64, dcp=None,
-                     shuffle_pages: bool = False):
+                     shuffle_pages: bool = False, kv_cache_dtype: str | None = None):
             text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
             n = getattr(dcp, "size", 1) if dcp is not None else 1
             kw = dict(page_size=page_size, dcp_size=n, dcp_rank=getattr(dcp, "rank", 0) if dcp is not None else 0,
-                      group_name=getattr(dcp, "group_name", "") if n > 1 else "", shuffle_pages=shuffle_pages)
+                      group_name=getattr(dcp, "group_name", "") if n > 1 else "", shuffle_pages=shuffle_pages,
+                      kv_cache_dtype=kv_cache_dtype)
             layers = [MLAPagedLayer(max_cache_len=max_cache_len, **kw) for _ in range(text.num_hidden_layers)]
             super().__init__(layers=layers)
             self.dcp_size = n
@@ -216,6 +231,7 @@ if _BaseLayer is not None:
 
     try:
         from transformers import StaticCache as _StaticCache
+        from transformers.cache_utils import StaticLayer
     except ImportError:  # pragma: no cover
         _StaticCache = None
 
@@ -223,8 +239,17 @@ if _BaseLayer is not None:
 
         class DSAStaticCache(DSADenseMixin, _StaticCache):
             """HF's `StaticCache` plus the DSA dense / sparse choice (host-side `max_kv_len`): a drop-in for
-            `StaticCache(config=..., max_cache_len=...)` with DeepseekV32 / GlmMoeDsa models."""
+            `StaticCache(config=..., max_cache_len=...)` with DeepseekV32 / GlmMoeDsa models.
 
-            def __init__(self, config, max_cache_len: int, **kwargs):
+            kv_cache_dtype="fp8_e4m3": each full-attention layer's latent is an FP8 token buffer of one page per
+            request ([B, max_cache_len, 656] bytes for a bf16 model; `MLAPagedLayer` with page_size = max_cache_len,
+            an identity block table); None / "auto": HF's own layers."""
+
+            def __init__(self, config, max_cache_len: int, kv_cache_dtype: str | None = None, **kwargs):
+                fp8 = fp8_cache.check_kv_cache_dtype(kv_cache_dtype)
                 super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
+                if fp8:
+                    self.layers = [MLAPagedLayer(max_cache_len, page_size=max_cache_len, kv_cache_dtype=kv_cache_dtype)
+                                   if isinstance(layer, StaticLayer) and not layer.is_sliding else layer
+                                   for layer in self.layers]
                 self._init_dsa(config, max_cache_len)

@@ -136,3 +136,57 @@ def _(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
     from ..kernels import dispatch
 
     dispatch.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
+
+
+# The buffer-level write that compiled code uses: the graph then mutates its input (the token buffer) directly. Through
+# mla::cache_write_fp8 on views taken inside the graph, AOTAutograd functionalizes three differently typed views of one
+# input, and Inductor copies the views' columns out of the buffer and the buffer back onto itself every step (seen on
+# CPU, torch 2.13)
+@torch.library.custom_op(
+    "mla::cache_write_fp8_tokens",
+    mutates_args=("token_buf",),
+    device_types="cpu",
+    schema="(Tensor(a!) token_buf, Tensor ckv, Tensor kpe, Tensor slots) -> ()",
+)
+def cache_write_fp8_tokens(token_buf, ckv, kpe, slots):
+    """`mla::cache_write_fp8` into an FP8 cache given as its token buffer (mla_compile/fp8.py), quantizing on write.
+
+    Shapes: token_buf uint8 [NP, PS, W] (mutated), W = fp8.token_bytes(R, P, kpe.dtype) (656 for R 512, P 64,
+    bf16 rope); ckv [T, R] in any float dtype (R a multiple of 128); kpe [T, P] in the rope dtype the buffer holds;
+    slots int64 [T] as for `mla::cache_write` (-1 skipped). Same bytes as `mla::cache_write_fp8` over
+    `fp8.views(token_buf, R, kpe.dtype)`.
+    """
+    _write(*_token_views(token_buf, ckv, kpe, slots))
+
+
+def _token_views(token_buf, ckv, kpe, slots):
+    """(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale) for `_write`, after checking the buffer against ckv / kpe."""
+    C.check_tensor(token_buf, "token_buf", 3, (torch.uint8,))
+    C.check_tensor(ckv, "ckv", 2, C.FLOAT_DTYPES)
+    C.check_tensor(kpe, "kpe", 2, C.FLOAT_DTYPES)
+    R, P = ckv.shape[1], kpe.shape[1]
+    C.check(R > 0 and R % fp8.GROUP == 0, "ckv", f"an FP8 cache needs R (last dim) a positive multiple of {fp8.GROUP}, "
+                                                 f"got {R}")
+    C.check(kpe.dtype in fp8.ROPE_DTYPES and P % 2 == 0, "kpe",
+            f"the FP8 token keeps the rope part in one of {fp8.ROPE_DTYPES} with an even width, got {kpe.dtype} "
+            f"[.., {P}]")
+    W = fp8.token_bytes(R, P, kpe.dtype)
+    C.check(token_buf.shape[2] == W, "token_buf", f"last dim must be {W} bytes (R {R} e4m3 + {R // fp8.GROUP} float32 "
+                                                  f"scales + {P} {kpe.dtype} rope), got {token_buf.shape[2]}")
+    C.check(token_buf.is_contiguous(), "token_buf", f"must be contiguous, got strides {token_buf.stride()}")
+    ckv_cache, ckv_scale, kpe_cache = fp8.views(token_buf, R, kpe.dtype)
+    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
+    return ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale
+
+
+@cache_write_fp8_tokens.register_fake
+def _(token_buf, ckv, kpe, slots):
+    _token_views(token_buf, ckv, kpe, slots)
+
+
+@cache_write_fp8_tokens.register_kernel("cuda")
+def _(token_buf, ckv, kpe, slots):
+    ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale = _token_views(token_buf, ckv, kpe, slots)
+    from ..kernels import dispatch
+
+    dispatch.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)

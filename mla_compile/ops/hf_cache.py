@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import layout
+from .. import fp8, layout
 from . import _checks as C
 from .attention import token_slots
 
@@ -18,21 +18,29 @@ from .attention import token_slots
 
 @torch.library.custom_op("mla_hf::gather_latent", mutates_args=(),
                          schema="(Tensor ckv_cache, Tensor kpe_cache, Tensor block_table, int max_len, int dcp_size, "
-                                "int dcp_rank, str group_name) -> (Tensor, Tensor)")
-def gather_latent(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, group_name):
+                                "int dcp_rank, str group_name, Tensor? ckv_scale=None) -> (Tensor, Tensor)")
+def gather_latent(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, group_name, ckv_scale=None):
     """The full latent of every request in token order: (ckv [B, 1, max_len, R], kpe [B, 1, max_len, P]).
 
     ckv_cache [NP, PS, R] / kpe_cache [NP, PS, P] hold THIS rank's tokens through block_table int32 [B, MP]
     (local token j at slot block_table[b, j // PS] * PS + j % PS). dcp_size > 1: all ranks' shards are
     all-gathered (one collective) and global token t = j * n + r is taken from rank r. Slots never written
     read as whatever the pages hold (zeros after allocation); HF's mask excludes them.
+
+    An FP8 cache (mla_compile/fp8.py: ckv_cache float8_e4m3fn with its ckv_scale float32 [NP, PS, R / 128]) is read
+    dequantized, `fp8.dequantize` rounded to kpe_cache's dtype (the model's: the latent HF's attention then sees).
     """
-    _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank)
+    _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, ckv_scale)
     B, MP = block_table.shape
     PS, R, P = ckv_cache.shape[1], ckv_cache.shape[2], kpe_cache.shape[2]
     cap = MP * PS
     slots = token_slots(block_table, PS, cap)
-    local = torch.cat([ckv_cache.reshape(-1, R)[slots], kpe_cache.reshape(-1, P)[slots].to(ckv_cache.dtype)], -1)
+    if ckv_scale is None:
+        ckv = ckv_cache.reshape(-1, R)[slots]
+    else:
+        ckv = fp8.dequantize(ckv_cache.reshape(-1, R)[slots], ckv_scale.reshape(-1, R // fp8.GROUP)[slots],
+                             kpe_cache.dtype)
+    local = torch.cat([ckv, kpe_cache.reshape(-1, P)[slots].to(ckv.dtype)], -1)
     if dcp_size > 1:
         gathered = torch.ops._c10d_functional.all_gather_into_tensor(local.contiguous(), dcp_size, group_name)
         gathered = torch.ops._c10d_functional.wait_tensor(gathered).view(dcp_size, B, cap, R + P)
@@ -41,12 +49,13 @@ def gather_latent(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank
     return (full[..., :R].unsqueeze(1).contiguous(), full[..., R:].to(kpe_cache.dtype).unsqueeze(1).contiguous())
 
 
-def _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank):
-    C.check_tensor(ckv_cache, "ckv_cache", 3, C.FLOAT_DTYPES)
+def _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, ckv_scale=None):
+    C.check_tensor(ckv_cache, "ckv_cache", 3, C.FLOAT_DTYPES + (fp8.DTYPE,))
     C.check_tensor(kpe_cache, "kpe_cache", 3, C.FLOAT_DTYPES)
     C.check(kpe_cache.shape[:2] == ckv_cache.shape[:2], "kpe_cache",
             f"pages/page size {tuple(kpe_cache.shape[:2])} differ from ckv_cache {tuple(ckv_cache.shape[:2])}")
     C.check_tensor(block_table, "block_table", 2, torch.int32)
+    C.check_ckv_scale(ckv_cache, ckv_scale)
     layout.check_group(dcp_size, dcp_rank)
     capacity = block_table.shape[1] * ckv_cache.shape[1] * dcp_size
     C.check(isinstance(max_len, int) and 0 <= max_len <= capacity, "max_len",
@@ -55,10 +64,11 @@ def _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp
 
 
 @gather_latent.register_fake
-def _(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, group_name):
-    _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank)
+def _(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, group_name, ckv_scale=None):
+    _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, ckv_scale)
     B = block_table.shape[0]
-    return (ckv_cache.new_empty((B, 1, max_len, ckv_cache.shape[2])),
+    dtype = ckv_cache.dtype if ckv_scale is None else kpe_cache.dtype
+    return (ckv_cache.new_empty((B, 1, max_len, ckv_cache.shape[2]), dtype=dtype),
             kpe_cache.new_empty((B, 1, max_len, kpe_cache.shape[2])))
 
 

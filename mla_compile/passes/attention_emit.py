@@ -137,7 +137,7 @@ def _all_positions(b: Builder, B, L: int, device) -> fx.Node:
 
 
 def _emit_slots(b: Builder, site: Site, src: LatentSource, B, L: int, memo: Memo):
-    """(ckv [N, 1, R], kpe [N, 1, P], table int32 [B, T], seq_lens int32 [B], empty) for mla.decode: a page
+    """(ckv [N, 1, R], kpe [N, 1, P], ckv_scale, table int32 [B, T], seq_lens int32 [B], empty) for mla.decode: a page
     size 1 view of the latent where table rows list the physical slots of each row's valid tokens. empty:
     bool [B], the rows with no valid token (None where the mask's empty rows need nothing: no mask, or 0 as
     mla.decode gives). With "uniform" empty rows (HF's flat softmax over the whole cache) those rows list all L
@@ -180,8 +180,8 @@ def _emit_slots(b: Builder, site: Site, src: LatentSource, B, L: int, memo: Memo
         return _physical(b, table, src, B, L, device, memo), seq_lens, empty
 
     table, seq_lens, empty = memo.get(b, ("slots", src.kind, src.block_table, site.mask, src.dcp_rank), build)
-    ckv, kpe = _flat_latent(b, src, B, L, R, P)
-    return ckv, kpe, table, seq_lens, empty
+    ckv, kpe, scale = _flat_latent(b, src, B, L, R, P)
+    return ckv, kpe, scale, table, seq_lens, empty
 
 
 def _physical(b: Builder, table: fx.Node, src: LatentSource, B, L: int, device, memo: Memo) -> fx.Node:
@@ -192,11 +192,20 @@ def _physical(b: Builder, table: fx.Node, src: LatentSource, B, L: int, device, 
 
 
 def _flat_latent(b: Builder, src: LatentSource, B, L: int, R: int, P: int):
-    """The latent as a page size 1 cache (ckv [N, 1, R], kpe [N, 1, P]); slot = the physical slot."""
+    """The latent as a page size 1 cache (ckv [N, 1, R], kpe [N, 1, P], an FP8 ckv's scales [N, 1, R / 128] or
+    None); slot = the physical slot."""
     n = _lead(B, L) if src.kind == "tensor" else -1
     ckv = b.call(aten.reshape.default, src.ckv, [n, 1, R])
     kpe = b.call(aten.reshape.default, src.kpe, [n, 1, P])
-    return ckv, kpe
+    scale = None
+    if src.ckv_scale is not None:
+        scale = b.call(aten.reshape.default, src.ckv_scale, [n, 1, _shape(src.ckv_scale)[-1]])
+    return ckv, kpe, scale
+
+
+def _scale_arg(scale) -> tuple:
+    """The decode ops' trailing ckv_scale: only for an FP8 latent (a bf16 call keeps its arguments as they were)."""
+    return () if scale is None else (scale,)
 
 
 def _row_base(b: Builder, B, L: int, device, memo: Memo) -> fx.Node:
@@ -325,8 +334,8 @@ def emit(b: Builder, site: Site, src: LatentSource, memo: Memo, absorb: str = "a
     q_abs = _per_head_matmul(b, q_nope, w_uk, contract_last=False, absorb=absorb)  # [B, H, R]
     if site.sparse is not None:  # DSA sparse graph: HF's indexer -> dsa.indexer_topk, attention over its slots
         idx, counts = _emit_sparse_indices(b, site, src, B, L, memo)
-        ckv, kpe = _flat_latent(b, src, B, L, R, P)
-        res = b.call(torch.ops.mla.sparse_decode.default, q_abs, q_pe, ckv, kpe, idx, site.scale)
+        ckv, kpe, scale = _flat_latent(b, src, B, L, R, P)
+        res = b.call(torch.ops.mla.sparse_decode.default, q_abs, q_pe, ckv, kpe, idx, site.scale, *_scale_arg(scale))
         lat = b.item(res, 0)  # [B, H, R]
         empty = None if empty_rows == masks.EMPTY_ZERO else b.call(aten.eq.Scalar, counts, 0)
         if empty_rows == masks.EMPTY_UNIFORM:
@@ -338,10 +347,10 @@ def emit(b: Builder, site: Site, src: LatentSource, memo: Memo, absorb: str = "a
                              lambda: _physical(b, _all_positions(b, B, L, device), src, B, L, device, memo))
             lens = b.call(aten._to_copy.default, b.call(aten.where.Scalar, empty, L, 0), dtype=torch.int32)
             flat = b.call(torch.ops.mla.decode.default, b.call(aten.zeros_like.default, q_abs),
-                          b.call(aten.zeros_like.default, q_pe), ckv, kpe, table, lens, site.scale)
+                          b.call(aten.zeros_like.default, q_pe), ckv, kpe, table, lens, site.scale, *_scale_arg(scale))
             lat = b.call(aten.where.self, _rows(b, empty), b.item(flat, 0), lat)
     else:
-        ckv, kpe, table, seq_lens, empty = _emit_slots(b, site, src, B, L, memo)
+        ckv, kpe, scale, table, seq_lens, empty = _emit_slots(b, site, src, B, L, memo)
         if empty is not None and empty_rows == masks.EMPTY_UNIFORM:
             # an empty row lists every slot; a zero query gives each score 0: HF's flat softmax over the cache
             rows = _rows(b, empty)
@@ -351,9 +360,10 @@ def emit(b: Builder, site: Site, src: LatentSource, memo: Memo, absorb: str = "a
             # check_lens=False: these seq_lens are this rank's own token count times n, not lengths shared by
             # every rank, so dcp_decode must not compare them across ranks (shapes still are)
             res = b.call(torch.ops.mla.dcp_decode.default, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale,
-                         src.dcp_size, src.dcp_rank, src.group_name, False)
+                         src.dcp_size, src.dcp_rank, src.group_name, False, *_scale_arg(scale))
         else:
-            res = b.call(torch.ops.mla.decode.default, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale)
+            res = b.call(torch.ops.mla.decode.default, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale,
+                         *_scale_arg(scale))
         lat = b.item(res, 0)  # [B, H, R]
     if site.sinks is not None:
         lat = _scale_by_sinks(b, lat, b.item(res, 1), site.sinks, empty)

@@ -1,7 +1,9 @@
 """The FP8 latent cache on the GPU (mla_compile/fp8.py): `mla::cache_write_fp8` quantizing on write (the Triton kernel,
 byte-identical to the CPU op), `mla::decode` / `mla::sparse_decode` through the Triton pointer kernel's FP8 path
 (tiles dequantized in registers, bf16 q) against the float64 reference over the dequantized cache; H 16 and 128,
-pages 1 and 64, ragged lengths with an empty request, S 1 and 2, one CUDA-graph capture replayed with new lengths.
+pages 1 and 64, ragged lengths with an empty request, S 1 and 2, one CUDA-graph capture replayed with new lengths;
+HF models over an FP8 cache (`kv_cache_dtype="fp8_e4m3"`) compiled with `mla_dcp` under "reduce-overhead" against
+eager HF over the same FP8 cache: V3 (paged), V3.2 (`DSAStaticCache`, dense then sparse graph), generate().
 
 Run: python -m pytest -q tests/gpu/test_fp8_cuda.py
 """
@@ -67,9 +69,14 @@ def test_cache_write_kernel_matches_cpu_op_bytes():
         buf.fill_(0x5A)
         torch.ops.mla.cache_write_fp8(c, k, s, x.to(dev), kp.to(dev), slots.to(dev))
         bufs.append(buf.cpu())
-    diff = (bufs[0] != bufs[1]).nonzero().tolist()
-    where = [(page, tok, byte, int(bufs[0][page, tok, byte]), int(bufs[1][page, tok, byte])) for page, tok, byte in diff[:12]]
-    assert not diff, f"{len(diff)} bytes differ (page, token, byte, cpu, cuda): {where}"
+        whole = torch.full_like(buf, 0x5A)  # the buffer-level write the HF caches use
+        torch.ops.mla.cache_write_fp8_tokens(whole, x.to(dev), kp.to(dev), slots.to(dev))
+        bufs.append(whole.cpu())
+    for other in bufs[1:]:
+        diff = (bufs[0] != other).nonzero().tolist()
+        where = [(page, tok, byte, int(bufs[0][page, tok, byte]), int(other[page, tok, byte]))
+                 for page, tok, byte in diff[:12]]
+        assert not diff, f"{len(diff)} bytes differ (page, token, byte, cpu, other): {where}"
 
 
 @pytest.mark.parametrize("PS", [1, 64])
@@ -143,3 +150,74 @@ def test_fp8_takes_the_pointer_kernel(monkeypatch):
     dispatch.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, batch.seq_lens, SCALE,
                     ckv_scale=batch.ckv_scale)
     assert len(seen) == 1 and seen[0] is batch.ckv_scale
+
+
+# ------------------------------------------------------------------------------------ HF models, FP8 cache
+def _hf_compiled_vs_eager(model, cache_fn, T=7, steps=10):
+    """(compiled logits, eager logits, eager logits over HF's unquantized StaticCache, counters): the same tokens
+    teacher-forced through eager HF over an FP8 cache and through the model compiled with mla_dcp under
+    reduce-overhead over another FP8 cache (both prefilled eagerly)."""
+    import hf_models as M
+    from transformers import StaticCache
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = model.cuda()
+    L = T + steps + 1
+    ids, mask = M.batch(B=4, T=T, L=L, pad=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    toks = torch.randint(1, 128, (4, steps), generator=torch.Generator().manual_seed(7)).cuda()
+    eager = M.forced(model, model, ids, mask, cache_fn(model.config, L), toks)
+    compiled = torch.compile(model, backend="mla_dcp", mode="reduce-overhead", fullgraph=True)
+    got = M.forced(compiled, model, ids, mask, cache_fn(model.config, L), toks)
+    plain = M.forced(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), toks)
+    return got, eager, plain, dict(torch._dynamo.utils.counters["mla_compile"])
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_hf_v3_over_fp8_paged_cache_reduce_overhead(dtype, tol):
+    import hf_models as M
+    from mla_compile.integrations.hf import MLAPagedCache
+
+    model = M.deepseek_v3(num_layers=2, heads=16, hidden=256, dtype=dtype)
+    got, eager, plain, c = _hf_compiled_vs_eager(
+        model, lambda cfg, L: MLAPagedCache(cfg, L, page_size=64, kv_cache_dtype="fp8_e4m3"))
+    assert M.rel_err(got, eager) < tol
+    assert (got.argmax(-1) == eager.argmax(-1)).float().mean() >= (1.0 if dtype == torch.float32 else 0.9)
+    assert M.rel_err(eager, plain) > 5e-3  # the FP8 cache is what both read (e4m3: ~3% noise a value)
+    assert c.get("mla_attention_rewritten") == 2 and not c.get("mla_attention_not_rewritten"), c
+
+
+def test_hf_v32_over_fp8_dsa_static_cache_reduce_overhead_both_graphs():
+    """kv length 8 .. 17 crosses index_topk 12: the dense graph, then the sparse one (mla.sparse_decode over FP8)."""
+    import hf_models as M
+    from mla_compile.integrations.hf import DSAStaticCache
+
+    model = M.deepseek_v32(num_layers=2, heads=16, hidden=256, index_topk=12)
+    got, eager, plain, c = _hf_compiled_vs_eager(
+        model, lambda cfg, L: DSAStaticCache(cfg, L, kv_cache_dtype="fp8_e4m3"))
+    assert M.rel_err(got, eager) < 1e-4 and M.rel_err(eager, plain) > 3e-4
+    assert c.get("dsa_index_mask_dropped", 0) >= 1 and c.get("dsa_sparse_rewritten", 0) >= 1, c
+
+
+def test_hf_generate_over_fp8_cache_cuda():
+    """optimize_generate (HF's auto-compile, reduce-overhead, deferred stop check) over a passed FP8 cache: the
+    tokens of eager generate() over an FP8 cache (fp32 model)."""
+    import hf_models as M
+    from mla_compile.integrations.hf import MLAPagedCache, cache_kwargs, optimize_generate
+
+    torch._dynamo.reset()
+    model = M.deepseek_v3(num_layers=2, heads=16, hidden=256).cuda()
+    ids, mask = M.batch(B=4, T=9, L=9, pad=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    kw = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+
+    def cache():
+        return cache_kwargs(model, MLAPagedCache(model.config, 32, page_size=16, kv_cache_dtype="fp8_e4m3"))
+
+    with torch.no_grad():
+        ref = model.generate(ids, cache_implementation=None, disable_compile=True, **cache(), **kw)
+        optimize_generate(model)
+        out = model.generate(ids, **cache(), **kw)
+        again = model.generate(ids, **cache(), **kw)  # CUDA-graph replays over a fresh cache
+    assert torch.equal(out, ref) and torch.equal(again, ref)
