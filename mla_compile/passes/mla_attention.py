@@ -88,7 +88,8 @@ import torch
 import torch.fx as fx
 
 from .. import tuning
-from . import _fx, attention_checks, attention_emit, attention_mask as masks, attention_match, dsa_indexer
+from . import (_fx, attention_checks, attention_emit, attention_mask as masks, attention_match, attention_rows,
+               attention_tokens, dsa_indexer)
 from ._fx import (Builder, DynamicShape, NoMatch, batch_shape as _shape, erase_dead, fake_mode_of, finish_edits,
                   graph_of, same)
 from .attention_checks import check_output, check_reads
@@ -102,7 +103,7 @@ SKIP_COUNTER = "mla_attention_not_rewritten"
 SPARSE_COUNTER = "dsa_sparse_rewritten"
 # the files whose code decides what the rewrite emits (the pass manager's uuid hashes them)
 SOURCES = (__file__,) + tuple(m.__file__ for m in (attention_match, masks, attention_emit, attention_checks,
-                                                     dsa_indexer, _fx))
+                                                     attention_rows, attention_tokens, dsa_indexer, _fx))
 
 
 
@@ -112,7 +113,8 @@ def rewrite_site(graph: fx.Graph, site: Site, src: LatentSource, fake_mode, memo
     b = Builder(graph, site.out, fake_mode, site.out)
     saved = memo.snapshot()
     try:
-        out = emit(b, site, src, memo, tuning.current().absorb)  # how W_UK / W_UV are written: tuning.py says why
+        write = attention_tokens.emit_tokens if site.tokens > 1 else emit  # S > 1: the multi-token contract
+        out = write(b, site, src, memo, tuning.current().absorb)  # how W_UK / W_UV are written: tuning.py says why
         check_output(site, out)
         check_reads(graph, b, site, src, memo)
     except BaseException:
@@ -141,6 +143,8 @@ def _sparse_indexer(graph: fx.Graph, site: Site, src: LatentSource):
         sp = dsa_indexer.match_sparse_indexer(site.mask)
         if sp is None:
             return None
+        if site.tokens > 1:
+            raise NotSparse(f"{site.tokens} query tokens per request (each its own top-k)")
         if src.kind not in ("tensor", "paged"):
             raise NotSparse(f"{src.kind} latent (the DCP sparse graph keeps HF's indexer + mla.dcp_decode)")
         B, L = _shape(site.q)[0], _shape(site.latent)[-2]
