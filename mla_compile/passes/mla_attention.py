@@ -101,6 +101,7 @@ log = logging.getLogger(__name__)
 COUNTER = "mla_attention_rewritten"
 SKIP_COUNTER = "mla_attention_not_rewritten"
 SPARSE_COUNTER = "dsa_sparse_rewritten"
+TOKENS_COUNTER = "mla_attention_multi_token_rewritten"  # sites with S > 1 query tokens (also in COUNTER)
 # the files whose code decides what the rewrite emits (the pass manager's uuid hashes them)
 SOURCES = (__file__,) + tuple(m.__file__ for m in (attention_match, masks, attention_emit, attention_checks,
                                                      attention_rows, attention_tokens, dsa_indexer, _fx))
@@ -225,8 +226,10 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
         rewritten += 1
         if site.sparse is not None:
             sparse += 1
-        log.info("mla_attention: rewrote %s attention at %s (H=%d, R=%d, rope=%d, %s latent) -> %s",
-                 site.impl, node.name, site.heads, _shape(site.latent)[-1], site.rope, src.kind,
+        if site.tokens > 1:
+            counters[TOKENS_COUNTER] += 1
+        log.info("mla_attention: rewrote %s attention at %s (H=%d, S=%d, R=%d, rope=%d, %s latent) -> %s",
+                 site.impl, node.name, site.heads, site.tokens, _shape(site.latent)[-1], site.rope, src.kind,
                  "dsa.indexer_topk + mla.sparse_decode" if site.sparse is not None
                  else "mla.dcp_decode" if src.kind == "dcp" else "mla.decode")
     if rewritten or dropped:
