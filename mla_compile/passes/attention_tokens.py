@@ -60,6 +60,7 @@ def _rows(b: Builder, site: Site, B, S: int, L: int, memo: E.Memo):
 
 
 def _count(b: Builder, valid: fx.Node) -> fx.Node:
+    """int32 row sums of a bool / int mask."""
     return b.call(aten._to_copy.default, b.call(aten.sum.dim_IntList, valid, [-1]), dtype=torch.int32)
 
 
@@ -75,7 +76,10 @@ def _table(b: Builder, site: Site, src: LatentSource, B, S: int, L: int, memo: E
             n, r = src.dcp_size, src.dcp_rank
             cap = _shape(src.block_table)[1] * _shape(src.ckv)[1]
             last = layout.local_mask(last, L, n, r, cap, aten=b.aten)
-            per_row = b.call(aten.reshape.default, valid, [E._lead(B, S), L])
+            # counted as int32: a padded bool row summed made Inductor's CPU vectorizer emit C++ that does not
+            # compile (VecMask<long> ?: VecMask<float>, torch 2.13)
+            per_row = b.call(aten.reshape.default, b.call(aten._to_copy.default, valid, dtype=torch.int32),
+                             [E._lead(B, S), L])
             per_row = layout.local_mask(per_row, L, n, r, cap, aten=b.aten)
             limits = b.call(aten.reshape.default, _count(b, per_row), [E._lead(B), S])
             table, _ = E._emit_token_table(b, last, B, cap, device)
