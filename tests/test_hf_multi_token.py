@@ -30,14 +30,14 @@ def _fresh(model):
             delattr(model, attr)
 
 
-def _generate(model, ids, compiled: bool, cache=None, **kw):
+def _generate(model, ids, compiled: bool, cache=None, new: int = NEW, **kw):
     extra = {} if cache is None else cache_kwargs(model, cache)
     if compiled:
         extra["compile_config"] = compile_config(mode="default")
     else:
         extra["disable_compile"] = True
     with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                               do_sample=False, pad_token_id=0,
                               cache_implementation=None if cache is not None else "static", **extra, **kw)
 
@@ -88,11 +88,12 @@ def test_prompt_lookup_with_paged_cache_matches_eager():
     # HF sizes its own static cache at max_length, and a last draft may reach past it: caches with room
     from transformers import StaticCache
 
-    ref = _generate(model, ids, compiled=False, prompt_lookup_num_tokens=2,
-                    cache=StaticCache(config=model.config, max_cache_len=ids.shape[1] + NEW + 4))
+    # a random model soon repeats itself: 20 new tokens give prompt lookup n-grams to draft from
+    ref = _generate(model, ids, compiled=False, prompt_lookup_num_tokens=2, new=20,
+                    cache=StaticCache(config=model.config, max_cache_len=ids.shape[1] + 24))
     _fresh(model)
-    cache = MLAPagedCache(model.config, max_cache_len=ids.shape[1] + NEW + 4, page_size=4, shuffle_pages=True)
-    out = _generate(model, ids, compiled=True, cache=cache, prompt_lookup_num_tokens=2)
+    cache = MLAPagedCache(model.config, max_cache_len=ids.shape[1] + 24, page_size=4, shuffle_pages=True)
+    out = _generate(model, ids, compiled=True, cache=cache, prompt_lookup_num_tokens=2, new=20)
     assert torch.equal(out, ref), (out, ref)
     _assert_rewritten(1)
 
@@ -125,6 +126,7 @@ def _captured_step(model, mask4d=None, S=3, L=16):
 
     ids, mask = M.batch(B=2, T=5, L=L)
     cache = StaticCache(config=model.config, max_cache_len=L)
+    torch._dynamo.reset()  # earlier tests' graphs of the same forward count against the recompile limit
     with torch.no_grad():
         model(ids, attention_mask=mask[:, :5], **cache_kwargs(model, cache))
         step = torch.compile(model, backend=capture, fullgraph=True, dynamic=False)
@@ -182,6 +184,7 @@ def test_step_with_empty_rows_matches_hf(impl, kind):
     mask[1, :6] = 0
     new = torch.randint(1, 100, (2, 3), generator=torch.Generator().manual_seed(0))
     logits = []
+    torch._dynamo.reset()  # earlier tests' graphs of the same forward count against the recompile limit
     for step in (model, torch.compile(model, backend=_rewrite_only, fullgraph=True, dynamic=False)):
         cache = StaticCache(config=model.config, max_cache_len=L) if kind == "static" else \
             MLAPagedCache(model.config, L, page_size=4, shuffle_pages=True)
