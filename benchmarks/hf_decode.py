@@ -4,6 +4,7 @@ usage:  python benchmarks/hf_decode.py OUT.json [--heads 16 128] [--kv 4096 3276
                                                 [--modes eager default mla] [--steps 30] [--check-steps 4] [--runs 3]
                                                 [--mask input|static] [--step model|greedy] [--mla-options JSON]
                                                 [--kv-cache-dtype auto fp8_e4m3]
+                                                [--tokens S]
         python benchmarks/hf_decode.py OUT.json --smoke      # tiny shapes, CPU ok (checks the script itself)
 
 Model: DeepseekV3ForCausalLM, real MLA dims (kv_lora 512, rope 64, nope 128, v 128, q_lora 1536), hidden 2048,
@@ -35,6 +36,12 @@ The attention mask is one tensor for the whole run (all ones: no padding). `--ma
 plain tensor, which the CUDA-graph trees copy into their own buffer before every replay (2 MB at 32K: ~18 us a
 step, every compiled mode); `--mask static` marks it static (`torch._dynamo.mark_static_address`), as a serving
 loop's persistent mask buffer would be: no copy. The same mask goes to every mode.
+
+`--tokens S` (S = 2 .. 8): every step is a speculative-verification step (what HF's assisted generation and
+prompt lookup run, MTP too): S query tokens per request (the step's token repeated), the cache grows by S a step,
+and the mask is built in the graph from the 2-D mask (HF 5.24), which the pass proves causal over the S tokens
+(passes/attention_tokens.py: mla.decode with per-query-token limits). tokens/s then counts S tokens a step
+(all verified, the upper bound); the check compares all S positions' logits. Default 1: one-token decode.
 
 Reported per (H, kv_len, mode): ms/step (median of `--runs` timed runs, default 3, of `--steps` steps, after warm-up) and decode
 tokens/s = batch / step time; speedup of mla over default. Correctness: the first `--check-steps` steps' logits
@@ -145,22 +152,28 @@ def greedy_step(model):
     return step
 
 
-def decode(fn, cache, tok, mask, start: int, steps: int, keep_logits: bool = False, forced=None, model=None):
+def decode(fn, cache, tok, mask, start: int, steps: int, keep_logits: bool = False, forced=None, model=None,
+           tokens: int = 1):
     """`steps` greedy steps from position `start` (or teacher-forced on `forced` [B, steps]): logits list.
-    fn: the model (compiled or not), or with `model` given a `greedy_step(model)` function (compiled or not)."""
+    fn: the model (compiled or not), or with `model` given a `greedy_step(model)` function (compiled or not).
+    tokens: query tokens a step (> 1: a verification step of the step's token repeated; logits [B, S * V])."""
     logits = []
     # positions live on the device: a host tensor per step would be a blocking copy (a sync every step that
     # exposes all host overhead, as no serving loop does); the same loop runs every mode
-    positions = torch.arange(start, start + steps, device=tok.device)
+    positions = torch.arange(start, start + steps * tokens, device=tok.device)
     with torch.no_grad():
         for i in range(steps):
             if forced is not None:
                 tok = forced[:, i:i + 1]
-            pos = positions[i:i + 1].clone()
+            pos = positions[i * tokens:(i + 1) * tokens].clone()
+            ids = tok if tokens == 1 else tok.expand(-1, tokens)
             if model is not None:
-                lg, nxt = fn(tok, mask, pos, **cache_kwargs(model, cache))
+                lg, nxt = fn(ids, mask, pos, **cache_kwargs(model, cache))
+            elif tokens > 1:
+                out = fn(ids, attention_mask=mask, **cache_kwargs(fn, cache), cache_position=pos).logits
+                lg, nxt = out.flatten(1), out[:, -1].argmax(-1, keepdim=True)
             else:
-                lg = fn(tok, attention_mask=mask, **cache_kwargs(fn, cache), cache_position=pos).logits[:, -1]
+                lg = fn(ids, attention_mask=mask, **cache_kwargs(fn, cache), cache_position=pos).logits[:, -1]
                 nxt = lg.argmax(-1, keepdim=True)
             if keep_logits:
                 logits.append(lg.float().clone())
@@ -169,7 +182,7 @@ def decode(fn, cache, tok, mask, start: int, steps: int, keep_logits: bool = Fal
     return logits
 
 
-def fp32_logits(model, snapshot, kv_len: int, max_len: int, tok, mask, forced, steps: int):
+def fp32_logits(model, snapshot, kv_len: int, max_len: int, tok, mask, forced, steps: int, tokens: int = 1):
     """Logits of an fp32 copy of `model`, eager, over an fp32 copy of the cache state in `snapshot` (a list of
     (keys, values) per layer), teacher-forced on `forced`: the reference the bf16 modes are measured against."""
     import copy
@@ -186,7 +199,7 @@ def fp32_logits(model, snapshot, kv_len: int, max_len: int, tok, mask, forced, s
         layer.keys.copy_(k)
         layer.values.copy_(v)
     rewind(cache, kv_len)
-    logits = decode(model32, cache, tok, mask, kv_len, steps, keep_logits=True, forced=forced)
+    logits = decode(model32, cache, tok, mask, kv_len, steps, keep_logits=True, forced=forced, tokens=tokens)
     del model32, cache
     return logits
 
@@ -205,7 +218,8 @@ def rewind(cache, kv_len: int):
 
 def run_case(H, kv_len, args, device, dtype, modes, log, result, save, kv_cache_dtype="auto"):
     B = args.batch
-    max_len = kv_len + args.steps * 3 + args.check_steps + 64
+    S = args.tokens
+    max_len = kv_len + (args.steps * 3 + args.check_steps) * S + 64
     model = build_model(H, args.layers, args.hidden, args.vocab, dtype, device, small=args.smoke)
     cache = filled_cache(model, B, kv_len, max_len, device, kv_cache_dtype=kv_cache_dtype)
     mask = torch.ones(B, max_len, dtype=torch.long, device=device)
@@ -214,7 +228,7 @@ def run_case(H, kv_len, args, device, dtype, modes, log, result, save, kv_cache_
     tok = torch.randint(1, args.vocab, (B, 1), device=device, generator=torch.Generator(device=device).manual_seed(2))
     result.update({"H": H, "kv_len": kv_len, "batch": B, "layers": args.layers, "hidden": args.hidden,
                    "dtype": str(dtype).replace("torch.", ""), "mask": args.mask, "step": args.step,
-                   "mla_options": args.mla_options, "kv_cache_dtype": kv_cache_dtype,
+                   "mla_options": args.mla_options, "kv_cache_dtype": kv_cache_dtype, "tokens": S,
                    "modes": {}})
     snapshot = [(lay.keys.clone(), lay.values.clone()) for lay in cache.layers]
 
@@ -246,17 +260,17 @@ def run_case(H, kv_len, args, device, dtype, modes, log, result, save, kv_cache_
             t0 = time.perf_counter()
             forced = ref_tokens if mode != "eager" else None  # same inputs every step as eager's greedy path
             logits = decode(fn, cache, tok, mask, kv_len, args.check_steps, keep_logits=True, forced=forced,
-                            model=step_model)
+                            model=step_model, tokens=S)
             sync(device)
             entry["first_steps_s"] = time.perf_counter() - t0  # includes compilation / graph capture
             if mode == "eager":
                 ref_logits = logits
-                ref_tokens = torch.cat([tok] + [lg.argmax(-1, keepdim=True) for lg in logits[:-1]], 1)
+                ref_tokens = torch.cat([tok] + [lg[:, -args.vocab:].argmax(-1, keepdim=True) for lg in logits[:-1]], 1)
                 if args.fp32_ref:
                     try:
                         latent = snapshot if kv_cache_dtype == "auto" else dequantized_snapshot(cache, max_len)
                         ref32_logits = fp32_logits(model, latent, kv_len, max_len, tok, mask, ref_tokens,
-                                                   args.check_steps)
+                                                   args.check_steps, S)
                     except torch.OutOfMemoryError as e:  # the fp32 eager expansion is the largest tensor here
                         result["fp32_ref_error"] = f"OutOfMemoryError: {e}"[:300]
                         torch.cuda.empty_cache()
@@ -269,18 +283,20 @@ def run_case(H, kv_len, args, device, dtype, modes, log, result, save, kv_cache_
             if ref32_logits is not None:
                 entry["max_rel_err_vs_fp32"] = max_rel_err(logits, ref32_logits)
             entry["rewrites"] = int(torch._dynamo.utils.counters["mla_compile"].get("mla_attention_rewritten", 0))
+            entry["multi_token_rewrites"] = int(torch._dynamo.utils.counters["mla_compile"].get(
+                "mla_attention_multi_token_rewritten", 0))
             # timing: warm-up, then `runs` timed runs of `steps` steps (the cache keeps growing; rewound each run)
             times = []
             for rep in range(args.runs + 1):
-                rewind(cache, kv_len + args.check_steps)
+                rewind(cache, kv_len + args.check_steps * S)
                 sync(device)
                 t0 = time.perf_counter()
-                decode(fn, cache, tok, mask, kv_len + args.check_steps, args.steps, model=step_model)
+                decode(fn, cache, tok, mask, kv_len + args.check_steps * S, args.steps, model=step_model, tokens=S)
                 sync(device)
                 if rep:
                     times.append((time.perf_counter() - t0) / args.steps)
             ms = statistics.median(times) * 1e3
-            entry.update(ms_per_step=ms, tokens_per_s=B / (ms / 1e3), all_ms=[t * 1e3 for t in times])
+            entry.update(ms_per_step=ms, tokens_per_s=B * S / (ms / 1e3), all_ms=[t * 1e3 for t in times])
         except Exception as e:  # noqa: BLE001 - recorded, the next mode still runs
             entry["error"] = f"{type(e).__name__}: {e}"[:2000]
             traceback.print_exc()
@@ -326,6 +342,8 @@ def main(argv=None):
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"],
                     help="latent cache dtypes, one case each: auto (HF StaticCache, model dtype), fp8_e4m3 (the FP8 "
                          "latent cache, DSAStaticCache)")
+    ap.add_argument("--tokens", type=int, default=1, choices=range(1, 9), metavar="S",
+                    help="query tokens per request a step: 2 .. 8 times a speculative-verification step")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU ok, fp32): checks the script")
     ap.add_argument("--no-fp32-ref", dest="fp32_ref", action="store_false",
                     help="skip the fp32-model reference logits (max_rel_err_vs_fp32)")
@@ -359,6 +377,7 @@ def main(argv=None):
             for kv_dtype in args.kv_cache_dtype:
                 report["cases"].append({})
                 run_case(H, kv, args, device, dtype, args.modes, log, report["cases"][-1], save, kv_dtype)
+    print(f"S = {args.tokens} query tokens a step")
     print(f"{'H':>4} {'kv':>6} {'cache':>9} " + " ".join(f"{m + ' tok/s':>14}" for m in args.modes) + "  mla/default")
     for c in report["cases"]:
         cols = [f"{c['modes'].get(m, {}).get('tokens_per_s', float('nan')):14.1f}" for m in args.modes]

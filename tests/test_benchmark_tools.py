@@ -105,6 +105,20 @@ def test_hf_decode_smoke_fp8_cache(tmp_path):
     assert modes["mla"]["rewrites"] == 1 and modes["mla"]["ok"] and modes["mla"]["token_steps_agree"] == "2/2"
 
 
+def test_hf_decode_smoke_verification_step(tmp_path):
+    """`--tokens 3`: every step verifies 3 tokens per request; mla rewrites it (multi-token) and matches eager on
+    all 3 positions' logits."""
+    import hf_decode
+
+    out = tmp_path / "hf.json"
+    torch._dynamo.reset()
+    assert hf_decode.main([str(out), "--smoke", "--tokens", "3", "--modes", "eager", "mla", "--no-fp32-ref"]) == 0
+    (case,) = json.loads(out.read_text())["cases"]
+    mla = case["modes"]["mla"]
+    assert case["tokens"] == 3 and "error" not in mla, mla
+    assert mla["multi_token_rewrites"] == 1 and mla["ok"] and mla["token_steps_agree"] == "2/2"
+
+
 def test_scaling_fit_recovers_fixed_cost_and_rate():
     import decode_sweep
 

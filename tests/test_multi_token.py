@@ -338,7 +338,8 @@ BAD = [  # (op, changes, argument named, metadata only)
     ("sparse_decode", dict(indices=torch.zeros(2, 3, 3, dtype=torch.int32)), "indices", True),  # S mismatch
     ("sparse_decode", dict(indices=torch.zeros(2, 3, dtype=torch.int32)), "indices", True),  # 2-D for 4-D q
     ("sparse_decode", dict(q_pe=torch.randn(2, 1, 3, 4)), "q_pe", True),
-    ("dcp_decode", dict(seq_lens=torch.zeros(2, 2, dtype=torch.int32)), "seq_lens", True),  # global lengths only
+    ("dcp_decode", dict(seq_lens=torch.zeros(2, 3, dtype=torch.int32)), "seq_lens", True),  # limits not [B, S]
+    ("dcp_decode", dict(seq_lens=torch.tensor([[3, 2], [2, 2]], dtype=torch.int32)), "seq_lens", False),  # decreasing
     ("dcp_decode", dict(seq_lens=torch.tensor([1, 0], dtype=torch.int32)), "seq_lens", False),
     ("dcp_decode", dict(q_pe=torch.randn(2, 1, 3, 4)), "q_pe", True),
     ("tp_dcp_decode", dict(seq_lens=torch.tensor([1, 0], dtype=torch.int32)), "seq_lens", False),

@@ -30,7 +30,8 @@ tracing the cache returns the indexer keys through the marker `mla_hf::all_selec
 index mask and with it the indexer's logits and top-k (only the indexer key-cache write stays). Eagerly nothing
 changes (HF's result).
 
-The cache advances the int itself (`max_kv_len += S` at the step's first layer), inside the compiled code.
+The cache advances the int itself (`max_kv_len += S` at the step's first layer), inside the compiled code, and
+moves it back in `crop(-n)` (HF's rollback of rejected draft tokens: assisted generation, prompt lookup).
 Dynamo makes that write a SymInt graph output (so the int becomes a graph input); the `mla_dcp` backend moves
 such host-int-only outputs out of the graph (`passes.host_ints`) before Inductor, so the compiled graph has no
 int input and CUDA-graph trees record each variant once. The int's Dynamo source (e.g.
@@ -133,6 +134,13 @@ class DSADenseMixin:
         super().reset()
         self._step_dense = False
         setattr(self, MAX_KV_LEN_ATTR, 1)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """HF's rollback of rejected draft tokens (assisted generation, prompt lookup: `crop(-n)` drops the last
+        n): the layers move their device lengths back, and the host count with them (else the overflow check
+        and the DSA dense / sparse choice would run ahead of the cache)."""
+        super().crop(tokens_to_remove)  # HF's static layers refuse a positive count (keep-the-first form)
+        setattr(self, MAX_KV_LEN_ATTR, max(1, getattr(self, MAX_KV_LEN_ATTR) - abs(int(tokens_to_remove))))
 
 
 # ----------------------------------------------------------------------------------------------- caches

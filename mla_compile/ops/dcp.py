@@ -6,7 +6,7 @@ Data flow of one call on rank r of an n-rank group (DESIGN.md, "DCP layout"):
     local_lens = layout.local_lens(seq_lens, n, r)             # GLOBAL lengths in, this shard's lengths
     out, lse   = mla::decode(..., local_lens, ...)             # attention over this rank's tokens only
     packed     = cat(out, lse bit-cast to out.dtype)  [B,H,R+k] # k = 4 / out.element_size() (2 for bf16)
-    chunk      = cat(packed.flatten(), trailer bit-cast)        # trailer: int32 seq_lens [B] + header [12]
+    chunk      = cat(packed.flatten(), trailer bit-cast)        # trailer: int32 seq_lens [B] (or [B, S]) + header [14]
     gathered   = _c10d_functional.all_gather_into_tensor(chunk) + wait_tensor   -> [n, chunk]
     out, lse   = mla::merge_states(gathered[:, packed][..., :R], gathered[:, packed][..., R:] as float32)
     verdict    = every rank sent the same signature and seq_lens (`dcp_consistency`): else a ValueError on
@@ -16,7 +16,7 @@ Packing: ONE collective per layer (per-collective latency dominates at decode si
 (out, lse) of B=8, H=16 on NVLink). The float32 LSE is bit-cast into k extra columns of out's dtype rather
 than upcasting out: the all-gather only copies bytes, so the LSE arrives bit-exact, and a bf16 out is not
 doubled on the wire (R=512: 1028 bytes per head-row instead of 2052). vLLM's DCP all-to-all path packs the
-same way. The consistency trailer rides in the same collective: 4 * (B + 12) bytes per rank.
+same way. The consistency trailer rides in the same collective: 4 * (B + 14) bytes per rank.
 
 Registration: `mla::dcp_decode` is a CompositeImplicitAutograd op (`torch.library.define` + `impl`).
 Eagerly it runs the steps above. Dynamo records it as ONE node (fullgraph, no break: it is an OpOverload
@@ -86,14 +86,19 @@ def check_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_l
     the peers as a REJECT in the call's collective (`dcp_consistency`), and every rank raises."""
     check_group_args(dcp_size, dcp_rank, group_name)
     C.check(isinstance(check_lens, bool), "check_lens", f"must be a bool, got {check_lens!r}")
-    C.check_tensor(seq_lens, "seq_lens", 1, torch.int32)  # GLOBAL lengths [B] (no per-token limits table)
+    # GLOBAL lengths [B], or with S query tokens (q 4-D) GLOBAL per-query-token limits [B, S]
+    C.check_tensor(seq_lens, "seq_lens", 2 if seq_lens.dim() == 2 and q_nope.dim() == 4 else 1, torch.int32)
     num_pages, page_size = check_decode_metadata(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
                                                  ckv_scale=ckv_scale)
     if C.is_fake(seq_lens) or not C.data_checks_enabled(seq_lens.device) or not seq_lens.numel():
         return num_pages, page_size
     lo = int(seq_lens.min())
     C.check(lo >= 0, "seq_lens", f"lengths must be >= 0, got {lo}")
-    check_query_lens(seq_lens, query_tokens(q_nope))
+    if seq_lens.dim() == 2:
+        C.check(bool((seq_lens[:, 1:] >= seq_lens[:, :-1]).all()), "seq_lens",
+                "per-query-token limits must be non-decreasing over the query tokens (causal)")
+    else:
+        check_query_lens(seq_lens, query_tokens(q_nope))
     capacity = block_table.shape[1] * page_size
     local_max = int(layout.local_lens(seq_lens, dcp_size, dcp_rank).max())
     C.check(local_max <= capacity, "seq_lens",
@@ -151,7 +156,9 @@ def dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sca
     S query tokens per request: q_nope [B, S, H, R], q_pe [B, S, H, P] -> out [B, S, H, R], lse [B, S, H]; the
     GLOBAL seq_lens count the S new tokens (query token j sees global tokens t < seq_lens[b] - S + 1 + j, every
     length 0 or >= S), and each rank attends to its share of each query token's tokens (`local_query_limits`).
-    One all-gather as for S = 1 (S folded into the head rows).
+    One all-gather as for S = 1 (S folded into the head rows). Or seq_lens int32 [B, S]: GLOBAL per-query-token
+    limits (query token j sees global tokens t < seq_lens[b, j]; >= 0, non-decreasing in j), each rank's share
+    `layout.local_lens` of them (the attention pass's form: masks whose rows are not one length apart).
 
     Every rank must make the same call (`dcp_consistency`): shapes, sm_scale and, with check_lens, seq_lens
     are compared across ranks on the call's own all-gather. A disagreement, or a rank whose checks fail,
@@ -172,7 +179,7 @@ def dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sca
             sig, out, lse = _local_decode_tokens(call, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens,
                                                  sm_scale, dcp_size, dcp_rank, check_lens, ckv_scale)
         else:
-            sig = agree.signature(call, agree.OP_DCP, q_nope, q_pe, sm_scale, dcp_size, check_lens)
+            sig = agree.signature(call, agree.OP_DCP, q_nope, q_pe, sm_scale, dcp_size, check_lens, lens=seq_lens)
             local = layout.local_lens(seq_lens, dcp_size, dcp_rank)
             out, lse = torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, local, sm_scale,
                                             ckv_scale)
@@ -195,7 +202,7 @@ def _local_decode_tokens(call, q_nope, q_pe, ckv_cache, kpe_cache, block_table, 
     B, S, H, R = q_nope.shape
     rows = (B, S * H)
     sig = agree.signature(call, agree.OP_DCP, q_nope.reshape(*rows, R), q_pe.reshape(*rows, q_pe.shape[-1]),
-                          sm_scale, dcp_size, check_lens)
+                          sm_scale, dcp_size, check_lens, tokens=S, lens=seq_lens)
     local = local_query_limits(seq_lens, S, dcp_size, dcp_rank)
     out, lse = torch.ops.mla.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, local, sm_scale, ckv_scale)
     return sig, out.reshape(*rows, R), lse.reshape(rows)

@@ -8,8 +8,10 @@ decode step:
 
 1. The trailer. Each rank's chunk of the call's first all-gather (`mla::dcp_decode`: the packed (out, lse);
    `mla::tp_dcp_decode`: the packed q) ends with its seq_lens (int32 [B]) and a header (int32 [HEADER_WORDS]:
-   message kind, then the call's signature: op, dcp_size, B, H, R, P, dtype, sm_scale, check_lens), bit-cast
-   into the payload's dtype: 4 * (B + 12) bytes per rank. After the gather every rank holds every rank's
+   message kind, then the call's signature: op, dcp_size, B, H, R, P, dtype, sm_scale, check_lens, S, the
+   lengths' form), bit-cast into the payload's dtype: 4 * (B + 14) bytes per rank. With S query tokens per
+   request H is the folded S * H head rows, so S has its own field: (S 2, H 16) and (S 1, H 32) gather the same
+   bytes but are different calls. Per-query-token limits [B, S] travel as B * S words. After the gather every rank holds every rank's
    trailer and computes the same verdict from it. Where checks already read values (eager CPU; CUDA with
    MLA_COMPILE_CHECK_DATA=1) a disagreement is a ValueError on every rank, naming the argument; elsewhere
    (eager CUDA, torch.compile, CUDA graphs: no host sync) the requests whose lengths disagree come out NaN
@@ -56,6 +58,8 @@ _FIELDS = (
     ("scale_lo", "sm_scale", "sm_scale"),
     ("scale_hi", "sm_scale", "sm_scale"),
     ("check_lens", "check_lens", "check_lens"),
+    ("tokens", "q_nope", "the query tokens per request S"),
+    ("limits", "seq_lens", "the seq_lens form (0: lengths [B], 1: per-query-token limits [B, S])"),
 )
 HEADER_WORDS = 2 + len(_FIELDS)  # kind, rejected argument, fields
 ARG_NAMES = ("q_nope", "q_pe", "ckv_cache", "kpe_cache", "block_table", "seq_lens", "sm_scale", "dcp_size",
@@ -76,17 +80,26 @@ class Signature:
     dtype: torch.dtype
     sm_scale: float
     check_lens: bool
+    tokens: int = 1  # query tokens per request S (heads is then the folded S * H rows)
+    limits: bool = False  # seq_lens are per-query-token limits [B, S] (B * S trailer words), else lengths [B]
 
     @classmethod
-    def of(cls, op: int, q_nope, q_pe, sm_scale, dcp_size: int, check_lens: bool) -> "Signature":
+    def of(cls, op: int, q_nope, q_pe, sm_scale, dcp_size: int, check_lens: bool, tokens: int = 1,
+           limits: bool = False) -> "Signature":
         B, H, R = q_nope.shape
-        return cls(op, dcp_size, B, H, R, q_pe.shape[2], q_nope.dtype, float(sm_scale), check_lens)
+        return cls(op, dcp_size, B, H, R, q_pe.shape[2], q_nope.dtype, float(sm_scale), check_lens, tokens, limits)
 
     def fields(self) -> list[int]:
         lo, hi = struct.unpack("<ii", struct.pack("<d", self.sm_scale))
         code = _DTYPES.index(self.dtype) + 1 if self.dtype in _DTYPES else 0
-        vals = (self.op, self.dcp_size, self.batch, self.heads, self.R, self.P, code, lo, hi, int(self.check_lens))
+        vals = (self.op, self.dcp_size, self.batch, self.heads, self.R, self.P, code, lo, hi, int(self.check_lens),
+                self.tokens, int(self.limits))
         return [v if isinstance(v, int) else WILDCARD for v in vals]
+
+    @property
+    def lens_words(self):
+        """int32 words of seq_lens in the trailer: B, or B * S for per-query-token limits."""
+        return self.batch * self.tokens if self.limits else self.batch
 
     def payload_numel(self) -> int:
         """Elements (of `dtype`) in this call's first collective before the trailer."""
@@ -117,8 +130,9 @@ def data_header(sig: Signature, like: torch.Tensor) -> torch.Tensor:
 
 
 def trailer(seq_lens: torch.Tensor, header: torch.Tensor) -> torch.Tensor:
-    """int32 [B + HEADER_WORDS]: this rank's GLOBAL lengths, then the header."""
-    return torch.cat([seq_lens.to(torch.int32), header])
+    """int32 [W + HEADER_WORDS]: this rank's GLOBAL lengths (W = B) or per-query-token limits (W = B * S,
+    row-major), then the header."""
+    return torch.cat([seq_lens.reshape(-1).to(torch.int32), header])
 
 
 # ------------------------------------------------------------------------------------------------ the gather
@@ -146,14 +160,18 @@ def gather_with_trailer(payload: torch.Tensor, trail: torch.Tensor, dcp_size: in
     return unpack_chunks(gathered, payload.shape, trail.shape[0])
 
 
-def rows_ok(trails: torch.Tensor, header: torch.Tensor, batch: int, check_lens: bool) -> torch.Tensor:
+def rows_ok(trails: torch.Tensor, header: torch.Tensor, batch: int, check_lens: bool,
+            lens_words: int | None = None) -> torch.Tensor:
     """bool [B], the same on every rank: request b may be merged (every rank sent DATA with the same
-    signature and, with check_lens, the same seq_lens[b]). Device ops only: no host sync."""
-    lens, headers = trails[:, :batch], trails[:, batch:]
+    signature and, with check_lens, the same seq_lens[b]: all its words, B * S of them for per-query-token
+    limits). Device ops only: no host sync."""
+    words = batch if lens_words is None else lens_words
+    lens, headers = trails[:, :words], trails[:, words:]
     same = ((headers == header) | (headers == WILDCARD) | (header == WILDCARD)).all()
     if not check_lens:
         return same.expand(batch)
-    return (lens == lens[:1]).all(0) & same
+    agree = (lens == lens[:1]).all(0)
+    return agree.view(batch, -1).all(1) & same
 
 
 def poison(out: torch.Tensor, lse: torch.Tensor, ok: torch.Tensor | None):
@@ -273,7 +291,7 @@ class EagerCall:
             payload, batch = torch.empty(0, dtype=torch.int32, device=self.device), 0
         else:
             payload = torch.zeros(agreed.payload_numel(), dtype=agreed.dtype, device=self.device)
-            batch = agreed.batch
+            batch = agreed.lens_words
         trail = torch.tensor([0] * batch + words, dtype=torch.int32, device=self.device)
         _, trails = gather_with_trailer(payload, trail, self.n, self.group_name)
         return [row[batch:] for row in trails.cpu().tolist()]
@@ -295,14 +313,20 @@ class EagerCall:
     def check(self, trails: torch.Tensor, sig: Signature) -> None:
         """Host verdict on the call's data gather: the same ValueError on every rank, or nothing."""
         rows = trails.cpu().tolist()
-        check_headers([row[sig.batch:] for row in rows], self.group_name)
-        if sig.check_lens:
-            check_lens([row[:sig.batch] for row in rows], self.group_name)
+        W, per = sig.lens_words, sig.lens_words // max(sig.batch, 1)
+        check_headers([row[W:] for row in rows], self.group_name)
+        if sig.check_lens:  # per request: its length, or its S limits
+            check_lens([[tuple(row[b * per:(b + 1) * per]) if per > 1 else row[b] for b in range(sig.batch)]
+                        for row in rows], self.group_name)
 
 
-def signature(call: EagerCall | None, op: int, q_nope, q_pe, sm_scale, dcp_size: int, check_lens: bool) -> Signature:
-    """The call's signature, agreed with the peers first when the call is eager (`EagerCall.agree`)."""
-    sig = Signature.of(op, q_nope, q_pe, sm_scale, dcp_size, check_lens)
+def signature(call: EagerCall | None, op: int, q_nope, q_pe, sm_scale, dcp_size: int, check_lens: bool,
+              tokens: int = 1, lens: torch.Tensor | None = None) -> Signature:
+    """The call's signature, agreed with the peers first when the call is eager (`EagerCall.agree`). q_nope /
+    q_pe are [B, rows, *] (S query tokens folded into the rows: `tokens` = S); lens: the call's seq_lens (2-D:
+    per-query-token limits)."""
+    limits = lens is not None and lens.dim() == 2
+    sig = Signature.of(op, q_nope, q_pe, sm_scale, dcp_size, check_lens, tokens, limits)
     if call is not None:
         call.agree(sig)
     return sig
@@ -314,7 +338,7 @@ def verdict(call: EagerCall | None, trails: torch.Tensor, header: torch.Tensor, 
     if call is not None and call.raises:
         call.check(trails, sig)
         return None
-    return rows_ok(trails, header, sig.batch, sig.check_lens)
+    return rows_ok(trails, header, sig.batch, sig.check_lens, sig.lens_words)
 
 
 @contextlib.contextmanager

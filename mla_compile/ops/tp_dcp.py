@@ -120,7 +120,7 @@ def tp_dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_
         # the signature sees q as [B, S*Hl, *]: batch B, as the trailer's B lengths, and the same payload size
         sig = agree.signature(call, agree.OP_TP, q_nope.reshape(B, S * Hl, R) if tokens else q_nope,
                               q_pe.reshape(B, S * Hl, q_pe.shape[-1]) if tokens else q_pe, sm_scale, dcp_size,
-                              check_lens)
+                              check_lens, tokens=S)
     header = agree.data_header(sig, seq_lens)
     if tokens:  # the collectives move [B*S, Hl, *] rows: S rides in the batch rows, heads stay per-rank slices
         q_nope, q_pe = q_nope.reshape(B * S, Hl, R), q_pe.reshape(B * S, Hl, q_pe.shape[-1])

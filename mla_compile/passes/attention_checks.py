@@ -31,9 +31,10 @@ def check_private(out: fx.Node, nodes: set) -> None:
 
 
 def check_output(site: Site, out: fx.Node) -> None:
-    """The emitted `out` has the attention output's shape [B, H, 1, v] and dtype."""
+    """The emitted `out` has the attention output's shape [B, H, S, v] and dtype."""
     ov, nv = val(site.out), val(out)
-    if not same(tuple(ov.shape), (val(site.q).shape[0], site.heads, 1, site.v_dim)) or ov.dtype != nv.dtype:
+    if (not same(tuple(ov.shape), (val(site.q).shape[0], site.heads, site.tokens, site.v_dim))
+            or not same(tuple(nv.shape), tuple(ov.shape)) or ov.dtype != nv.dtype):
         raise NoMatch(f"rewritten output {tuple(nv.shape)} differs from attention's {tuple(ov.shape)}")
 
 

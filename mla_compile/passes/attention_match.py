@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from ..ops.hf_cache import GATHER_OPS
-from . import attention_mask as masks
+from . import attention_mask as masks, attention_rows
 from .attention_checks import check_private
 from ._fx import NoMatch, arg as _arg, batch_shape as _shape, is_fn as _is_fn, is_op as _is_op, same, val as _val
 
@@ -90,6 +90,7 @@ class Site:
     dtypes: tuple  # what the masked scores are cast to through the softmax (attention_mask.prove_mask)
     sinks: Any = None  # per-head sink logits [H] (eager softmax over [scores | sink], sink dropped), or None
     sparse: Any = None  # dsa_indexer.SparseIndexer: DSA sparse graph -> dsa.indexer_topk + mla.sparse_decode
+    tokens: int = 1  # query tokens per request S (> 1: attention_tokens' multi-token rewrite)
 
 
 # ----------------------------------------------------------------------------------------- the matcher
@@ -315,8 +316,10 @@ def match_site(node: fx.Node) -> Site | None:
     qv = _val(q)
     if not (isinstance(qv, torch.Tensor) and qv.dim() == 4):
         raise NoMatch(f"query {q.name} is not a [B, H, 1, D] tensor")
-    if not (isinstance(qv.shape[2], int) and qv.shape[2] == 1):  # symbolic: Dynamo specializes a length of 1
-        raise NoMatch(f"query length {qv.shape[2]} != 1 (prefill / multi-token steps are left to HF attention)")
+    Sq = qv.shape[2]  # symbolic: Dynamo specializes a length of 1
+    if not (isinstance(Sq, int) and 1 <= Sq <= attention_rows.MAX_QUERY_TOKENS):
+        raise NoMatch(f"query length {Sq} is not 1 .. {attention_rows.MAX_QUERY_TOKENS} (prefill steps are left to "
+                      f"HF attention)")
     B, H, Sq, Dq = qs = _shape(q)
     nodes = set(chain)
     attn_users = {node} | k_users
@@ -334,14 +337,19 @@ def match_site(node: fx.Node) -> Site | None:
         raise NoMatch(f"mixed dtypes: q {qv.dtype}, latent {lv.dtype}, kpe {_val(kpe).dtype}")
     if mask is not None:
         ms = _shape(mask)
-        if not (len(ms) == 4 and (same(ms[0], 1) or same(ms[0], B)) and ms[1] == 1 and ms[2] == 1 and ms[3] == L):
-            raise NoMatch(f"mask shape {ms} is not [B|1, 1, 1, L={L}] (per-head masks are not supported)")
+        if not (len(ms) == 4 and (same(ms[0], 1) or same(ms[0], B)) and ms[1] == 1 and ms[2] in (1, Sq)
+                and ms[3] == L):
+            raise NoMatch(f"mask shape {ms} is not [B|1, 1, 1|S, L={L}] (per-head masks are not supported)")
     # NoMatch for a mask it cannot prove to be a hard mask (before anything is emitted)
     proof = masks.prove_mask(mask, additive=impl == "eager", dtypes=dtypes)
+    if Sq > 1:  # NoMatch unless each query token's tokens are a prefix of the last one's (mla.decode's contract)
+        if sinks is not None:
+            raise NoMatch(f"attention sinks with {Sq} query tokens per request")
+        attention_rows.prove_rows(mask, Sq, L)
     check_private(node, nodes)  # every intermediate dies with the site
     return Site(out=node, q=q, weight=weight, latent=latent, kpe=kpe, mask=mask, proof=proof, scale=scale,
                 nope=nope, v_dim=v_dim, rope=P, nope_offset=nope_off, rope_offset=rope_off, heads=H, nodes=nodes,
-                impl=impl, dtypes=dtypes, sinks=sinks)
+                impl=impl, dtypes=dtypes, sinks=sinks, tokens=Sq)
 
 
 def latent_source(site: Site) -> LatentSource:

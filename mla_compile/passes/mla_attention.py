@@ -88,7 +88,8 @@ import torch
 import torch.fx as fx
 
 from .. import tuning
-from . import _fx, attention_checks, attention_emit, attention_mask as masks, attention_match, dsa_indexer
+from . import (_fx, attention_checks, attention_emit, attention_mask as masks, attention_match, attention_rows,
+               attention_tokens, dsa_indexer)
 from ._fx import (Builder, DynamicShape, NoMatch, batch_shape as _shape, erase_dead, fake_mode_of, finish_edits,
                   graph_of, same)
 from .attention_checks import check_output, check_reads
@@ -100,9 +101,10 @@ log = logging.getLogger(__name__)
 COUNTER = "mla_attention_rewritten"
 SKIP_COUNTER = "mla_attention_not_rewritten"
 SPARSE_COUNTER = "dsa_sparse_rewritten"
+TOKENS_COUNTER = "mla_attention_multi_token_rewritten"  # sites with S > 1 query tokens (also in COUNTER)
 # the files whose code decides what the rewrite emits (the pass manager's uuid hashes them)
 SOURCES = (__file__,) + tuple(m.__file__ for m in (attention_match, masks, attention_emit, attention_checks,
-                                                     dsa_indexer, _fx))
+                                                     attention_rows, attention_tokens, dsa_indexer, _fx))
 
 
 
@@ -112,7 +114,8 @@ def rewrite_site(graph: fx.Graph, site: Site, src: LatentSource, fake_mode, memo
     b = Builder(graph, site.out, fake_mode, site.out)
     saved = memo.snapshot()
     try:
-        out = emit(b, site, src, memo, tuning.current().absorb)  # how W_UK / W_UV are written: tuning.py says why
+        write = attention_tokens.emit_tokens if site.tokens > 1 else emit  # S > 1: the multi-token contract
+        out = write(b, site, src, memo, tuning.current().absorb)  # how W_UK / W_UV are written: tuning.py says why
         check_output(site, out)
         check_reads(graph, b, site, src, memo)
     except BaseException:
@@ -141,6 +144,8 @@ def _sparse_indexer(graph: fx.Graph, site: Site, src: LatentSource):
         sp = dsa_indexer.match_sparse_indexer(site.mask)
         if sp is None:
             return None
+        if site.tokens > 1:
+            raise NotSparse(f"{site.tokens} query tokens per request (each its own top-k)")
         if src.kind not in ("tensor", "paged"):
             raise NotSparse(f"{src.kind} latent (the DCP sparse graph keeps HF's indexer + mla.dcp_decode)")
         B, L = _shape(site.q)[0], _shape(site.latent)[-2]
@@ -221,8 +226,10 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
         rewritten += 1
         if site.sparse is not None:
             sparse += 1
-        log.info("mla_attention: rewrote %s attention at %s (H=%d, R=%d, rope=%d, %s latent) -> %s",
-                 site.impl, node.name, site.heads, _shape(site.latent)[-1], site.rope, src.kind,
+        if site.tokens > 1:
+            counters[TOKENS_COUNTER] += 1
+        log.info("mla_attention: rewrote %s attention at %s (H=%d, S=%d, R=%d, rope=%d, %s latent) -> %s",
+                 site.impl, node.name, site.heads, site.tokens, _shape(site.latent)[-1], site.rope, src.kind,
                  "dsa.indexer_topk + mla.sparse_decode" if site.sparse is not None
                  else "mla.dcp_decode" if src.kind == "dcp" else "mla.decode")
     if rewritten or dropped:

@@ -6,6 +6,14 @@ at the first `update`, so when the prefill itself runs as a CUDA graph the cache
 graph, owned by the CUDA-graph trees' memory pool. The next graph's replay frees or overwrites them and the
 decode step then reads a dead cache (on the H200: `TypeError: Pointer argument must be either uint64 or have
 data_ptr method` in an Inductor launcher, or a segfault, with Inductor alone as with `mla_dcp`).
+
+A verification step (MTP, HF's assisted generation and prompt lookup: 2 .. MAX_QUERY_TOKENS query tokens over
+an existing cache) is a decode step: CUDA-graphed like one, rewritten like one. What tells it from a prefill of
+as few tokens is the trap itself: a prefill that allocates the cache hands the fresh buffers out of the graph
+(Dynamo returns the tensors it stored on the cache object), a verification step only reads and writes
+buffers it was given. So a step with more than one query token counts as a prefill when it has more than
+MAX_QUERY_TOKENS of them or when one of its outputs is a tensor the graph itself allocated (a factory call:
+zeros / empty / full / ones, `new_*`, `*_like`).
 """
 
 from __future__ import annotations
@@ -13,8 +21,13 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .attention_rows import MAX_QUERY_TOKENS
+
 _SDPA = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
 _SOFTMAX = {torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax}
+_FACTORIES = {torch.zeros, torch.empty, torch.ones, torch.full, torch.zeros_like, torch.empty_like, torch.ones_like,
+              torch.full_like}
+_FACTORY_METHODS = {"new_zeros", "new_empty", "new_ones", "new_full", "zeros_like", "empty_like"}
 
 
 def _val(n):
@@ -29,10 +42,36 @@ def _query_len(t) -> int | None:
     return s if isinstance(s, int) else None
 
 
+def allocated_output(gm: fx.GraphModule) -> str | None:
+    """The name of a graph output that the graph allocated itself (a factory call), or None."""
+    out = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    if out is None:
+        return None
+    for n in torch.utils._pytree.tree_leaves(out.args):
+        if not isinstance(n, fx.Node):
+            continue
+        if (n.op == "call_function" and n.target in _FACTORIES) or (n.op == "call_method"
+                                                                     and n.target in _FACTORY_METHODS):
+            return n.name
+    return None
+
+
 def multi_token_attention(gm: fx.GraphModule) -> str | None:
-    """The name of an attention node that attends with more than one query token per request (a prefill or
-    chunked-prefill step: SDPA with a query of Sq != 1, or a softmax over 4-D scores [B, H, Sq, L] with Sq != 1;
-    a symbolic Sq counts as more than one), or None when every attention is a one-token decode."""
+    """The name of an attention node of a prefill step: one that attends with more than one query token per
+    request (SDPA with a query of Sq != 1, or a softmax over 4-D scores [B, H, Sq, L] with Sq != 1; a symbolic Sq
+    counts as more than one), unless the step is a verification step (2 <= Sq <= MAX_QUERY_TOKENS everywhere and
+    no output the graph allocated: the module docstring). None for decode and verification steps."""
+    lens = _query_lens(gm)
+    if not lens:
+        return None
+    if all(isinstance(s, int) and 2 <= s <= MAX_QUERY_TOKENS for _, s in lens) and allocated_output(gm) is None:
+        return None
+    return lens[0][0]
+
+
+def _query_lens(gm: fx.GraphModule) -> list:
+    """(attention node name, Sq) of every attention whose query length is not 1."""
+    found = []
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target in _SDPA and n.args:
             q = _val(n.args[0])
@@ -43,5 +82,5 @@ def multi_token_attention(gm: fx.GraphModule) -> str | None:
         else:
             continue
         if isinstance(q, torch.Tensor) and _query_len(q) != 1:
-            return n.name
-    return None
+            found.append((n.name, _query_len(q)))
+    return found
