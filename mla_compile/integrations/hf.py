@@ -47,6 +47,7 @@ import torch
 
 from .. import layout, ops  # noqa: F401  (registers torch.ops.mla.*)
 from ..ops.hf_cache import ALL_SELECTED_OPS, GATHER_OPS, all_selected, gather_latent  # noqa: F401  (re-exported)
+from .tp import check_cache_group
 from .generate import compile_config, create_masks_in_graph, optimize_generate  # noqa: F401  (the generate road)
 
 try:  # transformers >= 5.17 (both the GPU machine's 5.17 and the latest have it)
@@ -141,9 +142,10 @@ if _BaseLayer is not None:
         """One layer's latent cache in pages; `keys`/`values` alias the ckv/kpe page pools."""
 
         def __init__(self, max_cache_len: int, page_size: int = 64, dcp_size: int = 1, dcp_rank: int = 0,
-                     group_name: str = "", shuffle_pages: bool = False, **kwargs):
+                     group_name: str = "", shuffle_pages: bool = False, heads_sharded: bool = False, **kwargs):
             super().__init__(max_cache_len=max_cache_len)
             self.page_size, self.dcp_size, self.dcp_rank, self.group_name = page_size, dcp_size, dcp_rank, group_name
+            self.heads_sharded = heads_sharded
             self.shuffle_pages = shuffle_pages
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -183,7 +185,38 @@ if _BaseLayer is not None:
             torch.ops.mla.cache_write(self.keys, self.values, key_states.reshape(B * T, R),
                                       value_states.reshape(B * T, value_states.shape[-1]), slots)
             return torch.ops.mla_hf.gather_latent(self.keys, self.values, self.block_table, self.max_cache_len,
-                                                  self.dcp_size, self.dcp_rank, self.group_name)
+                                                  self.dcp_size, self.dcp_rank, self.group_name, self.heads_sharded)
+
+        def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+            """DSA indexer keys [B, T, Di]. Single rank: HF's static buffer. DCP: this rank's token-cyclic shard in
+            pages of the latent's block table (the same slots), read back whole through `mla_hf::gather_latent`
+            (the pass replaces HF's indexer over it by `dsa.dcp_indexer_topk` over the shard)."""
+            if self.dcp_size == 1:
+                return super().update_indexer(indexer_key_states)
+            B, T, Di = indexer_key_states.shape
+            if not self.is_indexer_initialized:
+                if not self.is_initialized:
+                    raise ValueError("indexer_key_states: the DCP cache places indexer keys in the latent's pages: "
+                                     "call update() for this layer first (HF's DSA attention does)")
+                self.indexer_keys = torch.zeros((self.keys.shape[0], self.page_size, Di),
+                                                dtype=indexer_key_states.dtype, device=self.device)
+                self.indexer_no_rope = self.indexer_keys.new_zeros((self.keys.shape[0], self.page_size, 0))
+                self.indexer_cumulative_length = torch.zeros((), dtype=torch.long, device=self.device)
+                if not torch.compiler.is_compiling():
+                    for t in (self.indexer_keys, self.indexer_no_rope, self.indexer_cumulative_length):
+                        torch._dynamo.mark_static_address(t)
+                self.is_indexer_initialized = True
+            positions = torch.arange(T, device=self.device) + self.indexer_cumulative_length
+            self.indexer_cumulative_length.add_(T)
+            req = torch.arange(B, device=self.device).repeat_interleave(T)
+            slots = layout.owner_slots(self.block_table, req, positions.repeat(B), self.page_size, self.dcp_size,
+                                       self.dcp_rank)
+            torch.ops.mla.cache_write(self.indexer_keys, self.indexer_no_rope, indexer_key_states.reshape(B * T, Di),
+                                      indexer_key_states.new_zeros((B * T, 0)), slots)
+            keys, _ = torch.ops.mla_hf.gather_latent(self.indexer_keys, self.indexer_no_rope, self.block_table,
+                                                     self.max_cache_len, self.dcp_size, self.dcp_rank,
+                                                     self.group_name)
+            return keys.squeeze(1)
 
         def reset(self) -> None:
             if self.is_initialized:
@@ -201,6 +234,8 @@ if _BaseLayer is not None:
         dcp: None (single rank) or an object with `size`, `rank`, `group_name` (e.g.
         `mla_compile.distributed.init_dcp()`), one process per rank, every rank running the same model on the
         same inputs. Use it like HF's StaticCache: `model(ids, **cache_kwargs(model, cache), ...)`.
+        TP x DCP: dcp from `init_dcp(tp_size=...)` and the model sharded with `integrations.tp.shard_mla_heads`
+        (the same group; a mismatch is a ValueError). DSA models under DCP keep the indexer keys sharded too.
         """
 
         def __init__(self, config, max_cache_len: int, *, page_size: int = 64, dcp=None,
@@ -208,7 +243,8 @@ if _BaseLayer is not None:
             text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
             n = getattr(dcp, "size", 1) if dcp is not None else 1
             kw = dict(page_size=page_size, dcp_size=n, dcp_rank=getattr(dcp, "rank", 0) if dcp is not None else 0,
-                      group_name=getattr(dcp, "group_name", "") if n > 1 else "", shuffle_pages=shuffle_pages)
+                      group_name=getattr(dcp, "group_name", "") if n > 1 else "", shuffle_pages=shuffle_pages,
+                      heads_sharded=check_cache_group(config, dcp))
             layers = [MLAPagedLayer(max_cache_len=max_cache_len, **kw) for _ in range(text.num_hidden_layers)]
             super().__init__(layers=layers)
             self.dcp_size = n

@@ -18,21 +18,26 @@ from .attention import token_slots
 
 @torch.library.custom_op("mla_hf::gather_latent", mutates_args=(),
                          schema="(Tensor ckv_cache, Tensor kpe_cache, Tensor block_table, int max_len, int dcp_size, "
-                                "int dcp_rank, str group_name) -> (Tensor, Tensor)")
-def gather_latent(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, group_name):
+                                "int dcp_rank, str group_name, bool heads_sharded=False) -> (Tensor, Tensor)")
+def gather_latent(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, group_name,
+                  heads_sharded=False):
     """The full latent of every request in token order: (ckv [B, 1, max_len, R], kpe [B, 1, max_len, P]).
 
     ckv_cache [NP, PS, R] / kpe_cache [NP, PS, P] hold THIS rank's tokens through block_table int32 [B, MP]
     (local token j at slot block_table[b, j // PS] * PS + j % PS). dcp_size > 1: all ranks' shards are
     all-gathered (one collective) and global token t = j * n + r is taken from rank r. Slots never written
     read as whatever the pages hold (zeros after allocation); HF's mask excludes them.
+    heads_sharded: a note for the attention pass, not used here: the model's attention heads over this latent are
+    split across the DCP group (TP x DCP, `integrations.tp.shard_mla_heads`), so the pass emits
+    `mla.tp_dcp_decode` instead of `mla.dcp_decode`.
     """
     _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank)
     B, MP = block_table.shape
     PS, R, P = ckv_cache.shape[1], ckv_cache.shape[2], kpe_cache.shape[2]
     cap = MP * PS
     slots = token_slots(block_table, PS, cap)
-    local = torch.cat([ckv_cache.reshape(-1, R)[slots], kpe_cache.reshape(-1, P)[slots].to(ckv_cache.dtype)], -1)
+    kpe = kpe_cache.reshape(ckv_cache.shape[0] * PS, P)  # (not -1: P may be 0, the indexer keys' shard)
+    local = torch.cat([ckv_cache.reshape(-1, R)[slots], kpe[slots].to(ckv_cache.dtype)], -1)
     if dcp_size > 1:
         gathered = torch.ops._c10d_functional.all_gather_into_tensor(local.contiguous(), dcp_size, group_name)
         gathered = torch.ops._c10d_functional.wait_tensor(gathered).view(dcp_size, B, cap, R + P)
@@ -55,7 +60,7 @@ def _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp
 
 
 @gather_latent.register_fake
-def _(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, group_name):
+def _(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, group_name, heads_sharded=False):
     _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank)
     B = block_table.shape[0]
     return (ckv_cache.new_empty((B, 1, max_len, ckv_cache.shape[2])),
