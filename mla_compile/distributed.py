@@ -90,9 +90,11 @@ def init_dcp(backend: str | None = None, timeout: datetime.timedelta | float | N
     own_default = False  # we made the default group here, with the caller's timeout
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            if dcp_size not in (None, 1):
-                raise ValueError(f"dcp_size: {dcp_size} needs torch.distributed (launch with torchrun)")
-            return DCPGroup.single(device or "cpu")
+            if dcp_size not in (None, 1) or tp_size not in (None, 1):
+                raise ValueError(f"dcp_size: {dcp_size} x tp_size {tp_size} needs torch.distributed (launch with "
+                                 f"torchrun)")
+            one = DCPGroup.single(device or "cpu")
+            return one if tp_size is None else dataclasses.replace(one, heads_sharded=True)  # TP 1 x DCP 1
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         kwargs = {}

@@ -27,6 +27,9 @@ def test_readme_snippet_runs(name):
     if name == "eager-generate":
         assert scope["out"].shape == (2, 16)
         assert torch._dynamo.utils.counters["mla_compile"]["mla_attention_rewritten"] == 2
+    if name == "tp-dcp":
+        counters = torch._dynamo.utils.counters["mla_compile"]
+        assert counters["dsa_index_mask_dropped"] >= 1 and counters["dsa_sparse_rewritten"] >= 1, dict(counters)
     if name == "generate":
         assert scope["out"].shape == (2, 8 + 12)
         assert torch._dynamo.utils.counters["mla_compile"]["mla_attention_rewritten"] >= 2

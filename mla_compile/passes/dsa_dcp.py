@@ -17,8 +17,9 @@ Same set as HF: HF's topk(score masked by A, k) over the L static positions, the
 count) valid tokens by score; `dcp_indexer_topk` returns exactly that set over all ranks (same score formula, the
 exact global top-k). Ties at the k-th place: HF's torch.topk defines no rule; ours is (token-table position, rank).
 The key cache is never gathered: the gather is dead after the rewrite (and removed with HF's indexer).
-Empty rows: EMPTY_ZERO and EMPTY_NAN as the other paths (emptiness from A's global row); a flat-softmax empty row
-(EMPTY_UNIFORM: eager attention with finfo.min masks) keeps HF's indexer (NoMatch: the token-table path, exact).
+Empty rows (no valid token in A's global row): 0 (SDPA), NaN (eager, -inf mask), or HF's flat softmax over all L
+static positions (eager, finfo.min mask: the row lists every slot each rank holds, with a zero query), as the other
+paths.
 """
 
 from __future__ import annotations
@@ -49,17 +50,15 @@ class KeyShard:
         """(the attention op's node (out, lse), empty bool [B] or None) for `attention_emit.emit`."""
         sp = site.sparse
         empty_rows = site.proof.empty_rows
-        if empty_rows == masks.EMPTY_UNIFORM:
-            raise NoMatch("flat-softmax empty rows (finfo.min mask) under DCP keep HF's indexer")
         proof = masks.prove_mask(sp.A, additive=site.impl == "eager", dtypes=site.dtypes)
         valid = _valid_of(b, sp.A, proof, B, L, memo)
         if valid is None:
             raise NoMatch("DSA indexer without an attention mask")
         n, r, group = src.dcp_size, src.dcp_rank, src.group_name
         device = val(site.q).device
+        cap = _shape(src.block_table)[1] * _shape(src.ckv)[1]  # local token capacity
 
         def indexer():  # a GLM-DSA "shared" layer reuses the previous layer's selection: one call
-            cap = _shape(src.block_table)[1] * _shape(src.ckv)[1]  # local token capacity
             local = layout.local_mask(valid, L, n, r, cap, aten=b.aten)
             table, counts = _emit_token_table(b, local, B, cap, device)
             _, _, Hi, Di = _shape(sp.q)
@@ -74,16 +73,42 @@ class KeyShard:
         picked = b.call(aten.ge.Scalar, idx, 0)
         count = b.call(aten._to_copy.default, b.call(aten.sum.dim_IntList, picked, [-1]), dtype=torch.int32)
         table = b.call(aten.clamp_min.default, idx, 0)
+        empty = None
+        if empty_rows != masks.EMPTY_ZERO:  # emptiness is global: from A's whole row, before sharding
+            empty = b.call(aten.logical_not.default, b.call(aten.any.dim, valid, -1))
+        if empty_rows == masks.EMPTY_UNIFORM:
+            # HF: a row with no valid token attends all L static positions alike (every score the mask constant):
+            # such a row lists every slot this rank holds of them, with a zero query (scores 0), as the dense path
+            table, count = self._uniform_rows(b, table, count, empty, B, L, cap, device, memo)
+            rows = b.call(aten.unsqueeze.default, b.call(aten.unsqueeze.default, empty, 1), 2)
+            q_abs = b.call(aten.where.ScalarSelf, rows, 0.0, q_abs)
+            q_pe = b.call(aten.where.ScalarSelf, rows, 0.0, q_pe)
         R, P = _shape(site.latent)[-1], site.rope
         ckv, kpe = _flat_latent(b, src, B, L, R, P)
         op = torch.ops.mla.tp_dcp_decode.default if src.heads_sharded else torch.ops.mla.dcp_decode.default
         # check_lens=False: count * n is this rank's own count, not a length every rank shares
         res = b.call(op, q_abs, q_pe, ckv, kpe, table, layout.lens_holding(count, n, aten=b.aten), site.scale, n, r,
                      group, False)
-        empty = None
-        if empty_rows == masks.EMPTY_NAN:  # emptiness is global: from A's whole row, before sharding
-            empty = b.call(aten.logical_not.default, b.call(aten.any.dim, valid, -1))
         return res, empty
+
+    def _uniform_rows(self, b, table, count, empty, B, L: int, cap: int, device, memo):
+        """(table [B, W], count [B]): the selection, or for an empty row every slot this rank holds of the L static
+        positions (W = max(topk, cap): both fit)."""
+        src = self.src
+        k = _shape(table)[1]
+
+        def every():
+            allv = b.call(aten.full.default, [_lead(B), L], True, dtype=torch.bool, device=device)
+            local = layout.local_mask(allv, L, src.dcp_size, src.dcp_rank, cap, aten=b.aten)
+            t, c = _emit_token_table(b, local, B, cap, device)
+            return _paged_slots(b, t, src), c
+
+        all_table, all_count = memo.get(b, ("dcp_every_slot", src.block_table, L), every)
+        W = max(k, cap)
+        sel = b.call(aten.constant_pad_nd.default, table, [0, W - k], 0) if W > k else table
+        full = b.call(aten.constant_pad_nd.default, all_table, [0, W - cap], 0) if W > cap else all_table
+        rows = b.call(aten.unsqueeze.default, empty, 1)
+        return b.call(aten.where.self, rows, full, sel), b.call(aten.where.self, empty, all_count, count)
 
 
 def _lead(B) -> int:
