@@ -87,7 +87,8 @@ def cmd_hf_decode(ctx, kind: str, tp: int, impl: str = "sdpa", empty_row: bool =
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     c_t, c_l = M.greedy(compiled, model, ids, mask, MLAPagedCache(model.config, L, page_size=4, dcp=grp), STEPS,
                         prefill=model)
-    return dict(ref_t=ref_t, e_t=e_t, c_t=c_t, err=M.rel_err(c_l, ref_l), graphs=graphs,
+    layout = (grp.size, grp.rank, grp.tp_rank, grp.head_shards, grp.head_rank) if tp else None
+    return dict(ref_t=ref_t, e_t=e_t, c_t=c_t, err=M.rel_err(c_l, ref_l), graphs=graphs, layout=layout,
                 counters=dict(torch._dynamo.utils.counters["mla_compile"]))
 
 
@@ -115,11 +116,38 @@ def _check(res, sparse: bool, tp: bool):
     assert all(torch.equal(r["c_t"], res[0]["c_t"]) for r in res)
 
 
-@pytest.mark.parametrize("n,impl,empty_row", [(2, "sdpa", False), (2, "eager", True), (3, "sdpa", False)])
+@pytest.mark.parametrize("n,impl,empty_row", [
+    (2, "eager", True),  # fast: eager attention with an all-padding row (flat-softmax rows), left padding
+    pytest.param(2, "sdpa", False, marks=pytest.mark.slow),  # the same code paths, sdpa's bool mask
+    pytest.param(3, "sdpa", False, marks=pytest.mark.slow),  # n = 3: test_dcp_dsa_gloo covers the op at 3 ranks fast
+])
 def test_dcp_dsa_graphs_match_single_process_hf(groups, n, impl, empty_row):
     _check(groups(n).run("hf_decode", "v32", 0, impl, empty_row, timeout=600), sparse=True, tp=False)
 
 
 @pytest.mark.parametrize("kind", ["v3", "v32"])
 def test_tp2_x_dcp2_matches_single_process_hf(groups, kind):
-    _check(groups(4).run("hf_decode", kind, 2, timeout=600), sparse=kind == "v32", tp=True)
+    res = groups(4).run("hf_decode", kind, 2, timeout=600)
+    # world rank g: DCP rank g % 2 of its group, TP rank g // 2, head block g of 4
+    assert [r["layout"] for r in res] == [(2, g % 2, g // 2, 4, g) for g in range(4)]
+    _check(res, sparse=kind == "v32", tp=True)
+
+
+def test_cache_refuses_a_group_that_disagrees_with_the_model():
+    import hf_models as M
+    from mla_compile.distributed import init_dcp
+    from mla_compile.integrations.hf import MLAPagedCache
+    from mla_compile.integrations.tp import shard_mla_heads
+
+    grp = init_dcp(tp_size=1)  # one process: TP 1 x DCP 1, heads "split" one way
+    model = M.deepseek_v3(num_layers=1, heads=8)
+    with pytest.raises(ValueError, match="^dcp: this group splits attention heads"):
+        MLAPagedCache(model.config, 16, dcp=grp)
+    with pytest.raises(ValueError, match="^group: heads are not sharded"):
+        shard_mla_heads(model, init_dcp())
+    shard_mla_heads(model, grp)
+    with pytest.raises(ValueError, match="^model: its attention heads are sharded already"):
+        shard_mla_heads(model, grp)
+    with pytest.raises(ValueError, match="^dcp: the model's heads were sharded"):
+        MLAPagedCache(model.config, 16, dcp=None)
+    MLAPagedCache(model.config, 16, dcp=grp)  # the matching group
