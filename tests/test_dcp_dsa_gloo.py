@@ -62,8 +62,9 @@ def _problem(seed: int, n: int, B: int, ties: bool):
 
 
 # ============================================================================================ commands
-def cmd_dcp_indexer(ctx, seed: int, topk: int, ties: bool, B: int = 6):
-    """This rank's selection (as global token indices) and the single-rank reference's, per request."""
+def cmd_dcp_indexer(ctx, seed: int, topk: int, ties: bool, compiled: bool, B: int = 6):
+    """This rank's selection (as global token indices) and the single-rank reference's, per request; compiled: also
+    under torch.compile (fullgraph), which must equal eager."""
     from mla_compile import paged
 
     n, rank = ctx.n, ctx.rank
@@ -80,13 +81,20 @@ def cmd_dcp_indexer(ctx, seed: int, topk: int, ties: bool, B: int = 6):
         k = int((row >= 0).sum())
         assert bool((row[:k] >= 0).all()) and bool((row[k:] == -1).all())
     ref = torch.ops.dsa.indexer_topk(q, w, full.ckv_cache, full.block_table, seq, topk, scale)
-    # the same selection compiled (fullgraph): one Dynamo graph, equal to eager
-    step = torch.compile(lambda *a: torch.ops.dsa.dcp_indexer_topk(*a, topk, scale, n, rank, ctx.group_name),
-                         backend="mla_dcp", fullgraph=True, dynamic=False)
-    got = step(q, w, sh.ckv_cache, sh.block_table, seq)
-    return dict(lens=lens, mine=selected_tokens(idx, slot_tokens(sh.block_table, lens, n, rank)),
-                compiled=torch.equal(got, idx),
-                ref=selected_tokens(ref, slot_tokens(full.block_table, lens, 1, 0)))
+    # did an exact tie straddle the k-th place (so the tie rule decided the set)? per request
+    score = torch.relu(scale * torch.einsum("bhd,btd->bht", q, torch.nn.utils.rnn.pad_sequence(keys, True)))
+    score = torch.einsum("bh,bht->bt", w, score)
+    ref_sets = selected_tokens(ref, slot_tokens(full.block_table, lens, 1, 0))
+    tied = [L > topk and float(score[b, ref_sets[b]].min()) == float(score[b, [t for t in range(L)
+            if t not in ref_sets[b]]].max()) for b, L in enumerate(lens)]
+    same = True
+    if compiled:  # the same selection compiled (fullgraph): equal to eager
+        torch._dynamo.reset()
+        step = torch.compile(lambda *a: torch.ops.dsa.dcp_indexer_topk(*a, topk, scale, n, rank, ctx.group_name),
+                             backend="mla_dcp", fullgraph=True, dynamic=False)
+        same = torch.equal(step(q, w, sh.ckv_cache, sh.block_table, seq), idx)
+    return dict(lens=lens, mine=selected_tokens(idx, slot_tokens(sh.block_table, lens, n, rank)), compiled=same,
+                ref=ref_sets, tied=tied)
 
 
 def cmd_dcp_indexer_bad(ctx):
@@ -127,9 +135,11 @@ COMMANDS = {f.__name__[4:]: f for f in (cmd_dcp_indexer, cmd_dcp_indexer_bad)}
 def test_dcp_indexer_is_the_single_rank_selection(groups, n):
     g = groups(n)
     for seed, topk, ties in [(n, 8, False), (10 + n, 8, True), (20 + n, 3, True), (30 + n, 64, False)]:
-        res = g.run("dcp_indexer", seed, topk, ties)
+        res = g.run("dcp_indexer", seed, topk, ties, seed == 10 + n)
         lens, ref = res[0]["lens"], res[0]["ref"]
         assert all(r["compiled"] for r in res), "compiled differs from eager"
+        if ties:  # the data makes the tie rule decide at least one request's set
+            assert any(res[0]["tied"]), (seed, topk)
         for b, L in enumerate(lens):
             union = sorted(t for r in res for t in r["mine"][b])
             assert len(union) == len(set(union)) == min(topk, L), (b, L, union)
