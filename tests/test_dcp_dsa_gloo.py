@@ -188,8 +188,8 @@ def test_dcp_indexer_single_rank_opcheck():
     from mla_compile import paged
 
     g = torch.Generator().manual_seed(1)
-    pb = paged.fill_paged([torch.randn(11, DI, generator=g), torch.randn(0, DI)], [torch.zeros(11, 0), torch.zeros(0, 0)], PS,
-                          generator=g)
+    pb = paged.fill_paged([torch.randn(11, DI, generator=g), torch.randn(0, DI)],
+                          [torch.zeros(11, 0), torch.zeros(0, 0)], PS, generator=g)
     args = (torch.randn(2, HI, DI, generator=g), torch.rand(2, HI, generator=g), pb.ckv_cache, pb.block_table,
             pb.seq_lens, 4, 0.2, 1, 0, "")
     assert torch.equal(torch.ops.dsa.dcp_indexer_topk(*args), torch.ops.dsa.indexer_topk(*args[:7]))
