@@ -101,8 +101,8 @@ def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
     Returns int32 [B, topk]: physical slots of the top min(topk, seq_len) tokens, then -1.
     Rows with seq_len > topk list them by descending score; equal scores go to the lower token index
     (`mla_compile.topk_order`: the one tie rule, shared with `dsa::dcp_indexer_topk`). Rows with seq_len <= topk
-    select every token, so they skip the logits and list their slots in token order (the k-only identity): one long request in
-    a batch does not make the short ones pay for the indexer.
+    select every token, so they skip the logits and list their slots in token order (the k-only identity): one long
+    request in a batch does not make the short ones pay for the indexer.
     S query tokens per request: q [B, S, Hi, Di], weights float32 [B, S, Hi] -> int32 [B, S, topk], query token j
     ranking the tokens it may see, t < seq_lens[b] - S + 1 + j (seq_lens counts the S new tokens; 0 or >= S).
     """
