@@ -35,6 +35,23 @@ class DCPGroup:
     group_name: str
     device: torch.device
     group: object = None  # the torch.distributed ProcessGroup (None for a single-process "group")
+    # TP x DCP (`init_dcp(tp_size=...)`): attention heads split over tp_size * size ranks, this DCP group being one
+    # TP rank's block of them; heads_sharded False: pure DCP (every rank computes every head)
+    tp_size: int = 1
+    tp_rank: int = 0
+    heads_sharded: bool = False
+    head_group_name: str = ""  # the tp_size * size ranks whose heads o_proj's partial sums add up
+    head_group: object = None
+
+    @property
+    def head_shards(self) -> int:
+        """How many ranks split the attention heads (1: replicated heads)."""
+        return self.tp_size * self.size if self.heads_sharded else 1
+
+    @property
+    def head_rank(self) -> int:
+        """This rank's head block: heads [head_rank * H / head_shards, (head_rank + 1) * H / head_shards)."""
+        return self.tp_rank * self.size + self.rank if self.heads_sharded else 0
 
     @classmethod
     def single(cls, device="cpu") -> "DCPGroup":
@@ -43,7 +60,8 @@ class DCPGroup:
 
 
 def init_dcp(backend: str | None = None, timeout: datetime.timedelta | float | None = None,
-             dcp_size: int | None = None, device: str | torch.device | None = None) -> DCPGroup:
+             dcp_size: int | None = None, device: str | torch.device | None = None,
+             tp_size: int | None = None) -> DCPGroup:
     """Join (or reuse) torch.distributed and return this rank's DCP group.
 
     Without an initialized default group it calls `init_process_group` from torchrun's environment (RANK,
@@ -56,6 +74,14 @@ def init_dcp(backend: str | None = None, timeout: datetime.timedelta | float | N
     other collectives). `dcp_size` (default: the world) splits the world into consecutive groups of that
     many ranks. Making a group is collective over all ranks: every rank must call this with the same
     dcp_size and timeout. Single process without torchrun: a size-1 group.
+
+    TP x DCP: `tp_size` (None: pure DCP, heads replicated) splits the attention heads over tp_size * dcp_size
+    ranks: consecutive blocks of that many ranks (the world by default) form a head group, whose consecutive
+    dcp_size ranks form the DCP groups. World rank g of a block is TP rank g // dcp_size and DCP rank
+    g % dcp_size and owns head block g (of tp_size * dcp_size). Each DCP group holds the KV cache once
+    (token-cyclic) for its TP rank's heads, which `mla::tp_dcp_decode` splits further over the DCP ranks; o_proj's
+    partial sums add up over the head group. tp_size 1 is heads split over the DCP group alone (vLLM's tp == dcp).
+    Shard the model with `mla_compile.integrations.tp.shard_mla_heads(model, group)`.
     """
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
@@ -64,9 +90,11 @@ def init_dcp(backend: str | None = None, timeout: datetime.timedelta | float | N
     own_default = False  # we made the default group here, with the caller's timeout
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            if dcp_size not in (None, 1):
-                raise ValueError(f"dcp_size: {dcp_size} needs torch.distributed (launch with torchrun)")
-            return DCPGroup.single(device or "cpu")
+            if dcp_size not in (None, 1) or tp_size not in (None, 1):
+                raise ValueError(f"dcp_size: {dcp_size} x tp_size {tp_size} needs torch.distributed (launch with "
+                                 f"torchrun)")
+            one = DCPGroup.single(device or "cpu")
+            return one if tp_size is None else dataclasses.replace(one, heads_sharded=True)  # TP 1 x DCP 1
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         kwargs = {}
@@ -77,6 +105,8 @@ def init_dcp(backend: str | None = None, timeout: datetime.timedelta | float | N
         dist.init_process_group(backend, init_method="env://", timeout=timeout or DEFAULT_TIMEOUT, **kwargs)
         own_default = True
     world = dist.get_world_size()
+    if tp_size is not None:
+        return _init_tp_dcp(world, tp_size, dcp_size, timeout, own_default, device)
     if device is None:
         be = dist.get_backend()
         device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(be) else torch.device("cpu")
@@ -91,6 +121,37 @@ def init_dcp(backend: str | None = None, timeout: datetime.timedelta | float | N
     else:
         group, _ = dist.new_subgroups(group_size=n, timeout=timeout or DEFAULT_TIMEOUT)
     return DCPGroup(n, dist.get_rank(group), group.group_name, device, group)
+
+
+def _default_device(device):
+    if device is not None:
+        return torch.device(device)
+    be = dist.get_backend()
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(be) else torch.device("cpu")
+
+
+def _init_tp_dcp(world: int, tp_size, dcp_size, timeout, own_default: bool, device) -> DCPGroup:
+    """The head group (tp_size * dcp_size ranks) and the DCP group inside it (`init_dcp`'s docstring)."""
+    d = world if dcp_size is None else dcp_size
+    if not (isinstance(tp_size, int) and not isinstance(tp_size, bool) and tp_size >= 1):
+        raise ValueError(f"tp_size: must be an int >= 1, got {tp_size!r}")
+    if not (isinstance(d, int) and not isinstance(d, bool) and d >= 1 and world % (tp_size * d) == 0):
+        raise ValueError(f"dcp_size: tp_size {tp_size} x dcp_size {dcp_size!r} must divide the world size {world}")
+    device = _default_device(device)
+    heads = tp_size * d
+
+    def sub(size):
+        if size == world and (own_default or timeout is None):
+            return dist.group.WORLD
+        if size == world:
+            return dist.new_group(ranks=list(range(world)), timeout=timeout)
+        return dist.new_subgroups(group_size=size, timeout=timeout or DEFAULT_TIMEOUT)[0]
+
+    head_group = sub(heads)
+    group = sub(d)
+    g = dist.get_rank(head_group)
+    return DCPGroup(d, dist.get_rank(group), group.group_name, device, group, tp_size=tp_size, tp_rank=g // d,
+                    heads_sharded=True, head_group_name=head_group.group_name, head_group=head_group)
 
 
 @dataclasses.dataclass

@@ -35,6 +35,9 @@ def test_readme_snippet_runs(name):
         assert torch._dynamo.utils.counters["mla_compile"]["mla_attention_rewritten"] == 2
         stated = f"{(1 << 30) // 656:,} tokens per GiB against {(1 << 30) // 1152:,}"  # computed, scales counted
         assert stated in README.read_text(), stated
+    if name == "tp-dcp":
+        counters = torch._dynamo.utils.counters["mla_compile"]
+        assert counters["dsa_index_mask_dropped"] >= 1 and counters["dsa_sparse_rewritten"] >= 1, dict(counters)
     if name == "generate":
         assert scope["out"].shape == (2, 8 + 12)
         assert torch._dynamo.utils.counters["mla_compile"]["mla_attention_rewritten"] >= 2

@@ -48,11 +48,12 @@ def write(buf: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, slots: torch.
 
 
 def gather(buf: torch.Tensor, R: int, kpe_dtype: torch.dtype, block_table: torch.Tensor, max_len: int,
-           dcp_size: int, dcp_rank: int, group_name: str):
+           dcp_size: int, dcp_rank: int, group_name: str, heads_sharded: bool = False):
     """`mla_hf::gather_latent` over the buffer's views: the dequantized latent [B, 1, max_len, R] and the rope
     latent [B, 1, max_len, P], both in kpe_dtype (the rope part's dtype: the model's)."""
     ckv, scale, kpe = fp8.read_views(buf, R, kpe_dtype)
-    return torch.ops.mla_hf.gather_latent(ckv, kpe, block_table, max_len, dcp_size, dcp_rank, group_name, scale)
+    return torch.ops.mla_hf.gather_latent(ckv, kpe, block_table, max_len, dcp_size, dcp_rank, group_name, scale,
+                                          heads_sharded)
 
 
 def tokens_per_gib(R: int = 512, P: int = 64, dtype: torch.dtype = torch.bfloat16, kv_cache_dtype: str = FP8) -> int:

@@ -49,6 +49,7 @@ import torch
 from .. import layout, ops  # noqa: F401  (registers torch.ops.mla.*)
 from . import fp8_cache
 from ..ops.hf_cache import ALL_SELECTED_OPS, GATHER_OPS, all_selected, gather_latent  # noqa: F401  (re-exported)
+from .tp import check_cache_group
 from .generate import compile_config, create_masks_in_graph, optimize_generate  # noqa: F401  (the generate road)
 
 try:  # transformers >= 5.17 (both the GPU machine's 5.17 and the latest have it)
@@ -151,9 +152,11 @@ if _BaseLayer is not None:
         layer's token buffer, `integrations.fp8_cache`)."""
 
         def __init__(self, max_cache_len: int, page_size: int = 64, dcp_size: int = 1, dcp_rank: int = 0,
-                     group_name: str = "", shuffle_pages: bool = False, kv_cache_dtype: str | None = None, **kwargs):
+                     group_name: str = "", shuffle_pages: bool = False, kv_cache_dtype: str | None = None,
+                     heads_sharded: bool = False, **kwargs):
             super().__init__(max_cache_len=max_cache_len)
             self.page_size, self.dcp_size, self.dcp_rank, self.group_name = page_size, dcp_size, dcp_rank, group_name
+            self.heads_sharded = heads_sharded
             self.shuffle_pages = shuffle_pages
             self.fp8 = fp8_cache.check_kv_cache_dtype(kv_cache_dtype)
 
@@ -200,10 +203,42 @@ if _BaseLayer is not None:
             if self.fp8:
                 fp8_cache.write(self.keys, ckv, kpe, slots)
                 return fp8_cache.gather(self.keys, R, self.dtype, self.block_table, self.max_cache_len,
-                                        self.dcp_size, self.dcp_rank, self.group_name)
+                                        self.dcp_size, self.dcp_rank, self.group_name, self.heads_sharded)
             torch.ops.mla.cache_write(self.keys, self.values, ckv, kpe, slots)
             return torch.ops.mla_hf.gather_latent(self.keys, self.values, self.block_table, self.max_cache_len,
-                                                  self.dcp_size, self.dcp_rank, self.group_name)
+                                                  self.dcp_size, self.dcp_rank, self.group_name,
+                                                  heads_sharded=self.heads_sharded)
+
+        def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+            """DSA indexer keys [B, T, Di]. Single rank: HF's static buffer. DCP: this rank's token-cyclic shard in
+            pages of the latent's block table (the same slots), read back whole through `mla_hf::gather_latent`
+            (the pass replaces HF's indexer over it by `dsa.dcp_indexer_topk` over the shard)."""
+            if self.dcp_size == 1:
+                return super().update_indexer(indexer_key_states)
+            B, T, Di = indexer_key_states.shape
+            if not self.is_indexer_initialized:
+                if not self.is_initialized:
+                    raise ValueError("indexer_key_states: the DCP cache places indexer keys in the latent's pages: "
+                                     "call update() for this layer first (HF's DSA attention does)")
+                self.indexer_keys = torch.zeros((self.keys.shape[0], self.page_size, Di),
+                                                dtype=indexer_key_states.dtype, device=self.device)
+                self.indexer_no_rope = self.indexer_keys.new_zeros((self.keys.shape[0], self.page_size, 0))
+                self.indexer_cumulative_length = torch.zeros((), dtype=torch.long, device=self.device)
+                if not torch.compiler.is_compiling():
+                    for t in (self.indexer_keys, self.indexer_no_rope, self.indexer_cumulative_length):
+                        torch._dynamo.mark_static_address(t)
+                self.is_indexer_initialized = True
+            positions = torch.arange(T, device=self.device) + self.indexer_cumulative_length
+            self.indexer_cumulative_length.add_(T)
+            req = torch.arange(B, device=self.device).repeat_interleave(T)
+            slots = layout.owner_slots(self.block_table, req, positions.repeat(B), self.page_size, self.dcp_size,
+                                       self.dcp_rank)
+            torch.ops.mla.cache_write(self.indexer_keys, self.indexer_no_rope, indexer_key_states.reshape(B * T, Di),
+                                      indexer_key_states.new_zeros((B * T, 0)), slots)
+            keys, _ = torch.ops.mla_hf.gather_latent(self.indexer_keys, self.indexer_no_rope, self.block_table,
+                                                     self.max_cache_len, self.dcp_size, self.dcp_rank,
+                                                     self.group_name)
+            return keys.squeeze(1)
 
         def reset(self) -> None:
             if self.is_initialized:
@@ -223,6 +258,8 @@ if _BaseLayer is not None:
         same inputs. kv_cache_dtype: None / "auto" (the model's dtype) or "fp8_e4m3" (the FP8 latent cache,
         `mla_compile/fp8.py`: quantized on write, 656 bytes a token for a bf16 model; DCP shards too). Use it
         like HF's StaticCache: `model(ids, **cache_kwargs(model, cache), ...)`.
+        TP x DCP: dcp from `init_dcp(tp_size=...)` and the model sharded with `integrations.tp.shard_mla_heads`
+        (the same group; a mismatch is a ValueError). DSA models under DCP keep the indexer keys sharded too.
         """
 
         def __init__(self, config, max_cache_len: int, *, page_size: int = 64, dcp=None,
@@ -231,7 +268,7 @@ if _BaseLayer is not None:
             n = getattr(dcp, "size", 1) if dcp is not None else 1
             kw = dict(page_size=page_size, dcp_size=n, dcp_rank=getattr(dcp, "rank", 0) if dcp is not None else 0,
                       group_name=getattr(dcp, "group_name", "") if n > 1 else "", shuffle_pages=shuffle_pages,
-                      kv_cache_dtype=kv_cache_dtype)
+                      kv_cache_dtype=kv_cache_dtype, heads_sharded=check_cache_group(config, dcp))
             layers = [MLAPagedLayer(max_cache_len=max_cache_len, **kw) for _ in range(text.num_hidden_layers)]
             super().__init__(layers=layers)
             self.dcp_size = n

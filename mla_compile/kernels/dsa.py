@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import topk_order
 from ._util import block, dot_mode, mma, pdl_enter, pdl_launch
 
 
@@ -87,10 +88,13 @@ def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale) -> 
     identity = k_only_indices(block_table, seq_lens, PS, topk)  # what rows with seq_len <= topk return
     if B == 0 or k == 0:
         return identity
-    _, pos = torch.topk(score, k, dim=1)
+    # score descending, ties to the lower token index: the order every path shares (`topk_order`)
+    valid = torch.arange(score.shape[1], device=q.device)[None, :] < seq_lens[:, None]
+    pos, picked = topk_order.top_positions(score, valid, k)
+    pos = torch.where(picked, pos, 0)  # padding carries no position: any in-table one, masked below
     out = torch.full((B, topk), -1, dtype=torch.int32, device=q.device)
-    # position validity, not score finiteness, decides -1 (valid scores are clamped finite in the kernel)
-    out[:, :k] = torch.where(pos < seq_lens[:, None], _slots_of(block_table, pos, PS), -1).to(torch.int32)
+    # position validity (picked), not score finiteness, decides -1 (valid scores are clamped finite in the kernel)
+    out[:, :k] = torch.where(picked, _slots_of(block_table, pos, PS), -1).to(torch.int32)
     return torch.where((seq_lens <= topk)[:, None], identity, out)
 
 

@@ -12,3 +12,4 @@ from . import hf_cache  # noqa: F401,E402  (mla_hf::gather_latent / all_selected
 
 __all__ = ["decode", "sparse_decode", "cache_write", "indexer_topk", "k_only_indices", "merge_states", "fused_linear",
            "linear_partials", "expert_linear"]
+from . import dcp_dsa  # noqa: F401,E402  (dsa::dcp_indexer_topk: exact global top-k over DCP shards)

@@ -43,12 +43,12 @@ from . import _checks as C
 MAGIC = 0x4D4C4100  # "MLA\0" + kind: a chunk whose header does not start with it is no message of ours
 DATA, EXCHANGE, REJECT = 1, 2, 3
 WILDCARD = -(2**31)  # a field unknown when tracing (a symbolic size): matches anything
-OP_DCP, OP_TP = 1, 2
+OP_DCP, OP_TP, OP_DSA = 1, 2, 3
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # the signature's fields, in header order: (name, argument a disagreement is blamed on, what it is)
 _FIELDS = (
-    ("op", "group_name", "the DCP op (1: dcp_decode, 2: tp_dcp_decode)"),
+    ("op", "group_name", "the DCP op (1: dcp_decode, 2: tp_dcp_decode, 3: dcp_indexer_topk)"),
     ("dcp_size", "dcp_size", "dcp_size"),
     ("batch", "q_nope", "the batch size (q_nope.shape[0])"),
     ("heads", "q_nope", "the query heads per rank (q_nope.shape[1])"),
@@ -61,9 +61,12 @@ _FIELDS = (
     ("tokens", "q_nope", "the query tokens per request S"),
     ("limits", "seq_lens", "the seq_lens form (0: lengths [B], 1: per-query-token limits [B, S])"),
 )
+# the same words of a `dsa::dcp_indexer_topk` call (q [B, Hi, Di], topk in P's place)
+_INDEXER_FIELDS = {"batch": ("q", "the batch size (q.shape[0])"), "heads": ("q", "the index heads (q.shape[1])"),
+                   "R": ("q", "the index head dim (q.shape[2])"), "P": ("topk", "topk"), "dtype": ("q", "q's dtype")}
 HEADER_WORDS = 2 + len(_FIELDS)  # kind, rejected argument, fields
 ARG_NAMES = ("q_nope", "q_pe", "ckv_cache", "kpe_cache", "block_table", "seq_lens", "sm_scale", "dcp_size",
-             "dcp_rank", "group_name", "check_lens")
+             "dcp_rank", "group_name", "check_lens", "q", "weights", "k_cache", "topk")
 
 
 # ------------------------------------------------------------------------------------------------ signature
@@ -101,10 +104,16 @@ class Signature:
         """int32 words of seq_lens in the trailer: B, or B * S for per-query-token limits."""
         return self.batch * self.tokens if self.limits else self.batch
 
+    def payload_dtype(self) -> torch.dtype:
+        """The dtype of this call's first collective (the indexer's candidate keys travel as int32 words)."""
+        return torch.int32 if self.op == OP_DSA else self.dtype
+
     def payload_numel(self) -> int:
         """Elements (of `dtype`) in this call's first collective before the trailer."""
         if self.op == OP_DCP:  # (out, lse) packed: R + k columns per head, k = 4 / element size
             return self.batch * self.heads * (self.R + 4 // self.dtype.itemsize)
+        if self.op == OP_DSA:  # dsa::dcp_indexer_topk: topk int64 candidate keys per request, as int32 pairs
+            return self.batch * 2 * self.P
         return self.batch * self.heads * (self.R + self.P)  # q_nope and q_pe packed
 
 
@@ -214,7 +223,10 @@ def check_headers(headers: list[list[int]], group_name: str) -> None:
         msg = (f"dcp rank {r} of {n} (group {group_name!r}) rejected this call ({what}; that rank raised the "
                f"details), so every rank fails it")
         raise ValueError(f"{arg}: {msg}") if arg else RuntimeError(msg)
-    for i, (_, arg, what) in enumerate(_FIELDS):
+    indexer = headers[0][2] == OP_DSA
+    for i, (name, arg, what) in enumerate(_FIELDS):
+        if indexer and name in _INDEXER_FIELDS:  # dsa::dcp_indexer_topk's fields hold its own arguments
+            arg, what = _INDEXER_FIELDS[name]
         values = [h[2 + i] for h in headers]
         if len({v for v in values if v != WILDCARD}) > 1:
             per_rank = ", ".join(f"rank {r}: {_field_text(i, v, headers[r])}" for r, v in enumerate(values))
@@ -290,7 +302,7 @@ class EagerCall:
         if agreed is None:  # the group's first eager call: header-only messages on every rank
             payload, batch = torch.empty(0, dtype=torch.int32, device=self.device), 0
         else:
-            payload = torch.zeros(agreed.payload_numel(), dtype=agreed.dtype, device=self.device)
+            payload = torch.zeros(agreed.payload_numel(), dtype=agreed.payload_dtype(), device=self.device)
             batch = agreed.lens_words
         trail = torch.tensor([0] * batch + words, dtype=torch.int32, device=self.device)
         _, trails = gather_with_trailer(payload, trail, self.n, self.group_name)

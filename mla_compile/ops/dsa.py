@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import topk_order
 from . import _checks as C
 from .attention import check_query_lens, query_limits, token_slots
 
@@ -71,11 +72,17 @@ def indexer_scores(q, weights, k_cache, block_table, seq_lens, sm_scale):
     T = int(seq_lens.max()) if seq_lens.numel() else 0
     slots = token_slots(block_table, page_size, T)
     valid = torch.arange(T, device=seq_lens.device)[None, :] < seq_lens.long()[:, None]
-    k = torch.where(valid[..., None], k_cache.reshape(-1, k_cache.shape[-1])[torch.where(valid, slots, 0)].float(),
-                    0.0)  # [B, T, Di]; masked tokens zeroed (unused slots may hold NaN)
+    return slot_scores(q, weights, k_cache, slots, valid, sm_scale), slots
+
+
+def slot_scores(q, weights, k_cache, slots, valid, sm_scale):
+    """float32 [B, T]: the indexer score of the token at slots[b, t] of k_cache [NP, PS, Di] where valid (else -inf).
+    The one scoring formula of the CPU paths (single rank and each DCP rank score a token the same way)."""
+    k = k_cache.reshape(-1, k_cache.shape[-1])[torch.where(valid, slots, 0)].float()
+    k = torch.where(valid[..., None], k, 0.0)  # [B, T, Di]; masked tokens zeroed (unused slots may hold NaN)
     logits = torch.relu(sm_scale * torch.einsum("bhd,btd->bht", q.float(), k))
     score = torch.einsum("bh,bht->bt", weights, logits)
-    return score.masked_fill(~valid, float("-inf")), slots
+    return score.masked_fill(~valid, float("-inf"))
 
 
 @torch.library.custom_op(
@@ -92,9 +99,10 @@ def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
     block_table int32 [B, MP], seq_lens int32 [B]; topk > 0.
     score(t) = sum_h weights[h] * relu(sm_scale * q[h] . k[t]) for t < seq_len.
     Returns int32 [B, topk]: physical slots of the top min(topk, seq_len) tokens, then -1.
-    Rows with seq_len > topk list them by descending score. Rows with seq_len <= topk select every token,
-    so they skip the logits and list their slots in token order (the k-only identity): one long request in
-    a batch does not make the short ones pay for the indexer.
+    Rows with seq_len > topk list them by descending score; equal scores go to the lower token index
+    (`mla_compile.topk_order`: the one tie rule, shared with `dsa::dcp_indexer_topk`). Rows with seq_len <= topk
+    select every token, so they skip the logits and list their slots in token order (the k-only identity): one long
+    request in a batch does not make the short ones pay for the indexer.
     S query tokens per request: q [B, S, Hi, Di], weights float32 [B, S, Hi] -> int32 [B, S, topk], query token j
     ranking the tokens it may see, t < seq_lens[b] - S + 1 + j (seq_lens counts the S new tokens; 0 or >= S).
     """
@@ -120,13 +128,10 @@ def _indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
 def _topk_by_score(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
     score, slots = indexer_scores(q, weights, k_cache, block_table, seq_lens, sm_scale)
     valid = torch.arange(score.shape[1], device=score.device)[None, :] < seq_lens.long()[:, None]
-    # Rank by a key where every valid token outranks every invalid one, even if its score overflowed to
-    # +-inf or is NaN (else such a token would tie with the padding and come back as -1).
-    big = torch.finfo(score.dtype).max
-    key = torch.where(valid, torch.nan_to_num(score, nan=-big, posinf=big, neginf=-big), float("-inf"))
-    k = min(topk, score.shape[1])
-    _, pos = torch.topk(key, k, dim=1)
-    picked = torch.where(valid.gather(1, pos), slots.gather(1, pos), -1)
+    # score descending, ties to the lower token index (`topk_order`); a valid token outranks padding even if its
+    # score overflowed to +-inf or is NaN
+    pos, picked = topk_order.top_positions(score, valid, topk)
+    picked = torch.where(picked, slots.gather(1, pos.clamp(max=max(score.shape[1] - 1, 0))), -1)
     return _pad_cols(picked, topk).to(torch.int32)
 
 

@@ -18,8 +18,10 @@ from .attention import token_slots
 
 @torch.library.custom_op("mla_hf::gather_latent", mutates_args=(),
                          schema="(Tensor ckv_cache, Tensor kpe_cache, Tensor block_table, int max_len, int dcp_size, "
-                                "int dcp_rank, str group_name, Tensor? ckv_scale=None) -> (Tensor, Tensor)")
-def gather_latent(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, group_name, ckv_scale=None):
+                                "int dcp_rank, str group_name, Tensor? ckv_scale=None, bool heads_sharded=False) "
+                                "-> (Tensor, Tensor)")
+def gather_latent(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, group_name, ckv_scale=None,
+                  heads_sharded=False):
     """The full latent of every request in token order: (ckv [B, 1, max_len, R], kpe [B, 1, max_len, P]).
 
     ckv_cache [NP, PS, R] / kpe_cache [NP, PS, P] hold THIS rank's tokens through block_table int32 [B, MP]
@@ -29,18 +31,22 @@ def gather_latent(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank
 
     An FP8 cache (mla_compile/fp8.py: ckv_cache float8_e4m3fn with its ckv_scale float32 [NP, PS, R / 128]) is read
     dequantized, `fp8.dequantize` rounded to kpe_cache's dtype (the model's: the latent HF's attention then sees).
+    heads_sharded: a note for the attention pass, not used here: the model's attention heads over this latent are
+    split across the DCP group (TP x DCP, `integrations.tp.shard_mla_heads`), so the pass emits
+    `mla.tp_dcp_decode` instead of `mla.dcp_decode`.
     """
     _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, ckv_scale)
     B, MP = block_table.shape
     PS, R, P = ckv_cache.shape[1], ckv_cache.shape[2], kpe_cache.shape[2]
     cap = MP * PS
     slots = token_slots(block_table, PS, cap)
+    kpe = kpe_cache.reshape(ckv_cache.shape[0] * PS, P)  # (not -1: P may be 0, the indexer keys' shard)
     if ckv_scale is None:
         ckv = ckv_cache.reshape(-1, R)[slots]
     else:
         ckv = fp8.dequantize(ckv_cache.reshape(-1, R)[slots], ckv_scale.reshape(-1, R // fp8.GROUP)[slots],
                              kpe_cache.dtype)
-    local = torch.cat([ckv, kpe_cache.reshape(-1, P)[slots].to(ckv.dtype)], -1)
+    local = torch.cat([ckv, kpe[slots].to(ckv.dtype)], -1)
     if dcp_size > 1:
         gathered = torch.ops._c10d_functional.all_gather_into_tensor(local.contiguous(), dcp_size, group_name)
         gathered = torch.ops._c10d_functional.wait_tensor(gathered).view(dcp_size, B, cap, R + P)
@@ -64,7 +70,8 @@ def _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp
 
 
 @gather_latent.register_fake
-def _(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, group_name, ckv_scale=None):
+def _(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, group_name, ckv_scale=None,
+      heads_sharded=False):
     _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, ckv_scale)
     B = block_table.shape[0]
     dtype = ckv_cache.dtype if ckv_scale is None else kpe_cache.dtype

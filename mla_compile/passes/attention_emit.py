@@ -332,7 +332,10 @@ def emit(b: Builder, site: Site, src: LatentSource, memo: Memo, absorb: str = "a
     w_uk = b.call(aten.slice.Tensor, w, 1, 0, nope)  # [H, nope, R]
     w_uv = b.call(aten.slice.Tensor, w, 1, nope, nope + v_dim)  # [H, v, R]
     q_abs = _per_head_matmul(b, q_nope, w_uk, contract_last=False, absorb=absorb)  # [B, H, R]
-    if site.sparse is not None:  # DSA sparse graph: HF's indexer -> dsa.indexer_topk, attention over its slots
+    if site.sparse is not None and src.kind == "dcp":  # DSA under DCP: the indexer over each rank's key shard
+        res, empty = site.sparse.shard.emit(b, site, src, q_abs, q_pe, B, L, memo)  # `passes.dsa_dcp`
+        lat = b.item(res, 0)
+    elif site.sparse is not None:  # DSA sparse graph: HF's indexer -> dsa.indexer_topk, attention over its slots
         idx, counts = _emit_sparse_indices(b, site, src, B, L, memo)
         ckv, kpe, scale = _flat_latent(b, src, B, L, R, P)
         res = b.call(torch.ops.mla.sparse_decode.default, q_abs, q_pe, ckv, kpe, idx, site.scale, *_scale_arg(scale))
@@ -359,8 +362,10 @@ def emit(b: Builder, site: Site, src: LatentSource, memo: Memo, absorb: str = "a
         if src.kind == "dcp":
             # check_lens=False: these seq_lens are this rank's own token count times n, not lengths shared by
             # every rank, so dcp_decode must not compare them across ranks (shapes still are)
-            res = b.call(torch.ops.mla.dcp_decode.default, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale,
-                         src.dcp_size, src.dcp_rank, src.group_name, False, *_scale_arg(scale))
+            # heads split over the group (TP x DCP): each rank's q holds its own heads -> mla.tp_dcp_decode
+            op = torch.ops.mla.tp_dcp_decode.default if src.heads_sharded else torch.ops.mla.dcp_decode.default
+            res = b.call(op, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale, src.dcp_size, src.dcp_rank,
+                         src.group_name, False, *_scale_arg(scale))
         else:
             res = b.call(torch.ops.mla.decode.default, q_abs, q_pe, ckv, kpe, table, seq_lens, site.scale,
                          *_scale_arg(scale))

@@ -67,6 +67,7 @@ class LatentSource:
     dcp_rank: int = 0
     group_name: str = ""
     ckv_scale: fx.Node | None = None  # an FP8 ckv's scales [NP, PS, R / 128] (mla_compile/fp8.py), else None
+    heads_sharded: bool = False  # "dcp": the heads are split across the group (TP x DCP) -> mla.tp_dcp_decode
 
 
 @dataclasses.dataclass
@@ -367,11 +368,12 @@ def latent_source(site: Site) -> LatentSource:
 
 def _gather_source(node: fx.Node) -> LatentSource:
     """The pages, block table, DCP group and FP8 scales behind a `mla_hf::gather_latent` node."""
-    args = list(node.args) + [None] * 8
-    names = ("ckv_cache", "kpe_cache", "block_table", "max_len", "dcp_size", "dcp_rank", "group_name", "ckv_scale")
+    args = list(node.args) + [None] * 9
+    names = ("ckv_cache", "kpe_cache", "block_table", "max_len", "dcp_size", "dcp_rank", "group_name", "ckv_scale",
+             "heads_sharded")
     a = {n: (node.kwargs[n] if n in node.kwargs else args[i]) for i, n in enumerate(names)}
     n = int(a["dcp_size"])
     return LatentSource("dcp" if n > 1 else "paged", a["ckv_cache"], a["kpe_cache"], a["block_table"],
                         dcp_size=n, dcp_rank=int(a["dcp_rank"]), group_name=a["group_name"] or "",
-                        ckv_scale=a["ckv_scale"])
+                        ckv_scale=a["ckv_scale"], heads_sharded=bool(a["heads_sharded"]) and n > 1)
 

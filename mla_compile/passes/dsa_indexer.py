@@ -164,7 +164,7 @@ def drop_dense_indexer(graph: fx.Graph) -> int:
     erase_dead(graph, dead)
     for m in markers:  # the marker is a copy of its input: dead now, or still correct where kept
         if not getattr(m, "_erased", False) and not m.users:
-            graph.erase_node(m)
+            erase_dead(graph, [m])  # and what only fed it (a DCP cache's gather of the key shard: a collective)
     if replaced:
         torch._dynamo.utils.counters["mla_compile"][COUNTER] += replaced
         log.info("dsa_indexer: dense graph: %d index mask(s) dropped (indexer logits / top-k removed)", replaced)

@@ -68,7 +68,10 @@ A removes them again, so it attends the top-min(k, count) valid tokens, which is
 (equal scores at the k-th place) may be broken differently (any choice is a valid top-k; HF's torch.topk
 defines none). A GLM-DSA "shared" layer reuses the previous layer's selection (one op call). Counted in
 `counters["mla_compile"]["dsa_sparse_rewritten"]`; anything else in the mask keeps the token-table path (logged).
-DCP sparse graphs keep HF's indexer and attend through `mla.dcp_decode` over the token table of its mask.
+DCP sparse graphs (`MLAPagedCache(dcp=...)`, indexer keys sharded beside the latent): `dsa.dcp_indexer_topk` over
+each rank's key shard (exact global top-k, one all-gather of candidates) and `mla.dcp_decode` over each rank's
+selected slots (`passes.dsa_dcp`). TP x DCP (the cache's gather says the heads are split over the group): every DCP
+site emits `mla.tp_dcp_decode` in place of `mla.dcp_decode` (same arguments).
 
 Unmatched sites are left unchanged and logged (logger `mla_compile.passes.mla_attention`; enable with
 `TORCH_LOGS="+mla_compile.passes"`; INFO, or a WARNING once per reason a user can fix: dynamic shapes, and
@@ -89,7 +92,7 @@ import torch.fx as fx
 
 from .. import tuning
 from . import (_fx, attention_checks, attention_emit, attention_mask as masks, attention_match, attention_rows,
-               attention_tokens, dsa_indexer)
+               attention_tokens, dsa_dcp, dsa_indexer)
 from ._fx import (Builder, DynamicShape, NoMatch, batch_shape as _shape, erase_dead, fake_mode_of, finish_edits,
                   graph_of, same)
 from .attention_checks import check_output, check_reads
@@ -104,7 +107,7 @@ SPARSE_COUNTER = "dsa_sparse_rewritten"
 TOKENS_COUNTER = "mla_attention_multi_token_rewritten"  # sites with S > 1 query tokens (also in COUNTER)
 # the files whose code decides what the rewrite emits (the pass manager's uuid hashes them)
 SOURCES = (__file__,) + tuple(m.__file__ for m in (attention_match, masks, attention_emit, attention_checks,
-                                                     attention_rows, attention_tokens, dsa_indexer, _fx))
+                                                     attention_rows, attention_tokens, dsa_indexer, dsa_dcp, _fx))
 
 
 
@@ -146,8 +149,11 @@ def _sparse_indexer(graph: fx.Graph, site: Site, src: LatentSource):
             return None
         if site.tokens > 1:
             raise NotSparse(f"{site.tokens} query tokens per request (each its own top-k)")
-        if src.kind not in ("tensor", "paged"):
-            raise NotSparse(f"{src.kind} latent (the DCP sparse graph keeps HF's indexer + mla.dcp_decode)")
+        if src.kind == "dcp":  # the indexer keys must be our cache's shard beside the latent's
+            sp.shard = dsa_dcp.key_shard(sp.keys, src)
+            sp.nodes |= sp.shard.nodes  # where HF reads the key pages (for check_reads)
+        elif src.kind not in ("tensor", "paged"):
+            raise NotSparse(f"{src.kind} latent")
         B, L = _shape(site.q)[0], _shape(site.latent)[-2]
         if not same(_shape(sp.keys)[:2], (B, L)):
             raise NotSparse(f"indexer keys {_shape(sp.keys)} do not cover the latent's [B={B}, L={L}] tokens")
@@ -156,6 +162,14 @@ def _sparse_indexer(graph: fx.Graph, site: Site, src: LatentSource):
     except (NotSparse, NoMatch) as e:
         log.info("mla_attention: DSA indexer at %s kept (HF top-k mask -> token table): %s", site.out.name, e)
         return None
+
+
+def _emitted(site: Site, src: LatentSource) -> str:
+    """What a rewritten site became (for the log)."""
+    attention = ("mla.tp_dcp_decode" if src.heads_sharded else "mla.dcp_decode") if src.kind == "dcp" else "mla.decode"
+    if site.sparse is None:
+        return attention
+    return f"dsa.dcp_indexer_topk + {attention}" if src.kind == "dcp" else "dsa.indexer_topk + mla.sparse_decode"
 
 
 def _order(graph: fx.Graph):
@@ -230,8 +244,7 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
             counters[TOKENS_COUNTER] += 1
         log.info("mla_attention: rewrote %s attention at %s (H=%d, S=%d, R=%d, rope=%d, %s latent) -> %s",
                  site.impl, node.name, site.heads, site.tokens, _shape(site.latent)[-1], site.rope, src.kind,
-                 "dsa.indexer_topk + mla.sparse_decode" if site.sparse is not None
-                 else "mla.dcp_decode" if src.kind == "dcp" else "mla.decode")
+                 _emitted(site, src))
     if rewritten or dropped:
         finish_edits(graph)
         if rewritten:
