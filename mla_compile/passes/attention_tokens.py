@@ -139,7 +139,8 @@ def emit_tokens(b: Builder, site: Site, src: LatentSource, memo: E.Memo, absorb:
     output [B, H, S, v]."""
     H, S = site.heads, site.tokens
     if src.heads_sharded:  # per-query-token limits [B, S] reach mla.dcp_decode only, not mla.tp_dcp_decode
-        raise NoMatch(f"{S} query tokens with heads split over the DCP group (TP x DCP): mla.tp_dcp_decode takes no per-query-token limits")
+        raise NoMatch(f"{S} query tokens with heads split over the DCP group (TP x DCP): mla.tp_dcp_decode takes "
+                      "no per-query-token limits")
     B = E._batch(b, site, memo)
     L, R = _shape(site.latent)[-2:]
     nope, v_dim, P = site.nope, site.v_dim, site.rope
