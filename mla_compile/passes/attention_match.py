@@ -68,6 +68,10 @@ class LatentSource:
     group_name: str = ""
 
 
+class KVInput(NoMatch):
+    """K arrives as a graph input (Dynamo broke the graph between HF's expand_kv and its attention)."""
+
+
 @dataclasses.dataclass
 class Site:
     out: fx.Node  # attention output [B, H, 1, v]
@@ -181,6 +185,9 @@ def _match_key(K: fx.Node, attn_users: set, nodes: set):
             parts[start] = src
             nodes.update({user, copies[0]})
         nodes.add(K)
+    elif K.op == "placeholder":
+        raise KVInput(f"K ({K.name}) is a graph input: a graph break between HF's kv_b_proj expansion and the "
+                      f"attention, so the latent it was expanded from is not in this graph")
     else:
         raise NoMatch(f"K ({K.name}, {K.target}) is neither HF's new_empty+copy_ nor a cat")
     if len(parts) != 2:

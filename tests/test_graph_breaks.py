@@ -1,6 +1,8 @@
-"""An eager float mask that crosses a graph break (`mla_compile.mask_origin`): rewritten when the graph that built it
-proved it a hard mask, checked every call; any other mask runs HF's attention. Reference: the same function eager in
-float64 (the rewrite is exact algebra)."""
+"""MLA sites split by a graph break. An eager float mask that crosses one (`mla_compile.mask_origin`): rewritten when
+the graph that built it proved it a hard mask, checked every call; any other mask runs HF's attention. A break between
+HF's kv expansion and the attention (glm5_next's kpool indexer): counted not rewritten, and rewritten once Dynamo
+traces the data-dependent shape into the graph. Reference: the same function eager in float64 (the rewrite is exact
+algebra)."""
 
 from __future__ import annotations
 
@@ -96,3 +98,34 @@ def test_output_facts_only_for_hard_masks():
     valid = torch.rand(2, 1, 1, 8) < 0.5
     torch.compile(f, backend=grab)(valid, torch.randn(2, 1, 1, 8))
     assert mask_origin.output_facts(gms[0]) == {0: (torch.float32, MIN)}
+
+
+def _break_in_site(data_dependent: bool):
+    def f(q, latent, kpe, w, valid):
+        # between HF's K assembly and its attention: a data-dependent shape (glm5_next's `pool_keys[:, keep]`)
+        # or a plain break
+        between = (lambda: valid.nonzero()) if data_dependent else torch._dynamo.graph_break
+        return M.mla_attention_site(q, latent, kpe, w, valid, impl="sdpa", between=between)
+    return f
+
+
+def test_break_between_expansion_and_attention_is_counted():
+    q, latent, kpe, w, valid = M.synthetic_site_inputs()
+    out = torch.compile(_break_in_site(False), backend="mla_dcp")(q, latent, kpe, w, valid)
+    assert C["mla_compile"][mla_attention.COUNTER] == 0 and C["mla_compile"][mla_attention.SKIP_COUNTER] == 1
+    ref = M.mla_attention_site(q.double(), latent.double(), kpe.double(), w.double(), valid, impl="sdpa")
+    assert _err(out, ref) < 1e-5
+
+
+def test_data_dependent_break_traced_is_rewritten():
+    q, latent, kpe, w, valid = M.synthetic_site_inputs()
+    ref = M.mla_attention_site(q.double(), latent.double(), kpe.double(), w.double(), valid, impl="sdpa")
+    out = torch.compile(_break_in_site(True), backend="mla_dcp")(q, latent, kpe, w, valid)
+    assert C["mla_compile"][mla_attention.SKIP_COUNTER] == 1  # default config: the nonzero breaks the graph
+    assert _err(out, ref) < 1e-5
+    torch._dynamo.reset()
+    C.clear()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        out = torch.compile(_break_in_site(True), backend="mla_dcp")(q, latent, kpe, w, valid)
+    assert C["mla_compile"][mla_attention.COUNTER] == 1 and C["mla_compile"][mla_attention.SKIP_COUNTER] == 0
+    assert _err(out, ref) < 1e-5
