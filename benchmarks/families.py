@@ -3,7 +3,7 @@
 usage:  python benchmarks/families.py OUT.json [--families deepseek_v3 deepseek_v32 glm4_moe_lite kimi_linear mistral4]
                                                [--kv 32768] [--batch 8] [--layers 4] [--vocab 32768]
                                                [--modes eager default default-ro mla mla-ro] [--steps 10]
-                                               [--check-steps 2] [--runs 3] [--budget-s 450] [--no-fp32-ref]
+                                               [--check-steps 2] [--runs 3] [--budget-s 420] [--no-fp32-ref]
         python benchmarks/families.py OUT.json --smoke     # tiny shapes, CPU ok (checks the script itself)
 
 Models (random weights, bf16 on CUDA): each family's own config class with its defaults, i.e. the real attention:
@@ -35,6 +35,7 @@ import argparse
 import copy
 import importlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -42,8 +43,9 @@ import traceback
 
 import torch
 
-from benchmarks.hf_decode import decode, max_rel_err, sync
-from mla_compile.integrations.hf import cache_kwargs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hf_decode import decode, max_rel_err, sync  # noqa: E402  (the decode loop and checks of the V3 benchmark)
+from mla_compile.integrations.hf import cache_kwargs  # noqa: E402
 
 FAMILIES = ("deepseek_v3", "deepseek_v32", "glm4_moe_lite", "kimi_linear", "mistral4")
 MODES = ("eager", "default", "default-ro", "mla", "mla-ro")
@@ -311,7 +313,7 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--check-steps", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--budget-s", type=float, default=450.0, help="no mode starts after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="no mode starts after this many seconds")
     ap.add_argument("--no-fp32-ref", dest="fp32_ref", action="store_false")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU ok, fp32): checks the script")
     args = ap.parse_args(argv)
@@ -348,31 +350,10 @@ def main(argv=None):
             save()
     report["wall_s"] = time.perf_counter() - t_start
     save()
-    print(table(report))
+    from report import families_table
+
+    print("\n".join(families_table(report)))
     return 0
-
-
-def table(report) -> str:
-    """The acceptance table (markdown): ms per decode step per family and mode, and the mla vs default ratios."""
-    modes = report["args"]["modes"]
-    lines = ["| family | graph | H | kv | " + " | ".join(f"{m} ms" for m in modes)
-             + " | mla-ro vs default-ro | mla vs default | numerics vs fp32 |",
-             "|---|---|---|---|" + "---|" * len(modes) + "---|---|---|"]
-    for c in report["cases"]:
-        if "modes" not in c:
-            lines.append(f"| {c['family']} | error: {c.get('error', '')[:80]} |")
-            continue
-        cells = []
-        for m in modes:
-            e = c["modes"].get(m, {})
-            cells.append(f"{e['ms_per_step']:.2f}" if "ms_per_step" in e else
-                         ("skipped" if "skipped" in e else "error" if "error" in e else "-"))
-        oks = [e.get("ok") for e in c["modes"].values() if "ok" in e]
-        num = "n/a" if not oks else ("ok" if all(oks) else "NOT ok")
-        r1, r2 = c.get("speedup_mla-ro_vs_default-ro"), c.get("speedup_mla_vs_default")
-        lines.append(f"| {c['family']} | {c['graph'] or '-'} | {c['heads']} | {c['kv_len']} | " + " | ".join(cells)
-                     + f" | {f'{r1:.2f}x' if r1 else '-'} | {f'{r2:.2f}x' if r2 else '-'} | {num} |")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":
