@@ -288,11 +288,14 @@ def test_family_decode_matches_eager(case, impl):
             assert r["dropped"] > 0 and r["sparse"] > 0, r
 
 
-def family_table() -> str:
-    """README's "HF families" table, from running every case here (`python tests/test_hf_families.py`)."""
+def family_table(only=()) -> str:
+    """README's "HF families" table, from running every case here (`python tests/test_hf_families.py`), or only
+    the rows of the families / cases named in `only` (`python tests/test_hf_families.py glm5_next`)."""
     rows = {}
     for p in _cases():
         case, impl = p.values
+        if only and case not in only and case.split(":")[0] not in only:
+            continue
         if impl == "-":
             rows.setdefault(case, {})["note"] = p.marks[0].kwargs["reason"]
             continue
@@ -324,4 +327,6 @@ def family_table() -> str:
 
 
 if __name__ == "__main__":
-    print(family_table())
+    import sys
+
+    print(family_table(tuple(sys.argv[1:])))
