@@ -125,7 +125,7 @@ stage_genhost() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_GENHOST:-500
 
 # families (issue 23): five HF MLA families' decode step at 32K (eager / torch.compile / mla_dcp, +reduce-overhead);
 # FAMILIES_ARGS e.g. "--families deepseek_v3 deepseek_v32"; the script stops starting modes after --budget-s
-stage_families() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_FAMILIES:-470}" python3 benchmarks/families.py "$OUT/${FAMILIES_OUT:-families.json}" ${FAMILIES_ARGS:-}; }
+stage_families() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_FAMILIES:-480}" python3 benchmarks/families.py "$OUT/${FAMILIES_OUT:-families.json}" ${FAMILIES_ARGS:-}; }
 
 # compile (issue 7): compile time, graphs, cudagraph recordings, FX-graph-cache hits of a second process
 stage_compile() { timeout "${T_COMPILE:-300}" python3 benchmarks/compile_suite.py "$OUT/compile.json" ${COMPILE_ARGS:-}; }

@@ -3,7 +3,7 @@
 usage:  python benchmarks/families.py OUT.json [--families deepseek_v3 deepseek_v32 glm4_moe_lite kimi_linear mistral4]
                                                [--kv 32768] [--batch 8] [--layers 4] [--vocab 32768]
                                                [--modes eager default default-ro mla mla-ro] [--steps 10]
-                                               [--check-steps 2] [--runs 3] [--budget-s 420] [--no-fp32-ref]
+                                               [--check-steps 2] [--runs 3] [--budget-s 440] [--no-fp32-ref]
         python benchmarks/families.py OUT.json --smoke     # tiny shapes, CPU ok (checks the script itself)
 
 Models (random weights, bf16 on CUDA): each family's own config class with its defaults, i.e. the real attention:
@@ -313,7 +313,7 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--check-steps", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--budget-s", type=float, default=420.0, help="no mode starts after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=440.0, help="no mode starts after this many seconds")
     ap.add_argument("--no-fp32-ref", dest="fp32_ref", action="store_false")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU ok, fp32): checks the script")
     args = ap.parse_args(argv)

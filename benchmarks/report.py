@@ -419,8 +419,13 @@ def families_table(d: dict) -> list[str]:
 
 def families_block(d: dict) -> list[str]:
     scaled = {c["family"]: c["scaled"] for c in d.get("cases", []) if "scaled" in c}
-    notes = [f"- {f}: scaled " + ", ".join(f"{k}={v}" for k, v in s.items() if not isinstance(v, list))
-             + "; every MLP dense" for f, s in scaled.items()]
+    def field(k, v):  # a per-layer list: its pattern when layers differ (Kimi's KDA / MLA), else left out
+        return (f"{k}={'/'.join(map(str, v))}" if len(set(map(str, v))) > 1 else None) if isinstance(v, list) \
+            else f"{k}={v}"
+
+    notes = [f"- {f}: scaled " + ", ".join(x for x in (field(k, v) for k, v in s.items()) if x)
+             + "; every MLP dense (MoE off); the rest (heads, MLA dims, q_lora, hidden, indexer) is the family's own"
+             for f, s in scaled.items()]
     return families_table(d) + [""] + notes
 
 
