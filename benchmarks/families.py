@@ -125,7 +125,8 @@ def _init_cache(model, cache, B: int, device):
     """One 1-token forward: HF allocates the cache buffers lazily."""
     with torch.no_grad():
         model(torch.zeros(B, 1, dtype=torch.long, device=device), **cache_kwargs(model, cache),
-              attention_mask=torch.ones(B, 1, dtype=torch.long, device=device), cache_position=torch.arange(1, device=device))
+              attention_mask=torch.ones(B, 1, dtype=torch.long, device=device),
+              cache_position=torch.arange(1, device=device))
 
 
 def state(cache) -> list[torch.Tensor]:

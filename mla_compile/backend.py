@@ -221,6 +221,6 @@ def mla_dcp(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None
     if not opts.rewrite_attention:
         return compile_graph(gm, example_inputs)
     # eager float masks that cross a graph break: proven in the graph that builds them, checked where used
-    from . import mask_origin
+    from .passes import mask_origin
 
     return mask_origin.compile_tracking_masks(gm, example_inputs, compile_graph)

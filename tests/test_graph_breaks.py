@@ -1,5 +1,5 @@
-"""MLA sites split by a graph break. An eager float mask that crosses one (`mla_compile.mask_origin`): rewritten when
-the graph that built it proved it a hard mask, checked every call; any other mask runs HF's attention. A break between
+"""MLA sites split by a graph break. An eager float mask that crosses one (`mla_compile.passes.mask_origin`): rewritten
+when the graph that built it proved it a hard mask, checked every call; any other mask runs HF's attention. A break between
 HF's kv expansion and the attention (glm5_next's kpool indexer): counted not rewritten, and rewritten once Dynamo
 traces the data-dependent shape into the graph. Reference: the same function eager in float64 (the rewrite is exact
 algebra)."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_models as M
-from mla_compile import mask_origin
+from mla_compile.passes import mask_origin
 from mla_compile.passes import mla_attention
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")

@@ -94,7 +94,7 @@ HF_INDEXER = {"glm5_next": "kpool indexer: pooled keys scored per pool, selected
 
 # README's table notes (what a family needs or takes that others do not)
 NOTES = {"longcat_flash": "eager: its MoE loop's graph breaks bring the eager mask in as a graph input, proven in the "
-                          "graph that built it and checked per call (mla_compile/mask_origin.py)"}
+                          "graph that built it and checked per call (mla_compile/passes/mask_origin.py)"}
 
 KNOWN: dict = {}  # (case, impl) -> the measured reason it does not pass today (strict xfail)
 

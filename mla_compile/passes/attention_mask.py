@@ -57,7 +57,7 @@ class MaskProof:
 
 
 # placeholder name -> masking constant (or None) of float mask INPUTS whose values the caller guarantees are
-# 0 / that constant (`mla_compile.mask_origin`: produced by a proven where(.., 0, c) of an earlier graph of the
+# 0 / that constant (`mla_compile.passes.mask_origin`: produced by a proven where(.., 0, c) of an earlier graph of the
 # same call, checked per call on the host); with the set of names a proof used
 _ASSUMED: contextvars.ContextVar = contextvars.ContextVar("mla_compile_assumed_input_masks", default=None)
 
