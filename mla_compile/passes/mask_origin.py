@@ -18,7 +18,9 @@ The graph that built it is one of ours too, compiled earlier in the same call. S
   need, its sites counted not rewritten and logged), so a mask from anywhere else gets HF's attention.
 
 No device sync and no extra graph on the proven road; the check is a dict lookup per assumed input. Inference-mode
-tensors have no version counter: they are never recorded (the consumer then keeps HF's attention).
+tensors have no version counter: they are never recorded (the consumer then keeps HF's attention). What the version
+counter cannot see is not seen here either: a write through `.data` (a tensor with its own counter), or a caller
+holding a CUDA-graph output past the producer's next replay (the cudagraph trees refuse a dead output as an input).
 """
 
 from __future__ import annotations
