@@ -20,7 +20,7 @@ The graph that built it is one of ours too, compiled earlier in the same call. S
 No device sync and no extra graph on the proven road; the check is a dict lookup per assumed input. Inference-mode
 tensors have no version counter: they are never recorded (the consumer then keeps HF's attention). What the version
 counter cannot see is not seen here either: a write through `.data` (a tensor with its own counter), or a caller
-holding a CUDA-graph output past the producer's next replay (the cudagraph trees refuse a dead output as an input).
+holding a CUDA-graph output past the producer's next replay (the cudagraph trees free such an output: using it raises).
 """
 
 from __future__ import annotations
