@@ -69,7 +69,8 @@ class LatentSource:
 
 
 class KVInput(NoMatch):
-    """K arrives as a graph input (Dynamo broke the graph between HF's expand_kv and its attention)."""
+    """K arrives as a graph input: Dynamo broke the graph between HF's expand_kv and its attention, or the model
+    caches per-head K / V (no latent to attend over; e.g. transformers 5.17's glm5_next)."""
 
 
 @dataclasses.dataclass
@@ -186,8 +187,8 @@ def _match_key(K: fx.Node, attn_users: set, nodes: set):
             nodes.update({user, copies[0]})
         nodes.add(K)
     elif K.op == "placeholder":
-        raise KVInput(f"K ({K.name}) is a graph input: a graph break between HF's kv_b_proj expansion and the "
-                      f"attention, so the latent it was expanded from is not in this graph")
+        raise KVInput(f"K ({K.name}) is a graph input, not expanded from a latent in this graph: a graph break "
+                      f"between HF's kv_b_proj expansion and the attention, or a cache holding per-head keys")
     else:
         raise NoMatch(f"K ({K.name}, {K.target}) is neither HF's new_empty+copy_ nor a cat")
     if len(parts) != 2:
