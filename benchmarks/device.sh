@@ -2,7 +2,8 @@
 # The one script the GPU machine runs:  bash benchmarks/device.sh [stage ...]   (default: kernels bench)
 #   stages: kernels (GPU tests)  bench (op benchmark)  sweep (decode configs)  linear (few-token GEMM configs)
 #           wgmma (the Gluon many-head decode kernel, phase by phase)
-#           profile (HF step)  dcp  dsa  hf  generate (HF generate() end to end)  gencrash (lab probe)  compile  report
+#           profile (HF step)  dcp  dsa  hf  generate (HF generate() end to end)  gencrash (lab probe)  compile
+#           families (five HF MLA families at 32K)  report
 # Installs the wheels carried in .whl/ (tools/device_wheels.sh fetches them; run(carry=[".whl"])), records the environment, then runs each stage.
 #
 # $OUT stays flat and small (the device tool returns at most 8 files). A full run
@@ -121,6 +122,10 @@ stage_genprofile() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_GENPROFIL
 
 # genhost: the lab probe of one generate() decode step's host time by HF loop part, and what removes it
 stage_genhost() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_GENHOST:-500}" python3 benchmarks/lab/generate_host.py "$OUT/genhost.json" ${GENHOST_ARGS:-}; }
+
+# families (issue 23): five HF MLA families' decode step at 32K (eager / torch.compile / mla_dcp, +reduce-overhead);
+# FAMILIES_ARGS e.g. "--families deepseek_v3 deepseek_v32"; the script stops starting modes after --budget-s
+stage_families() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_FAMILIES:-480}" python3 benchmarks/families.py "$OUT/${FAMILIES_OUT:-families.json}" ${FAMILIES_ARGS:-}; }
 
 # compile (issue 7): compile time, graphs, cudagraph recordings, FX-graph-cache hits of a second process
 stage_compile() { timeout "${T_COMPILE:-300}" python3 benchmarks/compile_suite.py "$OUT/compile.json" ${COMPILE_ARGS:-}; }

@@ -34,8 +34,9 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SUITES = ("ops", "dcp", "hf", "dsa", "compile")  # block order in RESULTS.md
-FILES = {"ops": "bench_ops.json", "dcp": "dcp.json", "hf": "hf.json", "dsa": "dsa.json", "compile": "compile.json"}
+SUITES = ("ops", "dcp", "hf", "dsa", "compile", "families")  # block order in RESULTS.md
+FILES = {"ops": "bench_ops.json", "dcp": "dcp.json", "hf": "hf.json", "dsa": "dsa.json", "compile": "compile.json",
+         "families": "families.json"}
 R, P = 512, 64  # bench_ops.py / dcp_gpu.py shapes
 BEGIN, END = "<!-- generated:begin -->", "<!-- generated:end -->"
 
@@ -392,12 +393,54 @@ def compile_goals(d: dict) -> list[list[str]]:
             for r in d.get("rows", [])]
 
 
+def families_table(d: dict) -> list[str]:
+    """benchmarks/families.py's table: ms per decode step per family and mode, the mla vs default ratios and
+    whether every mode's logits are within tolerance of the fp32 copy's."""
+    modes = d["args"]["modes"]
+    lines = ["| family | graph | H | kv | " + " | ".join(f"{m} ms" for m in modes)
+             + " | mla-ro vs default-ro | mla vs default | numerics vs fp32 |",
+             "|---|---|---|---|" + "---|" * len(modes) + "---|---|---|"]
+    for c in d["cases"]:
+        if "modes" not in c:
+            lines.append(f"| {c['family']} | error: {c.get('error', '')[:80]} |")
+            continue
+        cells = []
+        for m in modes:
+            e = c["modes"].get(m, {})
+            cells.append(f"{e['ms_per_step']:.2f}" if "ms_per_step" in e else
+                         ("skipped" if "skipped" in e else "error" if "error" in e else "-"))
+        oks = [e.get("ok") for e in c["modes"].values() if "ok" in e]
+        numerics = "n/a" if not oks else ("ok" if all(oks) else "NOT ok")
+        r1, r2 = c.get("speedup_mla-ro_vs_default-ro"), c.get("speedup_mla_vs_default")
+        lines.append(f"| {c['family']} | {c['graph'] or '-'} | {c['heads']} | {kv(c['kv_len'])} | " + " | ".join(cells)
+                     + f" | {f'{r1:.2f}x' if r1 else '-'} | {f'{r2:.2f}x' if r2 else '-'} | {numerics} |")
+    return lines
+
+
+def families_block(d: dict) -> list[str]:
+    scaled = {c["family"]: c["scaled"] for c in d.get("cases", []) if "scaled" in c}
+    def field(k, v):  # a per-layer list: its pattern when layers differ (Kimi's KDA / MLA), else left out
+        return (f"{k}={'/'.join(map(str, v))}" if len(set(map(str, v))) > 1 else None) if isinstance(v, list) \
+            else f"{k}={v}"
+
+    notes = [f"- {f}: scaled " + ", ".join(x for x in (field(k, v) for k, v in s.items()) if x)
+             + "; every MLP dense (MoE off); the rest (heads, MLA dims, q_lora, hidden, indexer) is the family's own"
+             for f, s in scaled.items()]
+    return families_table(d) + [""] + notes
+
+
+def families_goals(d: dict) -> list[list[str]]:
+    return []
+
+
 BLOCKS = {"ops": ("Ops: `mla::decode` Triton vs FlashInfer, merge, DSA indexer ops (issue 3)", ops_block, ops_goals),
           "dcp": ("DCP scaling (issue 4)", dcp_block, dcp_goals),
           "hf": ("HF DeepseekV3 decode tokens/s (issue 5)", hf_block, hf_goals),
           "dsa": ("DSA dense vs sparse graph (issue 6)", dsa_block, dsa_goals),
           "compile": ("Compile: time, graphs, cudagraph recordings, FX graph cache (issue 7)", compile_block,
-                      compile_goals)}
+                      compile_goals),
+          "families": ("HF MLA families: one decode step at 32K, batch 8, 4 layers (issue 23)", families_block,
+                       families_goals)}
 
 
 # --------------------------------------------------------------------------------------------- plots
@@ -625,7 +668,7 @@ def provenance(suite: str, d) -> tuple[bool, str]:
     elif suite == "dcp":
         devices = sorted({str(r.get("device", "?")) for r in d.get("runs", {}).values()}) or ["?"]
         device, smoke = "/".join(devices), False
-    elif suite == "hf":
+    elif suite in ("hf", "families"):
         device, smoke = d.get("env", {}).get("device", "?"), bool(d.get("args", {}).get("smoke"))
     elif suite == "compile":
         device, smoke = d.get("device_name") or d.get("device", "?"), False

@@ -207,11 +207,20 @@ def mla_dcp(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None
         raise OptionsError(f"options: 'mode' ({opts.mode!r}) contradicts mode= ({mode!r})")
     patches = config_patches(opts, mode, inductor_patches, _on_cuda(example_inputs))
     _prefill_without_cudagraphs(gm, patches, inductor_patches)
-    with tuning_.use(opts.tuning):
-        gm = rewrite_graph(gm, example_inputs, opts)
-        # host-int bookkeeping (e.g. the DSA cache's max_kv_len += 1) stays out of the Inductor graph: no int input
-        from .passes.host_ints import split_host_outputs
 
-        gm, example_inputs, wrap = split_host_outputs(gm, example_inputs)
-        compiled = compile_fx(gm, example_inputs, config_patches=patches)
-    return tuning_.bind(compiled if wrap is None else wrap(compiled), opts.tuning)
+    def compile_graph(gm, example_inputs):
+        with tuning_.use(opts.tuning):
+            gm = rewrite_graph(gm, example_inputs, opts)
+            # host-int bookkeeping (e.g. the DSA cache's max_kv_len += 1) stays out of the Inductor graph: no int input
+            from .passes.host_ints import split_host_outputs
+
+            gm, example_inputs, wrap = split_host_outputs(gm, example_inputs)
+            compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        return tuning_.bind(compiled if wrap is None else wrap(compiled), opts.tuning)
+
+    if not opts.rewrite_attention:
+        return compile_graph(gm, example_inputs)
+    # eager float masks that cross a graph break: proven in the graph that builds them, checked where used
+    from .passes import mask_origin
+
+    return mask_origin.compile_tracking_masks(gm, example_inputs, compile_graph)

@@ -258,7 +258,7 @@ def run_script(script, argv, monkeypatch):
 
 @pytest.mark.parametrize("script", ["bench_ops.py", "decode_sweep.py", "dsa_gpu.py",
                                     "hf_decode.py", "hf_profile.py", "dcp_gpu.py", "linear_sweep.py",
-                                    "compile_suite.py"])
+                                    "compile_suite.py", "families.py"])
 def test_benchmark_scripts_print_help_without_cuda(script, monkeypatch, capsys):
     assert run_script(script, ["--help"], monkeypatch) == 0
     assert capsys.readouterr().out.startswith("usage:")
@@ -270,3 +270,57 @@ def test_gpu_benchmark_scripts_say_they_need_cuda(script, tmp_path, monkeypatch,
     assert run_script(script, [str(tmp_path / "x.json")], monkeypatch) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_families_arguments_and_cases():
+    import families
+
+    a = families.parse_args(["x.json"])
+    assert a.families == list(families.FAMILIES) and a.modes == list(families.MODES) and a.kv == 32768
+    assert a.batch == 8 and a.layers == 4
+    with pytest.raises(SystemExit):
+        families.parse_args(["x.json", "--families", "llama"])
+    # V3.2: its dense graph at the largest kv that stays <= top-k through every step, then the sparse one
+    assert families.cases(a, "deepseek_v32", 2048) == [("dense", 2048 - (a.check_steps + a.steps + 1)),
+                                                       ("sparse", 32768)]
+    assert families.cases(a, "deepseek_v3", None) == [("", 32768)]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "glm4_moe_lite", "kimi_linear", "mistral4"])
+def test_families_configs_keep_the_real_attention(family):
+    """Only the fields the benchmark says it scales differ from the family's defaults (the attention is real)."""
+    import families
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cfg, scaled = families.family_config(family)
+    real = CONFIG_MAPPING[family]().to_dict()
+    got = cfg.to_dict()
+    for k in ("num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+              "q_lora_rank", "hidden_size", "index_n_heads", "index_topk"):
+        if k in real:
+            assert got[k] == real[k] and k not in scaled, k
+    assert got["num_hidden_layers"] == 4 and got["vocab_size"] == 32768
+    assert {k for k in got if got[k] != real.get(k)} <= set(scaled) | {"pad_token_id", "bos_token_id", "eos_token_id",
+                                                                          "_attn_implementation_internal"}
+    if family == "kimi_linear":
+        assert got["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+
+
+def test_families_cache_state_round_trips():
+    """The tiny DSA model's cache: filled, snapshot, advanced by a step, restored exactly (lengths included)."""
+    import families
+
+    model, _ = families.build("deepseek_v32", torch.float32, torch.device("cpu"), tiny=True)
+    cache = families.new_cache(model, 16)
+    families._init_cache(model, cache, 2, torch.device("cpu"))
+    families.fill(cache, 8)
+    snap = [t.clone() for t in families.state(cache)]
+    assert cache.layers[0].keys[:, :, :8].abs().sum() > 0 and cache.layers[0].keys[:, :, 8:].abs().sum() == 0
+    assert cache.layers[0].indexer_keys[:, :8].abs().sum() > 0 and cache.max_kv_len == 9
+    mask = torch.ones(2, 16, dtype=torch.long)
+    families.decode(model, cache, torch.ones(2, 1, dtype=torch.long), mask, 8, 1)
+    assert int(cache.layers[0].cumulative_length) == 9 and cache.max_kv_len == 10
+    for t, s in zip(families.state(cache), snap):
+        t.copy_(s)
+    families.rewind(cache, 8)
+    assert all(torch.equal(t, s) for t, s in zip(families.state(cache), snap)) and cache.max_kv_len == 9

@@ -24,6 +24,8 @@ Mixed constants (a row would attend the entries masked with the larger one) are 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from typing import Callable
@@ -51,6 +53,25 @@ class MaskProof:
     build: Callable
     nodes: set
     empty_rows: str
+    const: float | None = None  # the masking constant, realized through the dtypes given; None: nothing masked
+
+
+# placeholder name -> masking constant (or None) of float mask INPUTS whose values the caller guarantees are
+# 0 / that constant (`mla_compile.passes.mask_origin`: produced by a proven where(.., 0, c) of an earlier graph of the
+# same call, checked per call on the host); with the set of names a proof used
+_ASSUMED: contextvars.ContextVar = contextvars.ContextVar("mla_compile_assumed_input_masks", default=None)
+
+
+@contextlib.contextmanager
+def assume_input_masks(facts: dict):
+    """Within: a float mask placeholder named in `facts` is proven a hard mask with constant facts[name] (None:
+    all zero). Yields the set of names a proof relied on."""
+    used: set = set()
+    token = _ASSUMED.set((dict(facts), used))
+    try:
+        yield used
+    finally:
+        _ASSUMED.reset(token)
 
 
 def prove_mask(mask, *, additive: bool, dtypes: tuple = ()) -> MaskProof:
@@ -83,7 +104,7 @@ def prove_mask(mask, *, additive: bool, dtypes: tuple = ()) -> MaskProof:
         empty = EMPTY_NAN if additive and c is not None else EMPTY_ZERO
     else:
         empty = EMPTY_UNIFORM
-    return MaskProof(build, nodes, empty)
+    return MaskProof(build, nodes, empty, c)
 
 
 def _realize(c: float, *dtypes: torch.dtype) -> float:
@@ -119,6 +140,11 @@ def _additive(mask: fx.Node):
 
             return build, consts | {_constant(c)}, nodes | {mask}
     if mask.op == "placeholder":
+        assumed = _ASSUMED.get()
+        if assumed is not None and mask.name in assumed[0]:
+            c = assumed[0][mask.name]
+            assumed[1].add(mask.name)
+            return (lambda b: b.call(aten.eq.Scalar, mask, 0)), (set() if c is None else {c}), {mask}
         raise InputMask(f"attention mask {mask.name} is an additive float mask not provably 0 / -inf: a graph "
                         f"input (generate() builds HF's 4-D mask for static caches outside the compiled forward; "
                         f"its values are not in the graph)")

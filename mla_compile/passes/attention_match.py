@@ -70,6 +70,11 @@ class LatentSource:
     heads_sharded: bool = False  # "dcp": the heads are split across the group (TP x DCP) -> mla.tp_dcp_decode
 
 
+class KVInput(NoMatch):
+    """K arrives as a graph input: Dynamo broke the graph between HF's expand_kv and its attention, or the model
+    caches per-head K / V (no latent to attend over; e.g. transformers 5.17's glm5_next)."""
+
+
 @dataclasses.dataclass
 class Site:
     out: fx.Node  # attention output [B, H, 1, v]
@@ -184,6 +189,9 @@ def _match_key(K: fx.Node, attn_users: set, nodes: set):
             parts[start] = src
             nodes.update({user, copies[0]})
         nodes.add(K)
+    elif K.op == "placeholder":
+        raise KVInput(f"K ({K.name}) is a graph input, not expanded from a latent in this graph: a graph break "
+                      f"between HF's kv_b_proj expansion and the attention, or a cache holding per-head keys")
     else:
         raise NoMatch(f"K ({K.name}, {K.target}) is neither HF's new_empty+copy_ nor a cat")
     if len(parts) != 2:
