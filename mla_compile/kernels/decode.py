@@ -253,7 +253,7 @@ class DecodeConfig:
 
 
 def default_config(H: int, R: int, page_size: int, dtype: torch.dtype = torch.bfloat16) -> DecodeConfig:
-    """From H200 sweeps (benchmarks/decode_sweep.py, data/decode_sweep_round*.json; RESULTS.md): many heads
+    """From H200 sweeps (benchmarks/decode_sweep.py, round JSON at commit 20a0395; RESULTS.md): many heads
     take the TMA kernel where the layout allows it, few heads the pointer kernel at every page size. The pointer
     kernel gets one more stage when a tile spans pages (a page-1 token table, page 16): its addresses then come
     from a per-token table load that the next tile's copy waits on (page 1, H=16: 2 stages 20% slower than 3).
