@@ -44,10 +44,14 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
 from mla_compile.integrations.hf import cache_kwargs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_timing import NOTE, cpu_threads  # noqa: E402
 
 
 def build_model(H: int, layers: int, hidden: int, vocab: int, dtype, device, small: bool = False,
@@ -301,10 +305,16 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 
-    for H in args.heads:
-        for kv in args.kv:
-            report["cases"].append({})
-            run_case(H, kv, args, device, dtype, args.modes, log, report["cases"][-1], save)
+    if device.type == "cpu":
+        env["cpu_threads"] = 1 if args.smoke else torch.get_num_threads()
+        print(f"[hf_decode] {NOTE}", flush=True)
+    with cpu_threads(device, args.smoke):
+        for H in args.heads:
+            for kv in args.kv:
+                report["cases"].append({})
+                run_case(H, kv, args, device, dtype, args.modes, log, report["cases"][-1], save)
+    if device.type == "cpu":
+        print(f"({NOTE})")
     print(f"{'H':>4} {'kv':>6} " + " ".join(f"{m + ' tok/s':>14}" for m in args.modes) + "  mla/default")
     for c in report["cases"]:
         cols = [f"{c['modes'].get(m, {}).get('tokens_per_s', float('nan')):14.1f}" for m in args.modes]

@@ -75,15 +75,19 @@ def test_generate_benchmark_smoke(tmp_path):
 
 
 @pytest.mark.parametrize("step", ["model", "greedy"])
-def test_hf_decode_smoke_both_step_kinds(tmp_path, step):
+def test_hf_decode_smoke_both_step_kinds(tmp_path, step, capsys):
     """The HF benchmark's harness on tiny shapes (CPU): every mode runs, mla rewrites the layer and matches eager,
     with the greedy pick after the compiled model or inside a compiled step function."""
     import hf_decode
 
     out = tmp_path / "hf.json"
     torch._dynamo.reset()
+    threads = torch.get_num_threads()
     assert hf_decode.main([str(out), "--smoke", "--mask", "static", "--step", step]) == 0
-    (case,) = json.loads(out.read_text())["cases"]
+    assert torch.get_num_threads() == threads  # the smoke run's one thread is restored
+    report = json.loads(out.read_text())
+    assert report["env"]["cpu_threads"] == 1 and "not representative" in capsys.readouterr().out
+    (case,) = report["cases"]
     assert case["step"] == step and case["mask"] == "static"
     modes = case["modes"]
     assert set(modes) == {"eager", "default", "mla"} and not any("error" in m for m in modes.values())
