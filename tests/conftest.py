@@ -2,7 +2,17 @@ import os
 
 import pytest
 import torch
+import torch._inductor.config
 from hypothesis import HealthCheck, settings
+
+# One intra-op thread per process, children included (the demo's ranks, gloo spawns, interpreter children,
+# Inductor's compile workers). CI has 2 cores shared by pytest, its spawned ranks and the C++ compiler; the
+# tests' tensors are small, and with 2 threads on busy cores a tiny bmm took 8.6 ms against 1.9 us on 1.
+# An explicit OMP_NUM_THREADS / TORCHINDUCTOR_COMPILE_THREADS wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+torch._inductor.config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
 
 # "ci": a few hundred examples per op; "slow": >= 2,000 (run with HYPOTHESIS_PROFILE=slow pytest -m slow)
 settings.register_profile("ci", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
