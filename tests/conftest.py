@@ -1,9 +1,16 @@
 import os
+import sys
 
 import pytest
 import torch
 import torch._inductor.config
 from hypothesis import HealthCheck, settings
+
+from tree import import_roots  # tests/ is on sys.path: pytest imports this conftest from there
+
+for _d in reversed(import_roots()):  # helpers and the test modules others import, by name (tests/tree.py)
+    if _d not in sys.path:
+        sys.path.insert(0, _d)
 
 # One intra-op thread per process, children included (the demo's ranks, gloo spawns, interpreter children,
 # Inductor's compile workers). CI has 2 cores shared by pytest, its spawned ranks and the C++ compiler; the

@@ -8,7 +8,7 @@ import pytest
 
 from mla_compile.__main__ import main as cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_demo(*args, timeout=900):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 TEXT = README.read_text()
 BLOCKS = dict(re.findall(r"```python\n# README: (\S+)\n(.*?)```", TEXT, flags=re.S))

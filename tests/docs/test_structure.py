@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tools import import_graph as ig  # noqa: E402
@@ -34,3 +34,14 @@ def test_no_module_over_500_lines():
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / "mla_compile").rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 500}
     assert long == {}
+
+
+def test_tests_live_in_their_layer_directories():
+    """tests/ holds the shared helpers and conftest; every test module sits in one layer directory
+    (tests/tree.py lists them; the root conftest puts each on sys.path)."""
+    import tree
+
+    tests = ROOT / "tests"
+    assert sorted(p.name for p in tests.glob("test_*.py")) == []
+    layers = sorted(p.name for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py")))
+    assert layers == sorted(tree.LAYERS)

@@ -8,7 +8,7 @@ attention -> `mla.sparse_decode` over the selected slots). V3.2 and GLM-DSA, sdp
 and our paged one, and a GLM "shared" indexer layer.
 One decode loop per model crosses topk after a few steps and then runs 200 steps under
 `set_stance("fail_on_recompile")`; tokens equal eager HF (HF's own StaticCache), logits within 1e-4.
-Regenerate the snapshots with `EXPECTTEST_ACCEPT=1 pytest tests/test_hf_dsa_graphs.py`.
+Regenerate the snapshots with `EXPECTTEST_ACCEPT=1 pytest tests/hf/test_hf_dsa_graphs.py`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ WARMUP = 16  # max_kv_len 6 .. 21: both variants compiled by then
 STEPS = WARMUP + 200
 TOL = 1e-4
 COUNTERS = torch._dynamo.utils.counters
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Recorder:

@@ -54,7 +54,7 @@ EXPECTED_FAMILIES = ("axk1", "axk2", "bailing_hybrid", "deepseek_v2", "deepseek_
 
 # every family: the fields its config has of these (MoE small and after the last layer: the router is
 # irrelevant to attention and slow on CPU; 64 indexer heads: exact index-score ties are then practically
-# impossible, see tests/test_hf_dsa_graphs.py dsa_model)
+# impossible, see tests/hf/test_hf_dsa_graphs.py dsa_model)
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=LAYERS,
             num_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
             pad_token_id=0, bos_token_id=0, eos_token_id=None, tie_word_embeddings=False,
@@ -93,7 +93,7 @@ KNOWN = {  # (case, impl) -> the measured reason it does not pass today (strict 
 
 
 # the CI subset (cases, or "case-impl" ids), ~2 minutes on 2 CPU cores: every dense family with a quick build,
-# hybrids, one DSA family (the others' DSA path is tests/test_hf_dsa_graphs.py's too), P = 0 layers and
+# hybrids, one DSA family (the others' DSA path is tests/hf/test_hf_dsa_graphs.py's too), P = 0 layers and
 # attention sinks (hy_v4, eager: a DSA family whose indexer folds its scale into the weights). The rest (~2.5 more minutes: bigger DSA families, graph-break-heavy ones) is `-m slow`.
 CI = {"deepseek_v2", "deepseek_v3", "sarvam_mla", "youtu", "glm4_moe_lite", "mistral4", "minicpm3", "kimi_linear",
       "bailing_hybrid", "axk1", "deepseek_v32", "hy_v4-eager", "mistral_large4:no_rope-sdpa"}
@@ -278,7 +278,7 @@ def test_family_decode_matches_eager(case, impl):
 
 
 def family_table() -> str:
-    """README's "HF families" table, from running every case here (`python tests/test_hf_families.py`)."""
+    """README's "HF families" table, from running every case here (`python tests/hf/test_hf_families.py`)."""
     rows = {}
     for p in _cases():
         case, impl = p.values

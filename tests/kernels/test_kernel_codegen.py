@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ is dev tooling
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tools/ is dev tooling
 from mla_compile.kernels import decode as D  # noqa: E402
 from tools import aot  # noqa: E402
 

@@ -14,9 +14,10 @@ import sys
 
 import pytest
 
+import tree
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 CHECKS = ["decode", "decode_tma", "decode_strided_q", "decode_fp32_odd_dims", "decode_multi_token", "sparse_decode",
           "merge_states", "cache_write", "indexer_topk", "k_only_indices", "fused_linear",
           "linear_partials", "per_head_linear"]
@@ -24,7 +25,7 @@ CHECKS = ["decode", "decode_tma", "decode_strided_q", "decode_fp32_odd_dims", "d
 
 @pytest.fixture(scope="module")
 def verdicts():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=tree.child_pythonpath())
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
                           timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VERDICT ")]

@@ -98,7 +98,7 @@ CASES = [
     ("decode", dict(sm_scale=float("nan")), "sm_scale", True),
     ("decode", dict(sm_scale=float("inf")), "sm_scale", True),
     ("decode", dict(sm_scale=float("-inf")), "sm_scale", True),
-    # ---- decode: no latent (R = 0; a rope width P = 0 is rope-less MLA, accepted: tests/test_rope_less.py)
+    # ---- decode: no latent (R = 0; a rope width P = 0 is rope-less MLA, accepted: tests/ops/test_rope_less.py)
     ("decode", dict(q_nope=f32(B, H, 0), ckv_cache=f32(NUM_PAGES, PS, 0)), "q_nope", True),
     ("decode", dict(q_nope=f32(B, H, 0), ckv_cache=f32(NUM_PAGES, PS, 0), q_pe=f32(B, H, 0),
                     kpe_cache=f32(NUM_PAGES, PS, 0)), "q_nope", True),

@@ -12,7 +12,7 @@ import torch
 from mla_compile.backend import mla_dcp
 from mla_compile.dsa import mark_max_kv_len_dynamic
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from dsa_decode import DecodeState, DSADecodeLayer  # noqa: E402
 
 TOPK = 64
@@ -82,7 +82,7 @@ def test_guards_name_the_topk_comparison():
         "import dsa_decode; dsa_decode.run(steps=40, start_lens=(50, 3), topk=64)"
     )
     env = {**os.environ, "TORCH_LOGS": "guards"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=env,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "L['max_kv_len'] <= 64" in proc.stderr

@@ -158,7 +158,7 @@ def test_kernel_compiles_for_sm90_with_vector_weight_loads(transposed):
     """The kernel as launched for bf16 experts, compiled for sm_90a ahead of time (tools/aot.py, no GPU): the weight
     tile arrives as 16-byte vector loads along whichever of I (nn.Linear rows) or O (HF's transposed experts) is
     contiguous, nothing spills, and with PDL the wait comes before every memory access."""
-    sys.path.insert(0, os.path.dirname(HERE))  # the repository root: tools/ is dev tooling
+    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository root: tools/ is dev tooling
     from test_kernel_codegen import _MEMORY_OP
     from tools import aot
 

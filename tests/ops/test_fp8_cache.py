@@ -519,7 +519,7 @@ def test_gpu_benchmark_and_tests_import_on_cpu():
 
     bench = importlib.import_module("benchmarks.fp8_decode")
     assert bench.CASES == [(16, 8), (16, 32), (128, 8)] and callable(bench.main)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu"))
     try:
         gpu = importlib.import_module("test_fp8_cuda")
     finally:

@@ -4,7 +4,7 @@ references of tests/reference.py (one query token at a time).
 
 Contract: q [B, S, H, *] -> out [B, S, H, R], lse [B, S, H]; seq_lens counts the S new tokens (already in the
 cache) and query token j sees tokens t < seq_lens[b] - S + 1 + j; a row whose limit is <= 0 gives (0, -inf).
-The Triton kernel's S > 1 path runs under the interpreter in tests/test_triton_interpret.py
+The Triton kernel's S > 1 path runs under the interpreter in tests/kernels/test_triton_interpret.py
 (check_decode_multi_token); the CUDA impls in tests/gpu/test_multi_token_cuda.py.
 """
 

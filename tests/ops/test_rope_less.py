@@ -23,9 +23,9 @@ import torch
 
 import mla_compile  # noqa: F401
 import reference as ref
+import tree
 from mla_compile.kernels import dispatch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 B, H, R, PS = 3, 4, 16, 4
 LENS = [9, 0, 5]
 
@@ -120,7 +120,7 @@ def test_dispatch_rope_less_cache_write_writes_the_latent_only(monkeypatch):
 # ================================================================================ the kernels (interpreter)
 def test_triton_kernels_through_the_rope_less_route_under_the_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=tree.child_pythonpath())
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
                           timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VERDICT ")]

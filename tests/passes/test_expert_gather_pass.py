@@ -3,7 +3,7 @@ bias) -> `mla.expert_linear`, on the real HF MoE forwards (tiny DeepSeek-V3 with
 transposed experts with biases), logits against eager; every gathered product it cannot prove stays unchanged and
 is counted; through generate() with the pass wired into the backend's pass list; a snapshot of the rewritten graph.
 
-Regenerate the snapshot with `EXPECTTEST_ACCEPT=1 pytest tests/test_expert_gather_pass.py`."""
+Regenerate the snapshot with `EXPECTTEST_ACCEPT=1 pytest tests/passes/test_expert_gather_pass.py`."""
 
 from __future__ import annotations
 

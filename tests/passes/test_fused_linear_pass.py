@@ -2,7 +2,7 @@
 
 The op's CPU impl is F.linear per weight, so on CPU the rewrite must reproduce eager outputs; `fuse_linears=
 "always"` makes it fire on CPU (auto fires only on CUDA fp16/bf16 with <= 16 rows). Snapshot of a small
-module's rewritten Dynamo graph: `EXPECTTEST_ACCEPT=1 pytest tests/test_fused_linear_pass.py`.
+module's rewritten Dynamo graph: `EXPECTTEST_ACCEPT=1 pytest tests/passes/test_fused_linear_pass.py`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """MLIR export (issue 8): torch-mlir's FX importer on the rewritten decode step, custom ops and the in-place
-cache write preserved. Snapshots: `EXPECTTEST_ACCEPT=1 python -m pytest tests/test_mlir.py` rewrites them."""
+cache write preserved. Snapshots: `EXPECTTEST_ACCEPT=1 python -m pytest tests/passes/test_mlir.py` rewrites them."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """passes/outer_product.py: matmuls with a length-1 contraction -> broadcast multiplies, exactly, and nothing else.
 
-Snapshot of the rewritten Dynamo graph: `EXPECTTEST_ACCEPT=1 pytest tests/test_outer_product_pass.py`."""
+Snapshot of the rewritten Dynamo graph: `EXPECTTEST_ACCEPT=1 pytest tests/passes/test_outer_product_pass.py`."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A stable text form: the op nodes of the layer's attention (nodes whose module stack is `self_attn`), one
 line each from the latent cache write to the attention output, `%i = target(args) -> shape dtype`, with graph inputs / nodes
 outside that region as `%in`.
-Regenerate with `EXPECTTEST_ACCEPT=1 pytest tests/test_pass_snapshots.py`.
+Regenerate with `EXPECTTEST_ACCEPT=1 pytest tests/passes/test_pass_snapshots.py`.
 """
 
 from __future__ import annotations

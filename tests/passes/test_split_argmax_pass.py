@@ -1,6 +1,6 @@
 """passes/split_argmax.py: argmax / argmin of a few long rows -> two-stage reductions, exactly (ties, NaN, inf).
 
-Snapshot of the rewritten Dynamo graph: `EXPECTTEST_ACCEPT=1 pytest tests/test_split_argmax_pass.py`."""
+Snapshot of the rewritten Dynamo graph: `EXPECTTEST_ACCEPT=1 pytest tests/passes/test_split_argmax_pass.py`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """mla_compile/tuning.py: the one configuration surface. Values are checked, `use` nests and restores, `bind`
 runs a function under a Tuning, `from_options` splits a backend's options, and the graph rewrites honour the
-fields they read (the decode-kernel field: tests/test_kernel_policy.py)."""
+fields they read (the decode-kernel field: tests/kernels/test_kernel_policy.py)."""
 
 from __future__ import annotations
 
