@@ -94,9 +94,11 @@ KNOWN = {  # (case, impl) -> the measured reason it does not pass today (strict 
 
 # the CI subset (cases, or "case-impl" ids), ~2 minutes on 2 CPU cores: every dense family with a quick build,
 # hybrids, one DSA family (the others' DSA path is tests/hf/test_hf_dsa_graphs.py's too), P = 0 layers and
-# attention sinks (hy_v4, eager: a DSA family whose indexer folds its scale into the weights). The rest (~2.5 more minutes: bigger DSA families, graph-break-heavy ones) is `-m slow`.
+# attention sinks (hy_v4, eager: a DSA family whose indexer folds its scale into the weights). The rest (~2.5 more
+# minutes: bigger DSA families, graph-break-heavy ones) is `-m slow`. deepseek_v32 runs eager only: its sdpa case
+# (DSAStaticCache, both graphs, tokens, logits, rewrite counts) is test_hf_dsa_graphs' v32-sdpa-static.
 CI = {"deepseek_v2", "deepseek_v3", "sarvam_mla", "youtu", "glm4_moe_lite", "mistral4", "minicpm3", "kimi_linear",
-      "bailing_hybrid", "axk1", "deepseek_v32", "hy_v4-eager", "mistral_large4:no_rope-sdpa"}
+      "bailing_hybrid", "axk1", "deepseek_v32-eager", "hy_v4-eager", "mistral_large4:no_rope-sdpa"}
 
 
 def _has_mla(config_cls) -> bool:
