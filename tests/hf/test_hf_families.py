@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-import hf_models as M
-import mla_compile  # noqa: F401
-from mla_compile import models
-from mla_compile.backend import mla_dcp
-from mla_compile.passes import mla_attention
+if __name__ == "__main__":  # run as the README table's generator: the tests' helpers live in tests/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hf_models as M  # noqa: E402
+import mla_compile  # noqa: E402, F401
+from mla_compile import models  # noqa: E402
+from mla_compile.backend import mla_dcp  # noqa: E402
+from mla_compile.passes import mla_attention  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 from transformers import StaticCache  # noqa: E402
