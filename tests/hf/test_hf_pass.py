@@ -157,18 +157,37 @@ def test_fx_graph_cache_hits_on_rewritten_graph(tmp_path, monkeypatch):
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
 
 
-@pytest.mark.parametrize("world,impl,empty_row", [(2, "sdpa", False), (3, "sdpa", False), (2, "eager", True)])
-def test_dcp_gloo_matches_single_rank_eager(world, impl, empty_row, tmp_path):
-    """empty_row: a request masked everywhere; eager HF attends its whole (global) cache alike, which each rank
-    reproduces over its own shard (the merge weighs the shards by their slot counts)."""
+# one spawn per group size, its cases run one after another in the same ranks (a spawn costs each rank the
+# torch + transformers imports): (impl, empty_row)
+DCP_CASES = {2: [("sdpa", False), ("eager", True)], 3: [("sdpa", False)]}
+
+
+@pytest.fixture(scope="module")
+def dcp_runs(tmp_path_factory):
     import torch.multiprocessing as mp
 
-    L, steps = 32, STEPS if not empty_row else 6
-    mp.spawn(M.dcp_worker, args=(world, str(tmp_path / "init"), str(tmp_path), impl, steps, L, empty_row),
-             nprocs=world, join=True)
+    done = {}
+
+    def run(world: int):
+        if world not in done:
+            d = tmp_path_factory.mktemp(f"dcp{world}")
+            cases = [(impl, STEPS if not empty_row else 6, 32, empty_row) for impl, empty_row in DCP_CASES[world]]
+            mp.spawn(M.dcp_worker, args=(world, str(d / "init"), str(d), cases), nprocs=world, join=True)
+            done[world] = d
+        return done[world]
+
+    return run
+
+
+@pytest.mark.parametrize("world,impl,empty_row", [(2, "sdpa", False), (3, "sdpa", False), (2, "eager", True)])
+def test_dcp_gloo_matches_single_rank_eager(dcp_runs, world, impl, empty_row):
+    """empty_row: a request masked everywhere; eager HF attends its whole (global) cache alike, which each rank
+    reproduces over its own shard (the merge weighs the shards by their slot counts)."""
+    case = DCP_CASES[world].index((impl, empty_row))
+    d = dcp_runs(world)
     first = None
     for r in range(world):
-        res = torch.load(tmp_path / f"rank{r}.pt")
+        res = torch.load(d / f"rank{r}_case{case}.pt")
         # eager HF over the sharded cache (all-gathered shards) == single-rank HF
         assert torch.equal(res["e_t"], res["ref_t"]) and M.rel_err(res["e_l"], res["ref_l"]) < TOL
         # compiled: gather + attention -> mla.dcp_decode
