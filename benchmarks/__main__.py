@@ -129,7 +129,7 @@ def suite_generate(out: Path, smoke: bool, extra: list[str]) -> int:
 def suite_dsa(out: Path, smoke: bool, extra: list[str]) -> int:
     if not _cuda():
         return _skip("dsa", "needs a CUDA GPU (dense vs sparse timing under CUDA-graph trees); "
-                            "the CPU checks of the two graphs are tests/test_dsa_graphs.py")
+                            "the CPU checks of the two graphs are tests/ops/test_dsa_graphs.py")
     return _script("dsa_gpu.py", [str(out), *extra])
 
 

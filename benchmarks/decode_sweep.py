@@ -37,6 +37,7 @@ import reference as ref  # noqa: E402
 R, P, PS = 512, 64, 64
 DT = torch.bfloat16
 C = D.DecodeConfig
+# The round files (data/decode_sweep_roundN.json) are read at commit 20a0395: git show 20a0395:benchmarks/<file>.
 # Round 1 (2026-12-01, data/decode_sweep_round1.json) compared the pointer kernel with the TMA kernel over
 # tiles 16-64, 2-6 stages, 4-8 warps: TMA n32w4s3 (H=16) and TMA h64n64w8s2 (H=128) won every shape. Round 2
 # (data/decode_sweep_round2.json): 16 warps and 128-head tiles lose 2-4x at H=128; 1-3 CTAs/SM of splits and

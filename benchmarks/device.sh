@@ -104,7 +104,7 @@ stage_dcp() {
 stage_dsa() {
   local rc=0
   timeout "${T_DSA_TEST:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_cudagraphs.py tests/gpu/test_hf_dsa_cudagraphs.py \
-    tests/test_dsa_mixed_batch.py || rc=1
+    tests/ops/test_dsa_mixed_batch.py || rc=1
   timeout "${T_DSA_BENCH:-240}" python3 benchmarks/dsa_gpu.py "$OUT/dsa.json" || rc=1
   return $rc
 }

@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_decode  # noqa: E402  (the same model builder and sync)
+from cpu_timing import NOTE, cpu_threads  # noqa: E402
 from hf_decode import sync  # noqa: E402
 
 
@@ -233,11 +234,17 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 
-    for H in args.heads:
-        for B in args.batch:
-            for T in args.prompt:
-                report["cases"].append({})
-                run_case(H, B, T, args, device, dtype, lambda s: print(s, flush=True), report["cases"][-1], save)
+    if device.type == "cpu":
+        env["cpu_threads"] = 1 if args.smoke else torch.get_num_threads()
+        print(f"[generate] {NOTE}", flush=True)
+    with cpu_threads(device, args.smoke):
+        for H in args.heads:
+            for B in args.batch:
+                for T in args.prompt:
+                    report["cases"].append({})
+                    run_case(H, B, T, args, device, dtype, lambda s: print(s, flush=True), report["cases"][-1], save)
+    if device.type == "cpu":
+        print(f"({NOTE})")
     print(f"{'H':>4} {'B':>3} {'prompt':>6} " + " ".join(f"{m + ' ms/tok':>16}" for m in args.modes)
           + "  decode mla/hf  e2e mla/hf")
     for c in report["cases"]:

@@ -29,7 +29,7 @@ e4m3 latent, 4 float32 scales, bf16 rope; one page per request), filled with the
 through the quantizing write. eager / default then run HF's attention over the dequantized latent; mla runs
 mla.decode over the FP8 pages. The fp32 reference runs over the FP8 cache's dequantized latent (so
 max_rel_err_vs_fp32 leaves out the filled tokens' quantization and counts only that of the steps' own new tokens;
-the quantization itself is measured by tests/test_hf_fp8_cache.py).
+the quantization itself is measured by tests/hf/test_hf_fp8_cache.py).
 E.g. the FP8 acceptance case (issue 25): --heads 16 --kv 32768 --batch 8 --modes mla --kv-cache-dtype auto fp8_e4m3
 
 The attention mask is one tensor for the whole run (all ones: no padding). `--mask input` hands it over as a
@@ -61,10 +61,14 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
 from mla_compile.integrations.hf import cache_kwargs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_timing import NOTE, cpu_threads  # noqa: E402
 
 
 def build_model(H: int, layers: int, hidden: int, vocab: int, dtype, device, small: bool = False,
@@ -372,11 +376,17 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 
-    for H in args.heads:
-        for kv in args.kv:
-            for kv_dtype in args.kv_cache_dtype:
-                report["cases"].append({})
-                run_case(H, kv, args, device, dtype, args.modes, log, report["cases"][-1], save, kv_dtype)
+    if device.type == "cpu":
+        env["cpu_threads"] = 1 if args.smoke else torch.get_num_threads()
+        print(f"[hf_decode] {NOTE}", flush=True)
+    with cpu_threads(device, args.smoke):
+        for H in args.heads:
+            for kv in args.kv:
+                for kv_dtype in args.kv_cache_dtype:
+                    report["cases"].append({})
+                    run_case(H, kv, args, device, dtype, args.modes, log, report["cases"][-1], save, kv_dtype)
+    if device.type == "cpu":
+        print(f"({NOTE})")
     print(f"S = {args.tokens} query tokens a step")
     print(f"{'H':>4} {'kv':>6} {'cache':>9} " + " ".join(f"{m + ' tok/s':>14}" for m in args.modes) + "  mla/default")
     for c in report["cases"]:

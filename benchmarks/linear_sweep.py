@@ -38,6 +38,7 @@ SHAPES = {  # name: (M, K, [N of each weight sharing x])
     "q_a+kv_a m1": (1, 2048, [1536, 576]),
     "q_a+kv_a m16": (16, 2048, [1536, 576]),
 }
+# The round files (data/linear_sweep_roundN.json) are read at commit 20a0395: git show 20a0395:benchmarks/<file>.
 # Round 1 (data/linear_sweep_round1.json): block_n 16/32/64 x block_k 128/256/512 x 3/4/6 stages, no split.
 # Round 2: the round-1 leaders, each with K split 1/2/4/8 ways (fp32 partials + one summing launch).
 CONFIGS = {f"n{bn}k{bk}s{st}" + (f"x{sk}" if sk > 1 else ""): LinearConfig(bn, bk, 4, st, sk)

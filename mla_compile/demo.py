@@ -182,13 +182,17 @@ def compare(name, model_fn, cache_fn, a, device, layers, expect_graphs):
                 compiled_tps=steady_tokens_per_s(c_times, B), ok=ok, expect=expect)
 
 
+def cpu_threads_per_rank(world: int) -> int:
+    return max(1, (os.cpu_count() or 2) // world)
+
+
 def rank_main(rank: int, world: int, port: int, out_dir: str, a) -> None:
     """One DCP rank: V3 with a DCP-sharded cache; V3.2 crossing topk (sharded too)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     device = torch.device(a.device if a.device == "cpu" else f"cuda:{rank % max(torch.cuda.device_count(), 1)}")
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    if device.type == "cpu":  # the ranks share the cores: more threads than cores only adds hand-offs
+        torch.set_num_threads(cpu_threads_per_rank(world))
     from . import models
     from .distributed import init_dcp
     from .integrations.hf import MLAPagedCache
@@ -237,8 +241,10 @@ def hf_dcp(a) -> bool:
             print(f"    teacher-forced on eager HF's tokens, vs the fp32 model: max |dlogit|/max|logit| = "
                   f"{res['rel']:.2e} (eager HF {a.dtype}: {res['rel_eager']:.2e}), next-token agreement with eager "
                   f"{100 * res['agree']:.0f}%, identical on all {a.dcp} ranks: {'yes' if same else 'NO'}")
+        cpu_note = (f" (CPU, {cpu_threads_per_rank(a.dcp)} thread(s) per rank, tiny model: not representative of "
+                    f"GPU speed)" if a.device == "cpu" else "")
         print(f"    tokens/s (steady state, batch {a.batch}): eager HF {res['eager_tps']:.0f}, "
-              f"mla_dcp {res['compiled_tps']:.0f}")
+              f"mla_dcp {res['compiled_tps']:.0f}{cpu_note}")
         print(f"    expected {res['expect']}: {'PASS' if res['ok'] else 'FAIL'}")
     return ok
 

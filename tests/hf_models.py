@@ -66,11 +66,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-def dcp_worker(rank: int, world: int, init_file: str, result_dir: str, impl: str, steps: int, L: int,
-               empty_row: bool = False) -> None:
-    """One DCP rank (gloo, CPU): single-rank eager HF reference vs (a) eager HF over the sharded cache and
-    (b) torch.compile(backend="mla_dcp") over it. empty_row: request 1 is padding everywhere (mask row all 0).
-    Writes its numbers to result_dir/rank{rank}.pt."""
+def dcp_worker(rank: int, world: int, init_file: str, result_dir: str, cases: list) -> None:
+    """One DCP rank (gloo, CPU) running every case of `cases` [(impl, steps, L, empty_row)] in one process group:
+    single-rank eager HF reference vs (a) eager HF over the sharded cache and (b) torch.compile(backend="mla_dcp")
+    over it. empty_row: request 1 is padding everywhere (mask row all 0). Writes case i's numbers to
+    result_dir/rank{rank}_case{i}.pt."""
     import types
 
     import torch.distributed as dist
@@ -83,19 +83,21 @@ def dcp_worker(rank: int, world: int, init_file: str, result_dir: str, impl: str
         from transformers import StaticCache
 
         dcp = types.SimpleNamespace(size=world, rank=rank, group_name=dist.group.WORLD.group_name)
-        model = deepseek_v3(attn_impl=impl, num_layers=1)
-        ids, mask = batch(L=L)
-        if empty_row:
-            mask[1] = 0
-        ref_t, ref_l = greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), steps)
-        e_t, e_l = greedy(model, model, ids, mask, MLAPagedCache(model.config, L, page_size=4, dcp=dcp), steps)
-        torch._dynamo.utils.counters.clear()
-        compiled = torch.compile(model, backend="mla_dcp", fullgraph=True)
-        c_t, c_l = greedy(compiled, model, ids, mask, MLAPagedCache(model.config, L, page_size=4, dcp=dcp), steps,
-                          prefill=model)
-        counters = dict(torch._dynamo.utils.counters["mla_compile"])
-        torch.save(dict(ref_t=ref_t, ref_l=ref_l, e_t=e_t, e_l=e_l, c_t=c_t, c_l=c_l, counters=counters),
-                   f"{result_dir}/rank{rank}.pt")
+        for i, (impl, steps, L, empty_row) in enumerate(cases):
+            torch._dynamo.reset()
+            model = deepseek_v3(attn_impl=impl, num_layers=1)
+            ids, mask = batch(L=L)
+            if empty_row:
+                mask[1] = 0
+            ref_t, ref_l = greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), steps)
+            e_t, e_l = greedy(model, model, ids, mask, MLAPagedCache(model.config, L, page_size=4, dcp=dcp), steps)
+            torch._dynamo.utils.counters.clear()
+            compiled = torch.compile(model, backend="mla_dcp", fullgraph=True)
+            c_t, c_l = greedy(compiled, model, ids, mask, MLAPagedCache(model.config, L, page_size=4, dcp=dcp), steps,
+                              prefill=model)
+            counters = dict(torch._dynamo.utils.counters["mla_compile"])
+            torch.save(dict(ref_t=ref_t, ref_l=ref_l, e_t=e_t, e_l=e_l, c_t=c_t, c_l=c_l, counters=counters),
+                       f"{result_dir}/rank{rank}_case{i}.pt")
     finally:
         dist.destroy_process_group()
 

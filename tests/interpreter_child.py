@@ -10,13 +10,13 @@ import os
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import tree
 
 
 def interpreter_verdict(path: str, timeout: int = 600):
     """The JSON verdict the script `path` prints under TRITON_INTERPRET=1 (with the repo and tests/ importable);
     AssertionError with its output when it printed none."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=tree.child_pythonpath())
     proc = subprocess.run([sys.executable, os.path.abspath(path)], env=env, capture_output=True, text=True,
                           timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VERDICT ")]

@@ -2,7 +2,7 @@
 ahead-of-time compiler plus its bundled ptxas give the PTX and the register / spill counts of exactly what a launch
 would build.
 
-Development tooling, outside the package (nothing at run time imports it): used by tests/test_kernel_codegen.py
+Development tooling, outside the package (nothing at run time imports it): used by tests/kernels/test_kernel_codegen.py
 (CI guards on the default kernels) and `benchmarks/decode_sweep.py --aot` (prune tile configs before spending GPU
 time). Import it with the repository root on sys.path: `from tools import aot`.
 """

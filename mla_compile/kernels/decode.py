@@ -253,7 +253,7 @@ class DecodeConfig:
 
 
 def default_config(H: int, R: int, page_size: int, dtype: torch.dtype = torch.bfloat16) -> DecodeConfig:
-    """From H200 sweeps (benchmarks/decode_sweep.py, data/decode_sweep_round*.json; RESULTS.md): many heads
+    """From H200 sweeps (benchmarks/decode_sweep.py, round JSON at commit 20a0395; RESULTS.md): many heads
     take the TMA kernel where the layout allows it, few heads the pointer kernel at every page size. The pointer
     kernel gets one more stage when a tile spans pages (a page-1 token table, page 16): its addresses then come
     from a per-token table load that the next tile's copy waits on (page 1, H=16: 2 stages 20% slower than 3).
@@ -261,7 +261,7 @@ def default_config(H: int, R: int, page_size: int, dtype: torch.dtype = torch.bf
     fp32 operands (twice the bytes of the tuned half-precision tiles) take the pointer kernel at 32 rows x 16 tokens:
     the half-precision tiling needs 396-432 KB of shared memory in fp32 at 64 rows (the H200 has 227 KB; it failed
     there with OutOfResources) and spills at 16 rows; the fp32 tiling builds in 88-124 KB with no spill (sm_90a,
-    tools/aot.py; tests/test_kernel_codegen.py guards it)."""
+    tools/aot.py; tests/kernels/test_kernel_codegen.py guards it)."""
     if dtype == torch.float32:
         return multi_token_config(H, page_size, dtype)
     stages = 2 if page_size % 64 == 0 else 3  # both configs use 64-token tiles
@@ -300,7 +300,7 @@ def multi_token_config(rows: int, page_size: int, dtype: torch.dtype = torch.bfl
 
 def fp8_config(rows: int, page_size: int, dtype: torch.dtype = torch.bfloat16, multi: bool = False) -> DecodeConfig:
     """An FP8 latent cache (the pointer kernel, tiles dequantized in registers; `multi`: S > 1 query tokens, rows =
-    S * H). Sized from sm_90a builds (tools/aot.py, R 512 / P 64, bf16 q; tests/test_fp8_cache.py guards them): the
+    S * H). Sized from sm_90a builds (tools/aot.py, R 512 / P 64, bf16 q; tests/ops/test_fp8_cache.py guards them): the
     float32 dequantization of a tile doubles its registers, so the tiles are 32 tokens, not 64. 16 rows: 4 warps,
     214-229 registers, 105 KB shared, no spill (64-token tiles need 8 warps and 191 KB). More rows, one query
     token: 32 per program at 8 warps, 255 registers, 123 KB, no spill (64 rows spill 148-288 bytes at every tiling
@@ -342,13 +342,13 @@ def tma_tiles_fit(cfg: DecodeConfig, page_size: int, R: int, P: int) -> bool:
 
 
 def tma_constexprs(cfg: DecodeConfig, R: int, P: int, dtype: torch.dtype) -> dict:
-    """The compile-time arguments of `_stage1_tma_kernel` (shared with tests/test_kernel_codegen.py)."""
+    """The compile-time arguments of `_stage1_tma_kernel` (shared with tests/kernels/test_kernel_codegen.py)."""
     return dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, RH=R // 2, P=P, **dot_mode(dtype))
 
 
 def pointer_constexprs(cfg: DecodeConfig, R: int, P: int, page_size: int, sparse: bool, dtype: torch.dtype,
                        multi: bool = False, fp8: bool = False) -> dict:
-    """The compile-time arguments of `_stage1_kernel` (shared with tests/test_kernel_codegen.py); `multi`: several
+    """The compile-time arguments of `_stage1_kernel` (shared with tests/kernels/test_kernel_codegen.py); `multi`: several
     query tokens per request, each row with its own causal limit; `fp8`: an FP8 latent cache (q in `dtype`)."""
     return dict(SPARSE=sparse, PS=page_size, R=R, P=P, BLOCK_H=cfg.block_h,
                 BLOCK_N=cfg.block_n, RH=max(16, block(R) // 2), BLOCK_P=block(P), MULTI=multi, FP8=fp8,

@@ -49,7 +49,7 @@ MAX_REGS = 168
 # warpgroup 1's; warpgroup 0 gets the rest (168 * 3 - 240 - 24 = 240)
 WG_REGS = gl.constexpr(240) if G.gluon is not None else 240
 LOADER_REGS = gl.constexpr(24) if G.gluon is not None else 24
-SPILL_BUDGET = 512  # bytes ptxas may spill (offline count, tests/test_kernel_codegen.py): a few scalars outside MMAs
+SPILL_BUDGET = 512  # bytes ptxas may spill (offline count, tests/kernels/test_kernel_codegen.py): a few scalars outside MMAs
 
 
 def smem_bytes(R: int, P: int, itemsize: int = 2) -> int:

@@ -110,7 +110,7 @@ def _sum_splits_kernel(P, Y0, Y1, S, N0, N1, s_ps, s_pm, s_y0m, s_y1m, BLOCK: tl
 
 
 def default_linear_config(M: int, K: int, N: int) -> LinearConfig:
-    """From the H200 sweeps (benchmarks/linear_sweep.py; data/linear_sweep_round1.json, round2.json; M=8):
+    """From the H200 sweeps (benchmarks/linear_sweep.py; rounds 1-2 JSON at commit 20a0395; M=8):
     32-row blocks, 128-wide K steps; K split so that (row blocks x splits) is near 256 programs (~2 per SM):
     DeepSeek-V3's q_a + kv_a (N 2112, K 7168) 11.5 us with 4 splits vs 18.0 unsplit and 18.9 as two cuBLAS
     GEMMs; down (K 8192) 12.2 vs cuBLAS 13.8. Unsplit and K <= 4096: 3 stages (gate + up at K 2048: 18.4 vs

@@ -1,6 +1,6 @@
 """Rope-less MLA (P = 0) on CUDA: `mla.decode` / `mla.sparse_decode` through the Triton route (a zero rope column of
 width 1) vs the float64 reference, inside a CUDA graph too, and a tiny HF mistral_large4 with a NoPE layer
-compiled with `mla_dcp` under "reduce-overhead" vs eager HF (tests/test_rope_less.py checks the same on CPU)."""
+compiled with `mla_dcp` under "reduce-overhead" vs eager HF (tests/ops/test_rope_less.py checks the same on CPU)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,330 @@
+"""Benchmark tooling that runs on any machine: the HF step profile's categories, on a recorded H200 profile."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import hf_profile  # noqa: E402
+
+
+def test_profile_categories_split_the_step_exactly():
+    rows = json.loads((ROOT / "benchmarks/data/hf_profile_round5.json").read_text())["rows"]
+    row = next(r for r in rows if r["kv_len"] == 32768)
+    cats = hf_profile.categorize(row)
+    assert sum(cats.values()) == pytest.approx(row["wall_us_per_step"])
+    # the stage-1 + merge kernels, the fused pairs and cuBLAS GEMMs, the harness's mask copy and argmax
+    stage1 = sum(k["us_per_step"] for k in row["top"] if k["name"] == "_stage1_kernel")
+    assert stage1 < cats["attention"] < stage1 + 25
+    assert cats["projections"] > sum(k["us_per_step"] for k in row["top"] if k["name"] == "_linear_kernel")
+    assert 0 < cats["harness (mask copy, argmax)"] < 40
+    assert all(v > 0 for v in cats.values())
+
+
+def test_profile_variants_set_their_tuning_and_env_then_restore(monkeypatch):
+    # every experiment goes through the public surface: a Tuning and process-wide env switches, no private names
+    from mla_compile import tuning
+
+    monkeypatch.delenv("MLA_COMPILE_PDL", raising=False)
+    for name, (_, _, tune, env) in hf_profile.VARIANTS.items():
+        assert isinstance(tune, tuning.Tuning) and all(k.startswith("MLA_COMPILE_") for k in env), name
+        with hf_profile.experiment(name):
+            assert tuning.current() == tune
+            assert all(os.environ[k] == v for k, v in env.items())
+        assert tuning.current() == tuning.DEFAULT and "MLA_COMPILE_PDL" not in os.environ
+    with hf_profile.experiment("static+nopdl"):
+        assert os.environ["MLA_COMPILE_PDL"] == "0"
+    with hf_profile.experiment("static+cublas_small"):
+        assert tuning.current().lone_linear_min_k == 8192
+    assert "MLA_COMPILE_PDL" not in os.environ
+
+
+def test_gap_stats_buckets_and_largest_gaps():
+    # two steps of three kernels: 0.5 us and 3 us gaps inside a step, 30 us between the steps
+    spans = [(0, 10, "a"), (10.5, 20, "b"), (23, 30, "c"), (60, 70, "a"), (70.5, 80, "b"), (83, 90, "c")]
+    stats = hf_profile.gap_stats(list(reversed(spans)), steps=2)  # order of the profiler's events must not matter
+    b = stats["buckets"]
+    assert b["0-1us"] == {"count_per_step": 1.0, "us_per_step": 0.5}
+    assert b["2-5us"] == {"count_per_step": 1.0, "us_per_step": 3.0}
+    assert b["20-infus"] == {"count_per_step": 0.5, "us_per_step": 15.0}
+    assert b["1-2us"]["count_per_step"] == b["5-20us"]["count_per_step"] == 0
+    assert stats["largest"][0] == {"us": 30, "after": "c", "before": "a"}
+    assert sum(v["us_per_step"] for v in b.values()) == pytest.approx((90 - 2 * 26.5) / 2)  # span - busy
+
+
+def test_generate_benchmark_smoke(tmp_path):
+    """The generate() benchmark's harness on tiny shapes (CPU): every mode runs through HF's own generate, mla
+    rewrites every layer of the decode graph and its greedy tokens equal eager's (fp32)."""
+    import generate
+
+    out = tmp_path / "generate.json"
+    torch._dynamo.reset()
+    assert generate.main([str(out), "--smoke", "--modes", "eager", "hf", "mla"]) == 0
+    (case,) = json.loads(out.read_text())["cases"]
+    modes = case["modes"]
+    assert set(modes) == {"eager", "hf", "mla"} and not any("error" in m for m in modes.values())
+    assert modes["mla"]["rewritten"] == 2 and modes["mla"]["agree"] == 1.0 and modes["hf"]["agree"] == 1.0
+    assert case["decode_speedup_mla_vs_hf"] > 0 and modes["mla"]["decode_ms_per_token"] > 0
+
+
+@pytest.mark.parametrize("step", ["model", "greedy"])
+def test_hf_decode_smoke_both_step_kinds(tmp_path, step, capsys):
+    """The HF benchmark's harness on tiny shapes (CPU): every mode runs, mla rewrites the layer and matches eager,
+    with the greedy pick after the compiled model or inside a compiled step function."""
+    import hf_decode
+
+    out = tmp_path / "hf.json"
+    torch._dynamo.reset()
+    threads = torch.get_num_threads()
+    assert hf_decode.main([str(out), "--smoke", "--mask", "static", "--step", step]) == 0
+    assert torch.get_num_threads() == threads  # the smoke run's one thread is restored
+    report = json.loads(out.read_text())
+    assert report["env"]["cpu_threads"] == 1 and "not representative" in capsys.readouterr().out
+    (case,) = report["cases"]
+    assert case["step"] == step and case["mask"] == "static"
+    modes = case["modes"]
+    assert set(modes) == {"eager", "default", "mla"} and not any("error" in m for m in modes.values())
+    assert modes["mla"]["rewrites"] == 1 and modes["mla"]["ok"] and modes["default"]["ok"]
+    assert modes["mla"]["token_steps_agree"] == "2/2"
+
+
+def test_hf_decode_smoke_fp8_cache(tmp_path):
+    """`--kv-cache-dtype fp8_e4m3`: the FP8 latent cache filled through the quantizing write; mla rewrites the layer
+    over it and matches eager HF over the same cache."""
+    import hf_decode
+
+    out = tmp_path / "hf.json"
+    torch._dynamo.reset()
+    assert hf_decode.main([str(out), "--smoke", "--modes", "eager", "mla", "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    (case,) = json.loads(out.read_text())["cases"]
+    modes = case["modes"]
+    assert case["kv_cache_dtype"] == "fp8_e4m3" and not any("error" in m for m in modes.values())
+    assert modes["mla"]["rewrites"] == 1 and modes["mla"]["ok"] and modes["mla"]["token_steps_agree"] == "2/2"
+
+
+def test_hf_decode_smoke_verification_step(tmp_path):
+    """`--tokens 3`: every step verifies 3 tokens per request; mla rewrites it (multi-token) and matches eager on
+    all 3 positions' logits."""
+    import hf_decode
+
+    out = tmp_path / "hf.json"
+    torch._dynamo.reset()
+    assert hf_decode.main([str(out), "--smoke", "--tokens", "3", "--modes", "eager", "mla", "--no-fp32-ref"]) == 0
+    (case,) = json.loads(out.read_text())["cases"]
+    mla = case["modes"]["mla"]
+    assert case["tokens"] == 3 and "error" not in mla, mla
+    assert mla["multi_token_rewrites"] == 1 and mla["ok"] and mla["token_steps_agree"] == "2/2"
+
+
+def test_scaling_fit_recovers_fixed_cost_and_rate():
+    import decode_sweep
+
+    copy_bw = 4.0e12
+    rows = [{"bytes": b, "stage1_us": 12.5 + b / 3.6e12 * 1e6} for b in (7.5e7, 1.5e8, 3.0e8, 6.0e8)]
+    fit = decode_sweep.fit_fixed_and_rate(rows, "stage1", copy_bw)
+    assert abs(fit["fixed_us"] - 12.5) < 1e-6 and abs(fit["rate_TBps"] - 3.6) < 1e-9
+    assert abs(fit["rate_frac_of_copy"] - 0.9) < 1e-9
+
+
+
+def test_profile_ab_compiles_each_variant_and_times_them_round_robin(tmp_path):
+    """`hf_profile.py --ab`: every variant compiled (its own rewrite of the layer) on one model and cache, each
+    timed once per round."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    out = tmp_path / "ab.json"
+    variants = ["static", "static+session6"]
+    assert hf_profile.main([str(out), "--smoke", "--ab", "3", "--variants", *variants, "--step", "greedy"]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["rounds"] == 3 and sorted(row["median_us_per_step"]) == sorted(variants)
+    assert all(len(row["samples_us_per_step"][v]) == 3 and min(row["samples_us_per_step"][v]) > 0 for v in variants)
+    assert counters["mla_compile"]["mla_attention_rewritten"] == len(variants)  # one layer, once per variant
+    assert not torch._inductor.config.force_disable_caches  # the script's setting ends with it
+
+
+def test_ops_report_shows_the_replaced_kernel_and_judges_goals_on_graph_time():
+    # benchmarks/report.py on two hand-made rows: graph-time ratio, the TMA kernel's column only when timed,
+    # and the H=128 TFLOP/s goal from the graph time (flops 2*B*H*L*(512+64+512))
+    import report
+
+    row = dict(H=128, B=8, L=32768, splits=8, triton_ms=0.30, triton_graph_ms=0.20, flashinfer_ms=0.16,
+               triton_tma_graph_ms=0.27)
+    h16 = {k: v for k, v in row.items() if k != "triton_tma_graph_ms"} | {"H": 16}
+    d = {"copy_bw_TBps": 4.0, "decode": [row, h16]}
+    text = "\n".join(report.ops_block(d))
+    assert "TMA graph us" in text
+    h128 = next(ln for ln in text.splitlines() if ln.startswith("| 128 |"))
+    assert "| 200.0 | 270.0 | 300.0 | 160.0 | 1.25 |" in h128
+    assert "TMA graph us" not in "\n".join(report.ops_block({"copy_bw_TBps": 4.0, "decode": [h16]}))
+    goals = {g[1]: g for g in report.ops_goals(d)}
+    tflops = 2 * 8 * 128 * 32768 * 1088 / 0.20e-3 / 1e12
+    assert goals["H=128: >= 550 TFLOP/s"][2].startswith(f"max {tflops:.0f} ")
+    assert goals["ratio Triton/FlashInfer <= 1.0 at kv_len >= 8K, H=128 (graph time)"][3] == "**not met**"
+
+
+# ------------------------------------------------------------------- report: device results are not replaced
+def _report_tree(tmp_path, monkeypatch):
+    """A copy of RESULTS.md, benchmarks/data/hf.json (the committed H200 run) and an empty plots dir, with
+    report.HERE pointed at it, so the defaults the report writes to are the copies."""
+    import report
+
+    here = tmp_path / "benchmarks"
+    (here / "data").mkdir(parents=True)
+    (here / "plots").mkdir()
+    (here / "RESULTS.md").write_text((ROOT / "benchmarks/RESULTS.md").read_text())
+    h200 = json.loads((ROOT / "benchmarks/data/hf.json").read_text())
+    assert report.provenance("hf", h200) == (True, "device NVIDIA H200")
+    (here / "data/hf.json").write_text(json.dumps(h200))
+    monkeypatch.setattr(report, "HERE", here)
+    return report, here, h200
+
+
+def _smoke_run(tmp_path, h200, **env):
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    smoke = json.loads(json.dumps(h200))
+    smoke["env"].update(env)
+    smoke["args"]["smoke"] = True
+    (run / "hf.json").write_text(json.dumps(smoke))
+    return run
+
+
+@pytest.mark.parametrize("env", [{"device": "cpu"}, {}], ids=["cpu", "gpu-smoke"])
+@pytest.mark.parametrize("plots", [False, True], ids=["md", "plots-only"])
+def test_report_refuses_to_replace_device_results_with_smoke_or_cpu_data(tmp_path, monkeypatch, capsys, env, plots):
+    report, here, h200 = _report_tree(tmp_path, monkeypatch)
+    run = _smoke_run(tmp_path, h200, **env)
+    before = {p: p.read_bytes() for p in here.rglob("*") if p.is_file()}
+    # md: RESULTS.md and data/ would be rewritten; plots-only: --md-out elsewhere, but PNGs into the default dir
+    argv = [str(run), "--no-plots"] if not plots else [str(run), "--md-out", str(tmp_path / "out.md")]
+    assert report.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "refusing to replace device results: hf:" in err and "NVIDIA H200" in err and "--force" in err
+    assert {p: p.read_bytes() for p in here.rglob("*") if p.is_file()} == before  # nothing written
+    assert not (tmp_path / "out.md").exists()
+
+
+def test_report_force_replaces_and_device_or_elsewhere_runs_pass(tmp_path, monkeypatch):
+    report, here, h200 = _report_tree(tmp_path, monkeypatch)
+    run = _smoke_run(tmp_path, h200, device="cpu")
+    # rendering somewhere else (no PNGs into the committed plots) is not a replacement
+    assert report.main([str(run), "--md-out", str(tmp_path / "out.md"), "--no-plots"]) == 0
+    assert json.loads((here / "data/hf.json").read_text()) == h200
+    # a device run replaces a device run
+    gpu = tmp_path / "gpu"
+    gpu.mkdir()
+    (gpu / "hf.json").write_text(json.dumps(h200 | {"note": "newer"}))
+    assert report.main([str(gpu), "--no-plots"]) == 0
+    assert json.loads((here / "data/hf.json").read_text())["note"] == "newer"
+    # --force replaces device results with the smoke run
+    assert report.main([str(run), "--no-plots", "--force"]) == 0
+    assert json.loads((here / "data/hf.json").read_text())["env"]["device"] == "cpu"
+    # and once the stored run is a smoke run, another smoke run needs no --force
+    assert report.main([str(run), "--no-plots"]) == 0
+
+
+@pytest.mark.parametrize("suite,d,device", [
+    ("ops", {"device": "NVIDIA H200"}, True),
+    ("dcp", {"runs": {"1": {"device": "NVIDIA H200"}, "2": {"device": "NVIDIA H200"}}}, True),
+    ("dcp", {"runs": {"1": {"device": "cpu"}, "2": {"device": "cpu"}}}, False),
+    ("hf", {"env": {"device": "cpu"}, "args": {"smoke": True}}, False),
+    ("compile", {"device": "cuda", "device_name": "NVIDIA H200"}, True),
+    ("compile", {"device": "cpu", "device_name": "cpu"}, False),
+    ("dsa", [{"batch": 8}], True),  # dsa_gpu.py runs on CUDA only
+])
+def test_report_provenance_reads_what_each_script_records(suite, d, device):
+    import report
+
+    assert report.provenance(suite, d)[0] is device
+
+
+def run_script(script, argv, monkeypatch):
+    """benchmarks/<script> as `python benchmarks/<script> argv...`, in this process (no torch import per
+    script): returns its exit status."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / script), *argv])
+    monkeypatch.setattr(sys, "path", [str(ROOT / "benchmarks"), *sys.path])  # the scripts insert paths too
+    try:
+        runpy.run_path(str(ROOT / "benchmarks" / script), run_name="__main__")
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+@pytest.mark.parametrize("script", ["bench_ops.py", "decode_sweep.py", "dsa_gpu.py",
+                                    "hf_decode.py", "hf_profile.py", "dcp_gpu.py", "linear_sweep.py",
+                                    "compile_suite.py", "families.py"])
+def test_benchmark_scripts_print_help_without_cuda(script, monkeypatch, capsys):
+    assert run_script(script, ["--help"], monkeypatch) == 0
+    assert capsys.readouterr().out.startswith("usage:")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+@pytest.mark.parametrize("script", ["bench_ops.py", "decode_sweep.py", "dsa_gpu.py"])
+def test_gpu_benchmark_scripts_say_they_need_cuda(script, tmp_path, monkeypatch, capsys):
+    assert run_script(script, [str(tmp_path / "x.json")], monkeypatch) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_families_arguments_and_cases():
+    import families
+
+    a = families.parse_args(["x.json"])
+    assert a.families == list(families.FAMILIES) and a.modes == list(families.MODES) and a.kv == 32768
+    assert a.batch == 8 and a.layers == 4
+    with pytest.raises(SystemExit):
+        families.parse_args(["x.json", "--families", "llama"])
+    # V3.2: its dense graph at the largest kv that stays <= top-k through every step, then the sparse one
+    assert families.cases(a, "deepseek_v32", 2048) == [("dense", 2048 - (a.check_steps + a.steps + 1)),
+                                                       ("sparse", 32768)]
+    assert families.cases(a, "deepseek_v3", None) == [("", 32768)]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "glm4_moe_lite", "kimi_linear", "mistral4"])
+def test_families_configs_keep_the_real_attention(family):
+    """Only the fields the benchmark says it scales differ from the family's defaults (the attention is real)."""
+    import families
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cfg, scaled = families.family_config(family)
+    real = CONFIG_MAPPING[family]().to_dict()
+    got = cfg.to_dict()
+    for k in ("num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+              "q_lora_rank", "hidden_size", "index_n_heads", "index_topk"):
+        if k in real:
+            assert got[k] == real[k] and k not in scaled, k
+    assert got["num_hidden_layers"] == 4 and got["vocab_size"] == 32768
+    assert {k for k in got if got[k] != real.get(k)} <= set(scaled) | {"pad_token_id", "bos_token_id", "eos_token_id",
+                                                                          "_attn_implementation_internal"}
+    if family == "kimi_linear":
+        assert got["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+
+
+def test_families_cache_state_round_trips():
+    """The tiny DSA model's cache: filled, snapshot, advanced by a step, restored exactly (lengths included)."""
+    import families
+
+    model, _ = families.build("deepseek_v32", torch.float32, torch.device("cpu"), tiny=True)
+    cache = families.new_cache(model, 16)
+    families._init_cache(model, cache, 2, torch.device("cpu"))
+    families.fill(cache, 8)
+    snap = [t.clone() for t in families.state(cache)]
+    assert cache.layers[0].keys[:, :, :8].abs().sum() > 0 and cache.layers[0].keys[:, :, 8:].abs().sum() == 0
+    assert cache.layers[0].indexer_keys[:, :8].abs().sum() > 0 and cache.max_kv_len == 9
+    mask = torch.ones(2, 16, dtype=torch.long)
+    families.decode(model, cache, torch.ones(2, 1, dtype=torch.long), mask, 8, 1)
+    assert int(cache.layers[0].cumulative_length) == 9 and cache.max_kv_len == 10
+    for t, s in zip(families.state(cache), snap):
+        t.copy_(s)
+    families.rewind(cache, 8)
+    assert all(torch.equal(t, s) for t, s in zip(families.state(cache), snap)) and cache.max_kv_len == 9

@@ -1,0 +1,175 @@
+"""What the default decode kernels compile to on Hopper, checked on a CPU machine: Triton compiles for sm_90a
+ahead of time (no GPU needed) and its bundled ptxas reports registers and spills (tools/aot.py).
+
+These guard the properties the H200 sweeps showed the speed depends on (RESULTS.md, decode sweep rounds 6-9, linear
+sweeps 1-2):
+the pointer kernel's cache loads must be 16-byte async copies (a runtime R/P once left 2-byte loads and cost
+~10%), nothing spills, the H=128 TMA kernel runs Hopper's warpgroup MMA on TMA-loaded tiles, and the Gluon kernel
+that replaced it on sm_90 computes each score once.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tools/ is dev tooling
+from mla_compile.kernels import decode as D  # noqa: E402
+from tools import aot  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not aot.available(), reason="triton's bundled ptxas is missing")
+# an MMA layout in TTGIR: (warpsPerCTA, instrShape)
+MMA_LAYOUT = r"nvidia_mma<\{[^}]*warpsPerCTA = (\[\d+, \d+\]), instrShape = (\[[\d, ]+\])"
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_few_heads_pointer_kernel_streams_the_cache_in_16_byte_async_copies(page_size):
+    out = aot.stage1_sm90(D.default_config(16, 512, page_size), page_size=page_size)
+    ptx = out["ptx"]
+    assert out["kernel"] == "pointer"
+    assert re.search(r"cp\.async\.cg\.shared\.global[^;]*, 0x10,", ptx), "cache tiles are not 16-byte async copies"
+    assert not re.search(r"ld\.global(\.[a-z:0-9]+)*\.[bu]16 ", ptx), "2-byte global loads in the tile loop"
+    assert "mma.sync" in ptx
+    assert out["spill_bytes"] == 0, out["registers"]
+
+
+def test_many_heads_tma_kernel_feeds_warpgroup_mma():
+    out = aot.stage1_sm90(D.default_config(128, 512, 64), page_size=64)
+    assert out["kernel"] == "tma"
+    assert "cp.async.bulk.tensor" in out["ptx"], "full tiles are not TMA copies"
+    assert "wgmma.mma_async" in out["ptx"], "no warpgroup MMA"
+    assert out["spill_bytes"] <= 1024, out["spill_bytes"]  # ptxas' offline count; the H200 reports 0 for this config
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_many_heads_gluon_kernel_computes_each_score_once(dtype):
+    """The Gluon kernel (kernels/decode_wgmma.py) exists because Triton laid the score MMA out as 8 warps along
+    M (warpsPerCTA [8, 1]): both warpgroups computed the same scores. Here the score MMA must split the tile's
+    tokens over the two warpgroups ([4, 2], 32 tokens each) and the output's columns likewise, q and the tiles
+    must fit one SM's shared memory, and nothing may spill."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mla_compile.kernels import _gluon as G
+    from mla_compile.kernels import decode_wgmma as W
+
+    out = aot.wgmma_stage1_sm90(dtype=dtype)
+    mma_layouts = set(re.findall(MMA_LAYOUT, out["ttgir"]))
+    assert mma_layouts == {("[4, 2]", "[16, 32, 16]"), ("[4, 2]", "[16, 128, 16]")}, mma_layouts
+    assert "cp.async.bulk.tensor" in out["ptx"], "full tiles are not TMA copies"
+    # per tile and warpgroup: q.ckv^T = 576 / 16 instructions, p.ckv = 2 x 64 / 16; once for the full tiles'
+    # loop and once for a split's partial last tile
+    assert len(re.findall(r"wgmma\.mma_async", out["ptx"])) == 2 * (576 // 16 + 2 * 64 // 16)
+    assert out["spill_bytes"] == 0, out["registers"]
+    assert out["advisories"] == [], out["advisories"]  # ptxas neither serialises the MMAs nor adds waits
+    assert out["shared_bytes"] <= G.SMEM_LIMIT
+    assert out["shared_bytes"] >= W.smem_bytes(512, 64) - 64  # q, both stages and p are all there
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_many_heads_seesaw_kernel_gives_each_warpgroup_whole_tiles(dtype):
+    """The warp-specialised kernel (kernels/decode_seesaw.py): each warpgroup scores whole 64-token tiles (an
+    m64n64 MMA over one warpgroup, [4, 1]) and accumulates one latent half (m64n256), a one-warp partition issues
+    the TMA copies, and the register file is split between the partitions (setmaxnreg)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mla_compile.kernels import _gluon as G
+    from mla_compile.kernels import decode_seesaw as S
+
+    out = aot.wgmma_stage1_sm90(dtype=dtype, kernel="seesaw")
+    mma_layouts = set(re.findall(MMA_LAYOUT, out["ttgir"]))
+    assert mma_layouts == {("[4, 1]", "[16, 64, 16]"), ("[4, 1]", "[16, 256, 16]")}, mma_layouts
+    ptx = out["ptx"]
+    # per warpgroup and pair of tiles: its own tile's q.ckv^T (576 / 16) and two p.ckv (64 / 16 each)
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16", ptx)) == 2 * 576 // 16
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16", ptx)) == 2 * 2 * 64 // 16
+    assert "cp.async.bulk.tensor" in ptx, "tiles are not TMA copies"
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{int(S.LOADER_REGS)};", ptx), "loader keeps its registers"
+    assert re.search(r"\.reqntid 384", ptx), "4 + 4 + 1 warps launch as three warpgroups"
+    assert out["spill_bytes"] <= S.SPILL_BUDGET, out["spill_bytes"]
+    assert S.smem_bytes(512, 64) - 256 <= out["shared_bytes"] <= G.SMEM_LIMIT
+    # ptxas must not serialise the MMAs (C7514: each waits for the one before; a "defer" variant, which
+    # read warpgroup 0's accumulator while an MMA was in flight, got it and ran 40% slower on the H200). The one
+    # wait ptxas adds (C7517) is warpgroup 1's before rescaling its accumulator, while its score MMAs are in flight;
+    # a second one would be a new serialisation point
+    assert "C7514" not in out["advisories"], out["advisories"]
+    assert out["advisories"].count("C7517") <= 1, out["advisories"]
+
+
+@pytest.mark.parametrize("page_size,sparse", [(1, False), (16, False), (1, True)])
+def test_many_heads_gluon_gather_kernel_copies_rows_in_16_byte_async_copies(page_size, sparse):
+    """The Gluon kernel for tiles that are not TMA boxes (pages < 64 tokens, sparse index lists): every cache row
+    arrives by 16-byte cp.async whose source size zero-fills masked rows (unused slots may hold NaN), the same
+    hand-laid MMAs as the TMA kernel, no spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    out = aot.wgmma_stage1_sm90(page_size=page_size, kernel="gather", sparse=sparse)
+    copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10, %r\d+;", out["ptx"])
+    # [64, 256] x 2 latent halves + [64, 64] rope, 16 B each, over 256 threads: 18 per thread and tile, at the
+    # prologue's and at the loop's issue
+    assert len(copies) == 2 * 18, len(copies)
+    mma_layouts = set(re.findall(MMA_LAYOUT, out["ttgir"]))
+    assert mma_layouts == {("[4, 2]", "[16, 32, 16]"), ("[4, 2]", "[16, 128, 16]")}, mma_layouts
+    assert out["spill_bytes"] == 0, out["registers"]
+    assert out["advisories"] == [], out["advisories"]
+
+
+@pytest.mark.parametrize("M,K,N", [(8, 2048, 2112), (8, 2048, 16384), (8, 8192, 2048), (1, 7168, 2112)])
+def test_few_token_linear_streams_weights_in_16_byte_async_copies(M, K, N):
+    """The default few-token linear configs (kernels/linear.py; H200 sweeps rounds 1-2): weight tiles as
+    pipelined 16-byte async copies, tensor-core MMA, no spills."""
+    out = aot.linear_sm90(M, K, N)
+    ptx = out["ptx"]
+    assert re.search(r"cp\.async\.cg\.shared\.global[^;]*, 0x10,", ptx), "weight tiles are not 16-byte async copies"
+    assert not re.search(r"ld\.global(\.[a-z:0-9]+)*\.[bu]16 ", ptx), "2-byte global loads"
+    assert "mma.sync" in ptx
+    assert out["spill_bytes"] == 0, out["registers"]
+
+
+_MEMORY_OP = re.compile(r"^\s+(?:@!?%p\d+ )?(?:ld\.global|st\.global|cp\.async|atom|red\.global)", re.M)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_per_head_linear_compiles_to_tensor_core_mma_without_spills(transposed):
+    """W_UV (K-contiguous rows) and W_UK (a transposed weight view): vectorised weight loads, MMA, no spills."""
+    out = aot.per_head_linear_sm90(transposed, K=512 if not transposed else 128)
+    assert "mma.sync" in out["ptx"]
+    assert not re.search(r"ld\.global(\.[a-z:0-9]+)*\.[bu]16 ", out["ptx"]), "2-byte global loads"
+    assert out["spill_bytes"] == 0, out["registers"]
+
+
+@pytest.mark.parametrize("kernel", ["stage1 page 1", "stage1 page 64", "stage1 H=128 tma", "linear split-K",
+                                    "per-head linear"])
+def test_pdl_kernels_wait_for_the_previous_kernel_before_any_memory_access(kernel):
+    """Launched with programmatic dependent launch (MLA_COMPILE_PDL=1), a kernel may start while its predecessor
+    still runs: `griddepcontrol.wait` must come before every global load / store / async copy (RAW and WAR), and
+    dependents are released only after it (kernels/_util.py pdl_enter). Without PDL, neither instruction."""
+    build = {"stage1 page 1": lambda pdl: aot.stage1_sm90(D.default_config(16, 512, 1), page_size=1, pdl=pdl),
+             "stage1 page 64": lambda pdl: aot.stage1_sm90(D.default_config(16, 512, 64), page_size=64, pdl=pdl),
+             "stage1 H=128 tma": lambda pdl: aot.stage1_sm90(D.default_config(128, 512, 64), page_size=64, pdl=pdl),
+             "linear split-K": lambda pdl: aot.linear_sm90(8, 8192, 2048, pdl=pdl),
+             "per-head linear": lambda pdl: aot.per_head_linear_sm90(True, K=128, pdl=pdl)}[kernel]
+    ptx = build(True)["ptx"]
+    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    first_access = _MEMORY_OP.search(ptx)
+    assert 0 <= wait < launch, "no wait, or dependents released before it"
+    assert first_access is not None and wait < first_access.start(), first_access
+    assert "griddepcontrol" not in build(False)["ptx"]
+
+
+@pytest.mark.parametrize("H,page_size,P", [(16, 64, 64), (16, 1, 1), (128, 64, 64), (128, 1, 1), (128, 64, 1)])
+def test_fp32_pointer_kernel_fits_shared_memory_without_spills(H, page_size, P):
+    """fp32 operands at the default tiling for their shapes (P = 1: the rope-less route's zero column): the build
+    stays inside the H200's 227 KB of shared memory per block, with no spill (the half-precision tiling in fp32
+    needed 396-432 KB at 64 rows and failed on the H200 with OutOfResources)."""
+    import torch
+
+    if not aot.available():
+        pytest.skip("triton's bundled ptxas is missing")
+    cfg = D.default_config(H, 512, page_size, torch.float32)
+    assert not cfg.tma and cfg.kernel == "triton"
+    got = aot.compile_sm90(D._stage1_kernel,
+                           dict(D.pointer_constexprs(cfg, 512, P, page_size, False, torch.float32, False), PDL=False),
+                           {k: "*fp32" for k in ("Qn", "Qp", "Ckv", "Kpe")}, cfg.num_warps, cfg.num_stages)
+    assert got["shared_bytes"] <= 200 * 1024, got["shared_bytes"]
+    assert got["spill_bytes"] == 0, got["registers"]

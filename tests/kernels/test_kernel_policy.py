@@ -1,0 +1,329 @@
+"""Which decode kernel runs (pure host logic, no GPU): `dispatch.select_decode_kernel`'s table checked with fake
+device capabilities, the override (tuning, env var), that the choice is what runs, the Triton kernels' TMA
+eligibility and default configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import unittest.mock as mock
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+from mla_compile import tuning  # noqa: E402
+from mla_compile.kernels import _gluon as G  # noqa: E402
+from mla_compile.kernels import decode as D  # noqa: E402
+from mla_compile.kernels import decode_seesaw as S  # noqa: E402
+from mla_compile.kernels import decode_wgmma as W  # noqa: E402
+from mla_compile.kernels import dispatch as D_  # noqa: E402
+
+
+def caches(NP=4, PS=64, R=512, P=64, dtype=torch.bfloat16):
+    return torch.zeros(NP, PS, R, dtype=dtype), torch.zeros(NP, PS, P, dtype=dtype)
+
+
+def test_many_heads_default_to_tma_on_page_multiples():
+    cfg = D.default_config(128, 512, 64)
+    assert cfg.tma
+    assert D.tma_eligible(*caches(PS=64), False, cfg)
+    assert D.tma_eligible(*caches(PS=128), False, cfg)
+    # a page smaller than the tile, or not a multiple of it: the pointer kernel
+    assert not D.tma_eligible(*caches(PS=1), False, cfg)
+    assert not D.tma_eligible(*caches(PS=cfg.block_n + 16), False, cfg)
+
+
+@pytest.mark.parametrize("PS", [1, 16, 64, 128])
+def test_few_heads_default_to_the_pointer_kernel(PS):
+    # sweep round 7: at H=16 the pointer kernel beats the TMA kernel on every shape
+    cfg = D.default_config(16, 512, PS)
+    assert not D.tma_eligible(*caches(PS=PS), False, cfg)
+    # a tile inside one page needs 2 stages; tiles that span pages (per-token table loads) get a third
+    assert cfg.num_stages == (2 if PS % cfg.block_n == 0 else 3)
+
+
+@pytest.mark.parametrize("R,P,ok", [(512, 64, True), (64, 16, True), (1024, 64, False), (96, 64, False),
+                                    (512, 24, False), (512, 512, False)])
+def test_tma_needs_power_of_two_halves_within_a_box(R, P, ok):
+    cfg = D.DecodeConfig(block_n=16, tma=True)
+    assert D.tma_eligible(*caches(PS=16, R=R, P=P), False, cfg) == ok
+
+
+def test_tma_not_for_sparse_strided_or_when_off():
+    cfg = D.DecodeConfig(block_n=16, tma=True)
+    ckv, kpe = caches(PS=16)
+    assert not D.tma_eligible(ckv, kpe, True, cfg)  # sparse_decode: index lists, no tiles
+    assert not D.tma_eligible(ckv, kpe, False, D.DecodeConfig(block_n=16))
+    wide = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
+    assert not D.tma_eligible(wide[..., :512], kpe, False, cfg)  # rows not contiguous at R
+
+
+def test_tma_needs_hopper(monkeypatch):
+    cfg = D.DecodeConfig(block_n=16, tma=True)
+    monkeypatch.setattr(D, "has_tma", lambda device: False)  # e.g. an A100: the pointer kernel runs
+    assert not D.tma_eligible(*caches(PS=16), False, cfg)
+
+
+@pytest.mark.parametrize("H,B,L,want", [(16, 1, 131072, 256), (16, 8, 32768, 33), (16, 32, 32768, 8),
+                                        (16, 128, 8192, 2), (16, 512, 8192, 1), (16, 32, 256, 4),
+                                        (128, 1, 131072, 66), (128, 8, 32768, 8), (128, 128, 32768, 1)])
+def test_splits_fill_one_wave_of_an_h200(monkeypatch, H, B, L, want):
+    # 132 SMs; an H200 probe (benchmarks/RESULTS.md) found one wave of programs faster than ~two at every shape
+    monkeypatch.setattr(D, "sm_count", lambda device: 132)
+    cfg = D.default_config(H, 512, 64)
+    ns = D.num_splits(B, H, L, torch.device("cpu"), cfg)
+    assert ns == want
+    programs = B * -(-H // cfg.block_h)
+    assert programs * ns <= max(cfg.ctas_per_sm * 132, programs)  # never a second wave of splits
+    assert ns == 1 or -(-L // ns) >= cfg.min_split_tokens
+
+
+def test_gluon_kernels_choose_tma_boxes_only_for_whole_tile_pages():
+    # the Gluon kernels' TMA layout: pages of whole 64-token tiles in a [slots, width] view; everything else
+    # (page 1 / 16 tables, sparse index lists, strided caches) is the gather kernel's
+    for PS in (64, 128):
+        assert G.tma_layout(*caches(PS=PS), sparse=False)
+        assert not G.tma_layout(*caches(PS=PS), sparse=True)
+    for PS in (1, 16, 32, 96):
+        assert not G.tma_layout(*caches(PS=PS), sparse=False)
+    ckv, kpe = torch.zeros(4, 64, 1024, dtype=torch.bfloat16)[..., :512], torch.zeros(4, 64, 64, dtype=torch.bfloat16)
+    assert not G.tma_layout(ckv, kpe, sparse=False)  # rows 1024 apart: not a [slots, 512] view
+    # q + two tiles + p fit Hopper's 227 KB at R 512 / P 64; a wider latent would not
+    assert W.smem_bytes(512, 64) <= G.SMEM_LIMIT < W.smem_bytes(1024, 64)
+    # q + two slots (p in their rope buffers) fit 227 KB at R 512 / P 64; the seesaw kernel needs rope 64
+    assert S.smem_bytes(512, 64) <= G.SMEM_LIMIT
+    assert not S.fits(512, 32) and not S.fits(1024, 64)
+
+
+# ================================================================================ select_decode_kernel's table
+BF16, H200, A100, H100_LIKE = torch.bfloat16, (9, 0), (8, 0), (9, 0)
+GLUON = G.gluon is not None
+SEESAW = GLUON and S.HAS_WARP_SPECIALIZE
+
+
+def select(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_query=1, **kw):
+    return D_.select_decode_kernel(H, R, P, PS, sparse, dtype, cap, n_query, **kw).name
+
+
+@pytest.mark.parametrize("case,want", [
+    # FlashMLA where it is installed, takes the call and reads the caches in place: fastest on every H200 shape
+    (dict(flashmla=True), "flashmla"),
+    (dict(H=16, flashmla=True), "flashmla"),
+    (dict(P=0, flashmla=True), "flashmla"),
+    (dict(flashmla=True, n_query=2), "triton"),  # several query tokens: the pointer kernel only
+    (dict(flashmla=True, cap=(10, 0)), "triton"),  # FlashMLA's dense decode is sm_90's
+    # no FlashMLA: H 128, page 64, rope 64 on an H200 -> the warp-specialised Gluon kernel
+    (dict(), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),
+    (dict(H=64, PS=128), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),
+    # many heads, other layouts: the two-warpgroup Gluon kernel (its gather form for small pages / sparse lists)
+    (dict(PS=16, tma_layout=False), "wgmma" if GLUON else "triton"),
+    (dict(PS=1, sparse=True, tma_layout=False), "wgmma" if GLUON else "triton"),
+    (dict(P=32), "wgmma" if GLUON else "triton"),  # rope 32: no seesaw p buffer
+    (dict(PS=16, tma_layout=False, rows_aligned=False), "triton"),
+    # the Triton kernels: few heads, not sm_90, fp32, P = 0, several query tokens, shapes Gluon does not take
+    (dict(H=16), "triton"),
+    (dict(H=63), "triton"),
+    (dict(cap=A100), "triton"),
+    (dict(cap=(10, 0)), "triton"),
+    (dict(dtype=torch.float32), "triton"),
+    (dict(P=0), "triton"),
+    (dict(n_query=4), "triton"),
+    (dict(R=1024), "triton"),  # q + tiles would not fit shared memory
+    (dict(cap="interpreter"), "triton"),  # CPU tensors handed to the kernels: Triton's interpreter
+    (dict(cap=None), "torch"),  # CPU tensors at the op: its CPU impl
+    (dict(cap=None, flashmla=True), "torch"),
+    # FlashInfer is never auto's choice (cudagraph-tree pool check; slower than FlashMLA)
+    (dict(flashinfer=True), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),
+    (dict(H=16, flashinfer=True), "triton"),
+])
+def test_auto_is_the_fastest_measured_kernel_per_shape_class(case, want):
+    assert select(**case) == want
+
+
+@pytest.mark.parametrize("asked,case,want", [
+    ("triton", dict(flashmla=True), "triton"),
+    ("wgmma", dict(), "wgmma" if GLUON else "triton"),
+    ("flashinfer", dict(flashinfer=True), "flashinfer"),
+    ("flashinfer", dict(flashinfer=False), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),  # capture
+    ("flashinfer", dict(flashinfer=True, P=0), "triton"),  # built for P = 64
+    ("flashinfer", dict(flashinfer=True, sparse=True, PS=1, tma_layout=False), "wgmma" if GLUON else "triton"),
+    ("flashmla", dict(flashmla=False, H=16), "triton"),
+    ("seesaw", dict(H=16), "triton"),
+    ("seesaw", dict(PS=16, tma_layout=False), "wgmma" if GLUON else "triton"),
+    ("wgmma", dict(n_query=2), "triton"),
+])
+def test_an_asked_for_kernel_runs_where_it_can_else_auto_says_why(asked, case, want):
+    choice = D_.select_decode_kernel(*_args(**case), kernel=asked, **_facts(**case))
+    assert choice.name == want
+    if want == asked:
+        assert choice.reason == "asked for"
+    else:
+        assert choice.reason.startswith(f"asked for {asked}, which cannot serve this call")
+
+
+def _args(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_query=1, **_):
+    return H, R, P, PS, sparse, dtype, cap, n_query
+
+
+def _facts(**case):
+    return {k: v for k, v in case.items() if k in ("tma_layout", "rows_aligned", "flashmla", "flashinfer")}
+
+
+def test_unknown_kernel_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="kernel: expected one of .*'fastest'"):
+        select(kernel="fastest")
+    with pytest.raises(ValueError, match="decode_kernel"):
+        tuning.Tuning(decode_kernel="fastest")
+
+
+def test_selection_is_cached_and_queries_no_device(monkeypatch):
+    # called per op call: the table lookup is an lru_cache hit on hashable arguments, never a device query
+    def no_query(*a):
+        raise AssertionError("device queried")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", no_query)
+    D_.select_decode_kernel.cache_clear()
+    first = D_.select_decode_kernel(128, 512, 64, 64, False, BF16, H200, 1, kernel="auto")
+    assert D_.select_decode_kernel(128, 512, 64, 64, False, BF16, H200, 1, kernel="auto") is first
+    assert D_.select_decode_kernel.cache_info().hits >= 1
+
+
+def test_the_table_in_architecture_md_names_every_choice():
+    # the human-readable table lives in the function's docstring and in ARCHITECTURE.md's kernel section
+    doc = D_.select_decode_kernel.__doc__
+    arch = (Path(__file__).resolve().parents[2] / "ARCHITECTURE.md").read_text()
+    for name in ("flashmla", "seesaw", "wgmma", "triton", "torch"):
+        assert re.search(rf"\| {name} +\|", doc), name
+        assert f"`{name}`" in arch, name
+
+
+# ================================================================================ the override: tuning and env
+def _cpu_call(H=128, P=64):
+    ckv, kpe = caches(PS=64, P=P)
+    return torch.zeros(2, H, 512, dtype=BF16), torch.zeros(2, H, P, dtype=BF16), ckv, kpe
+
+
+def test_decode_kernel_takes_the_tuning_then_the_env_var(monkeypatch):
+    call = _cpu_call()
+    monkeypatch.delenv(tuning.DECODE_KERNEL_ENV, raising=False)
+    monkeypatch.setattr(D_._fi, "usable", lambda *a: True)  # as if FlashInfer were installed (not on CPU)
+    assert D_.decode_kernel(*call).name == "triton"  # CPU tensors: the interpreter's kernels
+    monkeypatch.setenv(tuning.DECODE_KERNEL_ENV, "flashinfer")  # the process-wide switch
+    assert D_.decode_kernel(*call) == ("flashinfer", "asked for")
+    with tuning.use(tuning.Tuning(decode_kernel="triton")):  # a compiled model's option wins over the env var
+        assert D_.decode_kernel(*call).name == "triton"
+        with tuning.use(tuning.Tuning()):  # "auto": the env var again
+            assert D_.decode_kernel(*call).name == "flashinfer"
+    assert D_.decode_kernel(*call).name == "flashinfer"
+    monkeypatch.setenv(tuning.DECODE_KERNEL_ENV, "fastest")
+    with pytest.raises(ValueError, match=tuning.DECODE_KERNEL_ENV):
+        D_.decode_kernel(*call)
+
+
+def test_backend_options_carry_a_tuning():
+    t, rest = tuning.from_options({"decode_kernel": "wgmma", "triton.cudagraphs": True})
+    assert t == tuning.Tuning(decode_kernel="wgmma") and rest == {"triton.cudagraphs": True}
+    assert tuning.from_options(None) == (tuning.DEFAULT, {})
+    with pytest.raises(ValueError, match="options: decode_kernel"):
+        tuning.from_options({"decode_kernel": 3})
+    seen = []
+    fn = tuning.bind(lambda: seen.append(tuning.current().decode_kernel), t)
+    fn()
+    assert seen == ["wgmma"] and tuning.current() == tuning.DEFAULT
+    plain = object()
+    assert tuning.bind(plain, tuning.DEFAULT) is plain  # the defaults add nothing per call
+
+
+# ================================================================================ the choice is what runs
+@pytest.mark.parametrize("kernel", ["seesaw", "wgmma", "triton-tma", "triton-pointer"])
+def test_decode_runs_exactly_the_configured_stage1_kernel(kernel, monkeypatch):
+    # decode._attend re-checks nothing: the kernel in the config (dispatch's choice) is the one launched
+    launched = []
+    for name, target in (("seesaw", (D._seesaw, "launch")), ("wgmma", (D._wgmma, "launch")),
+                         ("triton-tma", (D, "_launch_tma")), ("triton-pointer", (D, "_launch_pointer"))):
+        monkeypatch.setattr(*target, lambda *a, name=name, **k: launched.append(name))
+    q_nope, q_pe, ckv, kpe = _cpu_call()
+    table, lens = torch.zeros(2, 2, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32)
+    cfg = D.default_config(128, 512, 64)
+    cfg = dataclasses.replace(cfg, tma=kernel != "triton-pointer",
+                              kernel=kernel if kernel in ("seesaw", "wgmma") else "triton")
+    D.decode(q_nope, q_pe, ckv, kpe, table, lens, 0.1, cfg=cfg, splits=1)
+    assert launched == [kernel]
+
+
+@pytest.mark.parametrize("choice", ["flashmla", "flashinfer", "seesaw", "wgmma", "triton"])
+def test_dispatch_decode_runs_the_selected_kernel(choice, monkeypatch):
+    ran = []
+    fake_fm = mock.Mock(decode=lambda *a: ran.append("flashmla"))
+    monkeypatch.setattr(D_, "_flashmla", lambda device: fake_fm)
+    monkeypatch.setattr(D_._fi, "decode", lambda *a: ran.append("flashinfer"))
+    monkeypatch.setattr(D_._decode, "decode", lambda *a, cfg=None, **k: ran.append(cfg.kernel if cfg else "triton"))
+    monkeypatch.setattr(D_, "decode_kernel", lambda *a, **k: D_.Choice(choice, "test"))
+    q_nope, q_pe, ckv, kpe = _cpu_call()
+    D_.decode(q_nope, q_pe, ckv, kpe, torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 0.1)
+    assert ran == [choice]
+
+
+def test_own_decode_config_is_what_auto_runs_without_flashmla(monkeypatch):
+    monkeypatch.setattr(D_, "_capability", lambda device: H200)
+    q_nope, q_pe, ckv, kpe = _cpu_call()
+    cfg = D_.own_decode_config(q_nope, q_pe, ckv, kpe)
+    assert cfg.kernel == ("seesaw" if SEESAW else "wgmma" if GLUON else "triton")
+    assert dataclasses.replace(cfg, kernel="triton") == D.default_config(128, 512, 64)  # same tiling and splits
+    assert D_.own_decode_config(*_cpu_call(H=16)).kernel == "triton"
+
+
+@given(B=st.integers(1, 4096), H=st.sampled_from([1, 8, 16, 32, 64, 96, 128]), capacity=st.integers(0, 1 << 20),
+       sms=st.integers(1, 200))
+def test_split_policy_invariants(B, H, capacity, sms):
+    # whatever the shapes: at least one split, at most max_splits, never a second wave of splits, never more
+    # splits than min_split_tokens-long chunks of the capacity
+    cfg = D.default_config(H, 512, 64)
+    with mock.patch.object(D, "sm_count", lambda device: sms):
+        ns = D.num_splits(B, H, capacity, torch.device("cpu"), cfg)
+    programs = B * -(-H // cfg.block_h)
+    assert 1 <= ns <= cfg.max_splits
+    assert ns == 1 or programs * ns <= cfg.ctas_per_sm * sms
+    assert ns <= max(1, -(-capacity // cfg.min_split_tokens))
+
+
+def test_kernels_sit_below_the_ops_in_no_import_circle():
+    # tools/import_graph.py reads every import (deferred ones too) from the source
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tools import import_graph as ig
+
+    assert ig.circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the checker finds one
+    g = ig.graph("mla_compile")
+    assert not [c for c in ig.circles(g) if any(m.startswith("mla_compile.kernels") for m in c)]
+    assert ig.upward(g, "mla_compile", ["kernels"]) == []
+    # what the kernels import from the package outside kernels/: leaf modules only (the configuration, a format
+    # definition: modules that import nothing of the package), never ops or passes
+    outside = {t for m, ts in g.items() if m.startswith("mla_compile.kernels") for t in ts
+               if not t.startswith("mla_compile.kernels")}
+    assert "mla_compile.tuning" in outside and all(not g[t] for t in outside), {t: g[t] for t in outside}
+
+
+def test_flashmla_only_where_it_reads_the_caches_in_place(monkeypatch):
+    # FlashMLA over two separate caches would copy them every call (more bytes than the attention reads): auto
+    # takes it for one shared [NP, PS, R + P] buffer (flashmla.fused_caches) or P = 0, and never without it
+    from mla_compile.kernels import flashmla
+
+    fake = mock.Mock(supported=lambda *a: (True, ""), shares_rows=flashmla.shares_rows)
+    monkeypatch.setattr(D_, "_capability", lambda device: H200)
+    monkeypatch.setattr(D_, "_flashmla", lambda device: fake)
+    q_nope, q_pe, ckv, kpe = _cpu_call()
+    assert D_.decode_kernel(q_nope, q_pe, ckv, kpe).name != "flashmla"
+    ckv2, kpe2 = flashmla.fused_caches(4, 64, 512, 64, BF16, "cpu")
+    assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2).name == "flashmla"
+    assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2, kernel="triton").name == "triton"
+    assert D_.decode_kernel(q_nope, q_pe[..., :0], ckv, kpe[..., :0]).name == "flashmla"  # P = 0: ckv alone
+    fake.supported = lambda *a: (False, "page size")
+    assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2).name != "flashmla"
+    monkeypatch.setattr(D_, "_flashmla", lambda device: None)  # not installed
+    assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2).name != "flashmla"
