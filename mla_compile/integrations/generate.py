@@ -16,6 +16,7 @@ launch), ~0.2 ms updating kwargs, and then waits for the device every step (HF's
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import logging
@@ -83,6 +84,8 @@ def optimize_generate(model, mode: str | None = "reduce-overhead", *, masks_in_g
       EOS it runs one extra step whose token HF drops (and, for a cache handed back to the caller, crops: HF only
       defers then when the cache is croppable — its own rule, unchanged). Streamers get tokens one step late.
       Other models and devices keep HF's default.
+    * Families that need a Dynamo setting for their decode step to stay one graph (`dynamo_config`: glm5_next
+      captures data-dependent output shapes) get it for the duration of each generate() call.
     """
     if not isinstance(masks_in_graph, bool) or not isinstance(defer_stop_check, bool):
         raise ValueError(f"masks_in_graph / defer_stop_check: expected bools, got {masks_in_graph!r} / "
@@ -97,8 +100,23 @@ def optimize_generate(model, mode: str | None = "reduce-overhead", *, masks_in_g
         del model.create_masks_for_generate
     defer = defer_stop_check and _install_deferral_hook()
     hf_generate = getattr(model.generate, _WRAPS, model.generate)  # a second call re-wraps HF's own generate
-    model.generate = _wrap_generate(hf_generate, defer)
+    model.generate = _wrap_generate(hf_generate, defer, dynamo_config(model))
     return model
+
+
+# Families whose attention computes a tensor of data-dependent shape between HF's kv expansion and the attention
+# (glm5_next's kpool indexer: `pool_keys[:, keep]`). With Dynamo's defaults the graph breaks there and K reaches the
+# attention as a graph input the pass cannot prove (counted, not rewritten); capturing such ops keeps one graph per
+# decode step (passes/attention_match.KVInput, tests/passes/test_graph_breaks.py).
+_DYNAMO_CONFIG = {t: {"capture_dynamic_output_shape_ops": True} for t in ("glm5_next", "glm5_next_text")}
+
+
+def dynamo_config(model) -> dict:
+    """The torch._dynamo.config entries `model`'s generate() runs under (empty for most families)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = {getattr(config, "model_type", None), getattr(text, "model_type", None)}
+    return next((dict(_DYNAMO_CONFIG[t]) for t in types if t in _DYNAMO_CONFIG), {})
 
 
 # --------------------------------------------------------------------------- generate(), wrapped once
@@ -108,14 +126,15 @@ _DEFERS = "_mla_compile_defers_stop_check"  # on our wrapper: whether it defers 
 _CACHE_KWARGS = ("cache", "past_key_values")
 
 
-def _wrap_generate(generate, defer: bool):
+def _wrap_generate(generate, defer: bool, dynamo: dict):
     @functools.wraps(generate)
     def mla_generate(*args, **kwargs):
         if any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
             kwargs.setdefault("cache_implementation", None)  # the caller's cache replaces our "static" default
         token = _DEFERRING.set(defer)
         try:
-            return generate(*args, **kwargs)
+            with torch._dynamo.config.patch(**dynamo) if dynamo else contextlib.nullcontext():
+                return generate(*args, **kwargs)
         finally:
             _DEFERRING.reset(token)
 

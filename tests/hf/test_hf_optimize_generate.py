@@ -98,3 +98,22 @@ def test_optimize_generate_rejects_non_bool_switches():
     model = M.deepseek_v3(num_layers=1)
     with pytest.raises(ValueError, match="defer_stop_check"):
         optimize_generate(model, defer_stop_check="yes")
+
+
+def test_optimize_generate_applies_a_family_dynamo_config_only_inside_generate():
+    """glm5_next's decode step is one graph only when Dynamo captures data-dependent output shapes (its kpool
+    indexer; under that config tests/hf/test_hf_families.py proves the rewrite exact); optimize_generate sets it for
+    the model's own generate() calls, and nothing for other families."""
+    import test_hf_families as F
+
+    assert G.dynamo_config(M.deepseek_v3(num_layers=1)) == {}
+    model = F.tiny_model("glm5_next", "sdpa")  # its text model (HF has glm5_next generate() on the VL model only)
+    assert G.dynamo_config(model) == {"capture_dynamic_output_shape_ops": True}
+    model.generation_config = transformers.GenerationConfig()
+    seen = []
+    model.generate = lambda *a, **k: seen.append(torch._dynamo.config.capture_dynamic_output_shape_ops)
+    before = torch._dynamo.config.capture_dynamic_output_shape_ops
+    optimize_generate(model)
+    model.generate()
+    assert seen == [True] and torch._dynamo.config.capture_dynamic_output_shape_ops == before
+
