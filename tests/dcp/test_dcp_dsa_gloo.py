@@ -18,17 +18,7 @@ DI, HI, PS = 32, 4, 4
 
 @pytest.fixture(scope="module")
 def groups():
-    live: dict[int, base.GlooGroup] = {}
-
-    def get(n: int) -> base.GlooGroup:
-        if n not in live or live[n].broken:
-            live[n] = base.GlooGroup(n, commands=__name__)
-        return live[n]
-
-    yield get
-    for g in live.values():
-        if not g.broken:
-            g.close()
+    yield from base.group_pool(__name__)
 
 
 # ============================================================================================ helpers

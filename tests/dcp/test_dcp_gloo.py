@@ -168,19 +168,26 @@ class GlooGroup:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def groups():
+def group_pool(commands: str | None = None):
+    """A module fixture's body: get(n) -> a live GlooGroup of n ranks running `commands` (a test module's name;
+    this module's commands by default), spawned once and reused by the module's tests (a broken one is
+    respawned); all closed at the end."""
     live: dict[int, GlooGroup] = {}
 
     def get(n: int) -> GlooGroup:
         if n not in live or live[n].broken:
-            live[n] = GlooGroup(n)
+            live[n] = GlooGroup(n) if commands is None else GlooGroup(n, commands=commands)
         return live[n]
 
     yield get
     for g in live.values():
         if not g.broken:
             g.close()
+
+
+@pytest.fixture(scope="module")
+def groups():
+    yield from group_pool()
 
 
 # ============================================================================================ commands

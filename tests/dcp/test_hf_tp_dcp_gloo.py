@@ -22,17 +22,7 @@ TOPK, PROMPT, STEPS = 8, 5, 9  # kv lengths 6 .. 14: dense graph first, then spa
 
 @pytest.fixture(scope="module")
 def groups():
-    live: dict[int, base.GlooGroup] = {}
-
-    def get(n: int) -> base.GlooGroup:
-        if n not in live or live[n].broken:
-            live[n] = base.GlooGroup(n, commands=__name__)
-        return live[n]
-
-    yield get
-    for g in live.values():
-        if not g.broken:
-            g.close()
+    yield from base.group_pool(__name__)
 
 
 _GROUPS: dict = {}

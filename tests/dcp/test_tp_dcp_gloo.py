@@ -17,23 +17,9 @@ R, P, PS = 32, 8, 4
 HL = 2  # heads per rank; H = n * HL
 
 
-def _group(n: int) -> base.GlooGroup:
-    return base.GlooGroup(n, commands=__name__)
-
-
 @pytest.fixture(scope="module")
 def groups():
-    live: dict[int, base.GlooGroup] = {}
-
-    def get(n: int) -> base.GlooGroup:
-        if n not in live or live[n].broken:
-            live[n] = _group(n)
-        return live[n]
-
-    yield get
-    for g in live.values():
-        if not g.broken:
-            g.close()
+    yield from base.group_pool(__name__)
 
 
 # ============================================================================================ commands
