@@ -115,7 +115,7 @@ def test_dcp_dsa_graphs_match_single_process_hf(groups, n, impl, empty_row):
     _check(groups(n).run("hf_decode", "v32", 0, impl, empty_row, timeout=600), sparse=True, tp=False)
 
 
-@pytest.mark.parametrize("kind", ["v3", "v32"])
+@pytest.mark.parametrize("kind", [pytest.param("v3", marks=pytest.mark.slow), "v32"])  # v32: TP x DCP + both DSA
 def test_tp2_x_dcp2_matches_single_process_hf(groups, kind):
     res = groups(4).run("hf_decode", kind, 2, timeout=600)
     # world rank g: DCP rank g % 2 of its group, TP rank g // 2, head block g of 4

@@ -26,6 +26,7 @@ def test_demo_passes_on_cpu():
     assert out.rstrip().splitlines()[-1].startswith("PASS")
 
 
+@pytest.mark.slow  # ~40 s on CI's 2 cores; bf16 model decode vs the fp32 model: tests/hf/test_hf_pass.py (bf16)
 def test_demo_passes_in_bfloat16_on_cpu():
     """bf16: the ops table runs in bf16 (and says so); the HF models are judged by teacher-forced logits
     against an fp32 copy of the model, not by free-running greedy tokens. One layer and 14 steps (crossing topk
