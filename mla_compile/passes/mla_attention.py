@@ -184,11 +184,13 @@ _FIXES = {
                   "rewrite with a symbolic batch)",
     masks.InputMask: "use attn_implementation='sdpa' (generate() then hands over a bool mask), or let the forward "
                      "build the eager mask in the graph: a `create_masks_for_generate` on the model that returns "
-                     "the 2-D attention_mask padded to the cache length (README, 'Compiling HF models')",
+                     "the 2-D attention_mask padded to the cache length (README, 'HF generate()': eager attention; "
+                     "optimize_generate(model) installs it)",
     attention_match.KVInput: "remove the graph break (TORCH_LOGS=graph_breaks names it); where it is a "
                              "data-dependent shape in the model's code (glm5_next's kpool indexer: "
                              "`pool_keys[:, keep]`), torch._dynamo.config.capture_dynamic_output_shape_ops = True "
-                             "traces it into the attention's graph. A model whose cache holds per-head K / V "
+                             "traces it into the attention's graph (optimize_generate(model) sets it for a "
+                             "glm5_next model's generate()). A model whose cache holds per-head K / V "
                              "(transformers 5.17's glm5_next) has no latent to attend over: a newer transformers "
                              "caches the latent",
 }
