@@ -1,0 +1,174 @@
+"""DSA (V3.2 / GLM-DSA) steps with S = 2 .. 8 query tokens per request (speculative verification, MTP) through the
+attention pass: one teacher-forced run of S-token steps crosses index_topk, so it runs the dense graph (every
+kv_len <= topk: the indexer dropped, the multi-token `mla.decode`) and then the sparse one (each query token its
+own top-k: `dsa.indexer_topk` over one row per query token + `mla.sparse_decode` with indices [B, S, K]).
+Compared with eager HF over HF's own StaticCache in fp32: every step's argmax tokens equal, logits within 1e-4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_models as M
+from mla_compile.passes import dsa_indexer, mla_attention
+from mla_compile.passes._fx import meta_val
+
+transformers = pytest.importorskip("transformers")
+from transformers import StaticCache  # noqa: E402
+
+from mla_compile.integrations.hf import DSAStaticCache, MLAPagedCache, cache_kwargs  # noqa: E402
+from test_hf_dsa_graphs import dsa_model  # noqa: E402
+
+COUNTERS = torch._dynamo.utils.counters
+TOPK = 16
+PROMPT = 5
+TOL = 1e-4
+
+
+def _rewrite_only(gm, example_inputs):
+    """The attention rewrite, then the FX graph as it is (the ops' CPU impls; no Inductor: fast)."""
+    mla_attention.rewrite_mla_attention(gm)
+    return gm.forward
+
+
+def _cache(kind: str, config, L: int):
+    if kind == "static":
+        return DSAStaticCache(config, max_cache_len=L)
+    return MLAPagedCache(config, L, page_size=4, shuffle_pages=True)
+
+
+def _run(kind: str, impl: str, S: int, steps: int, backend=_rewrite_only, model_kind: str = "v32", pad: int = 2,
+         **model_kw):
+    """Prefill PROMPT tokens (eager), then `steps` teacher-forced steps of S tokens each, compiled over our cache
+    and eager over HF's StaticCache. Returns (logits, ref_logits, kv lengths after each step)."""
+    torch._dynamo.reset()
+    COUNTERS.clear()
+    model = dsa_model(model_kind, attn_impl=impl, **model_kw)
+    L = PROMPT + S * steps + 2
+    ids, mask = M.batch(T=PROMPT + S * steps, L=L, pad=pad)
+    ref_cache, cache = StaticCache(config=model.config, max_cache_len=L), _cache(kind, model.config, L)
+    step = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    logits, ref_logits, kv = [], [], []
+    with torch.no_grad():
+        for c in (ref_cache, cache):
+            model(ids[:, :PROMPT], attention_mask=mask[:, :PROMPT], **cache_kwargs(model, c))
+        for i in range(steps):
+            new = ids[:, PROMPT + S * i: PROMPT + S * (i + 1)]
+            out = step(new, attention_mask=mask, **cache_kwargs(model, cache))
+            ref = model(new, attention_mask=mask, **cache_kwargs(model, ref_cache))
+            logits.append(out.logits.float())
+            ref_logits.append(ref.logits.float())
+            kv.append(PROMPT + S * (i + 1))
+    torch._dynamo.reset()
+    return torch.stack(logits, 1), torch.stack(ref_logits, 1), kv
+
+
+def _assert_equal(logits, ref):
+    assert torch.equal(logits.argmax(-1), ref.argmax(-1)), (logits.argmax(-1), ref.argmax(-1))
+    assert M.rel_err(logits, ref) < TOL, M.rel_err(logits, ref)
+
+
+@pytest.mark.parametrize("kind", ["static", "paged"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_dense_steps_are_multi_token(kind, impl):
+    """Every step's kv_len <= index_topk: the dense graph; the index mask is dropped and each step is rewritten as
+    a multi-token mla.decode (one graph: every step has the same S and the same dense guard)."""
+    logits, ref, kv = _run(kind, impl, S=3, steps=3)
+    assert max(kv) <= TOPK
+    _assert_equal(logits, ref)
+    c = COUNTERS["mla_compile"]
+    assert c[dsa_indexer.COUNTER] == 1 and c[mla_attention.TOKENS_COUNTER] == 1, dict(c)
+    assert c[mla_attention.SKIP_COUNTER] == 0 and c[mla_attention.SPARSE_COUNTER] == 0, dict(c)
+
+
+def _recording():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        mla_attention.rewrite_mla_attention(gm)
+        graphs.append(gm)
+        return gm.forward
+
+    return graphs, backend
+
+
+def _targets(gm) -> list:
+    return [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+# (cache, attention, left padding of request 1): padding 15 puts the first sparse step's first query token of
+# request 1 on a padding position (a row with no valid token: SDPA gives 0, eager HF a flat softmax over the cache)
+# and its other query tokens at 1 and 2 valid tokens: the op's 4-D `len - S + 1 + j` limits would be wrong there
+CROSSING = [("static", "sdpa", 2), ("paged", "eager", 2), ("static", "eager", 15), ("paged", "sdpa", 15)]
+
+
+@pytest.mark.parametrize("kind,impl,pad", CROSSING)
+def test_steps_crossing_topk_match_eager(kind, impl, pad):
+    """kv_len 8 .. 23 in steps of 3 crosses index_topk 16: the dense graph, then the sparse one, each rewritten once
+    (the sparse graph: dsa.indexer_topk over one row per query token, mla.sparse_decode with indices [B, S, K],
+    HF's scores / top-k / scatter gone)."""
+    graphs, backend = _recording()
+    logits, ref, kv = _run(kind, impl, S=3, steps=6, backend=backend, pad=pad)
+    assert min(kv) <= TOPK < max(kv)
+    _assert_equal(logits, ref)
+    assert dict(COUNTERS["mla_compile"]) == {dsa_indexer.COUNTER: 1, mla_attention.COUNTER: 2,
+                                             mla_attention.TOKENS_COUNTER: 2, mla_attention.SPARSE_COUNTER: 1}
+    assert len(graphs) == 2
+    sparse = graphs[1].graph
+    ops = _targets(graphs[1])
+    assert not any("topk" in str(t) and t is not torch.ops.dsa.indexer_topk.default for t in ops), ops
+    assert "relu" not in str(ops)
+    (idx,) = [n for n in sparse.nodes if n.target is torch.ops.mla.sparse_decode.default]
+    assert tuple(meta_val(idx.args[4]).shape) == (2, 3, TOPK)  # [B, S, K]: each query token its own list
+    (sel,) = [n for n in sparse.nodes if n.target is torch.ops.dsa.indexer_topk.default]
+    assert tuple(meta_val(sel).shape) == (2 * 3, TOPK)  # one indexer row per query token
+
+
+@pytest.mark.parametrize("S", [2, 8])
+def test_two_and_eight_query_tokens(S):
+    steps = 3 if S == 2 else 2  # kv 7 .. 11 (dense only) / 13, 21 (dense, sparse)
+    logits, ref, kv = _run("static", "sdpa", S=S, steps=steps)
+    _assert_equal(logits, ref)
+    sparse = max(kv) > TOPK
+    c = COUNTERS["mla_compile"]
+    assert c[mla_attention.TOKENS_COUNTER] == 1 + sparse and c[mla_attention.SPARSE_COUNTER] == sparse, dict(c)
+    assert c[mla_attention.SKIP_COUNTER] == 0, dict(c)
+
+
+def test_glm_shared_indexer_layer():
+    """GLM-DSA: a "shared" layer reuses the previous layer's per-query-token selection (one indexer call)."""
+    graphs, backend = _recording()
+    logits, ref, kv = _run("paged", "sdpa", S=3, steps=6, backend=backend, model_kind="glm", num_layers=2,
+                           indexer_types=["full", "shared"])
+    _assert_equal(logits, ref)
+    c = COUNTERS["mla_compile"]
+    assert c[mla_attention.TOKENS_COUNTER] == 4 and c[mla_attention.SPARSE_COUNTER] == 2, dict(c)
+    assert c[mla_attention.SKIP_COUNTER] == 0, dict(c)
+    assert _targets(graphs[1]).count(torch.ops.dsa.indexer_topk.default) == 1
+
+
+def test_unproven_indexer_stays_hf():
+    """An S-token index mask whose top-k is not HF's indexer (here: largest=False) has no token-table fallback
+    (its rows are no prefixes of the last row's): the site stays HF attention, counted, with the reason."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    _run("static", "sdpa", S=3, steps=6, backend=capture)
+    gm = graphs[1]
+    (topk,) = [n for n in gm.graph.nodes if "topk" in str(n.target)]
+    topk.kwargs = {**topk.kwargs, "largest": False}
+    COUNTERS.clear()
+    assert mla_attention.rewrite_mla_attention(gm) == 0
+    assert dict(COUNTERS["mla_compile"]) == {mla_attention.SKIP_COUNTER: 1}
+
+
+def test_inductor_steps_match_eager():
+    """The full backend (Inductor over the rewritten graphs)."""
+    logits, ref, kv = _run("static", "sdpa", S=3, steps=6, backend="mla_dcp")
+    _assert_equal(logits, ref)
+    c = COUNTERS["mla_compile"]
+    assert c[mla_attention.TOKENS_COUNTER] == 2 and c[mla_attention.SPARSE_COUNTER] == 1, dict(c)
+    assert c[mla_attention.SKIP_COUNTER] == 0, dict(c)
