@@ -66,7 +66,9 @@ attention `mla.sparse_decode` over the returned slots (translated through the bl
 Same selected set: HF's top-k over the L static positions ranks the invalid ones (-inf, or + finfo.min) last and
 A removes them again, so it attends the top-min(k, count) valid tokens, which is what the op returns. Ties
 (equal scores at the k-th place) may be broken differently (any choice is a valid top-k; HF's torch.topk
-defines none). A GLM-DSA "shared" layer reuses the previous layer's selection (one op call). Counted in
+defines none). A GLM-DSA "shared" layer reuses the previous layer's selection (one op call). S = 2-8 query
+tokens (verification steps): HF gives each query token its own top-k over its own row of A; `dsa_tokens` emits
+`dsa.indexer_topk` over one row per query token and `mla.sparse_decode` with indices [B, S, K]. Counted in
 `counters["mla_compile"]["dsa_sparse_rewritten"]`; anything else in the mask keeps the token-table path (logged).
 DCP sparse graphs (`MLAPagedCache(dcp=...)`, indexer keys sharded beside the latent): `dsa.dcp_indexer_topk` over
 each rank's key shard (exact global top-k, one all-gather of candidates) and `mla.dcp_decode` over each rank's

@@ -172,3 +172,32 @@ def test_inductor_steps_match_eager():
     c = COUNTERS["mla_compile"]
     assert c[mla_attention.TOKENS_COUNTER] == 2 and c[mla_attention.SPARSE_COUNTER] == 1, dict(c)
     assert c[mla_attention.SKIP_COUNTER] == 0, dict(c)
+
+
+def test_prompt_lookup_generate_crossing_topk():
+    """HF's own verification loop: generate(prompt_lookup_num_tokens=2) over a DSAStaticCache, the mask built in the
+    graph, 20 new tokens from a 12-token prompt (kv_len 13 .. 32 crosses index_topk 16; HF crops rejected drafts):
+    tokens equal eager generate's over HF's StaticCache, every step graph rewritten (dense and sparse, S = 1 and
+    S > 1: each distinct S and dense / sparse choice is a graph of its own)."""
+    from mla_compile.integrations.hf import compile_config, create_masks_in_graph
+
+    torch._dynamo.reset()
+    model = dsa_model("v32")
+    model.create_masks_for_generate = create_masks_in_graph
+    base = torch.randint(1, 120, (1, 4), generator=torch.Generator().manual_seed(5))
+    ids = base.repeat(1, 3)  # repeated n-grams: prompt lookup finds drafts
+    L = ids.shape[1] + 24  # HF's last draft may reach past max_length: room
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20, do_sample=False,
+              pad_token_id=0, prompt_lookup_num_tokens=2)
+    cfg = compile_config(mode="default")
+    cfg.backend = _rewrite_only
+    with torch.no_grad():
+        ref = model.generate(ids, **kw, **cache_kwargs(model, StaticCache(config=model.config, max_cache_len=L)),
+                             disable_compile=True)
+        COUNTERS.clear()
+        out = model.generate(ids, **kw, **cache_kwargs(model, DSAStaticCache(model.config, max_cache_len=L)),
+                             compile_config=cfg)
+    torch._dynamo.reset()
+    assert torch.equal(out, ref), (out, ref)
+    assert dict(COUNTERS["mla_compile"]) == {dsa_indexer.COUNTER: 1, mla_attention.COUNTER: 4,
+                                             mla_attention.TOKENS_COUNTER: 2, mla_attention.SPARSE_COUNTER: 3}
