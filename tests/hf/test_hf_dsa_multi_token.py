@@ -32,21 +32,25 @@ def _rewrite_only(gm, example_inputs):
 
 
 def _cache(kind: str, config, L: int):
-    if kind == "static":
-        return DSAStaticCache(config, max_cache_len=L)
-    return MLAPagedCache(config, L, page_size=4, shuffle_pages=True)
+    fp8 = dict(kv_cache_dtype="fp8_e4m3") if kind.endswith("fp8") else {}
+    if kind.startswith("static"):
+        return DSAStaticCache(config, max_cache_len=L, **fp8)
+    return MLAPagedCache(config, L, page_size=4, shuffle_pages=True, **fp8)
 
 
 def _run(kind: str, impl: str, S: int, steps: int, backend=_rewrite_only, model_kind: str = "v32", pad: int = 2,
-         **model_kw):
+         ref_kind: str | None = None, **model_kw):
     """Prefill PROMPT tokens (eager), then `steps` teacher-forced steps of S tokens each, compiled over our cache
-    and eager over HF's StaticCache. Returns (logits, ref_logits, kv lengths after each step)."""
+    and eager over HF's StaticCache (or over our cache of `ref_kind`). Returns (logits, ref_logits, kv lengths
+    after each step)."""
     torch._dynamo.reset()
     COUNTERS.clear()
     model = dsa_model(model_kind, attn_impl=impl, **model_kw)
     L = PROMPT + S * steps + 2
     ids, mask = M.batch(T=PROMPT + S * steps, L=L, pad=pad)
-    ref_cache, cache = StaticCache(config=model.config, max_cache_len=L), _cache(kind, model.config, L)
+    ref_cache = (StaticCache(config=model.config, max_cache_len=L) if ref_kind is None
+                 else _cache(ref_kind, model.config, L))
+    cache = _cache(kind, model.config, L)
     step = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     logits, ref_logits, kv = [], [], []
     with torch.no_grad():
@@ -237,3 +241,37 @@ def test_dcp_steps_dense_rewritten_sparse_left_to_hf(tmp_path):
         _assert_equal(res["logits"], res["ref"])
         assert res["counters"] == {dsa_indexer.COUNTER: 1, mla_attention.COUNTER: 1, mla_attention.TOKENS_COUNTER: 1,
                                    mla_attention.SKIP_COUNTER: 1}, res["counters"]
+
+
+@pytest.mark.parametrize("kind", ["static-fp8", "paged-fp8"])
+def test_fp8_cache_steps_match_eager_over_it(kind):
+    """An FP8 latent cache (HF reads the dequantized latent, so eager over the same cache is the reference): the
+    sparse S-token step reads the FP8 pages with their scales (mla.sparse_decode's ckv_scale)."""
+    logits, ref, kv = _run(kind, "sdpa", S=3, steps=6, ref_kind=kind)
+    _assert_equal(logits, ref)
+    assert dict(COUNTERS["mla_compile"]) == {dsa_indexer.COUNTER: 1, mla_attention.COUNTER: 2,
+                                             mla_attention.TOKENS_COUNTER: 2, mla_attention.SPARSE_COUNTER: 1}
+
+
+def test_batch_change_symbolic_batch():
+    """A second run with another batch size recompiles with a symbolic batch (Dynamo's automatic dynamic shapes):
+    the S-token dense and sparse rewrites take B from q.size(0)."""
+    torch._dynamo.reset()
+    COUNTERS.clear()
+    model = dsa_model("v32")
+    step = torch.compile(model, backend=_rewrite_only, fullgraph=True)  # dynamic=None: automatic dynamic
+    S, steps = 3, 6
+    L = PROMPT + S * steps + 2
+    for B in (2, 3):
+        ids, mask = M.batch(B=B, T=PROMPT + S * steps, L=L)
+        ref_cache, cache = StaticCache(config=model.config, max_cache_len=L), _cache("paged", model.config, L)
+        with torch.no_grad():
+            for c in (ref_cache, cache):
+                model(ids[:, :PROMPT], attention_mask=mask[:, :PROMPT], **cache_kwargs(model, c))
+            for i in range(steps):
+                new = ids[:, PROMPT + S * i: PROMPT + S * (i + 1)]
+                _assert_equal(step(new, attention_mask=mask, **cache_kwargs(model, cache)).logits,
+                              model(new, attention_mask=mask, **cache_kwargs(model, ref_cache)).logits)
+    torch._dynamo.reset()
+    assert dict(COUNTERS["mla_compile"]) == {dsa_indexer.COUNTER: 2, mla_attention.COUNTER: 4,
+                                             mla_attention.TOKENS_COUNTER: 4, mla_attention.SPARSE_COUNTER: 2}
