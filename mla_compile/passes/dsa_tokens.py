@@ -20,7 +20,7 @@ between the rows). The attention then takes the [B, S, K] form (each query token
 
 Rows with no valid token: SDPA's bool mask gives 0 (the op's empty row); eager gives HF's flat softmax over all L
 positions (finfo.min: a second `mla.decode` with zero queries over every slot on those rows) or NaN (-inf).
-DCP (`dsa.dcp_indexer_topk` has no per-query-token form yet) and anything else unproven keep HF's site (counted).
+DCP: the same rows over each rank's key shard (`dsa_tokens_dcp`). Anything unproven keeps HF's site (counted).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from . import attention_emit as E
+from . import dsa_dcp, dsa_tokens_dcp
 from . import attention_mask as masks
 from .dsa_indexer import NotSparse
 from ._fx import Builder, NoMatch, batch_shape as _shape, val
@@ -41,14 +42,15 @@ def check(site: Site, sp, src: LatentSource) -> None:
     """NoMatch (a `dsa_indexer.NotSparse`) unless the indexer `sp` serves this S-token site."""
     if sp.tokens != site.tokens:
         raise NotSparse(f"indexer over {sp.tokens} query token(s), attention over {site.tokens}")
-    if src.kind not in ("tensor", "paged"):
-        raise NotSparse(f"{site.tokens} query tokens per request over a {src.kind} latent (dsa.dcp_indexer_topk "
-                        "takes one query token per request)")
+    if src.kind == "dcp":  # the indexer keys must be our cache's shard beside the latent's (`dsa_dcp.key_shard`)
+        sp.shard = dsa_dcp.key_shard(sp.keys, src)
+        sp.nodes |= sp.shard.nodes  # where HF reads the key pages (for check_reads)
+    elif src.kind not in ("tensor", "paged"):
+        raise NotSparse(f"{site.tokens} query tokens per request over a {src.kind} latent")
 
 
-def _query_rows(b: Builder, site: Site, B, S: int, L: int, memo: E.Memo):
-    """(valid bool [B*S, L]: A's row j of request b at row b*S + j, the rows' token table int32 [B*S, L] of logical
-    positions, counts int32 [B*S])."""
+def _valid_rows(b: Builder, site: Site, B, S: int, L: int, memo: E.Memo) -> fx.Node:
+    """valid bool [B*S, L]: A's row j of request b at row b*S + j."""
     sp = site.sparse
 
     def build():
@@ -56,11 +58,15 @@ def _query_rows(b: Builder, site: Site, B, S: int, L: int, memo: E.Memo):
         m = proof.build(b)
         if m is None:
             raise NoMatch("DSA indexer without an attention mask")
-        m = b.call(aten.reshape.default, b.call(aten.expand.default, m, [B, 1, S, L]), [E._lead(B, S), L])
-        table, counts = E._emit_token_table(b, m, E._times(b, B, S), L, val(site.q).device)
-        return table, counts
+        return b.call(aten.reshape.default, b.call(aten.expand.default, m, [B, 1, S, L]), [E._lead(B, S), L])
 
-    return memo.get(b, ("dsa_query_rows", sp.A, S), build)
+    return memo.get(b, ("dsa_valid_rows", sp.A, S), build)
+
+
+def _query_rows(b: Builder, site: Site, B, S: int, L: int, memo: E.Memo):
+    """(the rows' token table int32 [B*S, L] of logical positions, counts int32 [B*S])."""
+    return memo.get(b, ("dsa_query_rows", site.sparse.A, S), lambda: E._emit_token_table(
+        b, _valid_rows(b, site, B, S, L, memo), E._times(b, B, S), L, val(site.q).device))
 
 
 def _indices(b: Builder, site: Site, src: LatentSource, B, S: int, L: int, memo: E.Memo):
@@ -133,6 +139,10 @@ def emit_sparse_tokens(b: Builder, site: Site, src: LatentSource, memo: E.Memo, 
     w_uv = b.call(aten.slice.Tensor, w, 1, nope, nope + v_dim)
     folded = b.call(aten.reshape.default, q_nope, [E._lead(B, S), H, nope])  # the absorption takes rows [N, H, K]
     q_abs = E._per_head_matmul(b, folded, w_uk, contract_last=False, absorb=absorb)
+    if src.kind == "dcp":  # each rank's key shard: `dsa_tokens_dcp`
+        q_pe = b.call(aten.reshape.default, q_pe, [E._lead(B, S), H, P])
+        lat = dsa_tokens_dcp.emit(b, site, src, q_abs, q_pe, _valid_rows(b, site, B, S, L, memo), B, S, L, memo)
+        return _project(b, lat, w_uv, B, S, H, v_dim, absorb)
     q_abs = b.call(aten.reshape.default, q_abs, [E._lead(B), S, H, R])
     idx, counts = _indices(b, site, src, B, S, L, memo)
     ckv, kpe, ckv_scale = E._flat_latent(b, src, B, L, R, P)
@@ -148,7 +158,11 @@ def emit_sparse_tokens(b: Builder, site: Site, src: LatentSource, memo: E.Memo, 
                                                   memo), lat)
         else:  # EMPTY_NAN: HF's softmax of a row of -inf
             lat = b.call(aten.where.ScalarSelf, rows, float("nan"), lat)
-    out = E._per_head_matmul(b, b.call(aten.reshape.default, lat, [E._lead(B, S), H, R]), w_uv, contract_last=True,
-                             absorb=absorb)  # [B*S, H, v]
+    return _project(b, b.call(aten.reshape.default, lat, [E._lead(B, S), H, R]), w_uv, B, S, H, v_dim, absorb)
+
+
+def _project(b: Builder, lat, w_uv, B, S: int, H: int, v_dim: int, absorb: str) -> fx.Node:
+    """lat [B*S, H, R] -> W_UV -> the attention output [B, H, S, v]."""
+    out = E._per_head_matmul(b, lat, w_uv, contract_last=True, absorb=absorb)  # [B*S, H, v]
     out = b.call(aten.reshape.default, out, [E._lead(B), S, H, v_dim])
-    return b.call(aten.transpose.int, out, 1, 2)  # [B, H, S, v]
+    return b.call(aten.transpose.int, out, 1, 2)

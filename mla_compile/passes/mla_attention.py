@@ -94,7 +94,7 @@ import torch.fx as fx
 
 from .. import tuning
 from . import (_fx, attention_checks, attention_emit, attention_mask as masks, attention_match, attention_rows,
-               attention_tokens, dsa_dcp, dsa_indexer, dsa_tokens)
+               attention_tokens, dsa_dcp, dsa_indexer, dsa_tokens, dsa_tokens_dcp)
 from ._fx import (Builder, DynamicShape, NoMatch, batch_shape as _shape, erase_dead, fake_mode_of, finish_edits,
                   graph_of, same)
 from .attention_checks import check_output, check_reads
@@ -110,7 +110,7 @@ TOKENS_COUNTER = "mla_attention_multi_token_rewritten"  # sites with S > 1 query
 # the files whose code decides what the rewrite emits (the pass manager's uuid hashes them)
 SOURCES = (__file__,) + tuple(m.__file__ for m in (attention_match, masks, attention_emit, attention_checks,
                                                      attention_rows, attention_tokens, dsa_indexer, dsa_dcp,
-                                                     dsa_tokens, _fx))
+                                                     dsa_tokens, dsa_tokens_dcp, _fx))
 
 
 

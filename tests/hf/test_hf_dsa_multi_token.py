@@ -208,6 +208,9 @@ def test_prompt_lookup_generate_crossing_topk():
 
 
 # ------------------------------------------------------------------------------------------------ DCP
+DCP_CASES = [("sdpa", 2), ("eager", 15)]  # eager, padding 15: rows with no valid token get HF's flat softmax
+
+
 def dcp_worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
     """One DCP rank (gloo, CPU): S = 3 teacher-forced steps crossing index_topk over the DCP-sharded paged cache
     (the pass, then the FX graph) vs single-rank eager HF over HF's StaticCache."""
@@ -221,26 +224,28 @@ def dcp_worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
         dcp = types.SimpleNamespace(size=world, rank=rank, group_name=dist.group.WORLD.group_name)
         global _cache
         _cache = lambda kind, config, L: MLAPagedCache(config, L, page_size=4, dcp=dcp)  # noqa: E731
-        logits, ref, kv = _run("paged", "sdpa", S=3, steps=6)
-        torch.save(dict(logits=logits, ref=ref, kv=kv, counters=dict(COUNTERS["mla_compile"])),
-                   f"{result_dir}/rank{rank}.pt")
+        for i, (impl, pad) in enumerate(DCP_CASES):
+            logits, ref, kv = _run("paged", impl, S=3, steps=6, pad=pad)
+            torch.save(dict(logits=logits, ref=ref, kv=kv, counters=dict(COUNTERS["mla_compile"])),
+                       f"{result_dir}/rank{rank}_case{i}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_dcp_steps_dense_rewritten_sparse_left_to_hf(tmp_path):
+def test_dcp_steps_match_single_rank_eager(tmp_path):
     """DCP (2 gloo ranks): the dense graph's S-token step is rewritten (the indexer dropped, mla.dcp_decode with
-    per-query-token limits); the sparse graph's stays HF attention, counted (`dsa.dcp_indexer_topk` takes one
-    query token per request); tokens equal single-rank eager HF throughout."""
+    per-query-token limits), the sparse graph's into dsa.dcp_indexer_topk over one row per query token +
+    mla.dcp_decode over each rank's selected slots; tokens equal single-rank eager HF throughout."""
     import torch.multiprocessing as mp
 
     mp.spawn(dcp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     for r in range(2):
-        res = torch.load(tmp_path / f"rank{r}.pt")
-        assert min(res["kv"]) <= TOPK < max(res["kv"])
-        _assert_equal(res["logits"], res["ref"])
-        assert res["counters"] == {dsa_indexer.COUNTER: 1, mla_attention.COUNTER: 1, mla_attention.TOKENS_COUNTER: 1,
-                                   mla_attention.SKIP_COUNTER: 1}, res["counters"]
+        for i in range(len(DCP_CASES)):
+            res = torch.load(tmp_path / f"rank{r}_case{i}.pt")
+            assert min(res["kv"]) <= TOPK < max(res["kv"])
+            _assert_equal(res["logits"], res["ref"])
+            assert res["counters"] == {dsa_indexer.COUNTER: 1, mla_attention.COUNTER: 2,
+                                       mla_attention.TOKENS_COUNTER: 2, mla_attention.SPARSE_COUNTER: 1}, res["counters"]
 
 
 @pytest.mark.parametrize("kind", ["static-fp8", "paged-fp8"])
