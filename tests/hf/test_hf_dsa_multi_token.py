@@ -6,6 +6,8 @@ Compared with eager HF over HF's own StaticCache in fp32: every step's argmax to
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -39,10 +41,10 @@ def _cache(kind: str, config, L: int):
 
 
 def _run(kind: str, impl: str, S: int, steps: int, backend=_rewrite_only, model_kind: str = "v32", pad: int = 2,
-         ref_kind: str | None = None, **model_kw):
+         ref_kind: str | None = None, shard=None, **model_kw):
     """Prefill PROMPT tokens (eager), then `steps` teacher-forced steps of S tokens each, compiled over our cache
     and eager over HF's StaticCache (or over our cache of `ref_kind`). Returns (logits, ref_logits, kv lengths
-    after each step)."""
+    after each step). shard: makes the compiled model (TP: this rank's heads) from a copy of the reference."""
     torch._dynamo.reset()
     COUNTERS.clear()
     model = dsa_model(model_kind, attn_impl=impl, **model_kw)
@@ -50,12 +52,13 @@ def _run(kind: str, impl: str, S: int, steps: int, backend=_rewrite_only, model_
     ids, mask = M.batch(T=PROMPT + S * steps, L=L, pad=pad)
     ref_cache = (StaticCache(config=model.config, max_cache_len=L) if ref_kind is None
                  else _cache(ref_kind, model.config, L))
-    cache = _cache(kind, model.config, L)
-    step = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    ours = model if shard is None else shard(copy.deepcopy(model))
+    cache = _cache(kind, ours.config, L)
+    step = torch.compile(ours, backend=backend, fullgraph=True, dynamic=False)
     logits, ref_logits, kv = [], [], []
     with torch.no_grad():
-        for c in (ref_cache, cache):
-            model(ids[:, :PROMPT], attention_mask=mask[:, :PROMPT], **cache_kwargs(model, c))
+        for m, c in ((model, ref_cache), (ours, cache)):
+            m(ids[:, :PROMPT], attention_mask=mask[:, :PROMPT], **cache_kwargs(m, c))
         for i in range(steps):
             new = ids[:, PROMPT + S * i: PROMPT + S * (i + 1)]
             out = step(new, attention_mask=mask, **cache_kwargs(model, cache))
@@ -280,3 +283,39 @@ def test_batch_change_symbolic_batch():
     torch._dynamo.reset()
     assert dict(COUNTERS["mla_compile"]) == {dsa_indexer.COUNTER: 2, mla_attention.COUNTER: 4,
                                              mla_attention.TOKENS_COUNTER: 4, mla_attention.SPARSE_COUNTER: 2}
+
+
+def tp_dcp_worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
+    """One rank of TP 2 x DCP 2 (gloo, CPU): the compiled model holds this rank's heads (`shard_mla_heads`)."""
+    import torch.distributed as dist
+
+    from mla_compile.distributed import init_dcp
+    from mla_compile.integrations.tp import shard_mla_heads
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        grp = init_dcp(tp_size=2, dcp_size=2)
+        global _cache
+        _cache = lambda kind, config, L: MLAPagedCache(config, L, page_size=4, dcp=grp)  # noqa: E731
+        logits, ref, kv = _run("paged", "sdpa", S=3, steps=6, shard=lambda m: shard_mla_heads(m, grp))
+        torch.save(dict(logits=logits, ref=ref, kv=kv, counters=dict(COUNTERS["mla_compile"])),
+                   f"{result_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # 4 gloo ranks, ~30 s on 2 cores; the 2-rank DCP test covers the sparse DCP rows fast
+def test_tp_dcp_steps_match_single_rank_eager(tmp_path):
+    """TP 2 x DCP 2 (4 gloo ranks): the sparse graph's S-token step -> dsa.dcp_indexer_topk over one row per query
+    token + mla.tp_dcp_decode; the dense graph's stays HF attention, counted (mla.tp_dcp_decode takes no
+    per-query-token limits: `attention_tokens`); tokens equal single-rank eager HF throughout."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(tp_dcp_worker, args=(4, str(tmp_path / "init"), str(tmp_path)), nprocs=4, join=True)
+    for r in range(4):
+        res = torch.load(tmp_path / f"rank{r}.pt")
+        assert min(res["kv"]) <= TOPK < max(res["kv"])
+        _assert_equal(res["logits"], res["ref"])
+        assert res["counters"] == {dsa_indexer.COUNTER: 1, mla_attention.COUNTER: 1, mla_attention.TOKENS_COUNTER: 1,
+                                   mla_attention.SPARSE_COUNTER: 1, mla_attention.SKIP_COUNTER: 1}, res["counters"]
