@@ -75,10 +75,13 @@ def _indices(b: Builder, site: Site, src: LatentSource, B, S: int, L: int, memo:
     sp = site.sparse
     device = val(site.q).device
     table, counts = _query_rows(b, site, B, S, L, memo)
-    # request b's first indexer slot b*L, repeated for its S query rows: [B*S, 1]
-    base = b.call(aten.expand.default, b.call(aten.unsqueeze.default, E._row_base(b, B, L, device, memo), 1),
-                  [B, S, 1])
-    base = b.call(aten.reshape.default, base, [E._lead(B, S), 1])
+
+    def row_base():  # request b's first indexer slot b*L, repeated for its S query rows: [B*S, 1]
+        base = b.call(aten.expand.default, b.call(aten.unsqueeze.default, E._row_base(b, B, L, device, memo), 1),
+                      [B, S, 1])
+        return b.call(aten.reshape.default, base, [E._lead(B, S), 1])
+
+    base = memo.get(b, ("row_base_tokens", str(B), L, S), row_base)
 
     def indexer():  # a GLM-DSA "shared" layer reuses the previous layer's top-k: one indexer call
         _, _, Hi, Di = _shape(sp.q)
