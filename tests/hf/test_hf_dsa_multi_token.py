@@ -172,9 +172,11 @@ def test_unproven_indexer_stays_hf():
     assert dict(COUNTERS["mla_compile"]) == {mla_attention.SKIP_COUNTER: 1}
 
 
-def test_inductor_steps_match_eager():
-    """The full backend (Inductor over the rewritten graphs)."""
-    logits, ref, kv = _run("static", "sdpa", S=3, steps=6, backend="mla_dcp")
+@pytest.mark.parametrize("kind,impl,pad", [("static", "sdpa", 2), ("paged", "eager", 15)])
+def test_inductor_steps_match_eager(kind, impl, pad):
+    """The full backend (Inductor over the rewritten graphs); eager with rows of no valid token: the flat-softmax
+    decode beside the sparse one."""
+    logits, ref, kv = _run(kind, impl, S=3, steps=6, backend="mla_dcp", pad=pad)
     _assert_equal(logits, ref)
     c = COUNTERS["mla_compile"]
     assert c[mla_attention.TOKENS_COUNTER] == 2 and c[mla_attention.SPARSE_COUNTER] == 1, dict(c)
