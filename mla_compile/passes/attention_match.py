@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from ..ops.hf_cache import GATHER_OPS
-from . import attention_mask as masks, attention_rows
+from . import attention_mask as masks, attention_rows, dsa_indexer
 from .attention_checks import check_private
 from ._fx import NoMatch, arg as _arg, batch_shape as _shape, is_fn as _is_fn, is_op as _is_op, same, val as _val
 
@@ -97,6 +97,7 @@ class Site:
     sinks: Any = None  # per-head sink logits [H] (eager softmax over [scores | sink], sink dropped), or None
     sparse: Any = None  # dsa_indexer.SparseIndexer: DSA sparse graph -> dsa.indexer_topk + mla.sparse_decode
     tokens: int = 1  # query tokens per request S (> 1: attention_tokens' multi-token rewrite)
+    rows: Any = None  # S > 1, a DSA index mask: why its rows are not prefixes (only dsa_tokens can emit it); or None
 
 
 # ----------------------------------------------------------------------------------------- the matcher
@@ -351,14 +352,20 @@ def match_site(node: fx.Node) -> Site | None:
             raise NoMatch(f"mask shape {ms} is not [B|1, 1, 1|S, L={L}] (per-head masks are not supported)")
     # NoMatch for a mask it cannot prove to be a hard mask (before anything is emitted)
     proof = masks.prove_mask(mask, additive=impl == "eager", dtypes=dtypes)
+    rows = None
     if Sq > 1:  # NoMatch unless each query token's tokens are a prefix of the last one's (mla.decode's contract)
         if sinks is not None:
             raise NoMatch(f"attention sinks with {Sq} query tokens per request")
-        attention_rows.prove_rows(mask, Sq, L)
+        try:
+            attention_rows.prove_rows(mask, Sq, L)
+        except NoMatch as e:  # each query token its own top-k: only the DSA emission fits (passes/dsa_tokens.py)
+            if dsa_indexer.index_masked(mask) is None:
+                raise
+            rows = e
     check_private(node, nodes)  # every intermediate dies with the site
     return Site(out=node, q=q, weight=weight, latent=latent, kpe=kpe, mask=mask, proof=proof, scale=scale,
                 nope=nope, v_dim=v_dim, rope=P, nope_offset=nope_off, rope_offset=rope_off, heads=H, nodes=nodes,
-                impl=impl, dtypes=dtypes, sinks=sinks, tokens=Sq)
+                impl=impl, dtypes=dtypes, sinks=sinks, tokens=Sq, rows=rows)
 
 
 def latent_source(site: Site) -> LatentSource:

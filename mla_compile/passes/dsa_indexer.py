@@ -68,6 +68,15 @@ def _combination(n: fx.Node):
     return None
 
 
+def index_masked(mask):
+    """(A, I) if mask is an index-masked attention mask `A & ~I` / `A.masked_fill(I, min)` whose I is a top-k
+    scatter (HF's indexer form; what the top-k ranks is `match_sparse_indexer`'s to prove), else None."""
+    combo = _combination(mask) if isinstance(mask, fx.Node) else None
+    if combo is None or _index_mask_topk(combo[1]) is None:
+        return None
+    return combo
+
+
 def _index_mask_topk(i: fx.Node):
     """The topk node if i == ones(bool).scatter(-1, topk(...).indices[.to/.long], False).unsqueeze(1)."""
     while _is_call(i, (), ("unsqueeze", "view", "reshape")):
@@ -108,7 +117,18 @@ def _masked_by(topk: fx.Node, A: fx.Node) -> bool:
         return False
     if a0 is A:
         return True
-    return _is_call(a0, {operator.getitem}) and a0.args[0] is A
+    return _is_call(a0, {operator.getitem}) and a0.args[0] is A and _head_row(a0.args[1], A)
+
+
+def _head_row(index, A) -> bool:
+    """index is [:, 0] (trailing [:]s allowed) of A [B|1, 1, S, L]: every query row of A's one head. With S query
+    tokens the indexer masks each row's scores by that row's mask; another index would mask them by another row."""
+    if not isinstance(index, tuple) or not 2 <= len(index) <= 4:
+        return False
+    whole = slice(None)
+    av = _val(A)
+    return (index[0] == whole and index[1] == 0 and all(i == whole for i in index[2:])
+            and isinstance(av, torch.Tensor) and av.dim() == 4 and av.shape[1] == 1)
 
 
 def _marker_behind(topk: fx.Node, markers: set, depth: int = 16):
@@ -187,9 +207,10 @@ class SparseIndexer:
     score[b, t] = weights[b] . relu(matmul(q.float(), keys[b, t].float()) * scale) (HF's formula; scale 1 where
     the model folds it into the weights)."""
 
-    def __init__(self, A, topk, k, q, weights, keys, scale, nodes):
+    def __init__(self, A, topk, k, q, weights, keys, scale, nodes, tokens: int = 1):
         self.A, self.topk, self.k, self.q, self.weights, self.keys = A, topk, k, q, weights, keys
         self.scale = scale
+        self.tokens = tokens  # query tokens per request S (> 1: `passes.dsa_tokens`)
         self.nodes = nodes  # the score / top-k nodes: where HF reads q, weights and the keys
 
 
@@ -264,20 +285,20 @@ def match_sparse_indexer(mask) -> SparseIndexer | None:
         raise NotSparse(f"{ktf.name}: expected keys.transpose(-1, -2)")
     keys = ktf.args[0]
     qs, ks, ws, ss = _shape_of(q), _shape_of(keys), _shape_of(weights), _shape_of(masked)
-    if len(qs) != 4 or len(ks) != 3 or qs[1] != 1:
-        raise NotSparse(f"indexer q {qs} / keys {ks}: expected [B, 1, Hi, Di] / [B, L, Di] (one query token)")
-    B, _, Hi, Di = qs
+    if len(qs) != 4 or len(ks) != 3 or not isinstance(qs[1], int):
+        raise NotSparse(f"indexer q {qs} / keys {ks}: expected [B, S, Hi, Di] / [B, L, Di]")
+    B, S, Hi, Di = qs  # S query tokens: score row j is query token j's (HF: [B, S, L], each row its own top-k)
     L = ks[1]
-    if not (same(ks, (B, L, Di)) and same(ws, (B, 1, Hi)) and same(ss, (B, 1, L))):
+    if not (same(ks, (B, L, Di)) and same(ws, (B, S, Hi)) and same(ss, (B, S, L))):
         raise NotSparse(f"indexer shapes do not line up: q {qs}, keys {ks}, weights {ws}, scores {ss}")
     qv, kv, wv = _val(q), _val(keys), _val(weights)
     if wv.dtype != torch.float32 or _val(qf).dtype != torch.float32 or _val(kt).dtype != torch.float32:
         raise NotSparse("the indexer logits are not computed in float32")
     if qv.dtype != kv.dtype:
         raise NotSparse(f"indexer q ({qv.dtype}) and keys ({kv.dtype}) differ in dtype")
-    if not same(_shape_of(I), (B, 1, 1, L)):
-        raise NotSparse(f"index mask {I.name} has shape {_shape_of(I)}, expected [B, 1, 1, L={L}]")
+    if not same(_shape_of(I), (B, 1, S, L)):
+        raise NotSparse(f"index mask {I.name} has shape {_shape_of(I)}, expected [B, 1, S={S}, L={L}]")
     if k > L:
         raise NotSparse(f"top-k size {k} > cache length {L}")
     nodes = {topk, masked, score, mm, wu, relu, scaled, logits, qf, kt, kt.args[0], ktf}
-    return SparseIndexer(A, topk, k, q, weights, keys, float(scale), nodes)
+    return SparseIndexer(A, topk, k, q, weights, keys, float(scale), nodes, S)

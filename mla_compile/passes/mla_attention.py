@@ -66,7 +66,9 @@ attention `mla.sparse_decode` over the returned slots (translated through the bl
 Same selected set: HF's top-k over the L static positions ranks the invalid ones (-inf, or + finfo.min) last and
 A removes them again, so it attends the top-min(k, count) valid tokens, which is what the op returns. Ties
 (equal scores at the k-th place) may be broken differently (any choice is a valid top-k; HF's torch.topk
-defines none). A GLM-DSA "shared" layer reuses the previous layer's selection (one op call). Counted in
+defines none). A GLM-DSA "shared" layer reuses the previous layer's selection (one op call). S = 2-8 query
+tokens (verification steps): HF gives each query token its own top-k over its own row of A; `dsa_tokens` emits
+`dsa.indexer_topk` over one row per query token and `mla.sparse_decode` with indices [B, S, K]. Counted in
 `counters["mla_compile"]["dsa_sparse_rewritten"]`; anything else in the mask keeps the token-table path (logged).
 DCP sparse graphs (`MLAPagedCache(dcp=...)`, indexer keys sharded beside the latent): `dsa.dcp_indexer_topk` over
 each rank's key shard (exact global top-k, one all-gather of candidates) and `mla.dcp_decode` over each rank's
@@ -92,7 +94,7 @@ import torch.fx as fx
 
 from .. import tuning
 from . import (_fx, attention_checks, attention_emit, attention_mask as masks, attention_match, attention_rows,
-               attention_tokens, dsa_dcp, dsa_indexer)
+               attention_tokens, dsa_dcp, dsa_indexer, dsa_tokens, dsa_tokens_dcp)
 from ._fx import (Builder, DynamicShape, NoMatch, batch_shape as _shape, erase_dead, fake_mode_of, finish_edits,
                   graph_of, same)
 from .attention_checks import check_output, check_reads
@@ -107,7 +109,8 @@ SPARSE_COUNTER = "dsa_sparse_rewritten"
 TOKENS_COUNTER = "mla_attention_multi_token_rewritten"  # sites with S > 1 query tokens (also in COUNTER)
 # the files whose code decides what the rewrite emits (the pass manager's uuid hashes them)
 SOURCES = (__file__,) + tuple(m.__file__ for m in (attention_match, masks, attention_emit, attention_checks,
-                                                     attention_rows, attention_tokens, dsa_indexer, dsa_dcp, _fx))
+                                                     attention_rows, attention_tokens, dsa_indexer, dsa_dcp,
+                                                     dsa_tokens, dsa_tokens_dcp, _fx))
 
 
 
@@ -117,7 +120,8 @@ def rewrite_site(graph: fx.Graph, site: Site, src: LatentSource, fake_mode, memo
     b = Builder(graph, site.out, fake_mode, site.out)
     saved = memo.snapshot()
     try:
-        write = attention_tokens.emit_tokens if site.tokens > 1 else emit  # S > 1: the multi-token contract
+        write = (emit if site.tokens == 1 else dsa_tokens.emit_sparse_tokens if site.sparse is not None
+                 else attention_tokens.emit_tokens)  # S > 1: the multi-token contracts
         out = write(b, site, src, memo, tuning.current().absorb)  # how W_UK / W_UV are written: tuning.py says why
         check_output(site, out)
         check_reads(graph, b, site, src, memo)
@@ -148,8 +152,8 @@ def _sparse_indexer(graph: fx.Graph, site: Site, src: LatentSource):
         if sp is None:
             return None
         if site.tokens > 1:
-            raise NotSparse(f"{site.tokens} query tokens per request (each its own top-k)")
-        if src.kind == "dcp":  # the indexer keys must be our cache's shard beside the latent's
+            dsa_tokens.check(site, sp, src)
+        elif src.kind == "dcp":  # the indexer keys must be our cache's shard beside the latent's
             sp.shard = dsa_dcp.key_shard(sp.keys, src)
             sp.nodes |= sp.shard.nodes  # where HF reads the key pages (for check_reads)
         elif src.kind not in ("tensor", "paged"):
@@ -160,6 +164,9 @@ def _sparse_indexer(graph: fx.Graph, site: Site, src: LatentSource):
         masks.prove_mask(sp.A, additive=site.impl == "eager", dtypes=site.dtypes)  # a hard mask (NoMatch otherwise)
         return sp
     except (NotSparse, NoMatch) as e:
+        if site.rows is not None:  # no token-table fallback for a per-query-token top-k mask: the site stays HF's
+            site.rows = NoMatch(f"{site.tokens}-token DSA step (each query token its own top-k, no shared token "
+                                f"table): indexer not proven: {e}")
         log.info("mla_attention: DSA indexer at %s kept (HF top-k mask -> token table): %s", site.out.name, e)
         return None
 
@@ -234,6 +241,10 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
                 except NoMatch as e:  # rolled back: fall back to HF's top-k mask as a token table
                     log.info("mla_attention: DSA indexer at %s kept: %s", node.name, e)
                     site.sparse = None
+                    if site.rows is not None:
+                        site.rows = NoMatch(f"{site.tokens}-token DSA step: {e}")
+            if site.sparse is None and site.rows is not None:
+                raise site.rows
             if site.sparse is None:
                 rewrite_site(graph, site, src, fake_mode, memo)
         except NoMatch as e:
