@@ -1,0 +1,124 @@
+"""Features built on separate branches, composed (single process; the gloo combinations are
+tests/dcp/test_feature_combinations.py):
+
+- FP8 latent cache x multi-token verification steps: the S-token emission (passes/attention_tokens.py) hands the FP8
+  latent's scales to mla.decode (also in the flat-softmax rows of eager attention). Compiled vs eager HF over the
+  same FP8 cache: the same dequantized values, so fp32 logits agree to float32 rounding.
+- the gather_latent schema `(..., str group_name, Tensor? ckv_scale=None, bool heads_sharded=False)`: both of our
+  caches' calls (the FP8 one positional, the bf16 one by keyword) reach the pass's reading of the node
+  (`attention_match._gather_source`) as what the cache holds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_models as M
+from mla_compile.passes import mla_attention
+
+pytest.importorskip("transformers")
+from transformers import StaticCache  # noqa: E402
+
+from mla_compile.integrations.hf import MLAPagedCache, MLAPagedLayer, cache_kwargs  # noqa: E402
+
+FP8 = "fp8_e4m3"
+COUNTERS = torch._dynamo.utils.counters
+
+
+def _rewrite_only(gm, example_inputs):
+    """The attention rewrite, then the FX graph as it is (the ops' CPU impls; no Inductor)."""
+    mla_attention.rewrite_mla_attention(gm)
+    return gm.forward
+
+
+def _verify_steps(model, step, cache, ids, mask, drafts):
+    """Prefill `ids` eagerly, then one S-token step per drafts[i] [B, S] through `step` (teacher-forced, as HF's
+    verification of S - 1 drafted tokens: the mask built in the graph from the 2-D mask over the cache).
+    Returns logits [steps, B, S, V]."""
+    T = ids.shape[1]
+    out = []
+    with torch.no_grad():
+        model(ids, attention_mask=mask[:, :T], **cache_kwargs(model, cache))
+        for d in drafts:
+            out.append(step(d, attention_mask=mask, **cache_kwargs(step, cache)).logits.float().clone())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("impl, backend", [
+    ("sdpa", "mla_dcp"),  # the whole backend (Inductor over the FP8 views)
+    ("eager", "rewrite"),  # eager attention with a query token at a padding position: the flat-softmax rows
+])
+def test_fp8_cache_verification_steps_match_eager_over_the_same_cache(impl, backend):
+    S, T, steps = 3, 5, 3
+    L = T + S * steps + 1
+    model = M.deepseek_v3(num_layers=1, attn_impl=impl)
+    ids, mask = M.batch(B=2, T=T, L=L)
+    if impl == "eager":
+        mask[1, :T + 1] = 0  # request 1's first step: its first query token sees nothing (HF: flat softmax)
+    g = torch.Generator().manual_seed(11)
+    drafts = [torch.randint(1, 128, (2, S), generator=g) for _ in range(steps)]
+
+    def fp8_cache():
+        return MLAPagedCache(model.config, L, page_size=4, shuffle_pages=True, kv_cache_dtype=FP8)
+
+    eager = _verify_steps(model, model, fp8_cache(), ids, mask, drafts)
+    torch._dynamo.reset()
+    COUNTERS.clear()
+    compiled = torch.compile(model, backend=_rewrite_only if backend == "rewrite" else "mla_dcp", fullgraph=True,
+                             dynamic=False)
+    got = _verify_steps(model, compiled, fp8_cache(), ids, mask, drafts)
+    c = dict(COUNTERS["mla_compile"])
+    plain = _verify_steps(model, model, StaticCache(config=model.config, max_cache_len=L), ids, mask, drafts)
+    torch._dynamo.reset()
+    assert c.get(mla_attention.TOKENS_COUNTER, 0) >= 1 and not c.get(mla_attention.SKIP_COUNTER), c
+    assert torch.isfinite(got).all()
+    assert torch.equal(got.argmax(-1), eager.argmax(-1))
+    assert M.rel_err(got, eager) < 1e-5, M.rel_err(got, eager)  # the same dequantized latent: float32 rounding
+    # the FP8 values are what both read: an unquantized cache is far off (a rewrite that read the e4m3 bytes
+    # without their scales would be off by orders of magnitude)
+    assert M.rel_err(eager, plain) > 3e-3, M.rel_err(eager, plain)
+
+
+# ---------------------------------------------------------------------------------- gather_latent's callers
+class _Captured(Exception):
+    pass
+
+
+def _gather_sources(layer, B=2, T=3, R=512, P=64):
+    """What the pass reads (`_gather_source`) from the Dynamo graph of `layer.update` (captured, never run: a DCP
+    gather would need the group)."""
+    from mla_compile.ops.hf_cache import GATHER_OPS
+    from mla_compile.passes.attention_match import _gather_source
+
+    k, v = torch.randn(B, 1, T, R), torch.randn(B, 1, T, P)
+    layer.lazy_initialization(k, v)
+    found = []
+
+    def capture(gm, example_inputs):
+        found.extend(_gather_source(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in GATHER_OPS)
+        raise _Captured
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as e:
+        torch.compile(lambda k, v: layer.update(k, v), backend=capture, fullgraph=True)(k, v)
+    assert isinstance(e.value, _Captured) or isinstance(e.value.__cause__, _Captured) or "_Captured" in str(e.value)
+    torch._dynamo.reset()
+    return found
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [FP8, None])
+@pytest.mark.parametrize("heads_sharded", [True, False])
+def test_gather_latent_callers_pass_scale_and_heads_sharded_in_place(kv_cache_dtype, heads_sharded):
+    layer = MLAPagedLayer(max_cache_len=8, page_size=4, dcp_size=2, dcp_rank=1, group_name="g", shuffle_pages=False,
+                          kv_cache_dtype=kv_cache_dtype, heads_sharded=heads_sharded)
+    (src,) = _gather_sources(layer)
+    assert (src.kind, src.dcp_size, src.dcp_rank, src.group_name) == ("dcp", 2, 1, "g")
+    assert src.heads_sharded is heads_sharded
+    if kv_cache_dtype == FP8:
+        assert src.ckv_scale is not None
+        assert src.ckv_scale.meta["example_value"].dtype == torch.float32
+        assert src.ckv.meta["example_value"].dtype == torch.float8_e4m3fn
+    else:
+        assert src.ckv_scale is None
+        assert src.ckv.meta["example_value"].dtype == torch.float32
