@@ -1,0 +1,173 @@
+"""Features built on separate branches, composed across gloo ranks (single-process combinations:
+tests/hf/test_feature_combinations.py).
+
+- FP8 latent cache x DSA under DCP: V3.2 over `MLAPagedCache(dcp=..., kv_cache_dtype="fp8_e4m3")` crossing
+  index_topk (dense graph, then the sparse one: `dsa.dcp_indexer_topk` + the attention over each rank's selected
+  FP8 slots, passes/dsa_dcp.py handing over the scales).
+- FP8 latent cache x TP x DCP: the FP8 gather carries `heads_sharded`, so the pass emits `mla.tp_dcp_decode` (with
+  the scales) in both DSA graphs.
+- FP8 latent cache x multi-token verification steps x DCP (`mla.dcp_decode` with per-query-token limits and the
+  scales), and the same with the heads split (TP x DCP).
+
+The reference is single-process eager HF over an (unsharded) FP8 paged cache: quantization is per token, so
+sharding does not change what the tokens hold; fp32 models, so tokens must be identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import test_dcp_gloo as base
+
+pytest.importorskip("transformers")
+
+FP8 = "fp8_e4m3"
+TOPK, PROMPT, STEPS = 8, 5, 9  # kv lengths 6 .. 14: the dense DSA graph first, then the sparse one
+
+
+@pytest.fixture(scope="module")
+def groups():
+    yield from base.group_pool(__name__)
+
+
+_GROUPS: dict = {}
+
+
+def _group(ctx, tp: int):
+    """This rank's (TP x) DCP group: the harness's world group for pure DCP (tp 0), else one made once per worker."""
+    import types
+
+    from mla_compile.distributed import init_dcp
+
+    if tp == 0:
+        return types.SimpleNamespace(size=ctx.n, rank=ctx.rank, group_name=ctx.group_name)
+    if tp not in _GROUPS:
+        _GROUPS[tp] = init_dcp(tp_size=tp, dcp_size=ctx.n // tp)
+    return _GROUPS[tp]
+
+
+def _recording(graphs):
+    from mla_compile.backend import mla_dcp
+
+    def backend(gm, example_inputs):
+        compiled = mla_dcp(gm, example_inputs)  # rewrites gm's graph in place first
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return compiled
+
+    return backend
+
+
+def cmd_fp8_dsa_decode(ctx, tp: int):
+    """Greedy decode of V3.2 crossing index_topk: single-process eager over a whole FP8 cache (the reference), HF's
+    StaticCache (unquantized: the FP8 cache must matter), and the model compiled with mla_dcp over this rank's FP8
+    shard (tp > 0: heads split, TP tp x DCP n / tp)."""
+    import copy
+
+    import hf_models as M
+    from mla_compile.integrations.hf import MLAPagedCache
+    from mla_compile.integrations.tp import shard_mla_heads
+    from transformers import StaticCache
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    grp = _group(ctx, tp)
+    model = M.deepseek_v32(num_layers=1, heads=8, index_topk=TOPK)
+    L = PROMPT + STEPS + 3
+    ids, mask = M.batch(T=PROMPT, L=L)
+    ref_t, ref_l = M.greedy(model, model, ids, mask, MLAPagedCache(model.config, L, page_size=4, kv_cache_dtype=FP8),
+                            STEPS)
+    _, plain_l = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), STEPS)
+    if tp:
+        model = shard_mla_heads(copy.deepcopy(model), grp)
+    graphs = []
+    compiled = torch.compile(model, backend=_recording(graphs), fullgraph=True)
+    c_t, c_l = M.greedy(compiled, model, ids, mask,
+                        MLAPagedCache(model.config, L, page_size=4, dcp=grp, kv_cache_dtype=FP8), STEPS, prefill=model)
+    return dict(ref_t=ref_t, c_t=c_t, err=M.rel_err(c_l, ref_l), fp8_err=M.rel_err(ref_l, plain_l), graphs=graphs,
+                counters=dict(torch._dynamo.utils.counters["mla_compile"]))
+
+
+def cmd_fp8_verify(ctx, tp: int, S: int = 3, steps: int = 3):
+    """Teacher-forced S-token verification steps (the mask built in the graph from the 2-D mask) of V3 over this
+    rank's FP8 shard, compiled with mla_dcp, vs single-process eager over a whole FP8 cache."""
+    import copy
+
+    import hf_models as M
+    from mla_compile.integrations.hf import MLAPagedCache, cache_kwargs
+    from mla_compile.integrations.tp import shard_mla_heads
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    grp = _group(ctx, tp)
+    model = M.deepseek_v3(num_layers=1, heads=8)
+    T = PROMPT
+    L = T + S * steps + 2
+    ids, mask = M.batch(B=2, T=T, L=L)
+    g = torch.Generator().manual_seed(11)
+    drafts = [torch.randint(1, 128, (2, S), generator=g) for _ in range(steps)]
+
+    def run(step, prefill, cache):
+        out = []
+        with torch.no_grad():
+            prefill(ids, attention_mask=mask[:, :T], **cache_kwargs(prefill, cache))
+            for d in drafts:
+                out.append(step(d, attention_mask=mask, **cache_kwargs(step, cache)).logits.float().clone())
+        return torch.stack(out)
+
+    ref = run(model, model, MLAPagedCache(model.config, L, page_size=4, kv_cache_dtype=FP8))
+    if tp:
+        model = shard_mla_heads(copy.deepcopy(model), grp)
+    graphs = []
+    compiled = torch.compile(model, backend=_recording(graphs), fullgraph=True, dynamic=False)
+    got = run(compiled, model, MLAPagedCache(model.config, L, page_size=4, dcp=grp, kv_cache_dtype=FP8))
+    return dict(ref=ref, got=got, graphs=graphs, counters=dict(torch._dynamo.utils.counters["mla_compile"]))
+
+
+COMMANDS = {"fp8_dsa_decode": cmd_fp8_dsa_decode, "fp8_verify": cmd_fp8_verify}
+
+
+def _check_decode(res, tp: bool):
+    import hf_models as M  # noqa: F401
+
+    op, other = ("mla.tp_dcp_decode.default", "mla.dcp_decode.default") if tp else \
+        ("mla.dcp_decode.default", "mla.tp_dcp_decode.default")
+    for r in res:
+        assert torch.equal(r["c_t"], r["ref_t"]), (r["c_t"], r["ref_t"])
+        assert r["err"] < 1e-4, r["err"]
+        assert r["fp8_err"] > 30 * 1e-4, r["fp8_err"]  # the reference did read FP8 values
+        c = r["counters"]
+        assert c.get("mla_attention_rewritten", 0) >= 2 and not c.get("mla_attention_not_rewritten"), c
+        assert c.get("dsa_index_mask_dropped", 0) >= 1 and c.get("dsa_sparse_rewritten", 0) >= 1, c
+        assert len(r["graphs"]) == 2, len(r["graphs"])  # the dense and the sparse decode graph
+        dense, sparse = r["graphs"]
+        for g in (dense, sparse):
+            assert op in g and other not in g, g
+            assert "mla_hf.gather_latent.default" not in g, g  # FP8 latent read in place, no gather left
+        assert "dsa.dcp_indexer_topk.default" in sparse and "dsa.dcp_indexer_topk.default" not in dense
+    assert all(torch.equal(r["c_t"], res[0]["c_t"]) for r in res)
+
+
+def test_fp8_dsa_under_dcp_2_ranks_matches_single_process_eager_fp8(groups):
+    _check_decode(groups(2).run("fp8_dsa_decode", 0, timeout=600), tp=False)
+
+
+def test_fp8_tp2_x_dcp2_dsa_matches_single_process_eager_fp8(groups):
+    _check_decode(groups(4).run("fp8_dsa_decode", 2, timeout=600), tp=True)
+
+
+def _check_verify(res, op: str):
+    import hf_models as M
+
+    for r in res:
+        assert torch.equal(r["got"].argmax(-1), r["ref"].argmax(-1))
+        assert M.rel_err(r["got"], r["ref"]) < 1e-5, M.rel_err(r["got"], r["ref"])
+        c = r["counters"]
+        assert c.get("mla_attention_multi_token_rewritten", 0) >= 1, c
+        assert not c.get("mla_attention_not_rewritten"), c
+        for g in r["graphs"]:
+            assert op in g and "mla_hf.gather_latent.default" not in g, g
+
+
+def test_fp8_verification_steps_under_dcp_2_ranks(groups):
+    _check_verify(groups(2).run("fp8_verify", 0, timeout=600), "mla.dcp_decode.default")
