@@ -96,8 +96,10 @@ def _table(b: Builder, site: Site, src: LatentSource, B, S: int, L: int, memo: E
 def _attend(b: Builder, src: LatentSource, q_abs, q_pe, ckv, kpe, table, lens, scale, ckv_scale=None):
     """ckv_scale: an FP8 latent's scales (None for a bf16 cache, whose calls keep their arguments as they were)."""
     if src.kind == "dcp":
-        return b.call(torch.ops.mla.dcp_decode.default, q_abs, q_pe, ckv, kpe, table, lens, scale, src.dcp_size,
-                      src.dcp_rank, src.group_name, False, *E._scale_arg(ckv_scale))
+        # heads split over the group (TP x DCP): mla.tp_dcp_decode takes the same arguments, [B, S] limits included
+        op = torch.ops.mla.tp_dcp_decode.default if src.heads_sharded else torch.ops.mla.dcp_decode.default
+        return b.call(op, q_abs, q_pe, ckv, kpe, table, lens, scale, src.dcp_size, src.dcp_rank, src.group_name,
+                      False, *E._scale_arg(ckv_scale))
     return b.call(torch.ops.mla.decode.default, q_abs, q_pe, ckv, kpe, table, lens, scale, *E._scale_arg(ckv_scale))
 
 
@@ -138,9 +140,6 @@ def emit_tokens(b: Builder, site: Site, src: LatentSource, memo: E.Memo, absorb:
     """The absorbed computation of a site with S > 1 query tokens; returns the node replacing the attention
     output [B, H, S, v]."""
     H, S = site.heads, site.tokens
-    if src.heads_sharded:  # per-query-token limits [B, S] reach mla.dcp_decode only, not mla.tp_dcp_decode
-        raise NoMatch(f"{S} query tokens with heads split over the DCP group (TP x DCP): mla.tp_dcp_decode takes "
-                      "no per-query-token limits")
     B = E._batch(b, site, memo)
     L, R = _shape(site.latent)[-2:]
     nope, v_dim, P = site.nope, site.v_dim, site.rope

@@ -124,7 +124,57 @@ def cmd_fp8_verify(ctx, tp: int, S: int = 3, steps: int = 3):
     return dict(ref=ref, got=got, graphs=graphs, counters=dict(torch._dynamo.utils.counters["mla_compile"]))
 
 
-COMMANDS = {"fp8_dsa_decode": cmd_fp8_dsa_decode, "fp8_verify": cmd_fp8_verify}
+def cmd_tp_limits(ctx, seed: int, kv_cache_dtype: str):
+    """`mla.tp_dcp_decode` with GLOBAL per-query-token limits [B, S] (rows not one token apart, empty rows, a
+    request of length 0) == single-process `mla.decode` with the same limits over the whole cache, on this rank's
+    heads; and bit-identical to `mla.dcp_decode`'s merge of the same partials. bf16-free: fp32 q, an fp32 or FP8
+    latent."""
+    import math
+
+    from mla_compile import paged
+
+    n, rank = ctx.n, ctx.rank
+    R, P, PS, HL, S, B = 128, 8, 4, 2, 3, 5
+    g = torch.Generator().manual_seed(seed)
+    lens = [0, 3, 9, 14, 22]
+    ckv = [torch.randn(L, R, generator=g) for L in lens]
+    kpe = [torch.randn(L, P, generator=g) for L in lens]
+    q = torch.randn(B, S, n * HL, R, generator=g)
+    qp = torch.randn(B, S, n * HL, P, generator=g)
+    kw = dict(kv_cache_dtype=kv_cache_dtype)
+    full = paged.fill_paged(ckv, kpe, PS, generator=torch.Generator().manual_seed(seed + 1), **kw)
+    sh = paged.fill_sharded(ckv, kpe, PS, n, rank, generator=torch.Generator().manual_seed(seed + 2 + rank), **kw)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    # limits [B, S], non-decreasing in j: a gap of 4 between query tokens 1 and 2, and 0 where that runs below
+    lim = (seq[:, None] - torch.tensor([5, 4, 0], dtype=torch.int32)).clamp_min(0)
+    scale = 1.0 / math.sqrt(R + P)
+    mine = slice(rank * HL, (rank + 1) * HL)
+    qn, qpn = q[:, :, mine].contiguous(), qp[:, :, mine].contiguous()
+    out, lse = torch.ops.mla.tp_dcp_decode(qn, qpn, sh.ckv_cache, sh.kpe_cache, sh.block_table, lim, scale, n, rank,
+                                           ctx.group_name, True, sh.ckv_scale)
+    assert out.shape == (B, S, HL, R) and lse.shape == (B, S, HL)
+    ref_o, ref_l = torch.ops.mla.decode(q, qp, full.ckv_cache, full.kpe_cache, full.block_table, lim, scale,
+                                        full.ckv_scale)
+    base._close(out, ref_o[:, :, mine], torch.float32, "out vs decode")
+    base._close_lse(lse, ref_l[:, :, mine], "lse vs decode")
+    empty = lim == 0
+    assert bool((out[empty] == 0).all()) and bool(torch.isneginf(lse[empty]).all()), "limit 0 -> (0, -inf)"
+    d_o, d_l = torch.ops.mla.dcp_decode(q, qp, sh.ckv_cache, sh.kpe_cache, sh.block_table, lim, scale, n, rank,
+                                        ctx.group_name, True, sh.ckv_scale)
+    assert torch.equal(out, d_o[:, :, mine]) and torch.equal(lse, d_l[:, :, mine]), "differs from dcp_decode's merge"
+    # limits that differ across ranks (with check_lens) are caught, not merged: NaN rows or a ValueError everywhere
+    bad = lim.clone()
+    bad[3, 1] -= rank
+    try:
+        o_b, _ = torch.ops.mla.tp_dcp_decode(qn, qpn, sh.ckv_cache, sh.kpe_cache, sh.block_table, bad, scale, n,
+                                             rank, ctx.group_name, True, sh.ckv_scale)
+        caught = bool(torch.isnan(o_b[3]).all()) and not bool(torch.isnan(o_b[:3]).any())
+    except ValueError as e:
+        caught = "seq_lens" in str(e)
+    return dict(caught=caught)
+
+
+COMMANDS = {"fp8_dsa_decode": cmd_fp8_dsa_decode, "fp8_verify": cmd_fp8_verify, "tp_limits": cmd_tp_limits}
 
 
 def _check_decode(res, tp: bool):
@@ -171,3 +221,14 @@ def _check_verify(res, op: str):
 
 def test_fp8_verification_steps_under_dcp_2_ranks(groups):
     _check_verify(groups(2).run("fp8_verify", 0, timeout=600), "mla.dcp_decode.default")
+
+
+def test_fp8_verification_steps_tp2_x_dcp2(groups):
+    """S-token steps with the heads split: mla.tp_dcp_decode with per-query-token limits [B, S] and the scales."""
+    _check_verify(groups(4).run("fp8_verify", 2, timeout=600), "mla.tp_dcp_decode.default")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", FP8])
+def test_tp_dcp_decode_takes_per_query_token_limits(groups, kv_cache_dtype):
+    res = groups(2).run("tp_limits", 3, kv_cache_dtype, timeout=300)
+    assert all(r["caught"] for r in res), res
