@@ -122,3 +122,68 @@ def test_gather_latent_callers_pass_scale_and_heads_sharded_in_place(kv_cache_dt
     else:
         assert src.ckv_scale is None
         assert src.ckv.meta["example_value"].dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------- DSA x multi-token x FP8
+def test_v32_verification_steps_over_an_fp8_dsa_cache_cross_index_topk():
+    """V3.2 over `DSAStaticCache(kv_cache_dtype="fp8_e4m3")`, 3-token steps crossing index_topk 9 (kv lengths 8, 11,
+    14): the dense graph's steps are rewritten (indexer dropped, mla.decode with [B, S] limits over the FP8 pages);
+    the sparse graph's stay HF attention (each query token its own top-k: not a prefix of the last one's), counted.
+    Logits: eager HF over the same FP8 cache."""
+    from mla_compile.integrations.hf import DSAStaticCache
+
+    S, T, steps = 3, 5, 3
+    L = T + S * steps + 1
+    model = M.deepseek_v32(num_layers=1, index_topk=9)
+    ids, mask = M.batch(B=2, T=T, L=L)
+    g = torch.Generator().manual_seed(12)
+    drafts = [torch.randint(1, 128, (2, S), generator=g) for _ in range(steps)]
+
+    def fp8_cache():
+        return DSAStaticCache(model.config, L, kv_cache_dtype=FP8)
+
+    eager = _verify_steps(model, model, fp8_cache(), ids, mask, drafts)
+    torch._dynamo.reset()
+    COUNTERS.clear()
+    got = _verify_steps(model, torch.compile(model, backend="mla_dcp", fullgraph=True, dynamic=False), fp8_cache(),
+                        ids, mask, drafts)
+    c = dict(COUNTERS["mla_compile"])
+    torch._dynamo.reset()
+    assert torch.equal(got.argmax(-1), eager.argmax(-1))
+    assert M.rel_err(got, eager) < 1e-5, M.rel_err(got, eager)
+    assert c.get("dsa_index_mask_dropped", 0) >= 1 and c.get(mla_attention.TOKENS_COUNTER, 0) >= 1, c
+    assert c.get(mla_attention.SKIP_COUNTER, 0) >= 1 and not c.get(mla_attention.SPARSE_COUNTER), c
+
+
+# ------------------------------------------------------------------ short compiled prefill x FP8 cache
+@pytest.mark.parametrize("kind", ["v3_paged", "v32_dsa_static"])
+def test_compiled_short_prefill_over_an_fp8_cache(kind):
+    """The prefill compiled too (5 tokens: a multi-token step the pass rewrites), the FP8 cache allocated and first
+    written inside that graph, then greedy decode: the tokens and logits of eager HF over an FP8 cache."""
+    from mla_compile.integrations.hf import DSAStaticCache
+
+    L, steps = 20, 10
+    if kind == "v3_paged":
+        model = M.deepseek_v3(num_layers=1)
+
+        def fp8_cache():
+            return MLAPagedCache(model.config, L, page_size=4, shuffle_pages=True, kv_cache_dtype=FP8)
+    else:  # kv lengths 6 .. 15 cross index_topk 8: the dense graph, then the sparse one
+        model = M.deepseek_v32(num_layers=1, index_topk=8)
+
+        def fp8_cache():
+            return DSAStaticCache(model.config, L, kv_cache_dtype=FP8)
+
+    ids, mask = M.batch(T=5, L=L)
+    ref_t, ref_l = M.greedy(model, model, ids, mask, fp8_cache(), steps)
+    torch._dynamo.reset()
+    COUNTERS.clear()
+    compiled = torch.compile(model, backend="mla_dcp", fullgraph=True)
+    t, logits = M.greedy(compiled, model, ids, mask, fp8_cache(), steps, prefill=compiled)
+    c = dict(COUNTERS["mla_compile"])
+    torch._dynamo.reset()
+    assert torch.equal(t, ref_t), (t, ref_t)
+    assert M.rel_err(logits, ref_l) < 1e-5, M.rel_err(logits, ref_l)
+    assert c.get(mla_attention.TOKENS_COUNTER, 0) == 1, c  # the prefill
+    assert c.get(mla_attention.COUNTER, 0) - c[mla_attention.TOKENS_COUNTER] >= 1, c  # the decode graph(s)
+    assert not c.get(mla_attention.SKIP_COUNTER), c
