@@ -1,5 +1,5 @@
 """Features built on separate branches, composed (single process; the gloo combinations are
-tests/dcp/test_feature_combinations.py):
+tests/dcp/test_feature_combinations_gloo.py):
 
 - FP8 latent cache x multi-token verification steps: the S-token emission (passes/attention_tokens.py) hands the FP8
   latent's scales to mla.decode (also in the flat-softmax rows of eager attention). Compiled vs eager HF over the
