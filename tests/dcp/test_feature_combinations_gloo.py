@@ -58,12 +58,13 @@ def _recording(graphs):
     return backend
 
 
-def cmd_fp8_dsa_decode(ctx, tp: int, compiled_prefill: bool = False, kv_cache_dtype: str = FP8):
+def cmd_fp8_dsa_decode(ctx, tp: int, compiled_prefill: bool = False, kv_cache_dtype: str = FP8, impl: str = "sdpa"):
     """Greedy decode of V3.2 crossing index_topk: single-process eager over a whole FP8 cache (the reference), HF's
     StaticCache (unquantized: the FP8 cache must matter), and the model compiled with mla_dcp over this rank's FP8
     shard (tp > 0: heads split, TP tp x DCP n / tp). compiled_prefill: the 5-token prefill compiled too (a
     multi-token step in the dense graph: per-query-token limits over the shards). kv_cache_dtype "auto": the same
-    with the model's dtype (the reference too)."""
+    with the model's dtype (the reference too). impl "eager": HF eager attention (a prefill query token at a padding
+    position sees nothing: HF's flat softmax over the whole cache, the pass's flat rows over the shards)."""
     import copy
 
     import hf_models as M
@@ -74,7 +75,7 @@ def cmd_fp8_dsa_decode(ctx, tp: int, compiled_prefill: bool = False, kv_cache_dt
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     grp = _group(ctx, tp)
-    model = M.deepseek_v32(num_layers=1, heads=8, index_topk=TOPK)
+    model = M.deepseek_v32(num_layers=1, heads=8, index_topk=TOPK, attn_impl=impl)
     L = PROMPT + STEPS + 3
     ids, mask = M.batch(T=PROMPT, L=L)
     ref_t, ref_l = M.greedy(model, model, ids, mask,
@@ -248,3 +249,11 @@ def test_fp8_verification_steps_tp2_x_dcp2(groups):
 def test_tp_dcp_decode_takes_per_query_token_limits(groups, kv_cache_dtype):
     res = groups(2).run("tp_limits", 3, kv_cache_dtype, timeout=300)
     assert all(r["caught"] for r in res), res
+
+
+def test_fp8_eager_attention_compiled_prefill_under_dcp_2_ranks(groups):
+    """Eager attention: the compiled prefill's padding rows (request 1's first query tokens) take the flat-softmax
+    rows over every rank's FP8 slots (attention_tokens._flat_rows with the scales, mla.dcp_decode): compiled and
+    run here; those rows' own logits are not compared (padding positions), their values are checked single-process
+    in tests/hf/test_feature_combinations.py."""
+    _check_decode(groups(2).run("fp8_dsa_decode", 0, True, FP8, "eager", timeout=600), False, True)

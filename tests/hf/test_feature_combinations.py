@@ -187,3 +187,34 @@ def test_compiled_short_prefill_over_an_fp8_cache(kind):
     assert c.get(mla_attention.TOKENS_COUNTER, 0) == 1, c  # the prefill
     assert c.get(mla_attention.COUNTER, 0) - c[mla_attention.TOKENS_COUNTER] >= 1, c  # the decode graph(s)
     assert not c.get(mla_attention.SKIP_COUNTER), c
+
+
+# --------------------------------------------------------------- generate(): prompt lookup over an FP8 cache
+def test_prompt_lookup_generate_over_an_fp8_cache():
+    """HF's own verification loop (prompt lookup: drafts from the prompt, rejected ones cropped) over our FP8 paged
+    cache, compiled (the mask built in the graph): the tokens of eager generate() over an FP8 cache."""
+    from mla_compile.integrations.hf import compile_config, create_masks_in_graph
+
+    model = M.deepseek_v3(num_layers=1)
+    model.create_masks_for_generate = create_masks_in_graph
+    ids = torch.randint(1, 120, (1, 4), generator=torch.Generator().manual_seed(5)).repeat(1, 3)
+    new = 16
+
+    def run(**extra):
+        cache = MLAPagedCache(model.config, ids.shape[1] + new + 4, page_size=4, shuffle_pages=True, kv_cache_dtype=FP8)
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=2,
+                                  **cache_kwargs(model, cache), **extra)
+
+    ref = run(disable_compile=True)
+    torch._dynamo.reset()
+    COUNTERS.clear()
+    for attr in ("_compiled_call", "_last_compile_config"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+    out = run(compile_config=compile_config(mode="default"))
+    c = dict(COUNTERS["mla_compile"])
+    torch._dynamo.reset()
+    assert torch.equal(out, ref), (out, ref)
+    assert c.get(mla_attention.TOKENS_COUNTER, 0) >= 1 and not c.get(mla_attention.SKIP_COUNTER), c
