@@ -92,9 +92,10 @@ def cmd_fp8_dsa_decode(ctx, tp: int, compiled_prefill: bool = False, kv_cache_dt
                 counters=dict(torch._dynamo.utils.counters["mla_compile"]))
 
 
-def cmd_fp8_verify(ctx, tp: int, S: int = 3, steps: int = 3):
+def cmd_fp8_verify(ctx, tp: int, impl: str = "sdpa", S: int = 3, steps: int = 3):
     """Teacher-forced S-token verification steps (the mask built in the graph from the 2-D mask) of V3 over this
-    rank's FP8 shard, compiled with mla_dcp, vs single-process eager over a whole FP8 cache."""
+    rank's FP8 shard, compiled with mla_dcp, vs single-process eager over a whole FP8 cache. impl "eager": request
+    1's first query token sees nothing (HF's flat softmax over the whole cache: the pass's flat rows)."""
     import copy
 
     import hf_models as M
@@ -104,10 +105,12 @@ def cmd_fp8_verify(ctx, tp: int, S: int = 3, steps: int = 3):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     grp = _group(ctx, tp)
-    model = M.deepseek_v3(num_layers=1, heads=8)
+    model = M.deepseek_v3(num_layers=1, heads=8, attn_impl=impl)
     T = PROMPT
     L = T + S * steps + 2
     ids, mask = M.batch(B=2, T=T, L=L)
+    if impl == "eager":
+        mask[1, :T + 1] = 0
     g = torch.Generator().manual_seed(11)
     drafts = [torch.randint(1, 128, (2, S), generator=g) for _ in range(steps)]
 
@@ -238,6 +241,12 @@ def _check_verify(res, op: str):
 
 def test_fp8_verification_steps_under_dcp_2_ranks(groups):
     _check_verify(groups(2).run("fp8_verify", 0, timeout=600), "mla.dcp_decode.default")
+
+
+def test_fp8_eager_verification_steps_heads_split_tp1_x_dcp2(groups):
+    """TP 1 x DCP 2 (the heads split over a 2-rank DCP group: the cheap stand-in for TP x DCP), eager attention with
+    a flat-softmax row: mla.tp_dcp_decode with [B, S] limits and, for that row, with zero queries over every slot."""
+    _check_verify(groups(2).run("fp8_verify", 1, "eager", timeout=600), "mla.tp_dcp_decode.default")
 
 
 def test_fp8_verification_steps_tp2_x_dcp2(groups):
