@@ -45,14 +45,15 @@ def _verify_steps(model, step, cache, ids, mask, drafts):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("impl, backend", [
-    ("sdpa", "mla_dcp"),  # the whole backend (Inductor over the FP8 views)
-    ("eager", "rewrite"),  # eager attention with a query token at a padding position: the flat-softmax rows
+@pytest.mark.parametrize("impl, backend, dtype", [
+    ("sdpa", "mla_dcp", torch.float32),  # the whole backend (Inductor over the FP8 views)
+    ("eager", "rewrite", torch.float32),  # eager attention with a query token at a padding position: flat rows
+    ("sdpa", "mla_dcp", torch.bfloat16),  # a bf16 model: bf16 rope part and queries beside the e4m3 latent
 ])
-def test_fp8_cache_verification_steps_match_eager_over_the_same_cache(impl, backend):
+def test_fp8_cache_verification_steps_match_eager_over_the_same_cache(impl, backend, dtype):
     S, T, steps = 3, 5, 3
     L = T + S * steps + 1
-    model = M.deepseek_v3(num_layers=1, attn_impl=impl)
+    model = M.deepseek_v3(num_layers=1, attn_impl=impl, dtype=dtype)
     ids, mask = M.batch(B=2, T=T, L=L)
     if impl == "eager":
         mask[1, :T + 1] = 0  # request 1's first step: its first query token sees nothing (HF: flat softmax)
@@ -73,6 +74,10 @@ def test_fp8_cache_verification_steps_match_eager_over_the_same_cache(impl, back
     torch._dynamo.reset()
     assert c.get(mla_attention.TOKENS_COUNTER, 0) >= 1 and not c.get(mla_attention.SKIP_COUNTER), c
     assert torch.isfinite(got).all()
+    if dtype == torch.bfloat16:  # HF eager rounds its probabilities to bf16: near-ties may part
+        assert M.rel_err(got, eager) < 2e-2, M.rel_err(got, eager)
+        assert (got.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.9
+        return
     assert torch.equal(got.argmax(-1), eager.argmax(-1))
     assert M.rel_err(got, eager) < 1e-5, M.rel_err(got, eager)  # the same dequantized latent: float32 rounding
     # the FP8 values are what both read: an unquantized cache is far off (a rewrite that read the e4m3 bytes
