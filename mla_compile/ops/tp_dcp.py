@@ -59,7 +59,9 @@ def check_tp_dcp_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, se
                                                  dcp_size, dcp_rank, group_name, check_lens, ckv_scale)
     C.check(q_nope.shape[-2] >= 1, "q_nope", f"needs at least one head on this rank (H_local >= 1), got shape "
             f"{tuple(q_nope.shape)}")
-    C.check_block_table_data(block_table, layout.local_lens(seq_lens, dcp_size, dcp_rank), num_pages, page_size)
+    # per-query-token limits [B, S] (non-decreasing, checked above): the last token's limit is the request's length
+    lens = seq_lens.amax(-1) if seq_lens.dim() == 2 else seq_lens
+    C.check_block_table_data(block_table, layout.local_lens(lens, dcp_size, dcp_rank), num_pages, page_size)
 
 
 # ------------------------------------------------------------------------------------------------ collectives
@@ -107,6 +109,8 @@ def tp_dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_
     S query tokens per request: q_nope [B, S, H_local, R], q_pe [B, S, H_local, P] -> out [B, S, H_local, R],
     lse [B, S, H_local]; GLOBAL seq_lens count the S new tokens (query token j sees global tokens
     t < seq_lens[b] - S + 1 + j, every length 0 or >= S). The same two collectives (S rides in the batch rows).
+    Or seq_lens int32 [B, S]: GLOBAL per-query-token limits, as `mla::dcp_decode` takes them (the attention pass's
+    form for verification steps with the heads split), each rank's share `layout.local_lens` of them.
     An FP8 shard: ckv_scale passed through to the local decode, as `mla::dcp_decode`.
     """
     with agree.dcp_call(group_name, dcp_size, q_nope, seq_lens) as call:
@@ -120,7 +124,7 @@ def tp_dcp_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_
         # the signature sees q as [B, S*Hl, *]: batch B, as the trailer's B lengths, and the same payload size
         sig = agree.signature(call, agree.OP_TP, q_nope.reshape(B, S * Hl, R) if tokens else q_nope,
                               q_pe.reshape(B, S * Hl, q_pe.shape[-1]) if tokens else q_pe, sm_scale, dcp_size,
-                              check_lens, tokens=S)
+                              check_lens, tokens=S, lens=seq_lens)  # lens: [B, S] limits ride as B * S words
     header = agree.data_header(sig, seq_lens)
     if tokens:  # the collectives move [B*S, Hl, *] rows: S rides in the batch rows, heads stay per-rank slices
         q_nope, q_pe = q_nope.reshape(B * S, Hl, R), q_pe.reshape(B * S, Hl, q_pe.shape[-1])

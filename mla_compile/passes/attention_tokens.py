@@ -76,12 +76,17 @@ def _table(b: Builder, site: Site, src: LatentSource, B, S: int, L: int, memo: E
             n, r = src.dcp_size, src.dcp_rank
             cap = _shape(src.block_table)[1] * _shape(src.ckv)[1]
             last = layout.local_mask(last, L, n, r, cap, aten=b.aten)
-            # counted as int32: a padded bool row summed made Inductor's CPU vectorizer emit C++ that does not
-            # compile (VecMask<long> ?: VecMask<float>, torch 2.13)
-            per_row = b.call(aten.reshape.default, b.call(aten._to_copy.default, valid, dtype=torch.int32),
-                             [E._lead(B, S), L])
-            per_row = layout.local_mask(per_row, L, n, r, cap, aten=b.aten)
-            limits = b.call(aten.reshape.default, _count(b, per_row), [E._lead(B), S])
+            # each row's count of the tokens this rank holds (t % n == r, t < cap * n: what layout.local_mask keeps),
+            # as a sum against an int32 ownership row rather than over local_mask's padded copy of the rows: a sum
+            # over a padded row (bool, or int32 whose bool source is itself padded: HF's mask of a compiled prefill
+            # shorter than the cache) made Inductor's CPU vectorizer emit C++ that does not compile (VecMask<long>
+            # ?: VecMask<float>, torch 2.13)
+            t = b.call(aten.arange.default, L, dtype=torch.int32, device=device)
+            own = b.call(aten.logical_and.default, b.call(aten.eq.Scalar, b.call(aten.remainder.Scalar, t, n), r),
+                         b.call(aten.lt.Scalar, t, cap * n))
+            own = b.call(aten._to_copy.default, own, dtype=torch.int32)
+            per_row = b.call(aten.mul.Tensor, b.call(aten._to_copy.default, valid, dtype=torch.int32), own)
+            limits = _count(b, per_row)  # [B, S]
             table, _ = E._emit_token_table(b, last, B, cap, device)
             # dcp_decode takes GLOBAL per-token limits: ones whose share on this rank is its count
             limits = layout.lens_holding(limits, n, aten=b.aten)
@@ -96,8 +101,10 @@ def _table(b: Builder, site: Site, src: LatentSource, B, S: int, L: int, memo: E
 def _attend(b: Builder, src: LatentSource, q_abs, q_pe, ckv, kpe, table, lens, scale, ckv_scale=None):
     """ckv_scale: an FP8 latent's scales (None for a bf16 cache, whose calls keep their arguments as they were)."""
     if src.kind == "dcp":
-        return b.call(torch.ops.mla.dcp_decode.default, q_abs, q_pe, ckv, kpe, table, lens, scale, src.dcp_size,
-                      src.dcp_rank, src.group_name, False, *E._scale_arg(ckv_scale))
+        # heads split over the group (TP x DCP): mla.tp_dcp_decode takes the same arguments, [B, S] limits included
+        op = torch.ops.mla.tp_dcp_decode.default if src.heads_sharded else torch.ops.mla.dcp_decode.default
+        return b.call(op, q_abs, q_pe, ckv, kpe, table, lens, scale, src.dcp_size, src.dcp_rank, src.group_name,
+                      False, *E._scale_arg(ckv_scale))
     return b.call(torch.ops.mla.decode.default, q_abs, q_pe, ckv, kpe, table, lens, scale, *E._scale_arg(ckv_scale))
 
 
@@ -138,9 +145,6 @@ def emit_tokens(b: Builder, site: Site, src: LatentSource, memo: E.Memo, absorb:
     """The absorbed computation of a site with S > 1 query tokens; returns the node replacing the attention
     output [B, H, S, v]."""
     H, S = site.heads, site.tokens
-    if src.heads_sharded:  # per-query-token limits [B, S] reach mla.dcp_decode only, not mla.tp_dcp_decode
-        raise NoMatch(f"{S} query tokens with heads split over the DCP group (TP x DCP): mla.tp_dcp_decode takes "
-                      "no per-query-token limits")
     B = E._batch(b, site, memo)
     L, R = _shape(site.latent)[-2:]
     nope, v_dim, P = site.nope, site.v_dim, site.rope

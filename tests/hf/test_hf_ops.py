@@ -56,3 +56,31 @@ def test_gather_latent_bad_inputs_name_the_argument(args, name):
 def test_all_selected_rejects_bad_topk():
     with pytest.raises(ValueError, match="^topk: "):
         torch.ops.mla_hf.all_selected(torch.zeros(1, 2, 3), 0)
+
+
+def test_gather_latent_opchecks_with_scale_and_heads_sharded():
+    """The schema's trailing `Tensor? ckv_scale=None, bool heads_sharded=False`: opcheck with both given (an FP8
+    cache, the TP x DCP note), positionally and by keyword; heads_sharded changes nothing in the result (a note for
+    the pass)."""
+    from mla_compile import fp8
+
+    g = torch.Generator().manual_seed(5)
+    lens = [6, 6]  # every gathered slot written (unused ones hold NaN, which opcheck's comparisons refuse)
+    ckv = [torch.randn(n, 128, generator=g) for n in lens]
+    kpe = [torch.randn(n, 8, generator=g) for n in lens]
+    b = fill_paged(ckv, kpe, 4, shuffle=True, generator=g, kv_cache_dtype="fp8_e4m3")
+    assert b.ckv_cache.dtype == fp8.DTYPE and b.ckv_scale is not None
+    args = (b.ckv_cache, b.kpe_cache, b.block_table, 6, 1, 0, "", b.ckv_scale, True)
+    # (the schema-check utils cannot run e4m3 arithmetic on CPU: as test_hf_fp8_cache's opcheck of this op)
+    torch.library.opcheck(torch.ops.mla_hf.gather_latent.default, args,
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    _, _, p = _paged(lens, 4)
+    torch.library.opcheck(torch.ops.mla_hf.gather_latent.default,
+                          (p.ckv_cache, p.kpe_cache, p.block_table, 6, 1, 0, "", None, True))
+    pos = torch.ops.mla_hf.gather_latent(*args)
+    kw = torch.ops.mla_hf.gather_latent(*args[:7], ckv_scale=b.ckv_scale, heads_sharded=True)
+    plain = torch.ops.mla_hf.gather_latent(*args[:8])
+    for x, y, z in zip(pos, kw, plain):
+        assert torch.equal(x, y) and torch.equal(x, z)
+    want = fp8.dequantize(*fp8.quantize(ckv[1]), torch.float32)
+    assert torch.equal(pos[0][1, 0, :6], want)

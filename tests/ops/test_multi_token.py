@@ -343,6 +343,8 @@ BAD = [  # (op, changes, argument named, metadata only)
     ("dcp_decode", dict(seq_lens=torch.tensor([1, 0], dtype=torch.int32)), "seq_lens", False),
     ("dcp_decode", dict(q_pe=torch.randn(2, 1, 3, 4)), "q_pe", True),
     ("tp_dcp_decode", dict(seq_lens=torch.tensor([1, 0], dtype=torch.int32)), "seq_lens", False),
+    ("tp_dcp_decode", dict(seq_lens=torch.zeros(2, 3, dtype=torch.int32)), "seq_lens", True),  # limits not [B, S]
+    ("tp_dcp_decode", dict(seq_lens=torch.tensor([[3, 2], [2, 2]], dtype=torch.int32)), "seq_lens", False),
     ("k_only_indices", dict(n_query=0), "n_query", True),
     ("k_only_indices", dict(seq_lens=torch.tensor([2, 0], dtype=torch.int32), n_query=3), "seq_lens", False),
     ("indexer_topk", dict(weights=torch.randn(2, 3, 2)), "weights", True),  # [B, S', Hi]
