@@ -141,20 +141,36 @@ def _flat_rows(b: Builder, site: Site, src: LatentSource, B, S: int, L: int, emp
     return b.call(aten.reshape.default, flat, [E._lead(B), S, H, R])
 
 
-def emit_tokens(b: Builder, site: Site, src: LatentSource, memo: E.Memo, absorb: str = "auto") -> fx.Node:
-    """The absorbed computation of a site with S > 1 query tokens; returns the node replacing the attention
-    output [B, H, S, v]."""
+def absorbed_queries(b: Builder, site: Site, memo: E.Memo, absorb: str):
+    """The S-token site's queries absorbed: (B, L, R, q_abs [B*S, H, R] = q_nope·W_UK, q_pe [B, S, H, P], W_UV
+    [H, v, R]); the emitters of S-token steps (here and `dsa_tokens`) start from it."""
     H, S = site.heads, site.tokens
     B = E._batch(b, site, memo)
     L, R = _shape(site.latent)[-2:]
-    nope, v_dim, P = site.nope, site.v_dim, site.rope
+    nope, v_dim = site.nope, site.v_dim
     q_nope = _tokens_first(b, site.q, site.nope_offset, nope)  # [B, S, H, nope]
-    q_pe = _tokens_first(b, site.q, site.rope_offset, P)  # [B, S, H, P]
+    q_pe = _tokens_first(b, site.q, site.rope_offset, site.rope)  # [B, S, H, P]
     w = b.call(aten.reshape.default, site.weight, [H, nope + v_dim, R])
     w_uk = b.call(aten.slice.Tensor, w, 1, 0, nope)
     w_uv = b.call(aten.slice.Tensor, w, 1, nope, nope + v_dim)
     folded = b.call(aten.reshape.default, q_nope, [E._lead(B, S), H, nope])  # the absorption takes rows [N, H, K]
     q_abs = E._per_head_matmul(b, folded, w_uk, contract_last=False, absorb=absorb)
+    return B, L, R, q_abs, q_pe, w_uv
+
+
+def project(b: Builder, site: Site, lat, w_uv, B, absorb: str) -> fx.Node:
+    """lat [B*S, H, R] -> ·W_UV^T -> the attention output [B, H, S, v]."""
+    out = E._per_head_matmul(b, lat, w_uv, contract_last=True, absorb=absorb)  # [B*S, H, v]
+    out = b.call(aten.reshape.default, out, [E._lead(B), site.tokens, site.heads, site.v_dim])
+    return b.call(aten.transpose.int, out, 1, 2)
+
+
+def emit_tokens(b: Builder, site: Site, src: LatentSource, memo: E.Memo, absorb: str = "auto") -> fx.Node:
+    """The absorbed computation of a site with S > 1 query tokens; returns the node replacing the attention
+    output [B, H, S, v]."""
+    H, S = site.heads, site.tokens
+    B, L, R, q_abs, q_pe, w_uv = absorbed_queries(b, site, memo, absorb)
+    P = site.rope
     q_abs = b.call(aten.reshape.default, q_abs, [E._lead(B), S, H, R])
     table, limits, empty = _table(b, site, src, B, S, L, memo)
     ckv, kpe, ckv_scale = E._flat_latent(b, src, B, L, R, P)
@@ -165,7 +181,4 @@ def emit_tokens(b: Builder, site: Site, src: LatentSource, memo: E.Memo, absorb:
         lat = b.call(aten.where.self, rows, flat, lat)
     elif site.proof.empty_rows == masks.EMPTY_NAN:
         lat = b.call(aten.where.ScalarSelf, rows, float("nan"), lat)
-    out = E._per_head_matmul(b, b.call(aten.reshape.default, lat, [E._lead(B, S), H, R]), w_uv, contract_last=True,
-                             absorb=absorb)  # [B*S, H, v]
-    out = b.call(aten.reshape.default, out, [E._lead(B), S, H, v_dim])
-    return b.call(aten.transpose.int, out, 1, 2)  # [B, H, S, v]
+    return project(b, site, b.call(aten.reshape.default, lat, [E._lead(B, S), H, R]), w_uv, B, absorb)

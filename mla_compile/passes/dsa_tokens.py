@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from . import attention_emit as E
+from . import attention_tokens as T
 from . import dsa_dcp, dsa_tokens_dcp
 from . import attention_mask as masks
 from .dsa_indexer import NotSparse
@@ -105,11 +106,6 @@ def _indices(b: Builder, site: Site, src: LatentSource, B, S: int, L: int, memo:
     return idx, b.call(aten.reshape.default, counts, [E._lead(B), S])
 
 
-def _q_tokens(b: Builder, q: fx.Node, start: int, width: int) -> fx.Node:
-    """q [B, H, S, D] -> q[..., start:start + width] as [B, S, H, width] (a strided view)."""
-    return b.call(aten.transpose.int, b.call(aten.slice.Tensor, q, 3, start, start + width), 1, 2)
-
-
 def _flat_rows(b: Builder, site: Site, src: LatentSource, B, S: int, L: int, empty, ckv, kpe, ckv_scale, like,
                memo: E.Memo):
     """lat [B, S, H, R] of HF eager's flat softmax over all L positions on the rows in `empty` [B, S]: one decode
@@ -131,21 +127,12 @@ def _flat_rows(b: Builder, site: Site, src: LatentSource, B, S: int, L: int, emp
 def emit_sparse_tokens(b: Builder, site: Site, src: LatentSource, memo: E.Memo, absorb: str = "auto") -> fx.Node:
     """The absorbed DSA sparse computation of a site with S > 1 query tokens; returns the node replacing the
     attention output [B, H, S, v]."""
-    H, S = site.heads, site.tokens
-    B = E._batch(b, site, memo)
-    L, R = _shape(site.latent)[-2:]
-    nope, v_dim, P = site.nope, site.v_dim, site.rope
-    q_nope = _q_tokens(b, site.q, site.nope_offset, nope)  # [B, S, H, nope]
-    q_pe = _q_tokens(b, site.q, site.rope_offset, P)  # [B, S, H, P]
-    w = b.call(aten.reshape.default, site.weight, [H, nope + v_dim, R])
-    w_uk = b.call(aten.slice.Tensor, w, 1, 0, nope)
-    w_uv = b.call(aten.slice.Tensor, w, 1, nope, nope + v_dim)
-    folded = b.call(aten.reshape.default, q_nope, [E._lead(B, S), H, nope])  # the absorption takes rows [N, H, K]
-    q_abs = E._per_head_matmul(b, folded, w_uk, contract_last=False, absorb=absorb)
+    H, S, P = site.heads, site.tokens, site.rope
+    B, L, R, q_abs, q_pe, w_uv = T.absorbed_queries(b, site, memo, absorb)
     if src.kind == "dcp":  # each rank's key shard: `dsa_tokens_dcp`
         q_pe = b.call(aten.reshape.default, q_pe, [E._lead(B, S), H, P])
         lat = dsa_tokens_dcp.emit(b, site, src, q_abs, q_pe, _valid_rows(b, site, B, S, L, memo), B, S, L, memo)
-        return _project(b, lat, w_uv, B, S, H, v_dim, absorb)
+        return T.project(b, site, lat, w_uv, B, absorb)
     q_abs = b.call(aten.reshape.default, q_abs, [E._lead(B), S, H, R])
     idx, counts = _indices(b, site, src, B, S, L, memo)
     ckv, kpe, ckv_scale = E._flat_latent(b, src, B, L, R, P)
@@ -161,11 +148,5 @@ def emit_sparse_tokens(b: Builder, site: Site, src: LatentSource, memo: E.Memo, 
                                                   memo), lat)
         else:  # EMPTY_NAN: HF's softmax of a row of -inf
             lat = b.call(aten.where.ScalarSelf, rows, float("nan"), lat)
-    return _project(b, b.call(aten.reshape.default, lat, [E._lead(B, S), H, R]), w_uv, B, S, H, v_dim, absorb)
+    return T.project(b, site, b.call(aten.reshape.default, lat, [E._lead(B, S), H, R]), w_uv, B, absorb)
 
-
-def _project(b: Builder, lat, w_uv, B, S: int, H: int, v_dim: int, absorb: str) -> fx.Node:
-    """lat [B*S, H, R] -> W_UV -> the attention output [B, H, S, v]."""
-    out = E._per_head_matmul(b, lat, w_uv, contract_last=True, absorb=absorb)  # [B*S, H, v]
-    out = b.call(aten.reshape.default, out, [E._lead(B), S, H, v_dim])
-    return b.call(aten.transpose.int, out, 1, 2)
