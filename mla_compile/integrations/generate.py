@@ -126,7 +126,7 @@ _DEFERS = "_mla_compile_defers_stop_check"  # on our wrapper: whether it defers 
 _CACHE_KWARGS = ("cache", "past_key_values")
 
 
-def _wrap_generate(generate, defer: bool, dynamo: dict):
+def _wrap_generate(generate, defer: bool, dynamo: dict | None = None):
     @functools.wraps(generate)
     def mla_generate(*args, **kwargs):
         if any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
