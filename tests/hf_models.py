@@ -157,3 +157,13 @@ def step_masks(mask2d: torch.Tensor, position: int) -> torch.Tensor:
     """HF's decode mask for `position` as a user's 4-D bool mask [B, 1, 1, L]: causal & padding."""
     L = mask2d.shape[1]
     return (mask2d.bool() & (torch.arange(L) <= position))[:, None, None, :]
+
+
+def fresh(model) -> None:
+    """Forget every compiled graph and counter, and HF's own cached compiled call on `model` (generate() keeps
+    it on the model), so the next generate() compiles anew and the counters count only it."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for attr in ("_compiled_call", "_last_compile_config"):
+        if hasattr(model, attr):
+            delattr(model, attr)

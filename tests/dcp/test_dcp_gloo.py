@@ -190,6 +190,23 @@ def groups():
     yield from group_pool()
 
 
+_WORKER_GROUPS: dict = {}  # per worker process: tp -> its TP x DCP group (made once; a group is a collective)
+
+
+def worker_group(ctx, tp: int):
+    """In a worker: this rank's (TP x) DCP group: the harness's world group for pure DCP (tp 0), else
+    `init_dcp(tp_size=tp, dcp_size=n // tp)`, made once per worker."""
+    import types
+
+    from mla_compile.distributed import init_dcp
+
+    if tp == 0:
+        return types.SimpleNamespace(size=ctx.n, rank=ctx.rank, group_name=ctx.group_name)
+    if tp not in _WORKER_GROUPS:
+        _WORKER_GROUPS[tp] = init_dcp(tp_size=tp, dcp_size=ctx.n // tp)
+    return _WORKER_GROUPS[tp]
+
+
 # ============================================================================================ commands
 def _dtype(name):
     return getattr(torch, name)

@@ -31,20 +31,6 @@ def groups():
     yield from base.group_pool(__name__)
 
 
-_GROUPS: dict = {}
-
-
-def _group(ctx, tp: int):
-    """This rank's (TP x) DCP group: the harness's world group for pure DCP (tp 0), else one made once per worker."""
-    import types
-
-    from mla_compile.distributed import init_dcp
-
-    if tp == 0:
-        return types.SimpleNamespace(size=ctx.n, rank=ctx.rank, group_name=ctx.group_name)
-    if tp not in _GROUPS:
-        _GROUPS[tp] = init_dcp(tp_size=tp, dcp_size=ctx.n // tp)
-    return _GROUPS[tp]
 
 
 def _recording(graphs):
@@ -74,7 +60,7 @@ def cmd_fp8_dsa_decode(ctx, tp: int, compiled_prefill: bool = False, kv_cache_dt
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    grp = _group(ctx, tp)
+    grp = base.worker_group(ctx, tp)
     model = M.deepseek_v32(num_layers=1, heads=8, index_topk=TOPK, attn_impl=impl)
     L = PROMPT + STEPS + 3
     ids, mask = M.batch(T=PROMPT, L=L)
@@ -104,7 +90,7 @@ def cmd_fp8_verify(ctx, tp: int, impl: str = "sdpa", S: int = 3, steps: int = 3)
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    grp = _group(ctx, tp)
+    grp = base.worker_group(ctx, tp)
     model = M.deepseek_v3(num_layers=1, heads=8, attn_impl=impl)
     T = PROMPT
     L = T + S * steps + 2

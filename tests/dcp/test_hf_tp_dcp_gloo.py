@@ -25,20 +25,6 @@ def groups():
     yield from base.group_pool(__name__)
 
 
-_GROUPS: dict = {}
-
-
-def _group(ctx, tp: int):
-    """This rank's (TP x) DCP group: the harness's world group for pure DCP, else one made once per worker."""
-    import types
-
-    from mla_compile.distributed import init_dcp
-
-    if tp == 0:
-        return types.SimpleNamespace(size=ctx.n, rank=ctx.rank, group_name=ctx.group_name)
-    if tp not in _GROUPS:
-        _GROUPS[tp] = init_dcp(tp_size=tp, dcp_size=ctx.n // tp)
-    return _GROUPS[tp]
 
 
 def cmd_hf_decode(ctx, kind: str, tp: int, impl: str = "sdpa", empty_row: bool = False):
@@ -54,7 +40,7 @@ def cmd_hf_decode(ctx, kind: str, tp: int, impl: str = "sdpa", empty_row: bool =
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    grp = _group(ctx, tp)
+    grp = base.worker_group(ctx, tp)
     if kind == "v3":
         model = M.deepseek_v3(num_layers=1, attn_impl=impl, heads=8)
     else:

@@ -26,12 +26,6 @@ COUNTERS = torch._dynamo.utils.counters
 NEW = 24
 
 
-def _fresh(model):
-    torch._dynamo.reset()
-    COUNTERS.clear()
-    for attr in ("_compiled_call", "_last_compile_config"):
-        if hasattr(model, attr):
-            delattr(model, attr)
 
 
 def _generate(model, ids, compiled, cache, **kw):
@@ -66,7 +60,7 @@ def test_verification_reduce_overhead_fp32_tokens_equal_eager(road, cache_kind):
     else:
         kw = dict(prompt_lookup_num_tokens=3)
     ref = _generate(model, ids, False, make(), **kw)
-    _fresh(model)
+    M.fresh(model)
     for _ in range(2):  # the second generate replays the recorded graphs (a new cache each call)
         out = _generate(model, ids, True, make(), **kw)
         assert torch.equal(out, ref), (out, ref)

@@ -29,12 +29,6 @@ def _generate(model, ids, mask, new, compiled: bool, cache=None, seed=None, **kw
                               **extra, **kw)
 
 
-def _fresh(model):
-    torch._dynamo.reset()
-    COUNTERS.clear()
-    for attr in ("_compiled_call", "_last_compile_config"):
-        if hasattr(model, attr):
-            delattr(model, attr)
 
 
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sample"])
@@ -43,7 +37,7 @@ def test_generate_compile_config_matches_eager(sample):
     ids, mask = M.batch(B=2, T=6, L=6, pad=2)
     kw = dict(do_sample=True, top_k=20, temperature=1.0) if sample else dict(do_sample=False)
     ref = _generate(model, ids, mask, 8, compiled=False, seed=3, **kw)
-    _fresh(model)
+    M.fresh(model)
     out = _generate(model, ids, mask, 8, compiled=True, seed=3, **kw)
     assert torch.equal(out, ref)
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2  # one decode graph, both layers
@@ -56,7 +50,7 @@ def test_generate_with_paged_cache():
     model = M.deepseek_v3(num_layers=2)
     ids, mask = M.batch(B=2, T=6, L=6, pad=2)
     ref = _generate(model, ids, mask, 6, compiled=False)
-    _fresh(model)
+    M.fresh(model)
     cache = MLAPagedCache(model.config, max_cache_len=16, page_size=4, shuffle_pages=True)
     out = _generate(model, ids, mask, 6, compiled=True, cache=cache)
     assert torch.equal(out, ref)
@@ -71,7 +65,7 @@ def test_generate_dsa_crosses_topk_dense_then_sparse():
     ids, mask = M.batch(B=2, T=5, L=5, pad=1)
     new = 12  # kv length runs 6 .. 16: crosses topk = 10
     ref = _generate(model, ids, mask, new, compiled=False, cache=DSAStaticCache(model.config, max_cache_len=24))
-    _fresh(model)
+    M.fresh(model)
     out = _generate(model, ids, mask, new, compiled=True, cache=DSAStaticCache(model.config, max_cache_len=24))
     assert torch.equal(out, ref)
     c = COUNTERS["mla_compile"]

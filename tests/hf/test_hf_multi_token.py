@@ -22,12 +22,6 @@ COUNTERS = torch._dynamo.utils.counters
 NEW = 10
 
 
-def _fresh(model):
-    torch._dynamo.reset()
-    COUNTERS.clear()
-    for attr in ("_compiled_call", "_last_compile_config"):
-        if hasattr(model, attr):
-            delattr(model, attr)
 
 
 def _generate(model, ids, compiled: bool, cache=None, new: int = NEW, **kw):
@@ -74,7 +68,7 @@ def test_assisted_generation_matches_eager(impl):
     ids = _prompt()
     draft = _draft()
     ref = _generate(model, ids, compiled=False, **_assistant_kw(draft))
-    _fresh(model)
+    M.fresh(model)
     out = _generate(model, ids, compiled=True, **_assistant_kw(draft))
     assert torch.equal(out, ref), (out, ref)
     _assert_rewritten(1)
@@ -91,7 +85,7 @@ def test_prompt_lookup_with_paged_cache_matches_eager():
     # a random model soon repeats itself: 20 new tokens give prompt lookup n-grams to draft from
     ref = _generate(model, ids, compiled=False, prompt_lookup_num_tokens=2, new=20,
                     cache=StaticCache(config=model.config, max_cache_len=ids.shape[1] + 24))
-    _fresh(model)
+    M.fresh(model)
     cache = MLAPagedCache(model.config, max_cache_len=ids.shape[1] + 24, page_size=4, shuffle_pages=True)
     out = _generate(model, ids, compiled=True, cache=cache, prompt_lookup_num_tokens=2, new=20)
     assert torch.equal(out, ref), (out, ref)
@@ -106,7 +100,7 @@ def test_precomputed_graph_input_mask_is_left_to_hf():
     ids = _prompt()
     draft = _draft()
     ref = _generate(model, ids, compiled=False, **_assistant_kw(draft))
-    _fresh(model)
+    M.fresh(model)
     out = _generate(model, ids, compiled=True, **_assistant_kw(draft))
     assert torch.equal(out, ref)
     c = COUNTERS["mla_compile"]
@@ -264,7 +258,7 @@ def dcp_assisted_worker(rank: int, world: int, init_file: str, result_dir: str) 
         ids = _prompt()
         draft = _draft()
         ref = _generate(model, ids, compiled=False, **_assistant_kw(draft, 2))
-        _fresh(model)
+        M.fresh(model)
         cache = MLAPagedCache(model.config, ids.shape[1] + NEW + 4, page_size=4, dcp=dcp)
         out = _generate(model, ids, compiled=True, cache=cache, **_assistant_kw(draft, 2))
         torch.save(dict(ref=ref, out=out, counters=dict(COUNTERS["mla_compile"])), f"{result_dir}/rank{rank}.pt")
