@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_models as M  # noqa: E402
-from test_hf_generate import _fresh, _generate  # noqa: E402
+from test_hf_generate import _generate  # noqa: E402
 
 from mla_compile.integrations.hf import DSAStaticCache, MLAPagedCache  # noqa: E402
 from mla_compile.passes import mla_attention  # noqa: E402
@@ -41,7 +41,7 @@ def test_generate_reduce_overhead_fp32_tokens_equal_eager(cache_kind, sample):
     make = (lambda: None) if cache_kind == "static" else \
         (lambda: MLAPagedCache(model.config, max_cache_len=48, page_size=16, shuffle_pages=True))
     ref = _generate(model, ids, mask, 24, compiled=False, cache=make(), seed=5, **kw)
-    _fresh(model)
+    M.fresh(model)
     for _ in range(2):  # the second generate replays the recorded graph (a new cache each call)
         out = _generate(model, ids, mask, 24, compiled=True, cache=make(), seed=5, **kw)
         assert torch.equal(out, ref)
@@ -57,7 +57,7 @@ def test_generate_reduce_overhead_eager_attention_fp32():
     model.create_masks_for_generate = create_masks_in_graph
     ids, mask = _inputs()
     ref = _generate(model, ids, mask, 16, compiled=False, do_sample=False)
-    _fresh(model)
+    M.fresh(model)
     out = _generate(model, ids, mask, 16, compiled=True, do_sample=False)
     assert torch.equal(out, ref)
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
@@ -68,7 +68,7 @@ def test_generate_reduce_overhead_bf16_logits_close():
     ids, mask = _inputs()
     ref = _generate(model, ids, mask, 16, compiled=False, output_logits=True, return_dict_in_generate=True,
                     do_sample=False)
-    _fresh(model)
+    M.fresh(model)
     out = _generate(model, ids, mask, 16, compiled=True, output_logits=True, return_dict_in_generate=True,
                     do_sample=False)
     a, b = torch.stack(out.logits, 1).float(), torch.stack(ref.logits, 1).float()
@@ -83,7 +83,7 @@ def test_generate_reduce_overhead_dsa_dense_then_sparse():
     model = M.deepseek_v32(num_layers=2, heads=16, hidden=256, index_topk=16).cuda()
     ids, mask = _inputs(T=8)
     ref = _generate(model, ids, mask, 20, compiled=False, cache=DSAStaticCache(model.config, max_cache_len=40))
-    _fresh(model)
+    M.fresh(model)
     out = _generate(model, ids, mask, 20, compiled=True, cache=DSAStaticCache(model.config, max_cache_len=40))
     assert torch.equal(out, ref)
     c = COUNTERS["mla_compile"]
@@ -96,7 +96,7 @@ def test_generate_compiled_forward_recipe():
     model = M.deepseek_v3(num_layers=2, heads=16, hidden=256).cuda()
     ids, mask = _inputs()
     ref = _generate(model, ids, mask, 16, compiled=False, do_sample=False)
-    _fresh(model)
+    M.fresh(model)
     forward = model.forward
     try:
         model.forward = torch.compile(forward, backend="mla_dcp", mode="reduce-overhead")
@@ -126,7 +126,7 @@ def test_optimize_generate_deferred_stop_tokens_equal_eager(attn, eos):
         kw["eos_token_id"] = int(probe[0, ids.shape[1] + 6])
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, cache_implementation="static", disable_compile=True, **kw)
-    _fresh(model)
+    M.fresh(model)
     optimize_generate(model)
     built = []
     orig_init = gen_utils.DeferredStopCheck.__init__
