@@ -4,7 +4,7 @@ usage: python benchmarks/bench_ops.py [OUT.json] [--sweep] [--quick] [--decode-o
                                     [--batches B ..] [--lens L ..]
   --sweep        also time a few Triton tile configs per shape (to pick defaults)
   --quick        a small subset of shapes (smoke run)
-  --decode-only  only the decode table (skip host, merge and DSA timings)
+  --decode-only  only the decode table (skip merge and DSA timings; host time per call: benchmarks/host_overhead.py)
   --heads / --batches / --lens  the decode grid (default 16 128 / 1 8 32 128 / 1024 8192 32768 131072), e.g. to
                  split the grid over calls that each fit a time limit
 Writes JSON (argv path, else $OUT/bench_ops.json, else ./bench_ops.json) and prints markdown tables.
@@ -210,35 +210,6 @@ def bench_flashmla(row, fm, peers, qn, qp, ckv, kpe, fckv, fkpe, fkv, table, len
                                           ("flashmla_fused", "flashmla_copied") for i in (0, 1))
 
 
-def bench_host(results):
-    """Host time per eager call (launch overhead), small shape: what do_bench's eager numbers include."""
-    B, H, L = 1, 16, 1024
-    ckv = torch.randn(L // PS + 1, PS, R, dtype=DT, device="cuda")
-    kpe = torch.randn(L // PS + 1, PS, P, dtype=DT, device="cuda")
-    table = torch.arange(L // PS, dtype=torch.int32, device="cuda")[None]
-    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
-    qn, qp = torch.randn(B, H, R, dtype=DT, device="cuda"), torch.randn(B, H, P, dtype=DT, device="cuda")
-    fns = {"triton decode (2 kernels)": lambda: D.decode(qn, qp, ckv, kpe, table, lens, 0.1),
-           "triton decode, 1 split": lambda: D.decode(qn, qp, ckv, kpe, table, lens, 0.1, splits=1),
-           "torch.ops.mla.decode": lambda: torch.ops.mla.decode(qn, qp, ckv, kpe, table, lens, 0.1),
-           "4x torch.empty": lambda: [torch.empty(16, device="cuda") for _ in range(4)]}
-    if FI.available():
-        fi_run = FI.plan(qn, qp, ckv, table, lens, 0.1).raw
-        fns["flashinfer run"] = lambda: fi_run(qn, qp, ckv, kpe)
-    if FMLA.available():
-        fns["flashmla decode (copied K)"] = lambda: FMLA.decode(qn, qp, ckv, kpe, table, lens, 0.1)
-    results["host_us"] = {}
-    for name, fn in fns.items():
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(300):
-            fn()
-        torch.cuda.synchronize()
-        results["host_us"][name] = (time.perf_counter() - t0) / 300 * 1e6
-    print(json.dumps(results["host_us"]), flush=True)
-
-
 def bench_merge(results):
     N, B, H = 8, 128, 128
     outs = torch.randn(N, B, H, R, dtype=DT, device="cuda")
@@ -318,9 +289,6 @@ def table(results) -> str:
     cb = results["copy_bw_TBps"]
     lines = [f"copy bandwidth {cb:.2f} TB/s (read+write); bf16 R{R}/P{P}, page {PS}; times in us (do_bench median)",
              "", *markdown(results["decode"], DECODE_COLUMNS)]
-    if results.get("host_us"):
-        lines += ["", "host us per eager call (B=1 H=16 1K): "
-                  + ", ".join(f"{k} {v:.0f}" for k, v in results["host_us"].items())]
     m = results.get("merge")
     if m:
         lines += ["", f"merge_states N={m['N']} B={m['B']} H={m['H']}: {m['merge_ms'] * 1e3:.1f} us"
@@ -349,7 +317,7 @@ def main(argv):
     ap.add_argument("out", nargs="?", default=os.path.join(os.environ.get("OUT", "."), "bench_ops.json"))
     ap.add_argument("--sweep", action="store_true", help="also time a few Triton tile configs per shape")
     ap.add_argument("--quick", action="store_true", help="a small subset of shapes (smoke run)")
-    ap.add_argument("--decode-only", action="store_true", help="only the decode table (no host / merge / DSA timings)")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode table (no merge / DSA timings)")
     ap.add_argument("--heads", type=int, nargs="+", choices=sorted(SWEEP), default=list(HEADS))
     ap.add_argument("--batches", type=int, nargs="+", default=None, help=f"default {BATCHES} ({(1, 8)} with --quick)")
     ap.add_argument("--lens", type=int, nargs="+", default=None,
@@ -373,7 +341,6 @@ def main(argv):
     results["copy_bw_TBps"] = copy_bandwidth() / 1e12
     bench_decode(results, results["copy_bw_TBps"] * 1e12, a.sweep, shapes, a.heads)
     if not a.decode_only:
-        bench_host(results)
         bench_merge(results)
         bench_dsa(results)
     results["wall_s"] = time.time() - t0

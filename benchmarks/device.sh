@@ -2,7 +2,7 @@
 # The one script the GPU machine runs:  bash benchmarks/device.sh [stage ...]   (default: kernels bench)
 #   stages: kernels (GPU tests)  bench (op benchmark)  sweep (decode configs)  linear (few-token GEMM configs)
 #           wgmma (the Gluon many-head decode kernel, phase by phase)
-#           profile (HF step)  dcp  dsa  hf  generate (HF generate() end to end)  gencrash (lab probe)  compile
+#           profile (HF step)  host (per-call host time)  dcp  dsa  hf  generate (HF generate() end to end)  gencrash (lab probe)  compile
 #           families (five HF MLA families at 32K)  report
 # Installs the wheels carried in .whl/ (tools/device_wheels.sh fetches them; run(carry=[".whl"])), records the environment, then runs each stage.
 #
@@ -80,6 +80,8 @@ stage_linear() { timeout "${T_LINEAR:-300}" python3 benchmarks/linear_sweep.py "
 # where the Gluon many-head decode kernel spends its time (phases dropped one at a time)
 stage_wgmma() { echo "wgmma: the phase probe is retired (benchmarks/lab/README.md)"; }
 stage_bench() { timeout "${T_BENCH:-400}" python3 benchmarks/bench_ops.py "$OUT/bench_ops.json" ${BENCH_ARGS:-}; }
+# host (issue 29): host us per eager call of every op, next to FlashInfer / FlashMLA, and a profile of mla.decode
+stage_host() { timeout "${T_HOST:-180}" python3 benchmarks/host_overhead.py "$OUT/host.json" ${HOST_ARGS:-}; }
 
 # DCP (issue 4): torchrun n = 1, 2, 4 (those that fit the GPUs here), then one merged $OUT/dcp.json.
 # DCP_NS picks the group sizes (default "1 2 4"), DCP_ARGS e.g. "--quick --no-compile", T_DCP limits each torchrun (s).

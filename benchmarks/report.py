@@ -34,9 +34,9 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SUITES = ("ops", "dcp", "hf", "dsa", "compile", "families")  # block order in RESULTS.md
-FILES = {"ops": "bench_ops.json", "dcp": "dcp.json", "hf": "hf.json", "dsa": "dsa.json", "compile": "compile.json",
-         "families": "families.json"}
+SUITES = ("ops", "host", "dcp", "hf", "dsa", "compile", "families")  # block order in RESULTS.md
+FILES = {"ops": "bench_ops.json", "host": "host.json", "dcp": "dcp.json", "hf": "hf.json", "dsa": "dsa.json",
+         "compile": "compile.json", "families": "families.json"}
 R, P = 512, 64  # bench_ops.py / dcp_gpu.py shapes
 BEGIN, END = "<!-- generated:begin -->", "<!-- generated:end -->"
 
@@ -433,7 +433,45 @@ def families_goals(d: dict) -> list[list[str]]:
     return []
 
 
+HOST_GOAL_US = {"mla.decode": 40.0}  # issue 29: mla.decode <= 40 us per eager call, every other op <= 30 us
+HOST_GOAL_OTHER_US = 30.0
+
+
+def host_block(d: dict) -> list[str]:
+    """benchmarks/host_overhead.py: host us per eager call of every op next to the peers, and the layers of one."""
+    out = ["Host time per eager call (B 1, H 16, 1K tokens; the loop's wall time before its closing sync / calls: "
+           "`python benchmarks/host_overhead.py`).", ""]
+    ops = d.get("ops", {})
+    out += md_table(["call", "host us", "goal"], [[k, num(v, "{:.1f}"), num(HOST_GOAL_US.get(k, HOST_GOAL_OTHER_US),
+                                                                            "{:.0f}") if "." in k and ":" not in k
+                                                    else "-"] for k, v in ops.items()])
+    if d.get("layers"):
+        out += ["", "- `mla.decode` by layer: " + ", ".join(f"{k} {v:.1f} us" for k, v in d["layers"].items())]
+    r = d.get("registration", {})
+    if r:
+        out.append(f"- dispatcher, one trivial op: torch.library.custom_op {r['custom_op_us']:.1f} us, our `define` "
+                   f"{r['define_us']:.1f} us (its body alone {r['body_alone_us']:.1f} us)")
+    if d.get("checks"):
+        out.append("- input checks, repeated signature / whole: " + ", ".join(
+            f"{k} {v['repeated_us']:.1f} / {v['whole_us']:.1f} us" for k, v in d["checks"].items()))
+    for row in d.get("profile", [])[:8]:
+        out.append(f"  - profile: {row['own_us_per_op']:.1f} us own, {row['cum_us_per_op']:.1f} us cum: "
+                   f"`{row['function']}`")
+    return out
+
+
+def host_goals(d: dict) -> list[list[str]]:
+    rows = []
+    for k, v in d.get("ops", {}).items():
+        if "." not in k or ":" in k:  # peers and floors
+            continue
+        goal = HOST_GOAL_US.get(k, HOST_GOAL_OTHER_US)
+        rows.append(["29", f"{k} host us per eager call <= {goal:.0f}", f"{v:.1f}", "met" if v <= goal else "not met"])
+    return rows
+
+
 BLOCKS = {"ops": ("Ops: `mla::decode` Triton vs FlashInfer, merge, DSA indexer ops (issue 3)", ops_block, ops_goals),
+          "host": ("Host time per eager call of every op (issue 29)", host_block, host_goals),
           "dcp": ("DCP scaling (issue 4)", dcp_block, dcp_goals),
           "hf": ("HF DeepseekV3 decode tokens/s (issue 5)", hf_block, hf_goals),
           "dsa": ("DSA dense vs sparse graph (issue 6)", dsa_block, dsa_goals),
@@ -672,6 +710,8 @@ def provenance(suite: str, d) -> tuple[bool, str]:
         device, smoke = d.get("env", {}).get("device", "?"), bool(d.get("args", {}).get("smoke"))
     elif suite == "compile":
         device, smoke = d.get("device_name") or d.get("device", "?"), False
+    elif suite == "host":
+        device, smoke = d.get("provenance", "?"), False
     else:  # dsa
         device, smoke = ("cuda (dsa_gpu.py runs only there)" if isinstance(d, list) else "?"), False
     on_device = device.lower() not in ("cpu", "?", "") and "cpu" not in device.lower().split("/") and not smoke

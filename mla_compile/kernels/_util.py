@@ -10,9 +10,20 @@ import triton
 import triton.language as tl
 
 
+# Host-side integer helpers. Triton 3.6's triton.cdiv / triton.next_power_of_2 are constexpr functions: a host call
+# goes through their argument unwrapping, ~5 us each on one CPU core, and a decode call made nine of them
+# (benchmarks/host_overhead.py). Same results (next_power_of_2(0) is 0, as Triton's).
+def cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def block(n: int) -> int:
     """Power-of-two tile side covering n, at least 16 (tl.dot needs >= 16 on every side)."""
-    return max(16, triton.next_power_of_2(max(n, 1)))
+    return max(16, next_power_of_2(max(n, 1)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,14 +69,18 @@ def _pdl_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+_PDL_ON = {"PDL": True, "launch_pdl": True}
+
+
 def pdl_launch(device: torch.device) -> dict:
     """Launch arguments for programmatic dependent launch (Hopper+), {} where it is off. With it, a kernel's
     programs may be scheduled while the kernel before it on the stream drains (its launch latency and the
     predecessor's tail overlap: the ~0.5 us idle gaps between the kernels of a CUDA graph); the kernel must start
-    with `pdl_enter`. CUDA graphs capture it as a programmatic edge."""
-    if os.environ.get(PDL_ENV, "auto") not in ("auto", "1") or not _pdl_capable(device):
+    with `pdl_enter`. CUDA graphs capture it as a programmatic edge. The environment is read per call (tests
+    switch it); the returned dict is shared: unpack it, never change it."""
+    if not _pdl_capable(device) or os.environ.get(PDL_ENV, "auto") not in ("auto", "1"):
         return {}
-    return {"PDL": True, "launch_pdl": True}
+    return _PDL_ON
 
 
 @triton.jit
@@ -80,11 +95,15 @@ def pdl_enter(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it once too, when it is imported
+
+
+@functools.lru_cache(maxsize=None)
 def dot_mode(dtype: torch.dtype) -> dict:
     """Constexprs for `mma`: fp32 inputs use exact (ieee) products rather than tf32. Triton 3.6's CPU
     interpreter computes bf16 tl.dot wrongly (it multiplies the raw bits), so under TRITON_INTERPRET=1
-    bf16 operands are upcast to fp32 first; GPU code is unaffected."""
-    upcast = dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    bf16 operands are upcast to fp32 first; GPU code is unaffected. Cached (a shared dict: unpack it)."""
+    upcast = dtype == torch.bfloat16 and _INTERPRETED
     return dict(DOT_PREC="ieee" if dtype == torch.float32 else "tf32", DOT_UPCAST=upcast)
 
 

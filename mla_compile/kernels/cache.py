@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from .. import fp8
-from ._util import pdl_enter, pdl_launch
+from ._util import next_power_of_2, pdl_enter, pdl_launch
 
 
 @triton.jit
@@ -52,6 +52,6 @@ def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None) -> None:
     _cache_write_kernel[(T,)](ckv_cache, kpe_cache, ckv, kpe, slots, dst_s, scales, R, P, ckv_cache.shape[1], G,
                               ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
                               ckv.stride(0), kpe.stride(0), dst_s.stride(0), dst_s.stride(1), scales.stride(0),
-                              BLOCK_R=triton.next_power_of_2(max(R, 1)), BLOCK_P=triton.next_power_of_2(max(P, 1)),
-                              BLOCK_G=triton.next_power_of_2(G), FP8=ckv_scale is not None,
+                              BLOCK_R=next_power_of_2(max(R, 1)), BLOCK_P=next_power_of_2(max(P, 1)),
+                              BLOCK_G=next_power_of_2(G), FP8=ckv_scale is not None,
                               num_warps=4, **pdl_launch(ckv.device))

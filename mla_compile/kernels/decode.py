@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import block, box_width, caches_view_as_slots, dot_mode, has_tma, mma, pdl_enter, pdl_launch, sm_count
+from ._util import (block, box_width, caches_view_as_slots, cdiv, dot_mode, has_tma, mma, pdl_enter, pdl_launch,
+                    sm_count)
 from . import decode_seesaw as _seesaw
 from . import decode_wgmma as _wgmma
 from .merge import merge_into
@@ -319,9 +320,9 @@ def num_splits(batch: int, heads: int, capacity: int, device: torch.device, cfg:
     than min_split_tokens. One wave, not more: H200 probe 2026-12-01 (benchmarks/RESULTS.md): H=16 B=32
     8 splits (256 programs) 88.9 / 310 us at 8K / 32K vs 98.5 / 318 for the ~2-wave 16; B=128 2 splits 316 vs
     4 323 at 8K; H=128 B=8 8 splits 269 / 1043 vs 16 279 / 1057 at 32K / 128K; B=8 H=16 keeps 33 (= 264 slots)."""
-    programs = max(batch * triton.cdiv(heads, cfg.block_h), 1)
+    programs = max(batch * cdiv(heads, cfg.block_h), 1)
     slots = cfg.ctas_per_sm * sm_count(device)
-    cap = max(1, min(triton.cdiv(max(capacity, 1), cfg.min_split_tokens), cfg.max_splits))
+    cap = max(1, min(cdiv(max(capacity, 1), cfg.min_split_tokens), cfg.max_splits))
     return max(1, min(slots // programs, cap))
 
 
@@ -364,7 +365,7 @@ def _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
     P = kpe_cache.shape[2]
     ckv_desc = TensorDescriptor.from_tensor(ckv_cache.view(NP * PS, R), [cfg.block_n, R // 2])
     kpe_desc = TensorDescriptor.from_tensor(kpe_cache.view(NP * PS, P), [cfg.block_n, P])
-    grid = (B, triton.cdiv(H, cfg.block_h), ns)
+    grid = (B, cdiv(H, cfg.block_h), ns)
     return _stage1_tma_kernel[grid](
         q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
         sm_scale * _LOG2E, H, PS,
@@ -389,7 +390,7 @@ def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, i
     fp8 = ckv_scale is not None
     scale = ckv_scale if fp8 else o  # an unread placeholder pointer without FP8
     s_sp, s_ss = (ckv_scale.stride(0), ckv_scale.stride(1)) if fp8 else (0, 0)
-    grid = (B, triton.cdiv(H, cfg.block_h), ns)
+    grid = (B, cdiv(H, cfg.block_h), ns)
     return _stage1_kernel[grid](
         q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens if not sparse else table, o, l, scale,
         sm_scale * _LOG2E, H, indices.shape[1] if sparse else 0,

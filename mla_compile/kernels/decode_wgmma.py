@@ -25,10 +25,9 @@ latent in two power-of-two halves: see `fits`. Measured: benchmarks/RESULTS.md (
 
 from __future__ import annotations
 
-import triton
 
 from . import _gluon as G
-from ._util import box_width
+from ._util import box_width, cdiv
 
 if G.gluon is not None:
     from triton.experimental import gluon
@@ -341,7 +340,7 @@ def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
     P = kpe_cache.shape[2]
     sparse = indices is not None
     table = indices if sparse else block_table
-    grid = (triton.cdiv(H, BLOCK_H), B, ns)
+    grid = (cdiv(H, BLOCK_H), B, ns)
     strides = G.strides(q_nope, q_pe, ckv_cache, kpe_cache, table, o, l, s_on, s_ln, ns)
     if not G.tma_layout(ckv_cache, kpe_cache, sparse):
         return _stage1_gather_kernel[grid](

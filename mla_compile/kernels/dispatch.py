@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import NamedTuple
 
 import torch

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .. import topk_order
-from ._util import block, dot_mode, mma, pdl_enter, pdl_launch
+from ._util import block, cdiv, dot_mode, mma, next_power_of_2, pdl_enter, pdl_launch
 
 
 @triton.jit
@@ -71,7 +71,7 @@ def indexer_scores(q, weights, k_cache, block_table, seq_lens, sm_scale, topk) -
         return score
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_t = 64
-    grid = (B, triton.cdiv(T, block_t))
+    grid = (B, cdiv(T, block_t))
     _indexer_logits_kernel[grid](q, weights, k_cache, block_table, seq_lens, score, sm_scale, Hi, Di, PS, T, topk,
                                  q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1),
                                  block_table.stride(0), score.stride(0),
@@ -103,8 +103,8 @@ def k_only_indices(block_table, seq_lens, page_size, topk) -> torch.Tensor:
     out = torch.empty((B, topk), dtype=torch.int32, device=block_table.device)
     if B == 0:
         return out
-    block = min(1024, triton.next_power_of_2(topk))
-    _k_only_kernel[(B, triton.cdiv(topk, block))](block_table, seq_lens, out, page_size,
+    block = min(1024, next_power_of_2(topk))
+    _k_only_kernel[(B, cdiv(topk, block))](block_table, seq_lens, out, page_size,
                                                   block_table.shape[1] * page_size, topk,
                                                   block_table.stride(0), out.stride(0), BLOCK=block, num_warps=4,
                                                   **pdl_launch(block_table.device))

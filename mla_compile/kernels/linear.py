@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .few_token import FEW_TOKEN_ROWS, K_ALIGN, split_width
-from ._util import dot_mode, mma, pdl_enter, pdl_launch, sm_count
+from ._util import cdiv, dot_mode, mma, next_power_of_2, pdl_enter, pdl_launch, sm_count
 
 MAX_M = FEW_TOKEN_ROWS  # the MMA's N side (rows of x padded to it)
 
@@ -115,7 +115,7 @@ def default_linear_config(M: int, K: int, N: int) -> LinearConfig:
     DeepSeek-V3's q_a + kv_a (N 2112, K 7168) 11.5 us with 4 splits vs 18.0 unsplit and 18.9 as two cuBLAS
     GEMMs; down (K 8192) 12.2 vs cuBLAS 13.8. Unsplit and K <= 4096: 3 stages (gate + up at K 2048: 18.4 vs
     22.6 us with 4), else 4."""
-    blocks = triton.cdiv(N, 32)
+    blocks = cdiv(N, 32)
     split = 1 << max(0, min(3, round(math.log2(256 / blocks))))
     while split > 1 and K // split < 512:  # keep >= 4 K steps per split
         split //= 2
@@ -131,7 +131,7 @@ def _launch(x, weights, ys, k_split: int, splits: int, cfg: LinearConfig, s_ys: 
         j = min(i + 1, len(weights) - 1)  # a lone weight: W1 is W0 again with no rows of its own (n1 = 0)
         w0, w1, y0, y1 = weights[i], weights[j], ys[i], ys[j]
         n0, n1 = w0.shape[0], (w1.shape[0] if j > i else 0)
-        grid = (triton.cdiv(n0, cfg.block_n) + triton.cdiv(n1, cfg.block_n), splits)
+        grid = (cdiv(n0, cfg.block_n) + cdiv(n1, cfg.block_n), splits)
         if grid[0] == 0:
             continue
         _linear_kernel[grid](x, w0, w1, y0, y1, M, n0, n1, K, k_split,
@@ -172,14 +172,14 @@ def linear_small_m(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConf
     n0, n1 = weights[0].shape[0], (weights[-1].shape[0] if len(weights) == 2 else 0)
     if M == 0 or n0 + n1 == 0 or K == 0:  # nothing to launch (K == 0: the product is all zeros)
         return [o.zero_() for o in outs]
-    splits = triton.cdiv(K, split_width(K, cfg.split_k, cfg.block_k))
+    splits = cdiv(K, split_width(K, cfg.split_k, cfg.block_k))
     if splits == 1:
         _launch(x, weights, outs, K, 1, cfg, 0)
         return outs
     part = linear_partials(x, weights, splits, cfg, align=cfg.block_k)
     o0, o1 = outs[0], outs[-1]  # row-major (made here, or the caller's contiguous buffers)
     block = 512
-    _sum_splits_kernel[(M, triton.cdiv(n0 + n1, block))](part, o0, o1, splits, n0, n1, part.stride(0),
+    _sum_splits_kernel[(M, cdiv(n0 + n1, block))](part, o0, o1, splits, n0, n1, part.stride(0),
                                                          part.stride(1), o0.stride(0), o1.stride(0), BLOCK=block,
                                                          **pdl_launch(x.device))
     return outs
@@ -195,9 +195,9 @@ def per_head_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None =
     if M * H * N == 0 or K == 0:
         return y.zero_()
     if block_n is None:
-        block_n = 32 if H * triton.cdiv(N, 32) >= sm_count(x.device) else 16
-    block_k = min(128, max(16, triton.next_power_of_2(K)))
-    _per_head_kernel[(H, triton.cdiv(N, block_n))](
+        block_n = 32 if H * cdiv(N, 32) >= sm_count(x.device) else 16
+    block_k = min(128, max(16, next_power_of_2(K)))
+    _per_head_kernel[(H, cdiv(N, block_n))](
         x, weight, y, M, N, K, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
         weight.stride(2), y.stride(0), y.stride(1), y.stride(2), BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=K % block_k == 0, **dot_mode(x.dtype), num_warps=4, num_stages=3, **pdl_launch(x.device))

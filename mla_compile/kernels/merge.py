@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import pdl_enter, pdl_launch, sm_count
+from ._util import cdiv, next_power_of_2, pdl_enter, pdl_launch, sm_count
 
 
 @triton.jit
@@ -77,11 +77,11 @@ def merge_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: t
     if B * H == 0:
         return
     assert outs.stride(-1) == 1 and out.stride(-1) == 1
-    block_r = min(triton.next_power_of_2(max(R, 1)), 512)
-    while block_r > 64 and B * H * triton.cdiv(R, block_r) < 2 * sm_count(outs.device):
+    block_r = min(next_power_of_2(max(R, 1)), 512)
+    while block_r > 64 and B * H * cdiv(R, block_r) < 2 * sm_count(outs.device):
         block_r //= 2  # few rows (split-KV stage 2 at batch 1): more, narrower programs
-    block_n = min(triton.next_power_of_2(N), max(_TILE // block_r, 1))
-    grid = (B * H, max(1, triton.cdiv(R, block_r)))  # R == 0 still needs the lse
+    block_n = min(next_power_of_2(N), max(_TILE // block_r, 1))
+    grid = (B * H, max(1, cdiv(R, block_r)))  # R == 0 still needs the lse
     _merge_kernel[grid](outs, lses, out, lse, N, H, R,
                         outs.stride(0), outs.stride(1), outs.stride(2),
                         lses.stride(0), lses.stride(1), lses.stride(2),

@@ -5,10 +5,16 @@ Two levels:
     at trace time with the same message it gives eagerly;
   * data checks (index ranges, lengths) read tensor values, so they run only where that costs no device
     sync: on CPU always, on CUDA only when ``MLA_COMPILE_CHECK_DATA=1`` (debugging).
+
+An op's whole check is `@once_per_signature`: where no data check can run (CUDA without MLA_COMPILE_CHECK_DATA,
+meta), a call whose shapes, strides, dtypes, devices and scalars passed before is not checked again. Building
+every message and walking every rule costs ~60 us a call on one CPU core; the signature lookup ~5 us
+(`python benchmarks/host_overhead.py`), and an eager call's host budget is tens of microseconds.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -56,16 +62,74 @@ def check_same_device(named: dict) -> None:
         check(d == common, n, f"is on {d} but {common_name} is on {common} (all inputs must share a device)")
 
 
+DATA_ENV = "MLA_COMPILE_CHECK_DATA"
+
+
 def data_checks_enabled(device: torch.device) -> bool:
     if device.type == "cpu":
         return True
-    return os.environ.get("MLA_COMPILE_CHECK_DATA", "0") == "1"
+    return os.environ.get(DATA_ENV, "0") == "1"
 
 
 def is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake as _is_fake
 
     return _is_fake(t) or t.device.type == "meta"
+
+
+_SCALARS = (bool, int, float, str, torch.dtype)
+_SEEN_LIMIT = 4096  # signatures remembered per check (a serving process sees a handful of shapes per op)
+_PASSED: list[dict] = []  # every check's remembered signatures (forget_signatures clears them)
+
+
+def _signature(args, key: list) -> bool:
+    """Append what a metadata check may read of `args` to `key`; False where a check could read more: a tensor on
+    the CPU (data checks read its values), a tensor subclass (FakeTensor, Parameter), an object of another kind."""
+    for a in args:
+        if type(a) is torch.Tensor:
+            if a.is_cpu:
+                return False
+            key += (a.dtype, a.get_device(), a.shape, a.stride())
+        elif a is None:
+            key.append(None)
+        elif isinstance(a, _SCALARS):
+            key += (type(a), a)  # 1, 1.0 and True hash alike; a check may take one and refuse another
+        elif isinstance(a, (list, tuple)):
+            key.append(len(a))
+            if not _signature(a, key):
+                return False
+        else:
+            return False
+    return True
+
+
+def once_per_signature(check_fn):
+    """Decorator for an op's whole input check (it returns plain values, never tensors):
+    where data checks cannot run, a call repeating a signature that passed returns that pass's result without
+    checking again. Calls that raise are never remembered, so a bad call raises every time."""
+    passed: dict = {}
+    _PASSED.append(passed)
+
+    @functools.wraps(check_fn)
+    def check_once(*args, **kwargs):
+        key: list = [*kwargs]
+        if os.environ.get(DATA_ENV) == "1" or not _signature((*args, *kwargs.values()), key):
+            return check_fn(*args, **kwargs)
+        key = tuple(key)
+        if key in passed:
+            return passed[key]
+        result = check_fn(*args)
+        if len(passed) < _SEEN_LIMIT:
+            passed[key] = result
+        return result
+
+    return check_once
+
+
+def forget_signatures() -> None:
+    """Check every later call in full again (benchmarks time a whole check this way)."""
+    for passed in _PASSED:
+        passed.clear()
 
 
 def check_latent_rank(R: int, r_name: str) -> None:

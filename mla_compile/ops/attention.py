@@ -12,6 +12,7 @@ import torch
 
 from .. import fp8
 from . import _checks as C
+from ._registry import define
 
 _NEG_INF = float("-inf")
 
@@ -61,6 +62,7 @@ def _check_lens(block_table, seq_lens, B: int, S: int) -> None:
         C.check_block_table(block_table, seq_lens, B)
 
 
+@C.once_per_signature
 def check_decode_metadata(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
                           dtypes=C.FLOAT_DTYPES, ckv_scale=None) -> tuple[int, int]:
     """Shapes, dtypes, devices of a decode call (no data read); returns (num_pages, page_size).
@@ -101,6 +103,7 @@ def _check_limits_data(seq_lens) -> None:
             "per-query-token limits must be non-decreasing over the query tokens (causal)")
 
 
+@C.once_per_signature
 def check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale=None):
     num_pages, page_size = check_decode_metadata(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
                                                  C.REFERENCE_DTYPES, ckv_scale)
@@ -112,6 +115,7 @@ def check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens,
     C.check_block_table_data(block_table, seq_lens, num_pages, page_size)
 
 
+@C.once_per_signature
 def check_sparse_args(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
     _check_q(q_nope, q_pe, C.REFERENCE_DTYPES)
     num_pages, page_size = C.check_paged_cache(ckv_cache, kpe_cache, q_nope.shape[-1], q_pe.shape[-1],
@@ -251,7 +255,7 @@ def _longest(seq_lens) -> int:
 
 
 # --------------------------------------------------------------------------------------------- mla::decode
-@torch.library.custom_op(
+@define(
     "mla::decode",
     mutates_args=(),
     device_types="cpu",
@@ -347,7 +351,7 @@ decode.register_autograd(_decode_backward, setup_context=_decode_setup_context)
 
 
 # -------------------------------------------------------------------------------------- mla::sparse_decode
-@torch.library.custom_op(
+@define(
     "mla::sparse_decode",
     mutates_args=(),
     device_types="cpu",

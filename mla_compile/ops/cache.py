@@ -6,6 +6,7 @@ import torch
 
 from .. import fp8
 from . import _checks as C
+from ._registry import define
 
 
 def _views_as_slots(t: torch.Tensor) -> bool:
@@ -15,6 +16,7 @@ def _views_as_slots(t: torch.Tensor) -> bool:
     return (D <= 1 or t.stride(2) == 1) and (NP <= 1 or t.stride(0) == PS * t.stride(1))
 
 
+@C.once_per_signature
 def check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None):
     C.check_tensor(ckv_cache, "ckv_cache", 3, C.FLOAT_DTYPES + (fp8.DTYPE,))
     C.check_tensor(kpe_cache, "kpe_cache", 3, C.FLOAT_DTYPES)
@@ -70,7 +72,7 @@ def _check_not_fp8(ckv_cache):
             f"is {fp8.DTYPE}: an FP8 cache is written by mla::cache_write_fp8 (quantize on write, with its ckv_scale)")
 
 
-@torch.library.custom_op(
+@define(
     "mla::cache_write",
     mutates_args=("ckv_cache", "kpe_cache"),
     device_types="cpu",
@@ -106,7 +108,7 @@ def _(ckv_cache, kpe_cache, ckv, kpe, slots):
 
 # A separate op rather than an optional mutated argument of mla::cache_write: torch-mlir's importer cannot emit an
 # auto-functionalized `Tensor(c!)?` left None (a None result type), which every bf16 cache_write would then carry
-@torch.library.custom_op(
+@define(
     "mla::cache_write_fp8",
     mutates_args=("ckv_cache", "kpe_cache", "ckv_scale"),
     device_types="cpu",
@@ -142,7 +144,7 @@ def _(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
 # mla::cache_write_fp8 on views taken inside the graph, AOTAutograd functionalizes three differently typed views of one
 # input, and Inductor copies the views' columns out of the buffer and the buffer back onto itself every step (seen on
 # CPU, torch 2.13)
-@torch.library.custom_op(
+@define(
     "mla::cache_write_fp8_tokens",
     mutates_args=("token_buf",),
     device_types="cpu",

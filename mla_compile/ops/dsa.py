@@ -10,12 +10,14 @@ import torch
 from .. import topk_order
 from . import _checks as C
 from .attention import check_query_lens, query_limits, token_slots
+from ._registry import define
 
 
 def _check_topk(topk):
     C.check(isinstance(topk, int) and topk > 0, "topk", f"must be a positive int, got {topk!r}")
 
 
+@C.once_per_signature
 def check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
     C.check(isinstance(q, torch.Tensor), "q", f"expected a Tensor, got {type(q).__name__}")
     tokens = q.dim() == 4  # S query tokens per request: q [B, S, Hi, Di]
@@ -37,6 +39,7 @@ def check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scal
     check_query_lens(seq_lens, q.shape[1] if tokens else 1)
 
 
+@C.once_per_signature
 def check_k_only_args(block_table, seq_lens, page_size, topk, n_query=1):
     C.check_tensor(block_table, "block_table", 2, torch.int32)
     C.check_block_table(block_table, seq_lens, block_table.shape[0])
@@ -85,7 +88,7 @@ def slot_scores(q, weights, k_cache, slots, valid, sm_scale):
     return score.masked_fill(~valid, float("-inf"))
 
 
-@torch.library.custom_op(
+@define(
     "dsa::indexer_topk",
     mutates_args=(),
     device_types="cpu",
@@ -155,7 +158,7 @@ def _(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
     return dispatch.indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)
 
 
-@torch.library.custom_op(
+@define(
     "dsa::k_only_indices",
     mutates_args=(),
     device_types="cpu",

@@ -16,10 +16,12 @@ from __future__ import annotations
 import torch
 
 from . import _checks as C
+from ._registry import define
 
 ID_DTYPES = (torch.int64, torch.int32)
 
 
+@C.once_per_signature
 def check_expert_linear_args(x, weight, expert_ids) -> None:
     C.check_tensor(x, "x", 2, C.REFERENCE_DTYPES)
     C.check_tensor(weight, "weight", 3, x.dtype)
@@ -68,7 +70,7 @@ def _gathered(x, weight, expert_ids):
     return torch.bmm(selected, x.to(acc)[:, :, None])[:, :, 0].to(x.dtype)
 
 
-@torch.library.custom_op(
+@define(
     "mla::expert_linear",
     mutates_args=(),
     device_types="cpu",

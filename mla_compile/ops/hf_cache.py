@@ -12,11 +12,12 @@ import torch
 from .. import fp8, layout
 from . import _checks as C
 from .attention import token_slots
+from ._registry import define
 
 
 # ---------------------------------------------------------------------------------- mla_hf::gather_latent
 
-@torch.library.custom_op("mla_hf::gather_latent", mutates_args=(),
+@define("mla_hf::gather_latent", mutates_args=(), device_types=None,
                          schema="(Tensor ckv_cache, Tensor kpe_cache, Tensor block_table, int max_len, int dcp_size, "
                                 "int dcp_rank, str group_name, Tensor? ckv_scale=None, bool heads_sharded=False) "
                                 "-> (Tensor, Tensor)")
@@ -55,6 +56,7 @@ def gather_latent(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank
     return (full[..., :R].unsqueeze(1).contiguous(), full[..., R:].to(kpe_cache.dtype).unsqueeze(1).contiguous())
 
 
+@C.once_per_signature
 def _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp_rank, ckv_scale=None):
     C.check_tensor(ckv_cache, "ckv_cache", 3, C.FLOAT_DTYPES + (fp8.DTYPE,))
     C.check_tensor(kpe_cache, "kpe_cache", 3, C.FLOAT_DTYPES)
@@ -83,7 +85,7 @@ GATHER_OPS = {torch.ops.mla_hf.gather_latent.default, torch.ops.mla_hf.gather_la
 
 
 # ------------------------------------------------------------------------ DSA: the dense-graph marker
-@torch.library.custom_op("mla_hf::all_selected", mutates_args=(), schema="(Tensor keys, int topk) -> Tensor")
+@define("mla_hf::all_selected", device_types=None, schema="(Tensor keys, int topk) -> Tensor")
 def all_selected(keys, topk):
     """The indexer keys, unchanged (a copy: custom ops cannot return aliases), carrying a promise: this graph
     is guarded by "every request's kv_len <= topk", so the indexer's top-k selects every valid token.
@@ -96,6 +98,7 @@ def all_selected(keys, topk):
     return keys.clone()
 
 
+@C.once_per_signature
 def _check_all_selected_args(keys, topk):
     if not isinstance(keys, torch.Tensor):
         raise ValueError(f"keys: expected a Tensor, got {type(keys).__name__}")

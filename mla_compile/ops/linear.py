@@ -22,8 +22,10 @@ import torch.nn.functional as F
 
 from ..kernels.few_token import FEW_TOKEN_ROWS, K_ALIGN, few_token_rows, split_width  # noqa: F401 (re-exported)
 from . import _checks as C
+from ._registry import define
 
 
+@C.once_per_signature
 def check_fused_linear_args(x, weights):
     C.check(isinstance(x, torch.Tensor), "x", f"expected a Tensor, got {type(x).__name__}")
     C.check(x.dim() >= 1 and x.is_floating_point(), "x",
@@ -35,7 +37,7 @@ def check_fused_linear_args(x, weights):
     C.check_same_device(dict(x=x, **{f"weights[{i}]": w for i, w in enumerate(weights)}))
 
 
-@torch.library.custom_op(
+@define(
     "mla::fused_linear",
     mutates_args=(),
     device_types="cpu",
@@ -94,6 +96,7 @@ def partial_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)  # fp32 for half / bf16 / fp32, fp64 stays fp64
 
 
+@C.once_per_signature
 def check_linear_partials_args(x, weights, splits):
     C.check(isinstance(x, torch.Tensor), "x", f"expected a Tensor, got {type(x).__name__}")
     C.check(x.dim() == 2 and x.is_floating_point(), "x",
@@ -113,7 +116,7 @@ def _partials(x, weights, splits):
     return out
 
 
-@torch.library.custom_op(
+@define(
     "mla::linear_partials",
     mutates_args=(),
     device_types="cpu",
@@ -170,6 +173,7 @@ linear_partials.register_autograd(_partials_backward, setup_context=_partials_se
 
 
 # --------------------------------------------------------------------------------------------- per_head_linear
+@C.once_per_signature
 def check_per_head_linear_args(x, weight):
     C.check(isinstance(x, torch.Tensor), "x", f"expected a Tensor, got {type(x).__name__}")
     C.check(x.dim() == 3 and x.is_floating_point(), "x",
@@ -185,7 +189,7 @@ def _per_head(x, weight):
     return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1).contiguous()
 
 
-@torch.library.custom_op(
+@define(
     "mla::per_head_linear",
     mutates_args=(),
     device_types="cpu",

@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 
 from . import _checks as C
+from ._registry import define
 
 
+@C.once_per_signature
 def check_merge_args(outs, lses):
     C.check_tensor(outs, "outs", 4, C.REFERENCE_DTYPES)
     C.check_tensor(lses, "lses", 3, C.lse_dtype(outs.dtype))
@@ -57,7 +59,7 @@ def merge_states_backward(outs, lses, grad_out, grad_lse):
     return d_outs.to(outs.dtype), torch.where(ok, d_lses, 0.0).to(lses.dtype)
 
 
-@torch.library.custom_op(
+@define(
     "mla::merge_states",
     mutates_args=(),
     device_types="cpu",

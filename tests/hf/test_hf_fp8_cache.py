@@ -257,7 +257,7 @@ def test_dcp_over_fp8_hf_caches_on_two_gloo_ranks_is_one_rank():
 
 
 # ------------------------------------------------------------------------------------- the accuracy metric
-ACC_PROMPT, ACC_STEPS = 256, 16
+ACC_PROMPT, ACC_STEPS = 256, 128  # 2 x 128 greedy picks: with 2 x 16 one flipped near-tie moved agreement 3%
 
 
 def _accuracy(kind: str, cache_fn, **model_kw):
@@ -299,22 +299,29 @@ def _measured(name):
 
 @pytest.mark.parametrize("name", list(ACCURACY))
 def test_fp8_cache_error_is_the_quantization_only(name):
-    """What holds on these tiny random-weight models (measured: FP8 / bf16-cache error 2.6x V3, 2.8x V3.2 dense,
-    1.1x V3.2 sparse, where the bf16 model's own top-k choices already differ from fp32's)."""
+    """What holds on these tiny random-weight models (measured over 2 x 128 picks: FP8 / bf16-cache logit error 2.7x
+    V3, 2.7x V3.2 dense, 1.05x V3.2 sparse, where the bf16 model's own top-k choices already differ from fp32's)."""
     (e16, a16), (e8, a8) = _measured(name)
-    assert e16 < 0.2 and e8 < 0.2  # a wrong scale / group / slot would be off by O(1)
+    assert e16 < 0.3 and e8 < 0.3  # a wrong scale / group / slot would be off by O(1) (sparse bf16: 0.2)
     assert e8 <= 4 * e16 and a8 >= 0.8 * a16
 
 
+@pytest.mark.parametrize("name", list(ACCURACY))
+def test_fp8_cache_greedy_agreement_acceptance(name):
+    """Issue 25's acceptance, greedy half: agreement with the fp32 model >= 90% of the bf16 cache's (measured 0.92
+    V3, 0.95 V3.2 dense, 0.98 V3.2 sparse over 2 x 128 teacher-forced picks)."""
+    (e16, a16), (e8, a8) = _measured(name)
+    assert a8 >= 0.9 * a16
+
+
 @pytest.mark.parametrize("name", [
-    pytest.param("v3-paged", marks=pytest.mark.xfail(strict=True, reason="measured 2.6x the bf16 cache's error")),
-    pytest.param("v32-dense", marks=pytest.mark.xfail(strict=True, reason="measured 2.8x the bf16 cache's error")),
+    pytest.param("v3-paged", marks=pytest.mark.xfail(strict=True, reason="measured 2.7x the bf16 cache's error")),
+    pytest.param("v32-dense", marks=pytest.mark.xfail(strict=True, reason="measured 2.7x the bf16 cache's error")),
     "v32-sparse"])
-def test_fp8_cache_accuracy_acceptance(name):
-    """Issue 25's acceptance on the tests' tiny random-weight models (hidden 64, 2 layers, real MLA dims): FP8 cache
-    logit error <= 2x the bf16 cache's, greedy agreement >= 90% of the bf16 cache's. Not met for dense attention
-    here: e4m3's 3 mantissa bits put ~3% relative noise on every latent value, and in a 2-layer, hidden-64 model
-    attention is a large part of the logits (strict xfail: a change that meets it shows up)."""
+def test_fp8_cache_logit_error_acceptance(name):
+    """Issue 25's acceptance, logit half: FP8 cache logit error <= 2x the bf16 cache's. Not met for dense attention
+    on these models (hidden 64, 2 layers; hidden 256 and 512 with 4 layers measured 3.0x and 3.1x): e4m3's 3
+    mantissa bits put ~3% relative noise on every latent value, against bf16 weights' ~0.4% (strict xfail: a change
+    that meets it shows up)."""
     (e16, a16), (e8, a8) = _measured(name)
     assert e8 <= 2 * e16
-    assert a8 >= 0.9 * a16

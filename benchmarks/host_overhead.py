@@ -1,0 +1,206 @@
+"""Host time per call of every op (issue 29): what an eager call or a default-mode compiled graph (no CUDA graphs)
+pays on the CPU before the GPU sees a kernel.
+
+usage:  python benchmarks/host_overhead.py OUT.json [--calls 300]
+
+Parts, each in OUT.json and printed:
+  ops          (CUDA) every op at a small shape (B 1, H 16, 1K tokens: a few microseconds of GPU work), called
+               `--calls` times back to back; host us per call = the loop's wall time before its closing sync / calls
+               (the launch queue holds them all). Next to them the peers' entry points timed the same way
+               (FlashInfer's `run` after its `plan`, FlashMLA's decode on a fused cache) and floors (an aten add,
+               four torch.empty).
+  layers       (CUDA) `mla.decode` split into its layers: the op through the dispatcher, the CUDA entry without it
+               (kernels.dispatch.decode), one split (no merge kernel), the check alone.
+  registration the dispatcher's cost of one op registered two ways with the same trivial body: torch.library.custom_op
+               vs `mla_compile.ops._registry.define` (what every op of ours pays per call; CPU tensors).
+  checks       each op's input check: a repeated signature (what every call after the first pays: `once_per_signature`)
+               vs the whole check (every remembered signature forgotten first); on meta tensors where no GPU is there.
+  profile      (CUDA) cProfile of `--calls` eager `mla.decode` calls: the top functions by own time.
+
+Where it ran is in `provenance` ("cuda: <GPU name>" or "cpu"); report.py's `host` block shows the CUDA runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mla_compile.ops  # noqa: E402,F401  (registers the ops)
+from mla_compile.ops import _checks as C  # noqa: E402
+from mla_compile.ops import _registry, attention, cache, dsa, experts, linear, merge  # noqa: E402
+
+B, H, R, P, PS, L, DT = 1, 16, 512, 64, 64, 1024, torch.bfloat16
+
+
+def host_us(fn, calls: int) -> float:
+    """Mean wall time of one call, launches queued but not waited for (one warm call first)."""
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def tensors(device) -> dict:
+    """One small call's arguments for every op (meta tensors time the checks only)."""
+    g = dict(device=device)
+    real = device != "meta"
+    rnd = (lambda *s, dtype=DT: torch.randn(*s, dtype=dtype, device=device)) if real else \
+          (lambda *s, dtype=DT: torch.empty(*s, dtype=dtype, device=device))
+    pages = L // PS + 1
+    t = dict(qn=rnd(B, H, R), qp=rnd(B, H, P), ckv=rnd(pages, PS, R), kpe=rnd(pages, PS, P),
+             table=torch.arange(L // PS, dtype=torch.int32, **g)[None] if real else torch.empty(1, L // PS,
+                                                                                              dtype=torch.int32, **g),
+             lens=torch.full((B,), L, dtype=torch.int32, **g) if real else torch.empty(B, dtype=torch.int32, **g),
+             idx=(torch.randperm(L, **g)[:256].int()[None] if real else torch.empty(B, 256, dtype=torch.int32, **g)),
+             outs=rnd(4, B, H, R), lses=rnd(4, B, H, dtype=torch.float32),
+             ckv_new=rnd(1, R), kpe_new=rnd(1, P), slots=(torch.tensor([5], **g) if real else
+                                                          torch.empty(1, dtype=torch.int64, **g)),
+             x=rnd(1, 2048), w_a=rnd(1536, 2048), w_b=rnd(576, 2048), xh=rnd(B, H, 128), wh=rnd(H, R, 128),
+             xe=rnd(2, 2048), we=rnd(8, 1024, 2048), eid=(torch.tensor([1, 6], **g) if real else
+                                                          torch.empty(2, dtype=torch.int64, **g)),
+             iq=rnd(B, 64, 128), iw=rnd(B, 64, dtype=torch.float32), ik=rnd(pages, PS, 128))
+    return t
+
+
+def op_calls(t: dict) -> dict:
+    """name -> a zero-argument call of each op through the dispatcher."""
+    ops = torch.ops
+    return {
+        "mla.decode": lambda: ops.mla.decode(t["qn"], t["qp"], t["ckv"], t["kpe"], t["table"], t["lens"], 0.1),
+        "mla.sparse_decode": lambda: ops.mla.sparse_decode(t["qn"], t["qp"], t["ckv"], t["kpe"], t["idx"], 0.1),
+        "mla.merge_states": lambda: ops.mla.merge_states(t["outs"], t["lses"]),
+        "mla.cache_write": lambda: ops.mla.cache_write(t["ckv"], t["kpe"], t["ckv_new"], t["kpe_new"], t["slots"]),
+        "mla.fused_linear": lambda: ops.mla.fused_linear(t["x"], [t["w_a"], t["w_b"]]),
+        "mla.linear_partials": lambda: ops.mla.linear_partials(t["x"], [t["w_a"], t["w_b"]], 4),
+        "mla.per_head_linear": lambda: ops.mla.per_head_linear(t["xh"], t["wh"]),
+        "mla.expert_linear": lambda: ops.mla.expert_linear(t["xe"], t["we"], t["eid"]),
+        "dsa.indexer_topk": lambda: ops.dsa.indexer_topk(t["iq"], t["iw"], t["ik"], t["table"], t["lens"], 256, 0.1),
+        "dsa.k_only_indices": lambda: ops.dsa.k_only_indices(t["table"], t["lens"], PS, 2048),
+    }
+
+
+def check_calls(t: dict) -> dict:
+    """name -> (the memoized check, its arguments)."""
+    return {
+        "mla.decode": (attention.check_decode_args, (t["qn"], t["qp"], t["ckv"], t["kpe"], t["table"], t["lens"], 0.1)),
+        "mla.sparse_decode": (attention.check_sparse_args, (t["qn"], t["qp"], t["ckv"], t["kpe"], t["idx"], 0.1)),
+        "mla.merge_states": (merge.check_merge_args, (t["outs"], t["lses"])),
+        "mla.cache_write": (cache.check_cache_write_args, (t["ckv"], t["kpe"], t["ckv_new"], t["kpe_new"], t["slots"])),
+        "mla.fused_linear": (linear.check_fused_linear_args, (t["x"], [t["w_a"], t["w_b"]])),
+        "mla.per_head_linear": (linear.check_per_head_linear_args, (t["xh"], t["wh"])),
+        "mla.expert_linear": (experts.check_expert_linear_args, (t["xe"], t["we"], t["eid"])),
+        "dsa.indexer_topk": (dsa.check_indexer_args, (t["iq"], t["iw"], t["ik"], t["table"], t["lens"], 256, 0.1)),
+    }
+
+
+def bench_checks(device: str, calls: int) -> dict:
+    out = {}
+    for name, (check, args) in check_calls(tensors(device)).items():
+        out[name] = {"repeated_us": host_us(lambda: check(*args), calls),
+                     "whole_us": host_us(lambda: (C.forget_signatures(), check(*args)), calls)}
+    return out
+
+
+def bench_registration(calls: int) -> dict:
+    """The same trivial body registered both ways (CPU tensors: the dispatcher's own cost)."""
+    x = torch.zeros(4)
+
+    def body(x):
+        return x.new_empty(x.shape)
+
+    torch.library.custom_op("host_probe::via_custom_op", body, mutates_args=(), schema="(Tensor x) -> Tensor")
+    _registry.define("host_probe::via_define", schema="(Tensor x) -> Tensor")(body)
+    return {"custom_op_us": host_us(lambda: torch.ops.host_probe.via_custom_op(x), calls * 10),
+            "define_us": host_us(lambda: torch.ops.host_probe.via_define(x), calls * 10),
+            "body_alone_us": host_us(lambda: body(x), calls * 10)}
+
+
+def bench_ops(calls: int) -> dict:
+    t = tensors("cuda")
+    rows = {name: host_us(fn, calls) for name, fn in op_calls(t).items()}
+    rows["floor: torch.add"] = host_us(lambda: torch.add(t["x"], 1), calls)
+    rows["floor: 4x torch.empty"] = host_us(lambda: [torch.empty(16, device="cuda") for _ in range(4)], calls)
+    from mla_compile.kernels import flashinfer_mla as FI
+    from mla_compile.kernels import flashmla as FMLA
+
+    if FI.available():
+        run = FI.plan(t["qn"], t["qp"], t["ckv"], t["table"], t["lens"], 0.1).raw
+        rows["peer: flashinfer run"] = host_us(lambda: run(t["qn"], t["qp"], t["ckv"], t["kpe"]), calls)
+    if FMLA.available():
+        fckv, fkpe = FMLA.fused_caches(t["ckv"].shape[0], PS, R, P, DT, torch.device("cuda"))
+        rows["peer: flashmla decode (fused cache)"] = host_us(
+            lambda: FMLA.decode(t["qn"], t["qp"], fckv, fkpe, t["table"], t["lens"], 0.1), calls)
+    return rows
+
+
+def bench_layers(calls: int) -> dict:
+    from mla_compile.kernels import dispatch
+
+    t = tensors("cuda")
+    a = (t["qn"], t["qp"], t["ckv"], t["kpe"], t["table"], t["lens"], 0.1)
+    return {"op (dispatcher)": host_us(lambda: torch.ops.mla.decode(*a), calls),
+            "cuda entry (kernels.dispatch.decode)": host_us(lambda: dispatch.decode(*a), calls),
+            "triton, one split (no merge kernel)": host_us(lambda: _one_split(*a), calls),
+            "check, repeated signature": host_us(lambda: attention.check_decode_args(*a), calls),
+            "check, whole": host_us(lambda: (C.forget_signatures(), attention.check_decode_args(*a)), calls)}
+
+
+def _one_split(*a):
+    from mla_compile.kernels import decode as D
+
+    return D.decode(*a, splits=1)
+
+
+def profile_decode(calls: int, top: int = 15) -> list[dict]:
+    t = tensors("cuda")
+    a = (t["qn"], t["qp"], t["ckv"], t["kpe"], t["table"], t["lens"], 0.1)
+    torch.ops.mla.decode(*a)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        torch.ops.mla.decode(*a)
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).sort_stats("tottime")
+    rows = []
+    for (file, line, fn), (_, ncalls, tottime, cumtime, _) in list(stats.stats.items()):
+        rows.append({"function": f"{Path(file).name}:{line}:{fn}", "calls_per_op": ncalls / calls,
+                     "own_us_per_op": tottime / calls * 1e6, "cum_us_per_op": cumtime / calls * 1e6})
+    return sorted(rows, key=lambda r: -r["own_us_per_op"])[:top]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--calls", type=int, default=300)
+    a = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    res = {"provenance": f"cuda: {torch.cuda.get_device_name()}" if cuda else "cpu", "torch": torch.__version__,
+           "registration": bench_registration(a.calls), "checks": bench_checks("cuda" if cuda else "meta", a.calls)}
+    if cuda:
+        res["ops"] = bench_ops(a.calls)
+        res["layers"] = bench_layers(a.calls)
+        res["profile"] = profile_decode(a.calls)
+    a.out.write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "profile"}, indent=1))
+    for row in res.get("profile", []):
+        print(f"{row['own_us_per_op']:8.2f} us own {row['cum_us_per_op']:8.2f} us cum  {row['function']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""How every op of ours is registered: `define`, on torch.library's low-level API (`Library.define` + `impl`).
+
+Why not `torch.library.custom_op`: it wraps every call in Python layers of its own (a dynamo-disabled shim, an
+autograd wrapper even for ops without a formula, and a per-call check that no output aliases an input). On one CPU
+core that is ~18 us a call against ~2 us for a kernel registered with `Library.impl`
+(`python benchmarks/host_overhead.py`), and every eager call and every op of a default-mode compiled graph (no CUDA
+graphs) pays it. vLLM registers its ops the low-level way for the same reason (`direct_register_custom_op`).
+
+What custom_op did that we keep: the `pt2_compliant_tag`; fake impls (`torch.library.register_fake`: FakeTensor
+and meta); autograd formulas (`torch.library.register_autograd`, functional ops only); and for mutating ops the
+version-counter bump (the ADInplaceOrView kernel), so autograd still notices a tensor it saved being overwritten.
+An op without an autograd formula gets PyTorch's autograd fallback (a warning if a backward reaches it): ours
+without one return integers or write caches.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_LIBRARIES: dict[str, torch.library.Library] = {}  # namespace -> its fragment (kept alive: dropping one unregisters)
+
+
+def _library(namespace: str) -> torch.library.Library:
+    if namespace not in _LIBRARIES:
+        _LIBRARIES[namespace] = torch.library.Library(namespace, "FRAGMENT")
+    return _LIBRARIES[namespace]
+
+
+def _dispatch_key(device_type: str) -> str:
+    return torch._C._dispatch_key_for_device(device_type)
+
+
+class Op:
+    """A registered op: call it like the function it wraps (the call goes through the dispatcher, so it reaches the
+    impl of the inputs' device), and register more impls with the decorators custom_op users know."""
+
+    def __init__(self, qualname: str, impl, schema: str, mutates_args, device_types, tags):
+        self.namespace, self.name = qualname.split("::")
+        self.qualname = qualname
+        self._lib = _library(self.namespace)
+        self._lib.define(self.name + schema, tags=(torch.Tag.pt2_compliant_tag, *tags))
+        self.default = getattr(getattr(torch.ops, self.namespace), self.name).default
+        schema_obj = self.default._schema
+        mutated = {a.name for a in schema_obj.arguments if a.alias_info is not None and a.alias_info.is_write}
+        if mutated != set(mutates_args):
+            raise ValueError(f"{qualname}: mutates_args {sorted(mutates_args)} differ from the schema's written "
+                             f"arguments {sorted(mutated)}")
+        if mutated:
+            self._register_version_bump(schema_obj)
+        functools.update_wrapper(self, impl)
+        if device_types is None:  # one kernel for every device
+            self._lib.impl(self.name, impl, "CompositeExplicitAutograd")
+        for device in () if device_types is None else (device_types,) if isinstance(device_types, str) else device_types:
+            self.register_kernel(device)(impl)
+
+    def __call__(self, *args, **kwargs):
+        return self.default(*args, **kwargs)
+
+    def register_kernel(self, device_type: str):
+        def register(fn):
+            self._lib.impl(self.name, fn, _dispatch_key(device_type))
+            return fn
+
+        return register
+
+    def register_fake(self, fn):
+        torch.library.register_fake(self.qualname, fn, lib=self._lib)
+        return fn
+
+    def register_autograd(self, backward, *, setup_context=None) -> None:
+        torch.library.register_autograd(self.qualname, backward, setup_context=setup_context, lib=self._lib)
+
+    def _register_version_bump(self, schema) -> None:
+        """In-place writes bump the written tensors' version counters (what an aten in-place op does), then the call
+        goes on to the backend kernel."""
+        written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        op, below = self.default, torch._C._after_ADInplaceOrView_keyset
+
+        def bump_versions(keyset, *args, **kwargs):
+            for i in written:
+                t = args[i] if i < len(args) else kwargs.get(schema.arguments[i].name)
+                if isinstance(t, torch.Tensor):
+                    torch.autograd.graph.increment_version(t)
+            return op.redispatch(keyset & below, *args, **kwargs)
+
+        self._lib.impl(self.name, bump_versions, "ADInplaceOrView", with_keyset=True)
+
+
+def define(qualname: str, *, schema: str, mutates_args=(), device_types="cpu", tags=()):
+    """Decorator: `qualname` ("ns::name") with `schema` ("(Tensor x, ...) -> Tensor"), the decorated function its
+    kernel for `device_types` (None: every device); `mutates_args` names the arguments the schema marks written (checked against it)."""
+    return lambda impl: Op(qualname, impl, schema, mutates_args, device_types, tags)
