@@ -122,8 +122,9 @@ def bench_registration(calls: int) -> dict:
     def body(x):
         return x.new_empty(x.shape)
 
-    torch.library.custom_op("host_probe::via_custom_op", body, mutates_args=(), schema="(Tensor x) -> Tensor")
-    _registry.define("host_probe::via_define", schema="(Tensor x) -> Tensor")(body)
+    if not hasattr(torch.ops.host_probe, "via_define"):  # once per process
+        torch.library.custom_op("host_probe::via_custom_op", body, mutates_args=(), schema="(Tensor x) -> Tensor")
+        _registry.define("host_probe::via_define", schema="(Tensor x) -> Tensor")(body)
     return {"custom_op_us": host_us(lambda: torch.ops.host_probe.via_custom_op(x), calls * 10),
             "define_us": host_us(lambda: torch.ops.host_probe.via_define(x), calls * 10),
             "body_alone_us": host_us(lambda: body(x), calls * 10)}

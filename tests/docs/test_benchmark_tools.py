@@ -239,6 +239,8 @@ def test_report_force_replaces_and_device_or_elsewhere_runs_pass(tmp_path, monke
     ("compile", {"device": "cuda", "device_name": "NVIDIA H200"}, True),
     ("compile", {"device": "cpu", "device_name": "cpu"}, False),
     ("dsa", [{"batch": 8}], True),  # dsa_gpu.py runs on CUDA only
+    ("host", {"provenance": "cuda: NVIDIA H200"}, True),
+    ("host", {"provenance": "cpu"}, False),
 ])
 def test_report_provenance_reads_what_each_script_records(suite, d, device):
     import report
@@ -262,7 +264,7 @@ def run_script(script, argv, monkeypatch):
 
 @pytest.mark.parametrize("script", ["bench_ops.py", "decode_sweep.py", "dsa_gpu.py",
                                     "hf_decode.py", "hf_profile.py", "dcp_gpu.py", "linear_sweep.py",
-                                    "compile_suite.py", "families.py"])
+                                    "compile_suite.py", "families.py", "host_overhead.py"])
 def test_benchmark_scripts_print_help_without_cuda(script, monkeypatch, capsys):
     assert run_script(script, ["--help"], monkeypatch) == 0
     assert capsys.readouterr().out.startswith("usage:")
@@ -328,3 +330,22 @@ def test_families_cache_state_round_trips():
         t.copy_(s)
     families.rewind(cache, 8)
     assert all(torch.equal(t, s) for t, s in zip(families.state(cache), snap)) and cache.max_kv_len == 9
+
+
+def test_host_overhead_runs_its_cpu_parts_and_the_report_judges_the_goals(tmp_path, monkeypatch):
+    """benchmarks/host_overhead.py without a GPU: the registration and check timings (meta tensors), every op's
+    check timed both ways; report.py's host block and goals from a CUDA-shaped file."""
+    import report
+
+    out = tmp_path / "host.json"
+    assert run_script("host_overhead.py", [str(out), "--calls", "5"], monkeypatch) == 0
+    d = json.loads(out.read_text())
+    assert d["provenance"] == "cpu" and set(d["registration"]) == {"custom_op_us", "define_us", "body_alone_us"}
+    assert "mla.decode" in d["checks"] and all(v["repeated_us"] > 0 and v["whole_us"] > 0
+                                                 for v in d["checks"].values())
+    d.update(provenance="cuda: NVIDIA H200", ops={"mla.decode": 38.0, "mla.merge_states": 31.0,
+                                                  "peer: flashinfer run": 23.0})
+    goals = {row[1]: row[3] for row in report.host_goals(d)}
+    assert goals == {"mla.decode host us per eager call <= 40": "met",
+                     "mla.merge_states host us per eager call <= 30": "not met"}
+    assert "| peer: flashinfer run | 23.0 | - |" in "\n".join(report.host_block(d))
