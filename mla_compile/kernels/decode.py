@@ -15,6 +15,7 @@ captured CUDA graph stays valid when seq_lens change.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -253,6 +254,7 @@ class DecodeConfig:
     kernel: str = "triton"
 
 
+@functools.lru_cache(maxsize=1024)  # per call on the host: cached (frozen results, shared)
 def default_config(H: int, R: int, page_size: int, dtype: torch.dtype = torch.bfloat16) -> DecodeConfig:
     """From H200 sweeps (benchmarks/decode_sweep.py, round JSON at commit 20a0395; RESULTS.md): many heads
     take the TMA kernel where the layout allows it, few heads the pointer kernel at every page size. The pointer
@@ -279,6 +281,7 @@ def default_config(H: int, R: int, page_size: int, dtype: torch.dtype = torch.bf
     return DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=stages, max_splits=256)
 
 
+@functools.lru_cache(maxsize=1024)  # per call on the host: cached (frozen results, shared)
 def multi_token_config(rows: int, page_size: int, dtype: torch.dtype = torch.bfloat16) -> DecodeConfig:
     """S > 1 query tokens per request (rows = S * H): the pointer kernel with up to 64 rows per program, so a KV tile
     is loaded once for all S tokens of up to 64 rows (H 16: S <= 4 in one program). The Gluon / TMA many-head
@@ -299,6 +302,7 @@ def multi_token_config(rows: int, page_size: int, dtype: torch.dtype = torch.bfl
     return DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=3, ctas_per_sm=1, max_splits=256)
 
 
+@functools.lru_cache(maxsize=1024)  # per call on the host: cached (frozen results, shared)
 def fp8_config(rows: int, page_size: int, dtype: torch.dtype = torch.bfloat16, multi: bool = False) -> DecodeConfig:
     """An FP8 latent cache (the pointer kernel, tiles dequantized in registers; `multi`: S > 1 query tokens, rows =
     S * H). Sized from sm_90a builds (tools/aot.py, R 512 / P 64, bf16 q; tests/ops/test_fp8_cache.py guards them): the
@@ -342,11 +346,13 @@ def tma_tiles_fit(cfg: DecodeConfig, page_size: int, R: int, P: int) -> bool:
     return cfg.tma and page_size % cfg.block_n == 0 and R % 2 == 0 and box_width(R // 2) and box_width(P)
 
 
+@functools.lru_cache(maxsize=1024)  # per call on the host: cached (frozen results, shared)
 def tma_constexprs(cfg: DecodeConfig, R: int, P: int, dtype: torch.dtype) -> dict:
     """The compile-time arguments of `_stage1_tma_kernel` (shared with tests/kernels/test_kernel_codegen.py)."""
     return dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, RH=R // 2, P=P, **dot_mode(dtype))
 
 
+@functools.lru_cache(maxsize=1024)  # per call on the host: cached (frozen results, shared)
 def pointer_constexprs(cfg: DecodeConfig, R: int, P: int, page_size: int, sparse: bool, dtype: torch.dtype,
                        multi: bool = False, fp8: bool = False) -> dict:
     """The compile-time arguments of `_stage1_kernel` (shared with tests/kernels/test_kernel_codegen.py); `multi`: several
@@ -391,13 +397,14 @@ def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, i
     scale = ckv_scale if fp8 else o  # an unread placeholder pointer without FP8
     s_sp, s_ss = (ckv_scale.stride(0), ckv_scale.stride(1)) if fp8 else (0, 0)
     grid = (B, cdiv(H, cfg.block_h), ns)
+    # each tensor's strides read once (a stride(i) call per number costs ~0.3 us of host time a call)
+    sqn, sqp, sc, sk, so, sl = (t.stride() for t in (q_nope, q_pe, ckv_cache, kpe_cache, o, l))
     return _stage1_kernel[grid](
         q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens if not sparse else table, o, l, scale,
         sm_scale * _LOG2E, H, indices.shape[1] if sparse else 0,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
+        sqn[0], sqn[1], sqp[0], sqp[1], sc[0], sc[1], sk[0], sk[1],
         table.stride(0), s_sp, s_ss,
-        s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
+        s_on, so[-3], so[-2], s_ln, sl[-2], sl[-1],
         ns, n_query, H // n_query, s_lenb, s_lenq, causal,
         **pointer_constexprs(cfg, R, P, ckv_cache.shape[1], sparse, q_nope.dtype, multi, fp8),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q_nope.device))

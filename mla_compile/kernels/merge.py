@@ -7,6 +7,8 @@ a non-finite lse weighs exactly 0, even when its out holds NaN (a foreign kernel
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -71,17 +73,23 @@ def _merge_kernel(O, L, Out, Lse, N, H, R,
 _TILE = 8192  # elements of one [parts, R] tile per program (keeps it in registers)
 
 
+@functools.lru_cache(maxsize=1024)
+def _tiles(N: int, rows: int, R: int, sms: int) -> tuple[int, int, tuple[int, int]]:
+    """(BLOCK_N, BLOCK_R, grid) for N parts of `rows` rows of width R (cached: every split-KV decode asks)."""
+    block_r = min(next_power_of_2(max(R, 1)), 512)
+    while block_r > 64 and rows * cdiv(R, block_r) < 2 * sms:
+        block_r //= 2  # few rows (split-KV stage 2 at batch 1): more, narrower programs
+    block_n = min(next_power_of_2(N), max(_TILE // block_r, 1))
+    return block_n, block_r, (rows, max(1, cdiv(R, block_r)))  # R == 0 still needs the lse
+
+
 def merge_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """outs [N, B, H, R] (last dim contiguous), lses [N, B, H] -> out [B, H, R] (any float dtype), lse [B, H]."""
     N, B, H, R = outs.shape
     if B * H == 0:
         return
     assert outs.stride(-1) == 1 and out.stride(-1) == 1
-    block_r = min(next_power_of_2(max(R, 1)), 512)
-    while block_r > 64 and B * H * cdiv(R, block_r) < 2 * sm_count(outs.device):
-        block_r //= 2  # few rows (split-KV stage 2 at batch 1): more, narrower programs
-    block_n = min(next_power_of_2(N), max(_TILE // block_r, 1))
-    grid = (B * H, max(1, cdiv(R, block_r)))  # R == 0 still needs the lse
+    block_n, block_r, grid = _tiles(N, B * H, R, sm_count(outs.device))
     _merge_kernel[grid](outs, lses, out, lse, N, H, R,
                         outs.stride(0), outs.stride(1), outs.stride(2),
                         lses.stride(0), lses.stride(1), lses.stride(2),

@@ -86,11 +86,14 @@ def test_readme_dcp_snippet_runs_under_torchrun(tmp_path):
     script.write_text(BLOCKS["dcp-torchrun"])
     path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
+    logs = tmp_path / "logs"  # each rank's stdout in a file of its own: on one pipe, two prints can interleave
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                           "--log-dir", str(logs), "--redirects", "1", str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = sorted(ln for ln in proc.stdout.splitlines() if ln[:2] in ("0 ", "1 "))
+    outs = {f.parent.name: f.read_text() for f in logs.rglob("stdout.log")}
+    assert sorted(outs) == ["0", "1"], (outs, proc.stderr[-3000:])
+    lines = [next(ln for ln in outs[r].splitlines() if ln.startswith(f"{r} ")) for r in ("0", "1")]
     # both ranks return the merged [B, H, R] result; rank r holds the tokens t % 2 == r of each request
-    assert [ln.split(" torch.Size")[0] for ln in lines] == ["0", "1"], proc.stdout
     assert all("torch.Size([4, 16, 512])" in ln for ln in lines), lines
     assert lines[0].endswith("[504, 554, 604, 654]") and lines[1].endswith("[504, 554, 604, 654]"), lines
