@@ -15,6 +15,8 @@ Parts, each in OUT.json and printed:
                vs `mla_compile.ops._registry.define` (what every op of ours pays per call; CPU tensors).
   checks       each op's input check: a repeated signature (what every call after the first pays: `once_per_signature`)
                vs the whole check (every remembered signature forgotten first); on meta tensors where no GPU is there.
+  glue         the Python of a Triton decode call between the op and the kernels (kernels.dispatch.decode with
+               the Triton launches stubbed out), on the device's tensors (CPU ones where no GPU is there).
   profile      (CUDA) cProfile of `--calls` eager `mla.decode` calls: the top functions by own time.
 
 Where it ran is in `provenance` ("cuda: <GPU name>" or "cpu"); report.py's `host` block shows the CUDA runs.
@@ -166,6 +168,31 @@ def _one_split(*a):
     return D.decode(*a, splits=1)
 
 
+class _NoLaunch:
+    """Stands in for a Triton kernel: `kernel[grid](...)` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def bench_glue(device: str, calls: int) -> dict:
+    """kernels.dispatch.decode and kernels.decode.decode with the stage-1 and merge launches stubbed out."""
+    from mla_compile.kernels import decode as D
+    from mla_compile.kernels import dispatch
+    from mla_compile.kernels import merge as M
+
+    t = tensors(device)
+    a = (t["qn"], t["qp"], t["ckv"], t["kpe"], t["table"], t["lens"], 0.1)
+    saved = D._stage1_kernel, D._stage1_tma_kernel, M._merge_kernel
+    D._stage1_kernel = D._stage1_tma_kernel = M._merge_kernel = _NoLaunch()
+    try:
+        return {"cuda entry (dispatch.decode), launches stubbed": host_us(lambda: dispatch.decode(*a), calls),
+                "kernels.decode.decode, launches stubbed": host_us(lambda: D.decode(*a), calls),
+                "kernel choice (dispatch.decode_kernel)": host_us(lambda: dispatch.decode_kernel(*a[:4]), calls)}
+    finally:
+        D._stage1_kernel, D._stage1_tma_kernel, M._merge_kernel = saved
+
+
 def profile_decode(calls: int, top: int = 15) -> list[dict]:
     t = tensors("cuda")
     a = (t["qn"], t["qp"], t["ckv"], t["kpe"], t["table"], t["lens"], 0.1)
@@ -191,7 +218,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     res = {"provenance": f"cuda: {torch.cuda.get_device_name()}" if cuda else "cpu", "torch": torch.__version__,
-           "registration": bench_registration(a.calls), "checks": bench_checks("cuda" if cuda else "meta", a.calls)}
+           "registration": bench_registration(a.calls), "checks": bench_checks("cuda" if cuda else "meta", a.calls),
+           "glue": bench_glue("cuda" if cuda else "cpu", a.calls)}
     if cuda:
         res["ops"] = bench_ops(a.calls)
         res["layers"] = bench_layers(a.calls)

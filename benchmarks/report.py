@@ -451,6 +451,9 @@ def host_block(d: dict) -> list[str]:
     if r:
         out.append(f"- dispatcher, one trivial op: torch.library.custom_op {r['custom_op_us']:.1f} us, our `define` "
                    f"{r['define_us']:.1f} us (its body alone {r['body_alone_us']:.1f} us)")
+    if d.get("glue"):
+        out.append("- Python between the op and the kernels: " + ", ".join(f"{k} {v:.1f} us"
+                                                                         for k, v in d["glue"].items()))
     if d.get("checks"):
         out.append("- input checks, repeated signature / whole: " + ", ".join(
             f"{k} {v['repeated_us']:.1f} / {v['whole_us']:.1f} us" for k, v in d["checks"].items()))

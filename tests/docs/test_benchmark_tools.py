@@ -341,6 +341,7 @@ def test_host_overhead_runs_its_cpu_parts_and_the_report_judges_the_goals(tmp_pa
     assert run_script("host_overhead.py", [str(out), "--calls", "5"], monkeypatch) == 0
     d = json.loads(out.read_text())
     assert d["provenance"] == "cpu" and set(d["registration"]) == {"custom_op_us", "define_us", "body_alone_us"}
+    assert len(d["glue"]) == 3 and all(v > 0 for v in d["glue"].values())
     assert "mla.decode" in d["checks"] and all(v["repeated_us"] > 0 and v["whole_us"] > 0
                                                  for v in d["checks"].values())
     d.update(provenance="cuda: NVIDIA H200", ops={"mla.decode": 38.0, "mla.merge_states": 31.0,
