@@ -78,15 +78,16 @@ def is_fake(t: torch.Tensor) -> bool:
 
 
 _SCALARS = (bool, int, float, str, torch.dtype)
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # model weights reach the linear ops as Parameters
 _SEEN_LIMIT = 4096  # signatures remembered per check (a serving process sees a handful of shapes per op)
 _PASSED: list[dict] = []  # every check's remembered signatures (forget_signatures clears them)
 
 
 def _signature(args, key: list) -> bool:
     """Append what a metadata check may read of `args` to `key`; False where a check could read more: a tensor on
-    the CPU (data checks read its values), a tensor subclass (FakeTensor, Parameter), an object of another kind."""
+    the CPU (data checks read its values), another tensor subclass (FakeTensor), an object of another kind."""
     for a in args:
-        if type(a) is torch.Tensor:
+        if type(a) in _PLAIN_TENSORS:
             if a.is_cpu:
                 return False
             key += (a.dtype, a.get_device(), a.shape, a.stride())

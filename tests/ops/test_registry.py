@@ -108,6 +108,13 @@ def test_anything_a_check_reads_differs_and_it_runs_again(other):
     assert c.runs == 2
 
 
+def test_parameters_count_as_plain_tensors():
+    c = Counted()
+    w = torch.nn.Parameter(torch.empty(4, 2, device="meta"))
+    c.check(w, 3), c.check(w, 3)
+    assert c.runs == 1
+
+
 def test_a_refused_call_raises_every_time():
     c = Counted()
     bad = torch.empty(4, device="meta", dtype=torch.float64)
