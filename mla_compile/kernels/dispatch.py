@@ -33,6 +33,11 @@ from . import merge as _merge
 from .few_token import few_token_rows
 
 MANY_HEADS = 64  # the Gluon kernels' head block (one warpgroup MMA's M): fewer heads would leave it part empty
+# FlashMLA beats ours where many heads meet many tokens: H200 2026-12-02 (benchmarks/RESULTS.md, CUDA-graph replay,
+# H 128): ours / FlashMLA 1.06-1.36 at batch x kv >= 128K tokens (B 1 128K, B 8 32K-128K, B 32 8K+, B 128 1K+), and
+# 0.59-0.95 below (B 1 up to 32K, B 8 up to 8K, B 32 1K); at H 16 ours is faster up to batch 8 (0.24-0.95) and
+# within 3% above, so few heads keep ours
+FLASHMLA_MIN_TOKENS = 128 * 1024
 HALF = (torch.float16, torch.bfloat16)
 
 
@@ -44,7 +49,8 @@ class Choice(NamedTuple):
 @functools.lru_cache(maxsize=4096)
 def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, dtype: torch.dtype, capability,
                          n_query: int = 1, *, kernel: str = "auto", tma_layout: bool = True,
-                         rows_aligned: bool = True, flashmla: bool = False, flashinfer: bool = False) -> Choice:
+                         rows_aligned: bool = True, flashmla: bool = False, flashinfer: bool = False,
+                         tokens: int = FLASHMLA_MIN_TOKENS) -> Choice:
     """The decode kernel for one call's shape class: Choice(name, reason).
 
     H heads (rows) per request, R latent and P rope width, `page_size` (1 for a sparse index list), `sparse`
@@ -53,7 +59,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     per request. Facts of the call's tensors: `tma_layout` (caches view as [slots, width] with pages of whole
     64-token tiles, `_gluon.tma_layout`), `rows_aligned` (16-byte aligned rows, `_gluon.rows_aligned`),
     `flashmla` (FlashMLA imports, takes these shapes and reads the caches in place), `flashinfer` (FlashInfer
-    usable now: installed, R 512, not under CUDA-graph capture). `kernel`: "auto" or the one asked for
+    usable now: installed, R 512, not under CUDA-graph capture), `tokens`: the most tokens the call may read, batch x
+    the block table's capacity (shapes only: the lengths live on the device). `kernel`: "auto" or the one asked for
     (mla_compile/tuning.py); one that cannot serve the call falls back to auto's choice, saying why.
 
     auto, first match (H200 measurements: issue 24's table and benchmarks/RESULTS.md, ops table and the seesaw /
@@ -62,7 +69,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     | shape class (first match)                                          | kernel   | why |
     |--------------------------------------------------------------------|----------|-----|
     | CPU tensors at the op                                              | torch    | the op's CPU impl (definition) |
-    | FlashMLA in place (1), sm_90, dense, 1 query token                 | flashmla | fastest on every H200 shape (2) |
+    | FlashMLA in place (1), sm_90, dense, 1 query token, H >= 64,       | flashmla | faster than ours there (2) |
+    |   tokens >= FLASHMLA_MIN_TOKENS (128K)                             |          |     |
     | sm_90, fp16/bf16, H >= 64, 1 query token, TMA layout (3), P 64     | seesaw   | 1-6% faster than wgmma (4) |
     | sm_90, fp16/bf16, H >= 64, 1 query token, other layouts (5), P > 0 | wgmma    | 1.5-1.6x Triton TMA at H 128 |
     | the rest: H < 64, not sm_90, fp32, P = 0, n_query > 1              | triton   | memory-bound few heads (6) |
@@ -70,7 +78,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     (1) FlashMLA installed, R 512, P 64 or 0, page 64, fp16/bf16, ckv and kpe the two column ranges of one
         [NP, PS, R + P] buffer (kernels/flashmla.fused_caches); over two separate caches it would copy them every
         call (more bytes than the attention reads).
-    (2) ours takes 1.06-1.09x its time at H 16, 1.20-1.35x at H 128; FlashInfer 1.04-1.17x.
+    (2) H 128: ours takes 1.06-1.36x its time from 128K tokens (batch x kv) up, 0.59-0.95x below; H 16: ours
+        0.24-0.95x up to batch 8, at most 1.03x above (H200 2026-12-02); FlashInfer 1.04-1.17x FlashMLA.
     (3) pages of whole 64-token tiles viewing as [slots, width]; R/2 a power of two <= 256.
     (4) the warp-specialised kernel: B=8 128K stage 1 669 vs 708 us, 429 TFLOP/s.
     (5) page sizes under 64 or sparse index lists (16-byte aligned rows, R/2 and P >= 64), or P != 64.
@@ -104,11 +113,12 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
         if not cannot[kernel]:
             return Choice(kernel, "asked for")
         auto = select_decode_kernel(H, R, P, page_size, sparse, dtype, capability, n_query, tma_layout=tma_layout,
-                                    rows_aligned=rows_aligned, flashmla=flashmla, flashinfer=flashinfer)
+                                    rows_aligned=rows_aligned, flashmla=flashmla, flashinfer=flashinfer,
+                                    tokens=tokens)
         return Choice(auto.name, f"asked for {kernel}, which cannot serve this call ({cannot[kernel]}); auto: "
                                  f"{auto.reason}")
-    if not cannot["flashmla"]:
-        return Choice("flashmla", "FlashMLA: the fastest measured decode on every H200 shape")
+    if not cannot["flashmla"] and H >= MANY_HEADS and tokens >= FLASHMLA_MIN_TOKENS:
+        return Choice("flashmla", "FlashMLA: faster than ours at many heads and >= 128K tokens per call (H200)")
     if not cannot["seesaw"]:
         return Choice("seesaw", "many heads on sm_90, TMA layout, rope 64: the warp-specialised Gluon kernel")
     if not cannot["wgmma"]:
@@ -146,16 +156,20 @@ def _flashmla_in_place(q_nope, ckv_cache, kpe_cache, page_size) -> bool:
     return kpe_cache.shape[-1] == 0 or fm.shares_rows(ckv_cache, kpe_cache)
 
 
-def _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool, n_query: int) -> tuple[tuple, dict]:
-    """`select_decode_kernel`'s shape-class arguments and layout facts for these tensors."""
+def _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool, n_query: int, block_table=None) -> tuple[tuple, dict]:
+    """`select_decode_kernel`'s shape-class arguments and layout facts for these tensors; `tokens` from the block
+    table's capacity (without one: the whole cache)."""
     cap = _capability(q_nope.device)
     H = q_nope.shape[1]
     gluon_device = cap == (9, 0) and H >= MANY_HEADS  # the layout facts matter (and are computed) only there
     tma = gluon_device and _gluon.tma_layout(ckv_cache, kpe_cache, sparse)
+    tokens = (q_nope.shape[0] * block_table.shape[1] if block_table is not None else ckv_cache.shape[0]) \
+        * ckv_cache.shape[1]
     return ((H, q_nope.shape[2], q_pe.shape[-1], 1 if sparse else ckv_cache.shape[1], sparse, q_nope.dtype, cap,
              n_query),
             # TMA boxes are 16-byte aligned rows too: the row check only where the gather kernel would copy them
-            dict(tma_layout=tma, rows_aligned=tma or (gluon_device and _gluon.rows_aligned(ckv_cache, kpe_cache))))
+            dict(tma_layout=tma, rows_aligned=tma or (gluon_device and _gluon.rows_aligned(ckv_cache, kpe_cache)),
+                 tokens=tokens))
 
 
 FP8_REASON = ("an FP8 latent cache: the Triton pointer kernel, which dequantizes its tiles in registers (FlashMLA, "
@@ -163,14 +177,15 @@ FP8_REASON = ("an FP8 latent cache: the Triton pointer kernel, which dequantizes
 
 
 def decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False, n_query: int = 1,
-                  kernel: str | None = None) -> Choice:
+                  kernel: str | None = None, block_table=None) -> Choice:
     """The kernel `decode` / `sparse_decode` run for these tensors: `select_decode_kernel` on the call's facts.
-    `kernel`: the one asked for (default: the tuning in effect, mla_compile/tuning.py). An FP8 ckv_cache
+    `kernel`: the one asked for (default: the tuning in effect, mla_compile/tuning.py); `block_table`: the call's
+    (its capacity bounds the tokens read; without it the whole cache does). An FP8 ckv_cache
     (mla_compile/fp8.py) takes the Triton pointer kernel whatever was asked for."""
     if fp8.is_fp8(ckv_cache):
         return Choice("triton", FP8_REASON)
     kernel = _tuning.decode_kernel() if kernel is None else kernel
-    args, facts = _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse, n_query)
+    args, facts = _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse, n_query, block_table)
     sm90, page_size = args[6] == (9, 0), args[3]
     return select_decode_kernel(
         *args, kernel=kernel, **facts,
@@ -219,7 +234,7 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
     """n_query = S > 1: S query tokens per request folded into q's rows ([B, S*H, *], see kernels/decode.py
     `decode`): the Triton pointer kernel only (FlashInfer and the many-head kernels take one token per request).
     An FP8 cache (ckv_scale given, mla_compile/fp8.py): the Triton pointer kernel (`decode_kernel`)."""
-    name = decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, n_query=n_query).name
+    name = decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, n_query=n_query, block_table=block_table).name
     if name == "flashmla":
         return _flashmla(q_nope.device).decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
     if name == "flashinfer":

@@ -110,9 +110,12 @@ def select(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_quer
 
 
 @pytest.mark.parametrize("case,want", [
-    # FlashMLA where it is installed, takes the call and reads the caches in place: fastest on every H200 shape
+    # FlashMLA where it is installed, takes the call, reads the caches in place, and is faster than ours: many
+    # heads and >= 128K tokens per call (batch x capacity; H200 2026-12-02)
     (dict(flashmla=True), "flashmla"),
-    (dict(H=16, flashmla=True), "flashmla"),
+    (dict(flashmla=True, tokens=32 * 8192), "flashmla"),
+    (dict(flashmla=True, tokens=8 * 8192), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),
+    (dict(H=16, flashmla=True), "triton"),  # few heads: ours up to batch 8, within 3% above
     (dict(P=0, flashmla=True), "flashmla"),
     (dict(flashmla=True, n_query=2), "triton"),  # several query tokens: the pointer kernel only
     (dict(flashmla=True, cap=(10, 0)), "triton"),  # FlashMLA's dense decode is sm_90's
@@ -170,7 +173,7 @@ def _args(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_query
 
 
 def _facts(**case):
-    return {k: v for k, v in case.items() if k in ("tma_layout", "rows_aligned", "flashmla", "flashinfer")}
+    return {k: v for k, v in case.items() if k in ("tma_layout", "rows_aligned", "flashmla", "flashinfer", "tokens")}
 
 
 def test_unknown_kernel_is_a_value_error_naming_it():
@@ -320,9 +323,15 @@ def test_flashmla_only_where_it_reads_the_caches_in_place(monkeypatch):
     q_nope, q_pe, ckv, kpe = _cpu_call()
     assert D_.decode_kernel(q_nope, q_pe, ckv, kpe).name != "flashmla"
     ckv2, kpe2 = flashmla.fused_caches(4, 64, 512, 64, BF16, "cpu")
+    assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2).name != "flashmla"  # 256 tokens: ours is faster
+    big = torch.zeros(2, 1024, dtype=torch.int32)  # a block table of 2 x 1024 pages x 64 tokens: 128K tokens
+    assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2, block_table=big).name == "flashmla"
+    assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2, block_table=big[:, :512]).name != "flashmla"
+    ckv2, kpe2 = flashmla.fused_caches(2048, 64, 512, 64, BF16, "cpu")  # no table: the whole cache bounds it
     assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2).name == "flashmla"
+    assert D_.decode_kernel(*_cpu_call(H=16)[:2], ckv2, kpe2).name == "triton"  # few heads: ours
     assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2, kernel="triton").name == "triton"
-    assert D_.decode_kernel(q_nope, q_pe[..., :0], ckv, kpe[..., :0]).name == "flashmla"  # P = 0: ckv alone
+    assert D_.decode_kernel(q_nope, q_pe[..., :0], ckv, kpe[..., :0], block_table=big).name == "flashmla"  # P = 0
     fake.supported = lambda *a: (False, "page size")
     assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2).name != "flashmla"
     monkeypatch.setattr(D_, "_flashmla", lambda device: None)  # not installed
