@@ -90,7 +90,7 @@ def _signature(args, key: list) -> bool:
         if type(a) in _PLAIN_TENSORS:
             if a.is_cpu:
                 return False
-            key += (a.dtype, a.get_device(), a.shape, a.stride())
+            key += (a.dtype, a.device, a.shape, a.stride())
         elif a is None:
             key.append(None)
         elif isinstance(a, _SCALARS):
