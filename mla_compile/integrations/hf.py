@@ -153,8 +153,9 @@ if _BaseLayer is not None:
 
         def __init__(self, max_cache_len: int, page_size: int = 64, dcp_size: int = 1, dcp_rank: int = 0,
                      group_name: str = "", shuffle_pages: bool = False, kv_cache_dtype: str | None = None,
-                     heads_sharded: bool = False, **kwargs):
+                     heads_sharded: bool = False, fused_rows: bool = False, **kwargs):
             super().__init__(max_cache_len=max_cache_len)
+            self.fused_rows = fused_rows
             self.page_size, self.dcp_size, self.dcp_rank, self.group_name = page_size, dcp_size, dcp_rank, group_name
             self.heads_sharded = heads_sharded
             self.shuffle_pages = shuffle_pages
@@ -173,6 +174,10 @@ if _BaseLayer is not None:
             if self.fp8:
                 self.keys = self.values = fp8_cache.allocate(num_pages, self.page_size, self.k_head_dim,
                                                              self.v_head_dim, self.dtype, self.device)
+            elif self.fused_rows:  # one [NP, PS, R + P] buffer: ckv and kpe its two column ranges
+                rows = torch.zeros((num_pages, self.page_size, self.k_head_dim + self.v_head_dim), dtype=self.dtype,
+                                   device=self.device)
+                self.keys, self.values = rows[..., :self.k_head_dim], rows[..., self.k_head_dim:]
             else:
                 self.keys = torch.zeros((num_pages, self.page_size, self.k_head_dim), dtype=self.dtype,
                                         device=self.device)
@@ -260,15 +265,20 @@ if _BaseLayer is not None:
         like HF's StaticCache: `model(ids, **cache_kwargs(model, cache), ...)`.
         TP x DCP: dcp from `init_dcp(tp_size=...)` and the model sharded with `integrations.tp.shard_mla_heads`
         (the same group; a mismatch is a ValueError). DSA models under DCP keep the indexer keys sharded too.
+        fused_rows=True (model-dtype caches): each layer's ckv and kpe are the two column ranges of one
+        [NP, PS, R + P] buffer, the K layout FlashMLA reads in place (`kernels/dispatch.select_decode_kernel` takes
+        it there at >= 64 heads and >= 128K tokens per call); our own many-head kernels then read rows by 16-byte
+        copies instead of TMA boxes over the cache.
         """
 
         def __init__(self, config, max_cache_len: int, *, page_size: int = 64, dcp=None,
-                     shuffle_pages: bool = False, kv_cache_dtype: str | None = None):
+                     shuffle_pages: bool = False, kv_cache_dtype: str | None = None, fused_rows: bool = False):
             text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
             n = getattr(dcp, "size", 1) if dcp is not None else 1
             kw = dict(page_size=page_size, dcp_size=n, dcp_rank=getattr(dcp, "rank", 0) if dcp is not None else 0,
                       group_name=getattr(dcp, "group_name", "") if n > 1 else "", shuffle_pages=shuffle_pages,
-                      kv_cache_dtype=kv_cache_dtype, heads_sharded=check_cache_group(config, dcp))
+                      kv_cache_dtype=kv_cache_dtype, heads_sharded=check_cache_group(config, dcp),
+                      fused_rows=fused_rows)
             layers = [MLAPagedLayer(max_cache_len=max_cache_len, **kw) for _ in range(text.num_hidden_layers)]
             super().__init__(layers=layers)
             self.dcp_size = n

@@ -189,7 +189,8 @@ def decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False, n_qu
     sm90, page_size = args[6] == (9, 0), args[3]
     return select_decode_kernel(
         *args, kernel=kernel, **facts,
-        flashmla=(kernel in ("auto", "flashmla") and sm90 and not sparse
+        # (auto asks FlashMLA only where it may win: many heads; the in-place test reads storage pointers)
+        flashmla=((kernel == "flashmla" or (kernel == "auto" and args[0] >= MANY_HEADS)) and sm90 and not sparse
                   and _flashmla_in_place(q_nope, ckv_cache, kpe_cache, page_size)),
         flashinfer=kernel == "flashinfer" and not sparse and _fi.usable(q_nope, ckv_cache))
 

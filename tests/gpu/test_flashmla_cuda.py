@@ -183,3 +183,24 @@ def test_unsupported_shapes_say_why(case):
     with pytest.raises(ValueError, match=why.split(":")[0]):
         FM.decode(qn, torch.randn(2, 16, P, dtype=dtype, device=dev), c, torch.randn(4, ps, P, dtype=dtype, device=dev),
                   torch.zeros(2, 1, dtype=torch.int32, device=dev), torch.ones(2, dtype=torch.int32, device=dev), 0.1)
+
+
+def test_auto_takes_flashmla_on_a_fused_rows_cache_from_128k_tokens():
+    """MLAPagedCache(fused_rows=True)'s layer buffers are FlashMLA's K layout: auto runs FlashMLA there at many heads
+    and >= 128K tokens per call (dispatch.FLASHMLA_MIN_TOKENS), ours below; both match the float64 reference."""
+    from mla_compile.kernels import dispatch
+
+    H, B, pages = 128, 2, 1024  # 2 x 1024 pages x 64 tokens: 128K tokens of capacity
+    g = torch.Generator(device=DEV).manual_seed(3)
+    rows = torch.randn(B * pages, PS, R + P, dtype=torch.bfloat16, device=DEV, generator=g)
+    ckv, kpe = rows[..., :R], rows[..., R:]
+    table = torch.randperm(B * pages, device=DEV, generator=g).int().view(B, pages)
+    lens = torch.tensor([1000, 70000], dtype=torch.int32, device=DEV)
+    qn = torch.randn(B, H, R, dtype=torch.bfloat16, device=DEV, generator=g)
+    qp = torch.randn(B, H, P, dtype=torch.bfloat16, device=DEV, generator=g)
+    assert dispatch.decode_kernel(qn, qp, ckv, kpe, block_table=table).name == "flashmla"
+    assert dispatch.decode_kernel(qn, qp, ckv, kpe, block_table=table[:, :pages // 2]).name != "flashmla"
+    for t in (table, table[:, :pages // 2].contiguous()):
+        n = lens.clamp(max=t.shape[1] * PS)
+        out, lse = torch.ops.mla.decode(qn, qp, ckv, kpe, t, n, SCALE)
+        assert_contract(out, lse, *want(qn, qp, ckv, kpe, t, n), qn)

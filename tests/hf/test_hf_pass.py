@@ -118,6 +118,24 @@ def test_paged_cache_single_rank():
     _check(model, 1, lambda: MLAPagedCache(model.config, L, page_size=8, shuffle_pages=True), L=L)
 
 
+def test_paged_cache_with_fused_rows():
+    """fused_rows=True: each layer's ckv / kpe are the two column ranges of one [NP, PS, R + P] buffer (FlashMLA's K
+    layout, read in place): eager HF over it is HF over a StaticCache bit for bit, and the compiled decode matches."""
+    from mla_compile.integrations.hf import MLAPagedCache
+    from mla_compile.kernels import flashmla
+
+    model = M.deepseek_v3(num_layers=1)
+    L = 40
+    ids, mask = M.batch(L=L)
+    ref = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), STEPS)
+    cache = MLAPagedCache(model.config, L, page_size=8, shuffle_pages=True, fused_rows=True)
+    fused = M.greedy(model, model, ids, mask, cache, STEPS)
+    assert torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1])
+    layer = cache.layers[0]
+    assert layer.keys.shape[-1] == 512 and flashmla.shares_rows(layer.keys, layer.values)
+    _check(model, 1, lambda: MLAPagedCache(model.config, L, page_size=8, shuffle_pages=True, fused_rows=True), L=L)
+
+
 def _slice_split_expand_kv(self, kv_nope, k_rot):
     """A 'future transformers' expand_kv: slices instead of torch.split (same math, different graph)."""
     B, _, L, _ = kv_nope.shape
