@@ -273,6 +273,9 @@ if _BaseLayer is not None:
 
         def __init__(self, config, max_cache_len: int, *, page_size: int = 64, dcp=None,
                      shuffle_pages: bool = False, kv_cache_dtype: str | None = None, fused_rows: bool = False):
+            if fused_rows and fp8_cache.check_kv_cache_dtype(kv_cache_dtype):
+                raise ValueError("fused_rows: an FP8 cache is one token buffer already (mla_compile/fp8.py); "
+                                 "fused_rows=True is for model-dtype caches")
             text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
             n = getattr(dcp, "size", 1) if dcp is not None else 1
             kw = dict(page_size=page_size, dcp_size=n, dcp_rank=getattr(dcp, "rank", 0) if dcp is not None else 0,

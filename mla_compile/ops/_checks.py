@@ -119,7 +119,7 @@ def once_per_signature(check_fn):
         key = tuple(key)
         if key in passed:
             return passed[key]
-        result = check_fn(*args)
+        result = check_fn(*args, **kwargs)
         if len(passed) < _SEEN_LIMIT:
             passed[key] = result
         return result

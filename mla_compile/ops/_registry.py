@@ -2,7 +2,7 @@
 
 Why not `torch.library.custom_op`: it wraps every call in Python layers of its own (a dynamo-disabled shim, an
 autograd wrapper even for ops without a formula, and a per-call check that no output aliases an input). On one CPU
-core that is ~18 us a call against ~2 us for a kernel registered with `Library.impl`
+core that is ~10 us of dispatcher time a call against ~2 us for a kernel registered with `Library.impl`
 (`python benchmarks/host_overhead.py`), and every eager call and every op of a default-mode compiled graph (no CUDA
 graphs) pays it. vLLM registers its ops the low-level way for the same reason (`direct_register_custom_op`).
 

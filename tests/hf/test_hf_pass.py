@@ -134,6 +134,8 @@ def test_paged_cache_with_fused_rows():
     layer = cache.layers[0]
     assert layer.keys.shape[-1] == 512 and flashmla.shares_rows(layer.keys, layer.values)
     _check(model, 1, lambda: MLAPagedCache(model.config, L, page_size=8, shuffle_pages=True, fused_rows=True), L=L)
+    with pytest.raises(ValueError, match="fused_rows"):
+        MLAPagedCache(model.config, L, fused_rows=True, kv_cache_dtype="fp8_e4m3")
 
 
 def _slice_split_expand_kv(self, kv_nope, k_rot):

@@ -108,6 +108,13 @@ def test_anything_a_check_reads_differs_and_it_runs_again(other):
     assert c.runs == 2
 
 
+def test_keyword_arguments_reach_the_check_and_its_signature():
+    c = Counted()
+    t = torch.empty(4, 2, device="meta")
+    assert c.check(t, n=3) == 12 and c.check(t, n=3) == 12 and c.check(t, n=5) == 20
+    assert c.runs == 2
+
+
 def test_parameters_count_as_plain_tensors():
     c = Counted()
     w = torch.nn.Parameter(torch.empty(4, 2, device="meta"))
