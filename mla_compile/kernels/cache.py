@@ -7,6 +7,7 @@ import triton.language as tl
 
 from .. import fp8
 from ._util import next_power_of_2, pdl_enter, pdl_launch
+from ._launch import fast
 
 
 @triton.jit
@@ -49,9 +50,9 @@ def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None) -> None:
     R, P = ckv.shape[1], kpe.shape[1]
     G = scales.shape[1] if ckv_scale is not None else 1
     dst_s = ckv_scale if ckv_scale is not None else ckv_cache
-    _cache_write_kernel[(T,)](ckv_cache, kpe_cache, ckv, kpe, slots, dst_s, scales, R, P, ckv_cache.shape[1], G,
-                              ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
-                              ckv.stride(0), kpe.stride(0), dst_s.stride(0), dst_s.stride(1), scales.stride(0),
-                              BLOCK_R=next_power_of_2(max(R, 1)), BLOCK_P=next_power_of_2(max(P, 1)),
-                              BLOCK_G=next_power_of_2(G), FP8=ckv_scale is not None,
-                              num_warps=4, **pdl_launch(ckv.device))
+    fast(_cache_write_kernel)[(T,)](ckv_cache, kpe_cache, ckv, kpe, slots, dst_s, scales, R, P, ckv_cache.shape[1], G,
+                                    ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
+                                    ckv.stride(0), kpe.stride(0), dst_s.stride(0), dst_s.stride(1), scales.stride(0),
+                                    BLOCK_R=next_power_of_2(max(R, 1)), BLOCK_P=next_power_of_2(max(P, 1)),
+                                    BLOCK_G=next_power_of_2(G), FP8=ckv_scale is not None,
+                                    num_warps=4, **pdl_launch(ckv.device))

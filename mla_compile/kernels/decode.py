@@ -23,6 +23,7 @@ import triton.language as tl
 
 from ._util import (block, box_width, caches_view_as_slots, cdiv, dot_mode, has_tma, mma, pdl_enter, pdl_launch,
                     sm_count)
+from ._launch import fast
 from . import decode_seesaw as _seesaw
 from . import decode_wgmma as _wgmma
 from .merge import merge_into
@@ -372,7 +373,7 @@ def _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
     ckv_desc = TensorDescriptor.from_tensor(ckv_cache.view(NP * PS, R), [cfg.block_n, R // 2])
     kpe_desc = TensorDescriptor.from_tensor(kpe_cache.view(NP * PS, P), [cfg.block_n, P])
     grid = (B, cdiv(H, cfg.block_h), ns)
-    return _stage1_tma_kernel[grid](
+    return fast(_stage1_tma_kernel)[grid](
         q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
         sm_scale * _LOG2E, H, PS,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
@@ -399,7 +400,7 @@ def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, i
     grid = (B, cdiv(H, cfg.block_h), ns)
     # each tensor's strides read once (a stride(i) call per number costs ~0.3 us of host time a call)
     sqn, sqp, sc, sk, so, sl = (t.stride() for t in (q_nope, q_pe, ckv_cache, kpe_cache, o, l))
-    return _stage1_kernel[grid](
+    return fast(_stage1_kernel)[grid](
         q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens if not sparse else table, o, l, scale,
         sm_scale * _LOG2E, H, indices.shape[1] if sparse else 0,
         sqn[0], sqn[1], sqp[0], sqp[1], sc[0], sc[1], sk[0], sk[1],

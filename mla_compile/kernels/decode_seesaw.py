@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from . import _gluon as G
 from ._util import cdiv
+from ._launch import fast
 
 if G.gluon is not None:
     from triton.experimental import gluon
@@ -313,7 +314,7 @@ def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
     PS = ckv_cache.shape[1]
     P = kpe_cache.shape[2]
     ckv_desc, kpe_desc = G.descriptors(ckv_cache, kpe_cache)
-    return _stage1_seesaw_kernel[(cdiv(H, BLOCK_H), B, ns)](
+    return fast(_stage1_seesaw_kernel)[(cdiv(H, BLOCK_H), B, ns)](
         q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
         sm_scale * G.LOG2E, H, *G.strides(q_nope, q_pe, ckv_cache, kpe_cache, block_table, o, l, s_on, s_ln, ns),
         **constexprs(R, P, PS), num_warps=NUM_WARPS, maxnreg=MAX_REGS)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from . import _gluon as G
 from ._util import box_width, cdiv
+from ._launch import fast
 
 if G.gluon is not None:
     from triton.experimental import gluon
@@ -343,11 +344,11 @@ def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
     grid = (cdiv(H, BLOCK_H), B, ns)
     strides = G.strides(q_nope, q_pe, ckv_cache, kpe_cache, table, o, l, s_on, s_ln, ns)
     if not G.tma_layout(ckv_cache, kpe_cache, sparse):
-        return _stage1_gather_kernel[grid](
+        return fast(_stage1_gather_kernel)[grid](
             q_nope, q_pe, ckv_cache, kpe_cache, table, table if sparse else seq_lens, o, l,
             sm_scale * G.LOG2E, H, table.shape[1] if sparse else 0, *strides,
             **gather_constexprs(R, P, PS, sparse), num_warps=NUM_WARPS)
     ckv_desc, kpe_desc = G.descriptors(ckv_cache, kpe_cache)
-    return _stage1_wgmma_kernel[grid](
+    return fast(_stage1_wgmma_kernel)[grid](
         q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
         sm_scale * G.LOG2E, H, *strides, **constexprs(R, P, PS), num_warps=NUM_WARPS)

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from .. import topk_order
 from ._util import block, cdiv, dot_mode, mma, next_power_of_2, pdl_enter, pdl_launch
+from ._launch import fast
 
 
 @triton.jit
@@ -72,11 +73,11 @@ def indexer_scores(q, weights, k_cache, block_table, seq_lens, sm_scale, topk) -
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_t = 64
     grid = (B, cdiv(T, block_t))
-    _indexer_logits_kernel[grid](q, weights, k_cache, block_table, seq_lens, score, sm_scale, Hi, Di, PS, T, topk,
-                                 q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1),
-                                 block_table.stride(0), score.stride(0),
-                                 BLOCK_HI=block(Hi), BLOCK_D=block(Di), BLOCK_T=block_t, **dot_mode(q.dtype),
-                                 num_warps=4, **pdl_launch(q.device))
+    fast(_indexer_logits_kernel)[grid](
+        q, weights, k_cache, block_table, seq_lens, score, sm_scale, Hi, Di, PS, T, topk,
+        q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
+        score.stride(0), BLOCK_HI=block(Hi), BLOCK_D=block(Di), BLOCK_T=block_t, **dot_mode(q.dtype),
+        num_warps=4, **pdl_launch(q.device))
     return score
 
 
@@ -104,8 +105,7 @@ def k_only_indices(block_table, seq_lens, page_size, topk) -> torch.Tensor:
     if B == 0:
         return out
     block = min(1024, next_power_of_2(topk))
-    _k_only_kernel[(B, cdiv(topk, block))](block_table, seq_lens, out, page_size,
-                                                  block_table.shape[1] * page_size, topk,
-                                                  block_table.stride(0), out.stride(0), BLOCK=block, num_warps=4,
-                                                  **pdl_launch(block_table.device))
+    fast(_k_only_kernel)[(B, cdiv(topk, block))](
+        block_table, seq_lens, out, page_size, block_table.shape[1] * page_size, topk, block_table.stride(0),
+        out.stride(0), BLOCK=block, num_warps=4, **pdl_launch(block_table.device))
     return out

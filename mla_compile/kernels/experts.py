@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ._util import cdiv, pdl_enter, pdl_launch
+from ._launch import fast
 
 BLOCK_O = 64
 BLOCK_I = 128
@@ -69,7 +70,7 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tenso
         return y
     if I == 0:
         return y.zero_()
-    _expert_linear_kernel[(S, cdiv(O, block_o))](
+    fast(_expert_linear_kernel)[(S, cdiv(O, block_o))](
         x, weight, expert_ids, y, O, I, E, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         weight.stride(2), y.stride(0), y.stride(1), BLOCK_O=block_o, BLOCK_I=block_i, EVEN_I=I % block_i == 0,
         num_warps=4, num_stages=3, **pdl_launch(x.device))

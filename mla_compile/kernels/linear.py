@@ -21,6 +21,7 @@ import triton.language as tl
 
 from .few_token import FEW_TOKEN_ROWS, K_ALIGN, split_width
 from ._util import cdiv, dot_mode, mma, next_power_of_2, pdl_enter, pdl_launch, sm_count
+from ._launch import fast
 
 MAX_M = FEW_TOKEN_ROWS  # the MMA's N side (rows of x padded to it)
 
@@ -134,12 +135,12 @@ def _launch(x, weights, ys, k_split: int, splits: int, cfg: LinearConfig, s_ys: 
         grid = (cdiv(n0, cfg.block_n) + cdiv(n1, cfg.block_n), splits)
         if grid[0] == 0:
             continue
-        _linear_kernel[grid](x, w0, w1, y0, y1, M, n0, n1, K, k_split,
-                             x.stride(0), x.stride(1), w0.stride(0), w0.stride(1), w1.stride(0), w1.stride(1),
-                             s_ys, y0.stride(-2), y0.stride(-1), y1.stride(-2), y1.stride(-1),
-                             BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                             EVEN_K=K % cfg.block_k == 0, **dot_mode(x.dtype), num_warps=cfg.num_warps,
-                             num_stages=cfg.num_stages, **pdl_launch(x.device))
+        fast(_linear_kernel)[grid](x, w0, w1, y0, y1, M, n0, n1, K, k_split,
+                                   x.stride(0), x.stride(1), w0.stride(0), w0.stride(1), w1.stride(0), w1.stride(1),
+                                   s_ys, y0.stride(-2), y0.stride(-1), y1.stride(-2), y1.stride(-1),
+                                   BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                   EVEN_K=K % cfg.block_k == 0, **dot_mode(x.dtype), num_warps=cfg.num_warps,
+                                   num_stages=cfg.num_stages, **pdl_launch(x.device))
 
 
 def linear_partials(x: torch.Tensor, weights: list[torch.Tensor], splits: int, cfg: LinearConfig | None = None,
@@ -179,9 +180,9 @@ def linear_small_m(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConf
     part = linear_partials(x, weights, splits, cfg, align=cfg.block_k)
     o0, o1 = outs[0], outs[-1]  # row-major (made here, or the caller's contiguous buffers)
     block = 512
-    _sum_splits_kernel[(M, cdiv(n0 + n1, block))](part, o0, o1, splits, n0, n1, part.stride(0),
-                                                         part.stride(1), o0.stride(0), o1.stride(0), BLOCK=block,
-                                                         **pdl_launch(x.device))
+    fast(_sum_splits_kernel)[(M, cdiv(n0 + n1, block))](part, o0, o1, splits, n0, n1, part.stride(0),
+                                                               part.stride(1), o0.stride(0), o1.stride(0), BLOCK=block,
+                                                               **pdl_launch(x.device))
     return outs
 
 
@@ -197,7 +198,7 @@ def per_head_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None =
     if block_n is None:
         block_n = 32 if H * cdiv(N, 32) >= sm_count(x.device) else 16
     block_k = min(128, max(16, next_power_of_2(K)))
-    _per_head_kernel[(H, cdiv(N, block_n))](
+    fast(_per_head_kernel)[(H, cdiv(N, block_n))](
         x, weight, y, M, N, K, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
         weight.stride(2), y.stride(0), y.stride(1), y.stride(2), BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=K % block_k == 0, **dot_mode(x.dtype), num_warps=4, num_stages=3, **pdl_launch(x.device))

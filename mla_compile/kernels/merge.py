@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ._util import cdiv, next_power_of_2, pdl_enter, pdl_launch, sm_count
+from ._launch import fast
 
 
 @triton.jit
@@ -90,12 +91,12 @@ def merge_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: t
         return
     assert outs.stride(-1) == 1 and out.stride(-1) == 1
     block_n, block_r, grid = _tiles(N, B * H, R, sm_count(outs.device))
-    _merge_kernel[grid](outs, lses, out, lse, N, H, R,
-                        outs.stride(0), outs.stride(1), outs.stride(2),
-                        lses.stride(0), lses.stride(1), lses.stride(2),
-                        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-                        BLOCK_N=block_n, BLOCK_R=block_r, ONE_PASS=N <= block_n, num_warps=4,
-                        **pdl_launch(outs.device))
+    fast(_merge_kernel)[grid](outs, lses, out, lse, N, H, R,
+                              outs.stride(0), outs.stride(1), outs.stride(2),
+                              lses.stride(0), lses.stride(1), lses.stride(2),
+                              out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+                              BLOCK_N=block_n, BLOCK_R=block_r, ONE_PASS=N <= block_n, num_warps=4,
+                              **pdl_launch(outs.device))
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor):

@@ -1,0 +1,144 @@
+"""A cached launch path for our Triton kernels.
+
+Triton's `JITFunction.run` binds every argument per call (a generated function that calls the specializer once per
+argument), turns the specialization into a key string, then calls the compiled kernel's C launcher. For our decode
+kernel (37 arguments) the binding and key cost ~22 us of host time per launch on one CPU core
+(benchmarks/host_overhead.py), paid by every eager call and every default-mode compiled step.
+
+`fast(fn)` wraps a `@triton.jit` function. The first call with a new argument signature goes through Triton
+(which compiles, or finds the compiled kernel) and the compiled kernel is remembered under a key we build cheaply;
+later calls with that key go straight to its launcher. The key holds everything Triton specializes on, or more:
+  tensors        dtype and 16-byte alignment of the data pointer (Triton: pointer type and the "divisible by 16"
+                 attribute)
+  ints           the value itself (Triton: i32 / i64 / u64 by range, == 1, divisible by 16)
+  bools, None    the value (Triton: u1, constexpr None); bools kept apart from the ints 0 / 1
+  floats         the type only (Triton: fp32, never specialized on the value)
+  descriptors    dtype, shape, strides, block shape, padding, layout (Gluon), base alignment (a superset of
+                 Triton's)
+  keywords       every keyword argument verbatim (constexprs, launch options), and the current device
+Anything else (a grid function, a tensor passed by keyword, launch hooks installed by a profiler, the CPU
+interpreter) takes Triton's own path every call. Triton's own `run` also builds launch metadata for its (empty by
+default) hook chain on every launch; the cached path skips that where no hook is installed.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton import knobs
+from triton.runtime.driver import driver
+
+from ._util import _INTERPRETED
+
+_FLOAT = object()  # key entry of every float argument: Triton passes floats as fp32 values, unspecialized
+_MAX_KEYS = 512  # per kernel; reached only by a stream of new shapes (each one also compiles or looks up in Triton)
+
+
+def _tensor_key(t: torch.Tensor):
+    return t.dtype, t.data_ptr() & 15 == 0
+
+
+def _descriptor_key(d):
+    # Gluon's descriptors carry their shared-memory layout too (a frozen, hashable dataclass)
+    return (type(d), d.base.dtype, tuple(d.shape), tuple(d.strides), tuple(d.block_shape), d.padding,
+            getattr(d, "layout", None), d.base.data_ptr() & 15 == 0)
+
+
+def _arg_key(a):
+    t = type(a)
+    if t is int or a is None:
+        return a
+    if t is float:
+        return _FLOAT
+    if t is bool:
+        return ("bool", a)
+    if isinstance(a, torch.Tensor):
+        return _tensor_key(a)
+    if hasattr(a, "block_shape"):  # triton.tools.tensor_descriptor.TensorDescriptor
+        return _descriptor_key(a)
+    raise _Uncacheable
+
+
+def _hook_set(hook) -> bool:
+    # Triton 3.6 keeps launch hooks in a HookChain (an empty one by default); older versions: a function or None
+    return hook is not None and getattr(hook, "calls", True) != []
+
+
+def _hooks_installed() -> bool:
+    """A profiler's launch hooks (proton, ...) see Triton's launch metadata: such launches take Triton's path. Without
+    hooks the launcher is given None for them (what an empty chain amounts to) and no metadata."""
+    return _hook_set(knobs.runtime.launch_enter_hook) or _hook_set(knobs.runtime.launch_exit_hook)
+
+
+class _Uncacheable(Exception):
+    """An argument of a kind the key does not cover: Triton's own path for this call."""
+
+
+class _Entry:
+    __slots__ = ("kernel", "run", "function", "packed_metadata", "tail")
+
+    def __init__(self, kernel, tail):
+        self.kernel, self.run, self.function, self.packed_metadata, self.tail = (
+            kernel, kernel.run, kernel.function, kernel.packed_metadata, tail)
+
+
+class FastLaunch:
+    """`fast(fn)[grid](*args, **kwargs)` launches as `fn[grid](*args, **kwargs)` does; everything else
+    (`.fn`, `.warmup`, `.cache` ...) is the wrapped JITFunction's."""
+
+    def __init__(self, fn):
+        self.jit_function = fn
+        self._entries: dict = {}
+
+    def __getattr__(self, name):
+        return getattr(self.jit_function, name)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid, args: tuple, kwargs: dict):
+        if _INTERPRETED or type(grid) is not tuple or _hooks_installed():
+            return self.jit_function[grid](*args, **kwargs)
+        active = driver.active
+        device = active.get_current_device()
+        try:
+            # ints (most arguments) inline: a call of _arg_key per argument costs ~0.15 us each
+            key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+                   tuple([a if type(a) is int else _arg_key(a) for a in args]), tuple(kwargs.items()))
+            entry = self._entries.get(key)
+        except (_Uncacheable, TypeError):  # TypeError: an unhashable keyword value
+            return self.jit_function[grid](*args, **kwargs)
+        if entry is None:
+            return self._first_launch(key, device, grid, args, kwargs)
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        entry.run(grid[0], g1, g2, active.get_current_stream(device), entry.function, entry.packed_metadata,
+                  None, None, None, *args, *entry.tail)
+        return entry.kernel
+
+    def _first_launch(self, key, device, grid, args, kwargs):
+        kernel = self.jit_function[grid](*args, **kwargs)
+        if kernel is None:
+            return kernel
+        if hasattr(kernel, "result"):  # an asynchronous compile's future
+            kernel = kernel.result()
+        # the arguments after the positional ones, in signature order: keywords and defaults, all fixed by the key
+        binder = self.jit_function.device_caches[device][4]
+        bound, _, _ = binder(*args, **kwargs)
+        tail = tuple(bound.values())[len(args):]
+        if any(isinstance(v, torch.Tensor) or hasattr(v, "block_shape") for v in tail):
+            return kernel  # a tensor by keyword: its identity is not in the key, so never replayed from it
+        if len(self._entries) >= _MAX_KEYS:
+            self._entries.clear()
+        self._entries[key] = _Entry(kernel, tail)
+        return kernel
+
+
+def fast(fn) -> FastLaunch:
+    """`fast(kernel)[grid](...)`: launch a `@triton.jit` (or Gluon) function through the cached path (one wrapper per
+    function, made on first use and kept on the function: JITFunction hashes its source, ~0.6 us a dict lookup);
+    under TRITON_INTERPRET=1 every call takes the interpreter."""
+    try:
+        return fn.__dict__["_mla_fast_launch"]
+    except KeyError:
+        wrapped = fn.__dict__["_mla_fast_launch"] = FastLaunch(fn)
+        return wrapped

@@ -1,0 +1,182 @@
+"""kernels/_launch.py: the cached launch path must pick, for every call, the compiled kernel Triton's own
+`JITFunction.run` picks, and hand its launcher the same arguments.
+
+No GPU here: Triton's real run path runs (its binder, specialization and key), with a fake driver (device 0, one
+stream) and a fake compile that returns a recording kernel per specialization. So every call can be checked against
+what Triton itself would have launched."""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+from mla_compile.kernels import _launch  # noqa: E402
+
+
+@triton.jit
+def _probe_kernel(X, Y, Opt, n, scale, flag, s0, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pass
+
+
+@triton.jit
+def _probe_desc_kernel(Desc, X, n, BLOCK: tl.constexpr):
+    pass
+
+
+class _FakeDriver:
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 1234
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+class _RecordingKernel:
+    """What Triton's compile would return for one specialization; records each launch."""
+
+    def __init__(self, signature, constexprs, attrs, options, launches):
+        self.spec = (tuple(signature.items()), tuple(sorted(constexprs.items(), key=repr)),
+                     tuple(sorted(attrs.items(), key=repr)), options.num_warps)
+        self.function, self.packed_metadata = object(), object()
+        self._launches = launches
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, packed_metadata, launch_metadata, enter, exit_, *args):
+        assert function is self.function and packed_metadata is self.packed_metadata
+        self._launches.append((self, (g0, g1, g2), stream, launch_metadata, enter, exit_, args))
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    launches = []
+    compiles = []
+
+    def fake_compile(self, key, signature, device, constexprs, options, attrs, warmup):
+        kernel = _RecordingKernel(signature, constexprs, attrs, options, launches)
+        self.device_caches[device][0][key] = kernel
+        compiles.append(kernel)
+        return kernel
+
+    monkeypatch.setattr(type(_probe_kernel), "_do_compile", fake_compile)
+    monkeypatch.setattr(_launch, "_INTERPRETED", False)
+    previous = driver._active
+    driver.set_active(_FakeDriver())
+    for fn in (_probe_kernel, _probe_desc_kernel):
+        fn.device_caches.clear()
+        fn.__dict__.pop("_mla_fast_launch", None)
+    yield launches, compiles
+    driver._active = previous  # reset_active() would make the default driver, which fails without a GPU
+    for fn in (_probe_kernel, _probe_desc_kernel):
+        fn.device_caches.clear()
+        fn.__dict__.pop("_mla_fast_launch", None)
+
+
+def _same_as_triton(fn, grid, args, kwargs, launches):
+    """Launch through the cached path (twice: the first call of a signature goes through Triton, the second comes
+    from the cache), then through Triton's own run: same kernel, same launcher arguments."""
+    wrapper = _launch.fast(fn)
+    wrapper[grid](*args, **kwargs)
+    assert len(wrapper._entries) >= 1
+    wrapper[grid](*args, **kwargs)
+    fast_call = launches[-1]
+    assert fast_call[4] is None, "the second call came from the cache"
+    fn[grid](*args, **kwargs)
+    triton_call = launches[-1]
+    assert fast_call[0] is triton_call[0], "the cached path launched another specialization than Triton picks"
+    assert fast_call[1:3] == triton_call[1:3]
+    # no hook installed: Triton hands its launcher metadata and empty hook chains, the cached path None (the same)
+    assert fast_call[3:6] == (None, None, None) or fast_call[3:6] == triton_call[3:6]
+    assert all(h is None or h.calls == [] for h in triton_call[4:6])
+    assert len(fast_call[6]) == len(triton_call[6])
+    for a, b in zip(fast_call[6], triton_call[6]):
+        assert a is b or a == b
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32]
+_INTS = [0, 1, 2, 15, 16, 17, 32, 48, 2**31 - 1, 2**31, 2**32, 2**40, -1, -16]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_cached_launch_picks_tritons_kernel(fake_gpu, data):
+    launches, _ = fake_gpu
+    base = torch.zeros(64, dtype=data.draw(st.sampled_from(_DTYPES)))
+    x = base[data.draw(st.integers(0, 8)):]  # offsets 0..8 elements: aligned to 16 bytes or not
+    y = torch.zeros(8, dtype=data.draw(st.sampled_from(_DTYPES)))
+    opt = data.draw(st.sampled_from([None, "tensor"]))
+    opt = torch.zeros(4) if opt == "tensor" else None
+    n, s0 = data.draw(st.sampled_from(_INTS)), data.draw(st.sampled_from(_INTS))
+    flag = data.draw(st.sampled_from([True, False, 0, 1]))
+    scale = data.draw(st.sampled_from([0.5, 1.0, 1e-3, 16.0]))
+    kwargs = dict(BLOCK=data.draw(st.sampled_from([16, 32])), num_warps=data.draw(st.sampled_from([4, 8])))
+    if data.draw(st.booleans()):
+        kwargs["PDL"] = True
+    grid = data.draw(st.sampled_from([(1,), (2, 3), (4, 5, 6)]))
+    _same_as_triton(_probe_kernel, grid, (x, y, opt, n, scale, flag, s0), kwargs, launches)
+
+
+def test_repeat_calls_skip_tritons_binding(fake_gpu, monkeypatch):
+    launches, compiles = fake_gpu
+    x, y = torch.zeros(32), torch.zeros(32)
+    _launch.fast(_probe_kernel)[(3,)](x, y, None, 7, 0.5, True, 16, BLOCK=16)
+    assert len(compiles) == 1
+    binder_calls = []
+    caches = _probe_kernel.device_caches[0]
+    real_binder = caches[4]
+
+    def counting_binder(*a, **k):
+        binder_calls.append(1)
+        return real_binder(*a, **k)
+
+    _probe_kernel.device_caches[0] = (*caches[:4], counting_binder)
+    x2, y2 = torch.ones(32), torch.ones(32)  # new tensors, same signature: the cached kernel, new pointers
+    _launch.fast(_probe_kernel)[(3,)](x2, y2, None, 7, 0.25, True, 16, BLOCK=16)
+    assert binder_calls == [] and len(compiles) == 1
+    assert launches[-1][6][:2] == (x2, y2) and launches[-1][6][4] == 0.25
+    _launch.fast(_probe_kernel)[(3,)](x2, y2, None, 8, 0.25, True, 16, BLOCK=16)  # a new int: Triton's path again
+    assert binder_calls, "a value outside the key must go through Triton's binding"
+
+
+def test_descriptor_arguments(fake_gpu):
+    launches, compiles = fake_gpu
+    for rows, block in ((64, [16, 32]), (64, [16, 32]), (128, [16, 32]), (64, [32, 32])):
+        t = torch.zeros(rows, 64, dtype=torch.bfloat16)
+        desc = TensorDescriptor.from_tensor(t, block)
+        _same_as_triton(_probe_desc_kernel, (1,), (desc, t, 5), dict(BLOCK=16), launches)
+
+
+def test_uncached_paths(fake_gpu, monkeypatch):
+    """A grid function, a tensor by keyword and a launch hook all take Triton's own path (and still launch)."""
+    launches, _ = fake_gpu
+    x, y = torch.zeros(32), torch.zeros(32)
+    _launch.fast(_probe_kernel)[lambda meta: (2,)](x, y, None, 7, 0.5, True, 16, BLOCK=16)
+    assert launches[-1][1] == (2, 1, 1)
+    _launch.fast(_probe_kernel)[(1,)](x, y, None, 7, 0.5, True, s0=16, BLOCK=16)
+    _launch.fast(_probe_kernel)[(1,)](x, Y=y, Opt=None, n=7, scale=0.5, flag=True, s0=16, BLOCK=16)
+    assert len(launches) == 3
+    # a tensor passed by keyword never enters the cache: a later call with other tensors must launch those
+    y2 = torch.ones(32)
+    _launch.fast(_probe_kernel)[(1,)](x, Y=y2, Opt=None, n=7, scale=0.5, flag=True, s0=16, BLOCK=16)
+    assert launches[-1][6][1] is y2
+    from triton import knobs
+
+    _launch.fast(_probe_kernel)[(3,)](x, y, None, 7, 0.5, True, 16, BLOCK=16)
+    _launch.fast(_probe_kernel)[(3,)](x, y, None, 7, 0.5, True, 16, BLOCK=16)
+    assert launches[-1][4] is None, "a cached launch without hooks"
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        _launch.fast(_probe_kernel)[(3,)](x, y, None, 7, 0.5, True, 16, BLOCK=16)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert launches[-1][4] is knobs.runtime.launch_enter_hook, "with a hook installed, Triton's path (hooks handed over)"
