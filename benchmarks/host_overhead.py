@@ -10,7 +10,8 @@ Parts, each in OUT.json and printed:
                (FlashInfer's `run` after its `plan`, FlashMLA's decode on a fused cache) and floors (an aten add,
                four torch.empty).
   layers       (CUDA) `mla.decode` split into its layers: the op through the dispatcher, the CUDA entry without it
-               (kernels.dispatch.decode), one split (no merge kernel), the check alone.
+               (kernels.dispatch.decode), one split (no merge kernel), the check alone; the op and one split again
+               with every launch through Triton's own `JITFunction.run` (kernels/_launch.py's cached path off).
   registration the dispatcher's cost of one op registered two ways with the same trivial body: torch.library.custom_op
                vs `mla_compile.ops._registry.define` (what every op of ours pays per call; CPU tensors).
   checks       each op's input check: a repeated signature (what every call after the first pays: `once_per_signature`)
@@ -151,11 +152,17 @@ def bench_ops(calls: int) -> dict:
 
 
 def bench_layers(calls: int) -> dict:
-    from mla_compile.kernels import dispatch
+    from mla_compile.kernels import _launch, dispatch
 
     t = tensors("cuda")
     a = (t["qn"], t["qp"], t["ckv"], t["kpe"], t["table"], t["lens"], 0.1)
-    return {"op (dispatcher)": host_us(lambda: torch.ops.mla.decode(*a), calls),
+    _launch.ENABLED = False
+    try:
+        triton_path = {"op, Triton's own launch path": host_us(lambda: torch.ops.mla.decode(*a), calls),
+                       "triton, one split, Triton's own launch path": host_us(lambda: _one_split(*a), calls)}
+    finally:
+        _launch.ENABLED = True
+    return {**triton_path, "op (dispatcher)": host_us(lambda: torch.ops.mla.decode(*a), calls),
             "cuda entry (kernels.dispatch.decode)": host_us(lambda: dispatch.decode(*a), calls),
             "triton, one split (no merge kernel)": host_us(lambda: _one_split(*a), calls),
             "check, repeated signature": host_us(lambda: attention.check_decode_args(*a), calls),
@@ -169,7 +176,10 @@ def _one_split(*a):
 
 
 class _NoLaunch:
-    """Stands in for a Triton kernel: `kernel[grid](...)` does nothing."""
+    """Stands in for a Triton kernel: `kernel[grid](...)` and `fast(kernel)[grid](...)` do nothing."""
+
+    def __init__(self):
+        self._mla_fast_launch = self  # what kernels._launch.fast returns for it
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
@@ -184,7 +194,7 @@ def bench_glue(device: str, calls: int) -> dict:
     t = tensors(device)
     a = (t["qn"], t["qp"], t["ckv"], t["kpe"], t["table"], t["lens"], 0.1)
     saved = D._stage1_kernel, D._stage1_tma_kernel, M._merge_kernel
-    D._stage1_kernel = D._stage1_tma_kernel = M._merge_kernel = _NoLaunch()
+    D._stage1_kernel, D._stage1_tma_kernel, M._merge_kernel = _NoLaunch(), _NoLaunch(), _NoLaunch()
     try:
         return {"cuda entry (dispatch.decode), launches stubbed": host_us(lambda: dispatch.decode(*a), calls),
                 "kernels.decode.decode, launches stubbed": host_us(lambda: D.decode(*a), calls),

@@ -8,6 +8,8 @@ decided in one place: `dispatch.select_decode_kernel`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._util import caches_view_as_slots
@@ -41,14 +43,20 @@ def _gl_dtype(dtype: torch.dtype):
     return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
 
 
+@functools.lru_cache(maxsize=64)
+def _box_layouts(R: int, P: int, dtype: torch.dtype):
+    # per call on the host otherwise: get_default_for costs ~11 us a layout on one CPU core
+    gdt = _gl_dtype(dtype)
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK_N, R // 2], gdt),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, P], gdt))
+
+
 def descriptors(ckv_cache, kpe_cache):
     """TMA descriptors over the whole caches viewed as [slots, width]: boxes of one tile of one latent half, and of
     the rope part."""
     NP, PS, R = ckv_cache.shape
     P = kpe_cache.shape[2]
-    gdt = _gl_dtype(ckv_cache.dtype)
-    c_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R // 2], gdt)
-    k_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, P], gdt)
+    c_layout, k_layout = _box_layouts(R, P, ckv_cache.dtype)
     return (TensorDescriptor.from_tensor(ckv_cache.view(NP * PS, R), [BLOCK_N, R // 2], c_layout),
             TensorDescriptor.from_tensor(kpe_cache.view(NP * PS, P), [BLOCK_N, P], k_layout))
 

@@ -23,12 +23,16 @@ default) hook chain on every launch; the cached path skips that where no hook is
 
 from __future__ import annotations
 
+import os
+
 import torch
 from triton import knobs
 from triton.runtime.driver import driver
 
 from ._util import _INTERPRETED
 
+# MLA_COMPILE_FAST_LAUNCH=0: every launch through Triton's own run (an escape hatch, and the benchmark's baseline)
+ENABLED = os.environ.get("MLA_COMPILE_FAST_LAUNCH", "1") != "0"
 _FLOAT = object()  # key entry of every float argument: Triton passes floats as fp32 values, unspecialized
 _MAX_KEYS = 512  # per kernel; reached only by a stream of new shapes (each one also compiles or looks up in Triton)
 
@@ -96,7 +100,7 @@ class FastLaunch:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid, args: tuple, kwargs: dict):
-        if _INTERPRETED or type(grid) is not tuple or _hooks_installed():
+        if _INTERPRETED or not ENABLED or type(grid) is not tuple or _hooks_installed():
             return self.jit_function[grid](*args, **kwargs)
         active = driver.active
         device = active.get_current_device()
