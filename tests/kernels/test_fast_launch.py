@@ -28,6 +28,18 @@ def _probe_desc_kernel(Desc, X, n, BLOCK: tl.constexpr):
     pass
 
 
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+except ImportError:  # pragma: no cover - depends on the Triton build
+    gluon = None
+else:
+    @gluon.jit
+    def _probe_gluon_kernel(Desc, X, n, BLOCK: gl.constexpr):
+        pass
+
+
 class _FakeDriver:
     def get_current_device(self):
         return 0
@@ -71,14 +83,18 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(_launch, "_INTERPRETED", False)
     previous = driver._active
     driver.set_active(_FakeDriver())
-    for fn in (_probe_kernel, _probe_desc_kernel):
+    for fn in _probes():
         fn.device_caches.clear()
         fn.__dict__.pop("_mla_fast_launch", None)
     yield launches, compiles
     driver._active = previous  # reset_active() would make the default driver, which fails without a GPU
-    for fn in (_probe_kernel, _probe_desc_kernel):
+    for fn in _probes():
         fn.device_caches.clear()
         fn.__dict__.pop("_mla_fast_launch", None)
+
+
+def _probes():
+    return (_probe_kernel, _probe_desc_kernel) + ((_probe_gluon_kernel,) if gluon is not None else ())
 
 
 def _same_as_triton(fn, grid, args, kwargs, launches):
@@ -153,6 +169,18 @@ def test_descriptor_arguments(fake_gpu):
         t = torch.zeros(rows, 64, dtype=torch.bfloat16)
         desc = TensorDescriptor.from_tensor(t, block)
         _same_as_triton(_probe_desc_kernel, (1,), (desc, t, 5), dict(BLOCK=16), launches)
+
+
+@pytest.mark.skipif(gluon is None, reason="Triton without Gluon")
+def test_gluon_descriptor_arguments(fake_gpu):
+    """Gluon's descriptors carry a shared-memory layout; two layouts over the same tensor are two specializations."""
+    launches, compiles = fake_gpu
+    t = torch.zeros(64, 64, dtype=torch.bfloat16)
+    for swizzle in (128, 64, 128):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=2)
+        desc = GluonDescriptor.from_tensor(t, [16, 64], layout)
+        _same_as_triton(_probe_gluon_kernel, (1,), (desc, t, 5), dict(BLOCK=16), launches)
+    assert len({id(k) for k in compiles}) == 2
 
 
 def test_uncached_paths(fake_gpu, monkeypatch):
