@@ -209,7 +209,10 @@ def mla_dcp(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None
     _prefill_without_cudagraphs(gm, patches, inductor_patches)
 
     def compile_graph(gm, example_inputs):
-        with tuning_.use(opts.tuning):
+        from .passes.fused_linear import compiling_for_cuda_graphs
+
+        with tuning_.use(opts.tuning), compiling_for_cuda_graphs(
+                patches.get("triton.cudagraphs", torch._inductor.config.triton.cudagraphs)):
             gm = rewrite_graph(gm, example_inputs, opts)
             # host-int bookkeeping (e.g. the DSA cache's max_kv_len += 1) stays out of the Inductor graph: no int input
             from .passes.host_ints import split_host_outputs

@@ -46,7 +46,8 @@ class Tuning:
 
     absorb: how passes/mla_attention.py writes the absorbed projections (q_nope @ W_UK, attn @ W_UV), one of ABSORB.
         "auto": `mla.per_head_linear` (one few-token Triton launch writing [B, H, N], PDL-chained with its
-        neighbours) for CUDA half-precision decode batches, else "bmm" (over heads, then a transpose copy).
+        neighbours) for CUDA half-precision decode batches in graphs that replay as CUDA graphs, else "bmm" (over
+        heads, then a transpose copy; without CUDA graphs a call of ours costs more host time than it saves).
         H200, HF H=16 32K greedy step, side by side, with q_b / o_proj also on the few-token kernel: 679.5 vs
         689.0 us a step; an Inductor multiply + sum was slower (747 vs 736 us).
     lone_linear_min_k, lone_linear_max_n: a bias-free linear without a partner (passes/fused_linear.py) goes to

@@ -1,6 +1,7 @@
 """Probe: where one HF generate() decode step spends its time under a compile config (host vs GPU).
 
-usage: python benchmarks/lab/generate_profile.py OUT.txt [--mode mla|hf] [--prompt 4096] [--batch 8] [--heads 16]
+usage: python benchmarks/lab/generate_profile.py OUT.txt [--modes hf mla mla_default] [--prompt 4096] [--batch 8]
+                                                  [--heads 16] [--new 32] [--cprofile]
 Prints the profiler's top host functions and GPU kernels of a timed generate(), its wall time per new token, and
 the GPU busy time per token (sum of kernel times), i.e. whether the step is host-bound.
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from generate import build_model, generate_kwargs, prompts  # noqa: E402
+from generate import build_model, generate_kwargs, prompts, set_up_mode  # noqa: E402
 
 
 def main():
@@ -25,6 +26,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--cprofile", action="store_true", help="also a cProfile of one generate (Python functions)")
     args = ap.parse_args()
     import mla_compile  # noqa: F401
     from torch.profiler import ProfilerActivity, profile
@@ -39,6 +41,7 @@ def main():
         for attr in ("_compiled_call", "_last_compile_config"):
             if hasattr(model, attr):
                 delattr(model, attr)
+        set_up_mode(model, mode)  # what benchmarks/generate.py installs for the mode (optimize_generate ...)
 
         def gen(new):
             with torch.no_grad():
@@ -59,6 +62,20 @@ def main():
         lines.append(ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
         lines.append(ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=90))
         print("\n".join(lines[-3:]), flush=True)
+        if args.cprofile:
+            import cProfile
+            import io
+            import pstats
+
+            pr = cProfile.Profile()
+            pr.enable()
+            gen(args.new)
+            pr.disable()
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(45)
+            lines.append(f"=== {mode}: cProfile of one generate ({args.new} tokens), by own time")
+            lines.append(buf.getvalue())
+            print("\n".join(lines[-2:]), flush=True)
     Path(args.out).write_text("\n".join(lines))
     # the decode graphs' generated code, to name the kernels in the tables above
     import os

@@ -10,7 +10,8 @@ N <= 8192 (q_b_proj, o_proj, down_proj): alone on the H200 ours and cuBLAS were 
 (`tuning.Tuning.lone_linear_min_k`). The op computes exactly what the linears did, so
 the rewrite is semantics-preserving wherever it fires; `where` decides only where it is worth firing:
 
-  auto:   CUDA, fp16/bf16, x with at most 16 rows (decode batches), where the H200 sweep measured it faster
+  auto:   CUDA, fp16/bf16, x with at most 16 rows (decode batches), where the H200 sweep measured it faster, in
+          graphs that replay as CUDA graphs (without them the host cost of a call outweighs the GPU time won)
   always: every group (CPU tests, snapshots)
   never:  off
 
@@ -25,6 +26,8 @@ Runs on the Dynamo graph (torch IR), after the attention rewrite. Counted in
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import logging
 import math
 
@@ -44,11 +47,29 @@ WHERE = ("auto", "always", "never")
 _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
 
 
+# Whether the graph being compiled will replay as CUDA graphs (the backend sets it from the Inductor config). The
+# few-token kernels win a few microseconds of GPU time per linear, measured in captured steps; without CUDA graphs
+# each call of ours costs ~60-160 us of host time on the H200's host against ~10-15 us for the cuBLAS call Inductor
+# makes, and a default-mode decode step is host-bound (4-layer DeepseekV3 generate(), batch 8, 4K: GPU 2.6 ms of an
+# 8.5 ms step, 19 linear_partials + 8 per_head_linear calls a step; benchmarks/RESULTS.md).
+_CUDA_GRAPHS: contextvars.ContextVar[bool] = contextvars.ContextVar("mla_compile_cuda_graphs", default=True)
+
+
+@contextlib.contextmanager
+def compiling_for_cuda_graphs(on: bool):
+    """Rewrites inside see whether the compiled graph will replay as CUDA graphs (`few_token_worth_it`)."""
+    token = _CUDA_GRAPHS.set(bool(on))
+    try:
+        yield
+    finally:
+        _CUDA_GRAPHS.reset(token)
+
+
 def few_token_worth_it(x: torch.Tensor, rows=None) -> bool:
     """Where the few-token kernels were measured faster: CUDA, half precision, a decode batch of rows (default:
-    all of x's leading dims)."""
+    all of x's leading dims), in a graph that replays as CUDA graphs (`compiling_for_cuda_graphs`)."""
     rows = math.prod(x.shape[:-1]) if rows is None else rows
-    return x.device.type == "cuda" and few_token_rows(rows, x.dtype)
+    return x.device.type == "cuda" and few_token_rows(rows, x.dtype) and _CUDA_GRAPHS.get()
 
 
 def _lone_worth_it(w: torch.Tensor) -> bool:

@@ -26,10 +26,13 @@ def _tied(seed: int, lens: list[int]):
 
 
 def _tokens(idx: torch.Tensor, table: torch.Tensor) -> list:
-    """Selected slots -> sorted logical token indices, per request."""
+    """Selected slots -> sorted logical token indices, per request. A table row's unused tail may repeat a page id
+    of the row (padding): the first occurrence is the page's place."""
     out = []
     for b, row in enumerate(idx.cpu()):
-        page_of = {int(p): j for j, p in enumerate(table[b].cpu())}
+        page_of = {}
+        for j, p in enumerate(table[b].cpu().tolist()):
+            page_of.setdefault(p, j)
         out.append(sorted(page_of[int(s) // PS] * PS + int(s) % PS for s in row if s >= 0))
     return out
 
