@@ -70,7 +70,26 @@ class Op:
         return fn
 
     def register_autograd(self, backward, *, setup_context=None) -> None:
-        torch.library.register_autograd(self.qualname, backward, setup_context=setup_context, lib=self._lib)
+        """torch.library.register_autograd's formula, behind a leaner no-grad path: where no input requires grad
+        (every inference call) the call goes straight below autograd. torch.library's own kernel builds a metadata
+        object and a context per call there: ~8 us of host time a call on one CPU core against ~1 us."""
+        try:
+            from torch._library.autograd import Info, make_autograd_impl
+        except ImportError:  # pragma: no cover - a torch without the helper: its own (slower) kernel
+            torch.library.register_autograd(self.qualname, backward, setup_context=setup_context, lib=self._lib)
+            return
+        if not torch._library.utils.is_functional_schema(self.default._schema):
+            raise RuntimeError(f"{self.qualname}: an autograd formula needs a functional schema")
+        with_grad = make_autograd_impl(self.default, Info(backward, setup_context))
+        op, below = self.default, torch._C._after_autograd_keyset
+
+        def autograd_kernel(keyset, *args, **kwargs):
+            if torch._C.is_grad_enabled() and torch._C._any_requires_grad(*args):
+                return with_grad(keyset, *args, **kwargs)
+            with torch._C._AutoDispatchBelowAutograd():
+                return op.redispatch(keyset & below, *args, **kwargs)
+
+        self._lib.impl(self.name, autograd_kernel, "Autograd", with_keyset=True)
 
     def _register_version_bump(self, schema) -> None:
         """In-place writes bump the written tensors' version counters (what an aten in-place op does), then the call
