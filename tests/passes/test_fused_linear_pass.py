@@ -304,3 +304,32 @@ def test_hf_decode_split_k_partials_matches_eager():
     assert_fused_greedy_matches_eager(M.deepseek_v3(num_layers=1, hidden=1024))
     assert COUNTERS["mla_compile"][SPLIT_COUNTER] >= 1
     assert COUNTERS["mla_compile"]["mla_attention_rewritten"] == 1
+
+
+def test_auto_uses_the_few_token_kernels_only_under_cuda_graphs(monkeypatch):
+    """`auto` weighs a kernel launch of ours (host time) against the GPU time it saves: only graphs that replay as
+    CUDA graphs take the few-token kernels. The backend tells the passes which kind of graph it compiles."""
+    from torch._subclasses import FakeTensorMode
+
+    from mla_compile import backend
+    from mla_compile.passes import fused_linear
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(8, 2048, dtype=torch.bfloat16, device="cuda")  # a decode batch on CUDA (fake: no GPU needed)
+    assert fused_linear.few_token_worth_it(x)  # passes called directly: as under CUDA graphs
+    with fused_linear.compiling_for_cuda_graphs(False):
+        assert not fused_linear.few_token_worth_it(x)
+    assert fused_linear.few_token_worth_it(x)
+
+    seen = []
+    real = backend.rewrite_graph
+
+    def spy(gm, example_inputs, opts):
+        seen.append(fused_linear._CUDA_GRAPHS.get())
+        return real(gm, example_inputs, opts)
+
+    monkeypatch.setattr(backend, "rewrite_graph", spy)
+    for mode, want in ((None, False), ("reduce-overhead", True), ("default", False)):
+        torch._dynamo.reset()
+        torch.compile(lambda a: a * 2 + 1, backend="mla_dcp", mode=mode)(torch.ones(4))
+        assert seen[-1] is want, (mode, seen)
