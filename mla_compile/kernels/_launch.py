@@ -18,8 +18,9 @@ later calls with that key go straight to its launcher. The key holds everything 
   keywords       every keyword argument verbatim (constexprs, launch options), and the current device
 Anything else (a grid function, a tensor passed by keyword, launch hooks installed by a profiler, the CPU
 interpreter) takes Triton's own path every call. Not repeated on the cached path: Triton's check that the module
-globals a kernel read at compile time are unchanged (ours are constants, never reassigned). Triton's own `run` also builds launch metadata for its (empty by
-default) hook chain on every launch; the cached path skips that where no hook is installed.
+globals a kernel read at compile time are unchanged (ours are constants, never reassigned). Triton's own `run` also
+builds launch metadata for its (empty by default) hook chain on every launch; the cached path skips that where no
+hook is installed.
 """
 
 from __future__ import annotations

@@ -207,4 +207,4 @@ def test_uncached_paths(fake_gpu, monkeypatch):
         _launch.fast(_probe_kernel)[(3,)](x, y, None, 7, 0.5, True, 16, BLOCK=16)
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
-    assert launches[-1][4] is knobs.runtime.launch_enter_hook, "with a hook installed, Triton's path (hooks handed over)"
+    assert launches[-1][4] is knobs.runtime.launch_enter_hook, "a hook installed: Triton's path (hooks handed over)"
