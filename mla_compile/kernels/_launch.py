@@ -49,9 +49,14 @@ def _descriptor_key(d):
             getattr(d, "layout", None), d.base.data_ptr() & 15 == 0)
 
 
+def _is_descriptor(a) -> bool:
+    return hasattr(a, "block_shape")  # triton.tools.tensor_descriptor / Gluon's TensorDescriptor
+
+
 def _arg_key(a):
+    """Key entry of a non-int argument (ints enter the key as themselves, inline in `launch`)."""
     t = type(a)
-    if t is int or a is None:
+    if a is None:
         return a
     if t is float:
         return _FLOAT
@@ -59,7 +64,7 @@ def _arg_key(a):
         return ("bool", a)
     if isinstance(a, torch.Tensor):
         return _tensor_key(a)
-    if hasattr(a, "block_shape"):  # triton.tools.tensor_descriptor.TensorDescriptor
+    if _is_descriptor(a):
         return _descriptor_key(a)
     raise _Uncacheable
 
@@ -131,7 +136,7 @@ class FastLaunch:
         binder = self.jit_function.device_caches[device][4]
         bound, _, _ = binder(*args, **kwargs)
         tail = tuple(bound.values())[len(args):]
-        if any(isinstance(v, torch.Tensor) or hasattr(v, "block_shape") for v in tail):
+        if any(isinstance(v, torch.Tensor) or _is_descriptor(v) for v in tail):
             return kernel  # a tensor by keyword: its identity is not in the key, so never replayed from it
         if len(self._entries) >= _MAX_KEYS:
             self._entries.clear()

@@ -50,8 +50,8 @@ _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
 # Whether the graph being compiled will replay as CUDA graphs (the backend sets it from the Inductor config). The
 # few-token kernels win a few microseconds of GPU time per linear, measured in captured steps; without CUDA graphs
 # each call of ours costs ~60-160 us of host time on the H200's host against ~10-15 us for the cuBLAS call Inductor
-# makes, and a default-mode decode step is host-bound (4-layer DeepseekV3 generate(), batch 8, 4K: GPU 2.6 ms of an
-# 8.5 ms step, 19 linear_partials + 8 per_head_linear calls a step; benchmarks/RESULTS.md).
+# makes, and a default-mode decode step is host-bound (4-layer DeepseekV3 generate(), batch 8, 4K, profiled: GPU ~0.6 ms
+# of a ~6.5 ms step, 19 linear_partials + 8 per_head_linear calls a step; benchmarks/RESULTS.md).
 _CUDA_GRAPHS: contextvars.ContextVar[bool] = contextvars.ContextVar("mla_compile_cuda_graphs", default=True)
 
 
