@@ -5,8 +5,9 @@
 Shapes (issue 27's acceptance): B 8, kv 32K per request, R 512 / P 64, page 64, bf16, H 16 and H 128; S 1, 2, 4.
 Timing: CUDA-graph replay (triton.testing.do_bench_cudagraph, median) of one `torch.ops.mla.decode` call, what a
 captured decode step runs. S = 1 is the production one-token call (H 128: the Gluon / FlashMLA kernel the dispatch
-picks); `s1_pointer_ms` also times the S > 1 path's kernel (the Triton pointer kernel at its multi-token tiling)
-with one token, separating the kernel change from the extra tokens. Acceptance targets: H 16 S 2 <= 1.10x, S 4 <=
+picks); `s1_pointer_ms` also times the Triton pointer kernel at its multi-token tiling with one token, and for S > 1
+`kernel` names what auto runs (decode_wgmma's Gluon kernel from 32 rows on an H200) and `pointer_ms` times the
+pointer kernel asked for on the same call, side by side. Acceptance targets: H 16 S 2 <= 1.10x, S 4 <=
 1.30x; H 128 S 2 <= 1.9x (`ratio` = ms / the S = 1 call's ms). Every timed call is checked against a float64
 reference of request 0 first (`check`). Prints one JSON document (also written to argv[1] if given).
 """
@@ -23,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from op_timing_out import emit, row_done  # noqa: E402
 
 import mla_compile  # noqa: F401  (registers the ops)
+from mla_compile import tuning
 from mla_compile.kernels import decode as D
+from mla_compile.kernels import dispatch
 
 R, P, PS, B, KV = 512, 64, 64, 8, 32768
 SCALE = (128 + 64) ** -0.5
@@ -73,6 +76,13 @@ def main(argv):
             out, lse = call()
             row = dict(H=H, S=S, B=B, kv_len=KV, check=check_request0(out, lse, qn, qp, ckv, kpe, table, S),
                        ms=do_bench_cudagraph(call, rep=50, return_mode="median"))
+            row["kernel"] = dispatch.decode_kernel(qn.reshape(B, -1, R), qp.reshape(B, -1, P), ckv, kpe, n_query=S,
+                                                   block_table=table).name
+            if S > 1:
+                with tuning.use(tuning.Tuning(decode_kernel="triton")):
+                    out, lse = call()
+                    row["pointer_check"] = check_request0(out, lse, qn, qp, ckv, kpe, table, S)
+                    row["pointer_ms"] = do_bench_cudagraph(call, rep=50, return_mode="median")
             if S == 1:
                 base = row["ms"]
                 cfg = D.multi_token_config(H, PS, torch.bfloat16)

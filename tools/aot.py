@@ -93,10 +93,10 @@ GLUON_KERNELS = ("wgmma", "gather", "seesaw")
 
 
 def wgmma_stage1_sm90(R: int = 512, P: int = 64, page_size: int = 64, dtype: str = "bf16", kernel: str = "wgmma",
-                      sparse: bool = False) -> dict:
+                      sparse: bool = False, multi: bool = False) -> dict:
     """A Gluon many-head stage-1 kernel compiled for sm_90a: `kernel` "wgmma" decode_wgmma.py's TMA kernel,
     "gather" its gather kernel (pages smaller than a tile; `sparse` index lists), "seesaw" the warp-specialised
-    one (decode_seesaw.py)."""
+    one (decode_seesaw.py); `multi`: decode_wgmma's build for several query tokens per request (a limit per row)."""
     from triton.experimental.gluon import language as gl
 
     from mla_compile.kernels import decode_seesaw as S
@@ -112,9 +112,10 @@ def wgmma_stage1_sm90(R: int = 512, P: int = 64, page_size: int = 64, dtype: str
         return compile_sm90(S._stage1_seesaw_kernel, S.constexprs(R, P, page_size), desc, S.NUM_WARPS, 1,
                             gluon=True)
     if kernel == "gather":
-        return compile_sm90(W._stage1_gather_kernel, W.gather_constexprs(R, P, page_size, sparse), desc,
+        return compile_sm90(W._stage1_gather_kernel, W.gather_constexprs(R, P, page_size, sparse, multi), desc,
                             W.NUM_WARPS, 1, gluon=True)
-    return compile_sm90(W._stage1_wgmma_kernel, W.constexprs(R, P, page_size), desc, W.NUM_WARPS, 1, gluon=True)
+    return compile_sm90(W._stage1_wgmma_kernel, W.constexprs(R, P, page_size, multi), desc, W.NUM_WARPS, 1,
+                        gluon=True)
 
 
 def linear_sm90(M: int, K: int, N: int, cfg=None, pdl: bool = False) -> dict:

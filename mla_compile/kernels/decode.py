@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ._util import (block, box_width, caches_view_as_slots, cdiv, dot_mode, has_tma, mma, pdl_enter, pdl_launch,
-                    sm_count)
+                    query_limit_args, sm_count)
 from ._launch import fast
 from . import decode_seesaw as _seesaw
 from . import decode_wgmma as _wgmma
@@ -390,10 +390,6 @@ def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, i
     sparse = indices is not None
     table = indices if sparse else block_table
     multi = n_query > 1
-    # the row limits' table: one causal length per request ([B]: stride 0 over query tokens) or a [B, S] table
-    causal = int(not multi or seq_lens.dim() == 1)
-    s_lenb = seq_lens.stride(0) if multi else 1
-    s_lenq = seq_lens.stride(1) if multi and not causal else 0
     fp8 = ckv_scale is not None
     scale = ckv_scale if fp8 else o  # an unread placeholder pointer without FP8
     s_sp, s_ss = (ckv_scale.stride(0), ckv_scale.stride(1)) if fp8 else (0, 0)
@@ -406,7 +402,7 @@ def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, i
         sqn[0], sqn[1], sqp[0], sqp[1], sc[0], sc[1], sk[0], sk[1],
         table.stride(0), s_sp, s_ss,
         s_on, so[-3], so[-2], s_ln, sl[-2], sl[-1],
-        ns, n_query, H // n_query, s_lenb, s_lenq, causal,
+        ns, *query_limit_args(seq_lens, n_query, H),
         **pointer_constexprs(cfg, R, P, ckv_cache.shape[1], sparse, q_nope.dtype, multi, fp8),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q_nope.device))
 
@@ -445,16 +441,16 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
         l = torch.empty((ns, B, H), dtype=torch.float32, device=q_nope.device)
         s_on, s_ln = o.stride(0), l.stride(0)
     sparse = indices is not None
-    # several query tokens: the pointer kernel only (its rows carry per-token causal limits; the TMA and Gluon
-    # kernels take one limit per request)
+    # several query tokens: the pointer kernel or decode_wgmma's (their rows carry per-token limits; the Triton TMA
+    # and seesaw kernels take one limit per request)
     if fp8:  # the pointer kernel dequantizes its tiles; the TMA and Gluon kernels read fp16/bf16 caches only
         _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, o, l, s_on,
                         s_ln, ns, cfg, n_query, ckv_scale)
     elif not multi and cfg.kernel == "seesaw":
         _seesaw.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns)
-    elif not multi and cfg.kernel == "wgmma":
+    elif cfg.kernel == "wgmma":
         _wgmma.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
-                      indices=indices)
+                      indices=indices, n_query=n_query)
     elif not multi and tma_eligible(ckv_cache, kpe_cache, sparse, cfg):
         _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, cfg)
     else:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 
 from . import _gluon as G
-from ._util import box_width, cdiv
+from ._util import box_width, cdiv, query_limit_args
 from ._launch import fast
 
 if G.gluon is not None:
@@ -71,14 +71,15 @@ if G.gluon is not None:
         return warpgroup_mma(qp_s, k_t.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
-    def _softmax_pv(s, c0_t, c1_t, p_s, valid, m_i, l_i, acc0, acc1, scale_log2, MASKED: gl.constexpr,
+    def _softmax_pv(s, c0_t, c1_t, p_s, mask, m_i, l_i, acc0, acc1, scale_log2, MASKED: gl.constexpr,
                     O_L: gl.constexpr, ASYNC_PV: gl.constexpr):
         """The online-softmax step on the tile's scores s, then acc += p.[c0 | c1] (left in flight if ASYNC_PV: wait
-        before use). l_i is kept score-shaped, each thread summing its own columns: the row sums need no cross-warp
-        reduction until the end."""
+        before use). `mask` (MASKED): which scores count, broadcastable to s ([1, BLOCK_N] for one limit per tile,
+        [BLOCK_H, BLOCK_N] for a limit per row). l_i is kept score-shaped, each thread summing its own columns: the
+        row sums need no cross-warp reduction until the end."""
         s = s * scale_log2
         if MASKED:
-            s = gl.where(valid[None, :], s, float("-inf"))
+            s = gl.where(mask, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of only masked slots stays NaN-free
         alpha = gl.exp2(m_i - m_use)
@@ -110,6 +111,21 @@ if G.gluon is not None:
         tma.async_copy_global_to_shared(desc_k, [row, 0], bar, k_t)
 
     @gluon.jit
+    def _row_limits(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal, layout: gl.constexpr,
+                    BLOCK_H: gl.constexpr):
+        """Several query tokens per request folded into the rows (row j * heads_per_query + h: head h of query
+        token j): each row's limit (it sees tokens t < limit; rows past H none) in `layout`, and the block's token
+        range end, its last row's limit (limits grow with the query token). kernels/_util.query_limit_args has the
+        two forms of Lens."""
+        oh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=layout)
+        tok = oh // heads_per_query
+        limit = gl.load(Lens + b * s_lenb + tok * s_lenq, mask=oh < H, other=0) + causal * (tok - n_query + 1)
+        limit = gl.where(oh < H, limit, 0)
+        last = (gl.minimum(hb * BLOCK_H + BLOCK_H, H) - 1) // heads_per_query
+        n = gl.maximum(gl.load(Lens + b * s_lenb + last * s_lenq) + causal * (last - n_query + 1), 0)
+        return limit, n
+
+    @gluon.jit
     def _store_partial(O, L, b, hb, split, H, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, m_i, l_i, acc0, acc1,
                        RH: gl.constexpr, BLOCK_H: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):
         """This split's normalised out and natural-log lse (-inf, out 0 when it saw no token); l_i is the
@@ -132,8 +148,12 @@ if G.gluon is not None:
                              scale_log2, H,
                              s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
                              s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
-                             n_splits, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
-                             BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                             n_splits, n_query, heads_per_query, s_lenb, s_lenq, causal,
+                             PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
+                             BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                             MULTI: gl.constexpr = False):
+        """MULTI: several query tokens per request folded into the rows, each row with its own limit
+        (`_row_limits`): every tile is masked per row. Else one length per request, full tiles unmasked."""
         gl.static_assert(gl.num_warps() == 8, "two warpgroups")
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, BLOCK_N // 2, 16])
@@ -145,7 +165,12 @@ if G.gluon is not None:
         hb = gl.program_id(0)  # fastest: a tile's head blocks run on neighbouring SMs and share its L2 copy
         b = gl.program_id(1).to(gl.int64)
         split = gl.program_id(2)
-        start, end, n_full = G.split_bounds(gl.load(Lens + b), split, n_splits, BLOCK_N)
+        if MULTI:
+            limit, n = _row_limits(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal,
+                                   gl.SliceLayout(1, S_L), BLOCK_H)
+        else:
+            n = gl.load(Lens + b)
+        start, end, n_full = G.split_bounds(n, split, n_splits, BLOCK_N)
         q0_s, q1_s, qp_s = G.q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt, RH, P, BLOCK_H, LD)
         p_s = gl.allocate_shared_memory(dt, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for(
             [BLOCK_H, BLOCK_N], dt))
@@ -162,7 +187,8 @@ if G.gluon is not None:
         l_i = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)  # per-thread partial row sums
         acc0 = gl.zeros([BLOCK_H, RH], gl.float32, layout=O_L)
         acc1 = gl.zeros([BLOCK_H, RH], gl.float32, layout=O_L)
-        no_mask = gl.full([BLOCK_N], 1, gl.int1, layout=gl.SliceLayout(0, S_L))
+        no_mask = gl.full([1, BLOCK_N], 1, gl.int1, layout=S_L)
+        tile_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
         s0 = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
 
         # the accumulators stay in flight from one tile's p.ckv into the next tile's q.ckv^T (waiting for p.ckv per
@@ -188,8 +214,12 @@ if G.gluon is not None:
                 gl.thread_barrier()
                 _issue_tile(CkvDesc, KpeDesc, bars.index(nx), c0_s.index(nx), c1_s.index(nx), k_s.index(nx),
                             Table, b, s_tb, start + (i + 1) * BLOCK_N, PS, RH)
-            m_i, l_i, acc0, acc1 = _softmax_pv(s, c0_s.index(st), c1_s.index(st), p_s, no_mask, m_i, l_i, acc0, acc1,
-                                               scale_log2, False, O_L, True)
+            if MULTI:
+                mask = (start + i * BLOCK_N + tile_t)[None, :] < limit[:, None]
+            else:
+                mask = no_mask
+            m_i, l_i, acc0, acc1 = _softmax_pv(s, c0_s.index(st), c1_s.index(st), p_s, mask, m_i, l_i, acc0, acc1,
+                                               scale_log2, MULTI, O_L, True)
         acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
 
         t0 = start + n_full * BLOCK_N
@@ -206,10 +236,12 @@ if G.gluon is not None:
             k_s.index(0).store(G.load_rows(Kpe, page * s_kp + (offs_t % PS) * s_ks, offs_p, valid, P))
             fence_async_shared()
             gl.thread_barrier()
-            valid_s = (t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))) < end
+            mask = ((t0 + tile_t) < end)[None, :]
+            if MULTI:
+                mask = mask & ((t0 + tile_t)[None, :] < limit[:, None])
             s = _scores(q0_s, q1_s, qp_s, c0_s.index(0), c1_s.index(0), k_s.index(0), s0)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            m_i, l_i, acc0, acc1 = _softmax_pv(s, c0_s.index(0), c1_s.index(0), p_s, valid_s, m_i, l_i, acc0, acc1,
+            m_i, l_i, acc0, acc1 = _softmax_pv(s, c0_s.index(0), c1_s.index(0), p_s, mask, m_i, l_i, acc0, acc1,
                                                scale_log2, True, O_L, False)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
@@ -257,11 +289,14 @@ if G.gluon is not None:
                               scale_log2, H, n_sparse,
                               s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
                               s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
-                              n_splits, SPARSE: gl.constexpr, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
-                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                              n_splits, n_query, heads_per_query, s_lenb, s_lenq, causal,
+                              SPARSE: gl.constexpr, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
+                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                              MULTI: gl.constexpr = False):
         """The same MMAs for tiles that are not TMA boxes: pages smaller than a tile (a page-1 token table, page 16)
         and sparse index lists (`mla::sparse_decode`). Each token's row comes by a 16-byte async copy (cp.async)
-        through the table; tile i + 1's copies run while tile i computes."""
+        through the table; tile i + 1's copies run while tile i computes. MULTI (paged only): a limit per row, as
+        in the TMA kernel."""
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, BLOCK_N // 2, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -274,6 +309,9 @@ if G.gluon is not None:
         split = gl.program_id(2)
         if SPARSE:
             n = n_sparse
+        elif MULTI:
+            limit, n = _row_limits(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal,
+                                   gl.SliceLayout(1, S_L), BLOCK_H)
         else:
             n = gl.load(Lens + b)
         start, end, n_full = G.split_bounds(n, split, n_splits, BLOCK_N)
@@ -313,42 +351,51 @@ if G.gluon is not None:
             gl.thread_barrier()
             t0 = start + i * BLOCK_N
             _, _, valid_s = _token_rows(Table, b, s_tb, t0, end, gl.SliceLayout(0, S_L), PS, BLOCK_N, SPARSE)
+            mask = valid_s[None, :]
+            if MULTI:
+                mask = mask & ((t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L)))[None, :] < limit[:, None])
             s = _scores(q0_s, q1_s, qp_s, c0_s.index(st), c1_s.index(st), k_s.index(st), s0)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            m_i, l_i, acc0, acc1 = _softmax_pv(s, c0_s.index(st), c1_s.index(st), p_s, valid_s, m_i, l_i, acc0, acc1,
+            m_i, l_i, acc0, acc1 = _softmax_pv(s, c0_s.index(st), c1_s.index(st), p_s, mask, m_i, l_i, acc0, acc1,
                                                scale_log2, True, O_L, False)
         async_copy.wait_group(0)
         _store_partial(O, L, b, hb, split, H, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, m_i, l_i, acc0, acc1, RH, BLOCK_H,
                        S_L, O_L)
 
 
-def constexprs(R: int, P: int, page_size: int) -> dict:
+def constexprs(R: int, P: int, page_size: int, multi: bool = False) -> dict:
     """The TMA kernel's compile-time arguments (shared with tools/aot.py's codegen check)."""
-    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=STAGES)
+    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=STAGES, MULTI=multi)
 
 
-def gather_constexprs(R: int, P: int, page_size: int, sparse: bool) -> dict:
+def gather_constexprs(R: int, P: int, page_size: int, sparse: bool, multi: bool = False) -> dict:
     """The gather kernel's compile-time arguments (shared with tools/aot.py's codegen check)."""
-    return dict(SPARSE=sparse, PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=STAGES)
+    return dict(SPARSE=sparse, PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, STAGES=STAGES,
+                MULTI=multi)
 
 
-def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, indices=None):
+def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, indices=None,
+           n_query: int = 1):
     """Stage 1 into o [ns, B, H, R] / l [ns, B, H] (or the final out / lse with ns == 1: s_on = s_ln = 0); paged
     (block_table, seq_lens) or sparse (indices [B, K], -1 = none). The TMA kernel where the tiles are TMA boxes,
-    else the gather kernel."""
+    else the gather kernel. n_query > 1 (paged): H = n_query * heads rows, seq_lens [B] (causal) or [B, n_query]
+    (each token's limit), as kernels/decode.py `decode` takes them; a KV tile is read once for all of a block's
+    rows, so S tokens of 16 heads cost one 64-row block."""
     B, H, R = q_nope.shape
     PS = ckv_cache.shape[1]
     P = kpe_cache.shape[2]
     sparse = indices is not None
+    multi = n_query > 1
     table = indices if sparse else block_table
     grid = (cdiv(H, BLOCK_H), B, ns)
     strides = G.strides(q_nope, q_pe, ckv_cache, kpe_cache, table, o, l, s_on, s_ln, ns)
+    limits = query_limit_args(seq_lens, n_query, H)
     if not G.tma_layout(ckv_cache, kpe_cache, sparse):
         return fast(_stage1_gather_kernel)[grid](
             q_nope, q_pe, ckv_cache, kpe_cache, table, table if sparse else seq_lens, o, l,
-            sm_scale * G.LOG2E, H, table.shape[1] if sparse else 0, *strides,
-            **gather_constexprs(R, P, PS, sparse), num_warps=NUM_WARPS)
+            sm_scale * G.LOG2E, H, table.shape[1] if sparse else 0, *strides, *limits,
+            **gather_constexprs(R, P, PS, sparse, multi), num_warps=NUM_WARPS)
     ckv_desc, kpe_desc = G.descriptors(ckv_cache, kpe_cache)
     return fast(_stage1_wgmma_kernel)[grid](
         q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
-        sm_scale * G.LOG2E, H, *strides, **constexprs(R, P, PS), num_warps=NUM_WARPS)
+        sm_scale * G.LOG2E, H, *strides, *limits, **constexprs(R, P, PS, multi), num_warps=NUM_WARPS)

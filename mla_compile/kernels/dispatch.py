@@ -33,6 +33,11 @@ from . import merge as _merge
 from .few_token import few_token_rows
 
 MANY_HEADS = 64  # the Gluon kernels' head block (one warpgroup MMA's M): fewer heads would leave it part empty
+# several query tokens per request (rows = S x heads): the Gluon TMA / gather kernel from 32 rows (H 16 x S 2) on,
+# a limit per row. The Triton pointer kernel's multi-token tiling is compute- or latency-bound there (H200
+# 2026-12-01, B 8 32K: H 16 S 2 1.87x / S 4 2.55x its S 1 time; H 128 S 2 4.92x the seesaw's S 1), while a 64-row
+# Gluon block reads each KV tile once for up to 64 rows at the warpgroup MMA's rate
+MULTI_TOKEN_GLUON_ROWS = 32
 # FlashMLA beats ours where many heads meet many tokens: H200 2026-12-02 (benchmarks/RESULTS.md, CUDA-graph replay,
 # H 128): ours / FlashMLA 1.06-1.36 at batch x kv >= 128K tokens (B 1 128K, B 8 32K-128K, B 32 8K+, B 128 1K+), and
 # 0.59-0.95 below (B 1 up to 32K, B 8 up to 8K, B 32 1K); at H 16 ours is faster up to batch 8 (0.24-0.95) and
@@ -73,7 +78,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     |   tokens >= FLASHMLA_MIN_TOKENS (128K)                             |          |     |
     | sm_90, fp16/bf16, H >= 64, 1 query token, TMA layout (3), P 64     | seesaw   | 1-6% faster than wgmma (4) |
     | sm_90, fp16/bf16, H >= 64, 1 query token, other layouts (5), P > 0 | wgmma    | 1.5-1.6x Triton TMA at H 128 |
-    | the rest: H < 64, not sm_90, fp32, P = 0, n_query > 1              | triton   | memory-bound few heads (6) |
+    | sm_90, fp16/bf16, n_query > 1, rows >= 32, paged, P > 0 (5)        | wgmma    | a limit per row (7) |
+    | the rest: H < 64, not sm_90, fp32, P = 0, rows < 32                | triton   | memory-bound few heads (6) |
 
     (1) FlashMLA installed, R 512, P 64 or 0, page 64, fp16/bf16, ckv and kpe the two column ranges of one
         [NP, PS, R + P] buffer (kernels/flashmla.fused_caches); over two separate caches it would copy them every
@@ -83,8 +89,9 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     (3) pages of whole 64-token tiles viewing as [slots, width]; R/2 a power of two <= 256.
     (4) the warp-specialised kernel: B=8 128K stage 1 669 vs 708 us, 429 TFLOP/s.
     (5) page sizes under 64 or sparse index lists (16-byte aligned rows, R/2 and P >= 64), or P != 64.
-    (6) split-KV Triton kernels at 0.79-0.92 of copy bandwidth; the only kernel for several query tokens and for
-        P = 0 (a zero rope column).
+    (6) split-KV Triton kernels at 0.79-0.92 of copy bandwidth; the kernel for P = 0 (a zero rope column) and for
+        several query tokens of few rows.
+    (7) H is the rows (n_query x heads); MULTI_TOKEN_GLUON_ROWS says why.
 
     FlashInfer is never auto's: at H 128 it is faster than ours but slower than FlashMLA, and its cached
     workspace broke torch.compile's cudagraph-tree pool check (H200 2026-11-30); asked for, it serves eager calls.
@@ -95,16 +102,18 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
         raise ValueError(f"kernel: expected one of {', '.join(_tuning.DECODE_KERNELS)}, got {kernel!r}")
     one_dense = n_query == 1 and not sparse
     sm90 = capability == (9, 0)
-    gluon = (sm90 and dtype in HALF and H >= MANY_HEADS and n_query == 1 and P > 0 and _wgmma.fits(R, P))
+    gluon_shapes = sm90 and dtype in HALF and P > 0 and _wgmma.fits(R, P)
+    gluon = gluon_shapes and (H >= MANY_HEADS if n_query == 1 else H >= MULTI_TOKEN_GLUON_ROWS and not sparse)
     cannot = {  # kernel -> why it cannot serve this call ("": it can)
         "flashmla": "" if flashmla and one_dense and sm90 else
                     "FlashMLA: needs flash_mla on sm_90, one query token, a paged cache it reads in place",
         "flashinfer": "" if flashinfer and one_dense and P > 0 else
                       "FlashInfer: needs it installed, R 512, P > 0, one query token, no CUDA-graph capture",
-        "seesaw": "" if gluon and tma_layout and _seesaw.fits(R, P) else
+        "seesaw": "" if gluon and n_query == 1 and tma_layout and _seesaw.fits(R, P) else
                   "seesaw: needs sm_90, fp16/bf16, >= 64 heads, one query token, pages of whole 64-token tiles, P 64",
         "wgmma": "" if gluon and (tma_layout or (rows_aligned and _wgmma.gather_fits(R, P))) else
-                 "wgmma: needs sm_90, fp16/bf16, >= 64 heads, one query token, power-of-two R/2 and P, aligned rows",
+                 "wgmma: needs sm_90, fp16/bf16, >= 64 heads (several query tokens: >= 32 rows), power-of-two R/2 "
+                 "and P, aligned rows",
         "triton": "",
     }
     if capability is None:
@@ -122,10 +131,12 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     if not cannot["seesaw"]:
         return Choice("seesaw", "many heads on sm_90, TMA layout, rope 64: the warp-specialised Gluon kernel")
     if not cannot["wgmma"]:
-        return Choice("wgmma", "many heads on sm_90: the Gluon warpgroup-MMA kernel ("
-                               + ("TMA boxes" if tma_layout and not sparse else "16-byte row copies") + ")")
-    why = ("several query tokens per request" if n_query > 1 else "rope-less (P = 0): a zero rope column" if P == 0
-           else "few heads" if H < MANY_HEADS else "not an sm_90 GPU" if not sm90 else
+        return Choice("wgmma", ("several query tokens, a limit per row" if n_query > 1 else "many heads")
+                      + " on sm_90: the Gluon warpgroup-MMA kernel ("
+                      + ("TMA boxes" if tma_layout and not sparse else "16-byte row copies") + ")")
+    why = ("rope-less (P = 0): a zero rope column" if P == 0
+           else "several query tokens of few rows" if n_query > 1 and H < MULTI_TOKEN_GLUON_ROWS
+           else "few heads" if H < MANY_HEADS and n_query == 1 else "not an sm_90 GPU" if not sm90 else
            "not fp16/bf16" if dtype not in HALF else "a shape or layout the Gluon kernels do not take")
     return Choice("triton", f"{why}: the Triton split-KV kernels")
 
@@ -161,7 +172,8 @@ def _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool, n_query: int, block
     table's capacity (without one: the whole cache)."""
     cap = _capability(q_nope.device)
     H = q_nope.shape[1]
-    gluon_device = cap == (9, 0) and H >= MANY_HEADS  # the layout facts matter (and are computed) only there
+    # the layout facts matter (and are computed) only where a Gluon kernel may run
+    gluon_device = cap == (9, 0) and H >= (MULTI_TOKEN_GLUON_ROWS if n_query > 1 else MANY_HEADS)
     tma = gluon_device and _gluon.tma_layout(ckv_cache, kpe_cache, sparse)
     tokens = (q_nope.shape[0] * block_table.shape[1] if block_table is not None else ckv_cache.shape[0]) \
         * ckv_cache.shape[1]
@@ -203,8 +215,10 @@ def own_decode_config(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False) 
 
 
 def _config(q_nope, ckv_cache, sparse: bool, name: str) -> _decode.DecodeConfig:
-    """decode.py's config for the chosen kernel: its tiling and split policy, the stage-1 kernel set."""
-    cfg = _decode.default_config(q_nope.shape[1], q_nope.shape[2], 1 if sparse else ckv_cache.shape[1], q_nope.dtype)
+    """decode.py's config for the chosen kernel: its tiling and split policy, the stage-1 kernel set. The Gluon
+    kernels take the many-head split policy (64-row blocks, one program per SM) whatever the rows."""
+    rows = q_nope.shape[1] if name == "triton" else max(q_nope.shape[1], MANY_HEADS)
+    cfg = _decode.default_config(rows, q_nope.shape[2], 1 if sparse else ckv_cache.shape[1], q_nope.dtype)
     return cfg if name == "triton" else dataclasses.replace(cfg, kernel=name)
 
 
@@ -233,7 +247,8 @@ def _with_zero_rope(q_nope, ckv_cache):
 
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=1, ckv_scale=None):
     """n_query = S > 1: S query tokens per request folded into q's rows ([B, S*H, *], see kernels/decode.py
-    `decode`): the Triton pointer kernel only (FlashInfer and the many-head kernels take one token per request).
+    `decode`): the Gluon TMA / gather kernel or the Triton pointer kernel, by rows (`select_decode_kernel`;
+    FlashMLA, FlashInfer and the seesaw kernel take one token per request).
     An FP8 cache (ckv_scale given, mla_compile/fp8.py): the Triton pointer kernel (`decode_kernel`)."""
     name = decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, n_query=n_query, block_table=block_table).name
     if name == "flashmla":
@@ -242,7 +257,8 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
         return _fi.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
     if name in ("seesaw", "wgmma"):
         cfg = _config(q_nope, ckv_cache, False, name)
-        return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, cfg=cfg)
+        multi = {"n_query": n_query} if n_query > 1 else {}
+        return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, cfg=cfg, **multi)
     if rope_less(q_pe):  # see above: the Triton kernel with a zero rope column
         q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache)
     kwargs = {"n_query": n_query} if n_query > 1 else {}  # a one-token call is the plain kernels' call

@@ -1,6 +1,6 @@
 """S >= 1 query tokens per request on the GPU: `mla::decode` / `mla::sparse_decode` CUDA impls (S folded into the
-Triton pointer kernel's rows; H 128 with S > 1 leaves the Gluon / FlashMLA kernels for it) and the DSA selection
-ops with S > 1, against the float64 references of tests/reference.py; shuffled pages with NaN in every unused slot,
+rows: decode_wgmma's Gluon kernels from 32 rows on an H200, else the Triton pointer kernel, both checked) and the DSA
+selection ops with S > 1, against the float64 references of tests/reference.py; shuffled pages with NaN in every unused slot,
 ragged lengths with empty requests and lengths exactly S; one CUDA-graph capture replayed with new lengths.
 
 Run: python -m pytest -q tests/gpu/test_multi_token_cuda.py
@@ -60,6 +60,23 @@ def test_decode_matches_reference(dtype, S, H, PS):
     out, lse = torch.ops.mla.decode(qn, qp, c, k, bt, sl, SCALE)
     want = ref.ref_decode_multi(qn.cpu(), qp.cpu(), c.cpu(), k.cpu(), bt.cpu(), sl.cpu(), SCALE)
     check(out, lse, want, dtype, qn.shape)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "triton"])
+@pytest.mark.parametrize("PS", [16, 64])
+@pytest.mark.parametrize("H,S", [(16, 2), (16, 4), (24, 3), (8, 8), (128, 2)])
+def test_both_multi_token_kernels_match_reference(H, S, PS, kernel):
+    """Rows = S x H: auto takes decode_wgmma's Gluon kernels from 32 rows (TMA at page 64, gather at 16), with a
+    head block holding rows of several query tokens (H 24 x S 3: 72 rows, a block boundary inside token 2); the
+    pointer kernel asked for serves the same calls."""
+    from mla_compile import tuning
+
+    lens = [0, S, 63, 64, 65, 2000, 4097]
+    qn, qp, c, k, bt, sl = build(lens, S, H, torch.bfloat16, PS, seed=H * S + PS)
+    with tuning.use(tuning.Tuning(decode_kernel=kernel)):
+        out, lse = torch.ops.mla.decode(qn, qp, c, k, bt, sl, SCALE)
+    want = ref.ref_decode_multi(qn.cpu(), qp.cpu(), c.cpu(), k.cpu(), bt.cpu(), sl.cpu(), SCALE)
+    check(out, lse, want, torch.bfloat16, qn.shape)
 
 
 @pytest.mark.parametrize("H", [16, 128])
@@ -132,13 +149,12 @@ def test_cuda_graph_replay_with_new_lengths(H):
 
 
 def test_kernel_choice_for_several_query_tokens():
-    """S > 1 takes the Triton pointer kernel at every head count (the Gluon / TMA / FlashMLA kernels take one query
-    token per request)."""
+    """S > 1 from 32 rows takes decode_wgmma's kernel on an H200 (a limit per row; FlashMLA and the seesaw kernel
+    take one query token per request), fewer rows the pointer kernel."""
     from mla_compile.kernels import dispatch
 
-    if not hasattr(dispatch, "decode_kernel"):
-        pytest.skip("dispatch.decode_kernel (the kernel-selection table) is not in this tree")
+    gluon = torch.cuda.get_device_capability() == (9, 0) and dispatch._wgmma.fits(R, P)
     qn, qp, c, k, bt, sl = build([100], 2, 128, torch.bfloat16, 64, seed=0)
     folded, folded_pe = qn.reshape(1, 256, R), qp.reshape(1, 256, P)  # what mla::decode hands over for S = 2
-    assert dispatch.decode_kernel(folded, folded_pe, c, k, n_query=2).name == "triton"
-    assert dispatch.decode_kernel(folded, folded_pe, c, k, sparse=True, n_query=2).name == "triton"
+    assert dispatch.decode_kernel(folded, folded_pe, c, k, n_query=2).name == ("wgmma" if gluon else "triton")
+    assert dispatch.decode_kernel(folded[:, :16], folded_pe[:, :16], c, k, n_query=2).name == "triton"

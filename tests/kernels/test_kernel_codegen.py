@@ -45,17 +45,18 @@ def test_many_heads_tma_kernel_feeds_warpgroup_mma():
     assert out["spill_bytes"] <= 1024, out["spill_bytes"]  # ptxas' offline count; the H200 reports 0 for this config
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_many_heads_gluon_kernel_computes_each_score_once(dtype):
+@pytest.mark.parametrize("dtype,multi", [("bf16", False), ("fp16", False), ("bf16", True)])
+def test_many_heads_gluon_kernel_computes_each_score_once(dtype, multi):
     """The Gluon kernel (kernels/decode_wgmma.py) exists because Triton laid the score MMA out as 8 warps along
     M (warpsPerCTA [8, 1]): both warpgroups computed the same scores. Here the score MMA must split the tile's
     tokens over the two warpgroups ([4, 2], 32 tokens each) and the output's columns likewise, q and the tiles
-    must fit one SM's shared memory, and nothing may spill."""
+    must fit one SM's shared memory, and nothing may spill. `multi` (several query tokens, a limit per row):
+    the same MMAs, the per-row mask costing no spill."""
     pytest.importorskip("triton.experimental.gluon")
     from mla_compile.kernels import _gluon as G
     from mla_compile.kernels import decode_wgmma as W
 
-    out = aot.wgmma_stage1_sm90(dtype=dtype)
+    out = aot.wgmma_stage1_sm90(dtype=dtype, multi=multi)
     mma_layouts = set(re.findall(MMA_LAYOUT, out["ttgir"]))
     assert mma_layouts == {("[4, 2]", "[16, 32, 16]"), ("[4, 2]", "[16, 128, 16]")}, mma_layouts
     assert "cp.async.bulk.tensor" in out["ptx"], "full tiles are not TMA copies"
@@ -97,13 +98,14 @@ def test_many_heads_seesaw_kernel_gives_each_warpgroup_whole_tiles(dtype):
     assert out["advisories"].count("C7517") <= 1, out["advisories"]
 
 
-@pytest.mark.parametrize("page_size,sparse", [(1, False), (16, False), (1, True)])
-def test_many_heads_gluon_gather_kernel_copies_rows_in_16_byte_async_copies(page_size, sparse):
+@pytest.mark.parametrize("page_size,sparse,multi", [(1, False, False), (16, False, False), (1, True, False),
+                                                    (16, False, True)])
+def test_many_heads_gluon_gather_kernel_copies_rows_in_16_byte_async_copies(page_size, sparse, multi):
     """The Gluon kernel for tiles that are not TMA boxes (pages < 64 tokens, sparse index lists): every cache row
     arrives by 16-byte cp.async whose source size zero-fills masked rows (unused slots may hold NaN), the same
     hand-laid MMAs as the TMA kernel, no spills."""
     pytest.importorskip("triton.experimental.gluon")
-    out = aot.wgmma_stage1_sm90(page_size=page_size, kernel="gather", sparse=sparse)
+    out = aot.wgmma_stage1_sm90(page_size=page_size, kernel="gather", sparse=sparse, multi=multi)
     copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10, %r\d+;", out["ptx"])
     # [64, 256] x 2 latent halves + [64, 64] rope, 16 B each, over 256 threads: 18 per thread and tile, at the
     # prologue's and at the loop's issue

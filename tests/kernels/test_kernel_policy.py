@@ -117,7 +117,16 @@ def select(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_quer
     (dict(flashmla=True, tokens=8 * 8192), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),
     (dict(H=16, flashmla=True), "triton"),  # few heads: ours up to batch 8, within 3% above
     (dict(P=0, flashmla=True), "flashmla"),
-    (dict(flashmla=True, n_query=2), "triton"),  # several query tokens: the pointer kernel only
+    # several query tokens (H = rows = S x heads): FlashMLA and the seesaw kernel take one; from 32 rows decode_wgmma's
+    # kernels with a limit per row, below the pointer kernel
+    (dict(flashmla=True, n_query=2), "wgmma" if GLUON else "triton"),
+    (dict(H=32, n_query=2), "wgmma" if GLUON else "triton"),  # H 16 x S 2
+    (dict(H=64, n_query=4, PS=16, tma_layout=False), "wgmma" if GLUON else "triton"),  # its gather form
+    (dict(H=16, n_query=2), "triton"),  # H 8 x S 2: 16 rows
+    (dict(H=32, n_query=2, sparse=True, PS=1, tma_layout=False), "triton"),
+    (dict(H=32, n_query=2, P=0), "triton"),
+    (dict(H=32, n_query=2, dtype=torch.float32), "triton"),
+    (dict(H=32, n_query=2, cap=A100), "triton"),
     (dict(flashmla=True, cap=(10, 0)), "triton"),  # FlashMLA's dense decode is sm_90's
     # no FlashMLA: H 128, page 64, rope 64 on an H200 -> the warp-specialised Gluon kernel
     (dict(), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),
@@ -134,7 +143,7 @@ def select(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_quer
     (dict(cap=(10, 0)), "triton"),
     (dict(dtype=torch.float32), "triton"),
     (dict(P=0), "triton"),
-    (dict(n_query=4), "triton"),
+    (dict(H=16, n_query=4, cap=(10, 0)), "triton"),
     (dict(R=1024), "triton"),  # q + tiles would not fit shared memory
     (dict(cap="interpreter"), "triton"),  # CPU tensors handed to the kernels: Triton's interpreter
     (dict(cap=None), "torch"),  # CPU tensors at the op: its CPU impl
@@ -157,7 +166,8 @@ def test_auto_is_the_fastest_measured_kernel_per_shape_class(case, want):
     ("flashmla", dict(flashmla=False, H=16), "triton"),
     ("seesaw", dict(H=16), "triton"),
     ("seesaw", dict(PS=16, tma_layout=False), "wgmma" if GLUON else "triton"),
-    ("wgmma", dict(n_query=2), "triton"),
+    ("wgmma", dict(n_query=2, H=16), "triton"),
+    ("seesaw", dict(n_query=2), "wgmma" if GLUON else "triton"),
 ])
 def test_an_asked_for_kernel_runs_where_it_can_else_auto_says_why(asked, case, want):
     choice = D_.select_decode_kernel(*_args(**case), kernel=asked, **_facts(**case))
