@@ -81,6 +81,8 @@ stage_linear() { timeout "${T_LINEAR:-300}" python3 benchmarks/linear_sweep.py "
 stage_wgmma() { echo "wgmma: the phase probe is retired (benchmarks/lab/README.md)"; }
 stage_bench() { timeout "${T_BENCH:-400}" python3 benchmarks/bench_ops.py "$OUT/bench_ops.json" ${BENCH_ARGS:-}; }
 # host (issue 29): host us per eager call of every op, next to FlashInfer / FlashMLA, and a profile of mla.decode
+# multi-token decode (issue 27): S = 1 / 2 / 4 query tokens, auto's kernel and the pointer kernel side by side
+stage_multi() { timeout "${T_MULTI:-200}" python3 benchmarks/multi_token.py "$OUT/multi_token.json"; }
 stage_host() { timeout "${T_HOST:-180}" python3 benchmarks/host_overhead.py "$OUT/host.json" ${HOST_ARGS:-}; }
 
 # DCP (issue 4): torchrun n = 1, 2, 4 (those that fit the GPUs here), then one merged $OUT/dcp.json.
