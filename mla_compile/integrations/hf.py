@@ -267,7 +267,7 @@ if _BaseLayer is not None:
         (the same group; a mismatch is a ValueError). DSA models under DCP keep the indexer keys sharded too.
         fused_rows=True (model-dtype caches): each layer's ckv and kpe are the two column ranges of one
         [NP, PS, R + P] buffer, the K layout FlashMLA reads in place (`kernels/dispatch.select_decode_kernel` takes
-        it there at >= 64 heads and >= 128K tokens per call); our own many-head kernels then read rows by 16-byte
+        it there at >= 64 heads and >= 256K tokens per call); our own many-head kernels then read rows by 16-byte
         copies instead of TMA boxes over the cache.
         """
 

@@ -38,11 +38,13 @@ MANY_HEADS = 64  # the Gluon kernels' head block (one warpgroup MMA's M): fewer 
 # 2026-12-01, B 8 32K: H 16 S 2 1.87x / S 4 2.55x its S 1 time; H 128 S 2 4.92x the seesaw's S 1), while a 64-row
 # Gluon block reads each KV tile once for up to 64 rows at the warpgroup MMA's rate
 MULTI_TOKEN_GLUON_ROWS = 32
-# FlashMLA beats ours where many heads meet many tokens: H200 2026-12-02 (benchmarks/RESULTS.md, CUDA-graph replay,
-# H 128): ours / FlashMLA 1.06-1.36 at batch x kv >= 128K tokens (B 1 128K, B 8 32K-128K, B 32 8K+, B 128 1K+), and
-# 0.59-0.95 below (B 1 up to 32K, B 8 up to 8K, B 32 1K); at H 16 ours is faster up to batch 8 (0.24-0.95) and
-# within 3% above, so few heads keep ours
-FLASHMLA_MIN_TOKENS = 128 * 1024
+# FlashMLA (through kernels/flashmla.py, what auto would run) beats ours where many heads meet many tokens: H200
+# 2026-12-02 (benchmarks/RESULTS.md, CUDA-graph replay, H 128): from 256K tokens (batch x kv) ours takes 1.06-1.31x
+# the adapter's time (B 8 32K 176.8 vs 159.2 us, B 32 8K 178.6 vs 168.7, B 128 32K 2754 vs 2110); at 128K tokens
+# ours is faster (B 1 128K 99.9 vs 104.0, B 128 1K 103.3 vs 138.8: the adapter's q concatenation, schedule and
+# empty-row fix cost ~10 us a call). At H 16 ours is faster or within 3% of the adapter at every shape, so few heads
+# keep ours
+FLASHMLA_MIN_TOKENS = 256 * 1024
 HALF = (torch.float16, torch.bfloat16)
 
 
@@ -75,7 +77,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     |--------------------------------------------------------------------|----------|-----|
     | CPU tensors at the op                                              | torch    | the op's CPU impl (definition) |
     | FlashMLA in place (1), sm_90, dense, 1 query token, H >= 64,       | flashmla | faster than ours there (2) |
-    |   tokens >= FLASHMLA_MIN_TOKENS (128K)                             |          |     |
+    |   tokens >= FLASHMLA_MIN_TOKENS (256K)                             |          |     |
     | sm_90, fp16/bf16, H >= 64, 1 query token, TMA layout (3), P 64     | seesaw   | 1-6% faster than wgmma (4) |
     | sm_90, fp16/bf16, H >= 64, 1 query token, other layouts (5), P > 0 | wgmma    | 1.5-1.6x Triton TMA at H 128 |
     | sm_90, fp16/bf16, n_query > 1, rows >= 32, paged, P > 0 (5)        | wgmma    | a limit per row (7) |
@@ -84,8 +86,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     (1) FlashMLA installed, R 512, P 64 or 0, page 64, fp16/bf16, ckv and kpe the two column ranges of one
         [NP, PS, R + P] buffer (kernels/flashmla.fused_caches); over two separate caches it would copy them every
         call (more bytes than the attention reads).
-    (2) H 128: ours takes 1.06-1.36x its time from 128K tokens (batch x kv) up, 0.59-0.95x below; H 16: ours
-        0.24-0.95x up to batch 8, at most 1.03x above (H200 2026-12-02); FlashInfer 1.04-1.17x FlashMLA.
+    (2) H 128: ours takes 1.06-1.31x the adapter's time from 256K tokens (batch x kv) up and is faster at 128K and
+        below; H 16: ours faster or within 3% everywhere (H200 2026-12-02); FlashInfer 1.04-1.17x FlashMLA.
     (3) pages of whole 64-token tiles viewing as [slots, width]; R/2 a power of two <= 256.
     (4) the warp-specialised kernel: B=8 128K stage 1 669 vs 708 us, 429 TFLOP/s.
     (5) page sizes under 64 or sparse index lists (16-byte aligned rows, R/2 and P >= 64), or P != 64.
@@ -127,7 +129,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
         return Choice(auto.name, f"asked for {kernel}, which cannot serve this call ({cannot[kernel]}); auto: "
                                  f"{auto.reason}")
     if not cannot["flashmla"] and H >= MANY_HEADS and tokens >= FLASHMLA_MIN_TOKENS:
-        return Choice("flashmla", "FlashMLA: faster than ours at many heads and >= 128K tokens per call (H200)")
+        return Choice("flashmla", "FlashMLA: faster than ours at many heads and >= 256K tokens per call (H200)")
     if not cannot["seesaw"]:
         return Choice("seesaw", "many heads on sm_90, TMA layout, rope 64: the warp-specialised Gluon kernel")
     if not cannot["wgmma"]:

@@ -185,12 +185,12 @@ def test_unsupported_shapes_say_why(case):
                   torch.zeros(2, 1, dtype=torch.int32, device=dev), torch.ones(2, dtype=torch.int32, device=dev), 0.1)
 
 
-def test_auto_takes_flashmla_on_a_fused_rows_cache_from_128k_tokens():
+def test_auto_takes_flashmla_on_a_fused_rows_cache_from_256k_tokens():
     """MLAPagedCache(fused_rows=True)'s layer buffers are FlashMLA's K layout: auto runs FlashMLA there at many heads
-    and >= 128K tokens per call (dispatch.FLASHMLA_MIN_TOKENS), ours below; both match the float64 reference."""
+    and >= 256K tokens per call (dispatch.FLASHMLA_MIN_TOKENS), ours below; both match the float64 reference."""
     from mla_compile.kernels import dispatch
 
-    H, B, pages = 128, 2, 1024  # 2 x 1024 pages x 64 tokens: 128K tokens of capacity
+    H, B, pages = 128, 2, 2048  # 2 x 2048 pages x 64 tokens: 256K tokens of capacity
     g = torch.Generator(device=DEV).manual_seed(3)
     rows = torch.randn(B * pages, PS, R + P, dtype=torch.bfloat16, device=DEV, generator=g)
     ckv, kpe = rows[..., :R], rows[..., R:]

@@ -111,10 +111,11 @@ def select(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_quer
 
 @pytest.mark.parametrize("case,want", [
     # FlashMLA where it is installed, takes the call, reads the caches in place, and is faster than ours: many
-    # heads and >= 128K tokens per call (batch x capacity; H200 2026-12-02)
+    # heads and >= 256K tokens per call (batch x capacity; H200 2026-12-02)
     (dict(flashmla=True), "flashmla"),
     (dict(flashmla=True, tokens=32 * 8192), "flashmla"),
     (dict(flashmla=True, tokens=8 * 8192), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),
+    (dict(flashmla=True, tokens=128 * 1024), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),
     (dict(H=16, flashmla=True), "triton"),  # few heads: ours up to batch 8, within 3% above
     (dict(P=0, flashmla=True), "flashmla"),
     # several query tokens (H = rows = S x heads): FlashMLA and the seesaw kernel take one; from 32 rows decode_wgmma's
@@ -334,10 +335,10 @@ def test_flashmla_only_where_it_reads_the_caches_in_place(monkeypatch):
     assert D_.decode_kernel(q_nope, q_pe, ckv, kpe).name != "flashmla"
     ckv2, kpe2 = flashmla.fused_caches(4, 64, 512, 64, BF16, "cpu")
     assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2).name != "flashmla"  # 256 tokens: ours is faster
-    big = torch.zeros(2, 1024, dtype=torch.int32)  # a block table of 2 x 1024 pages x 64 tokens: 128K tokens
+    big = torch.zeros(2, 2048, dtype=torch.int32)  # a block table of 2 x 2048 pages x 64 tokens: 256K tokens
     assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2, block_table=big).name == "flashmla"
-    assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2, block_table=big[:, :512]).name != "flashmla"
-    ckv2, kpe2 = flashmla.fused_caches(2048, 64, 512, 64, BF16, "cpu")  # no table: the whole cache bounds it
+    assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2, block_table=big[:, :1024]).name != "flashmla"
+    ckv2, kpe2 = flashmla.fused_caches(4096, 64, 512, 64, BF16, "cpu")  # no table: the whole cache bounds it
     assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2).name == "flashmla"
     assert D_.decode_kernel(*_cpu_call(H=16)[:2], ckv2, kpe2).name == "triton"  # few heads: ours
     assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2, kernel="triton").name == "triton"
