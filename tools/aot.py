@@ -96,7 +96,7 @@ def wgmma_stage1_sm90(R: int = 512, P: int = 64, page_size: int = 64, dtype: str
                       sparse: bool = False, multi: bool = False) -> dict:
     """A Gluon many-head stage-1 kernel compiled for sm_90a: `kernel` "wgmma" decode_wgmma.py's TMA kernel,
     "gather" its gather kernel (pages smaller than a tile; `sparse` index lists), "seesaw" the warp-specialised
-    one (decode_seesaw.py); `multi`: decode_wgmma's build for several query tokens per request (a limit per row)."""
+    one (decode_seesaw.py); `multi`: the build for several query tokens per request (a limit per row)."""
     from triton.experimental.gluon import language as gl
 
     from mla_compile.kernels import decode_seesaw as S
@@ -109,7 +109,7 @@ def wgmma_stage1_sm90(R: int = 512, P: int = 64, page_size: int = 64, dtype: str
             for name, width in (("CkvDesc", R // 2), ("KpeDesc", P))}
     desc.update({name: f"*{dtype}" for name in ("Qn", "Qp", "Ckv", "Kpe")})
     if kernel == "seesaw":  # 4 + 4 + 1 warps
-        return compile_sm90(S._stage1_seesaw_kernel, S.constexprs(R, P, page_size), desc, S.NUM_WARPS, 1,
+        return compile_sm90(S._stage1_seesaw_kernel, S.constexprs(R, P, page_size, multi), desc, S.NUM_WARPS, 1,
                             gluon=True)
     if kernel == "gather":
         return compile_sm90(W._stage1_gather_kernel, W.gather_constexprs(R, P, page_size, sparse, multi), desc,

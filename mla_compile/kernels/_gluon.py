@@ -86,6 +86,24 @@ if gluon is not None:
         return start, end, gl.maximum(end - start, 0) // BLOCK_N
 
     @gluon.jit
+    def block_token_end(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal, BLOCK_H: gl.constexpr):
+        """Several query tokens per request folded into the rows (row j * heads_per_query + h: head h of query
+        token j; kernels/_util.query_limit_args has the two forms of Lens): the end of this head block's token
+        range, its last row's limit (limits grow with the query token)."""
+        last = (gl.minimum(hb * BLOCK_H + BLOCK_H, H) - 1) // heads_per_query
+        return gl.maximum(gl.load(Lens + b * s_lenb + last * s_lenq) + causal * (last - n_query + 1), 0)
+
+    @gluon.jit
+    def row_limits(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal, layout: gl.constexpr,
+                   BLOCK_H: gl.constexpr):
+        """Each row's limit in `layout` (the row sees tokens t < limit; rows past H none): Lens[b * s_lenb +
+        j * s_lenq] + causal * (j - n_query + 1) for query token j."""
+        oh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=layout)
+        tok = oh // heads_per_query
+        limit = gl.load(Lens + b * s_lenb + tok * s_lenq, mask=oh < H, other=0) + causal * (tok - n_query + 1)
+        return gl.where(oh < H, limit, 0)
+
+    @gluon.jit
     def q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt: gl.constexpr, RH: gl.constexpr,
                   P: gl.constexpr, BLOCK_H: gl.constexpr, LD: gl.constexpr):
         """q's latent halves and rope part of this head block into shared memory, once: the A operand of every

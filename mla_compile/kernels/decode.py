@@ -441,13 +441,14 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, 
         l = torch.empty((ns, B, H), dtype=torch.float32, device=q_nope.device)
         s_on, s_ln = o.stride(0), l.stride(0)
     sparse = indices is not None
-    # several query tokens: the pointer kernel or decode_wgmma's (their rows carry per-token limits; the Triton TMA
-    # and seesaw kernels take one limit per request)
+    # several query tokens: the pointer kernel or a Gluon one (their rows carry per-token limits; the Triton TMA
+    # kernel takes one limit per request)
     if fp8:  # the pointer kernel dequantizes its tiles; the TMA and Gluon kernels read fp16/bf16 caches only
         _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, o, l, s_on,
                         s_ln, ns, cfg, n_query, ckv_scale)
-    elif not multi and cfg.kernel == "seesaw":
-        _seesaw.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns)
+    elif cfg.kernel == "seesaw":
+        _seesaw.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
+                       n_query=n_query)
     elif cfg.kernel == "wgmma":
         _wgmma.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
                       indices=indices, n_query=n_query)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 
 from . import _gluon as G
-from ._util import cdiv
+from ._util import cdiv, query_limit_args
 from ._launch import fast
 
 if G.gluon is not None:
@@ -88,12 +88,16 @@ if G.gluon is not None:
         buf.store(gl.where((rows < end)[:, None], v, gl.zeros_like(v)))
 
     @gluon.jit
-    def _softmax_tile(s, t0, end, m_prev, scale_log2, S_L: gl.constexpr):
-        """Scores of tokens [t0, t0 + BLOCK_N) (those >= end masked) against the running max m_prev: (m_new, alpha
-        = the rescale of what was accumulated under m_prev, p = exp2 of the scores under m_new, unnormalised)."""
+    def _softmax_tile(s, t0, end, limit, m_prev, scale_log2, S_L: gl.constexpr, MULTI: gl.constexpr):
+        """Scores of tokens [t0, t0 + BLOCK_N) (those >= end masked; MULTI: also those >= the row's own limit)
+        against the running max m_prev: (m_new, alpha = the rescale of what was accumulated under m_prev, p = exp2
+        of the scores under m_new, unnormalised)."""
         n: gl.constexpr = s.shape[1]
-        valid = (t0 + gl.arange(0, n, layout=gl.SliceLayout(0, S_L))) < end
-        s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
+        t = t0 + gl.arange(0, n, layout=gl.SliceLayout(0, S_L))
+        mask = (t < end)[None, :]
+        if MULTI:
+            mask = mask & (t[None, :] < limit[:, None])
+        s = gl.where(mask, s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_prev, gl.max(s, 1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no token stay NaN-free
         return m_new, gl.exp2(m_prev - m_use), gl.exp2(s - m_use[:, None])
@@ -143,10 +147,12 @@ if G.gluon is not None:
     @gluon.jit
     def _seesaw_warpgroup(WG: gl.constexpr, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x,
                           l_ready, O, L, b, hb, split, H, start, end, n_tiles, scale_log2,
-                          s_on, s_ob, s_oh, s_ln, s_lb, s_lh, RH: gl.constexpr):
+                          s_on, s_ob, s_oh, s_ln, s_lb, s_lh, Lens, n_query, heads_per_query, s_lenb, s_lenq,
+                          causal, RH: gl.constexpr, MULTI: gl.constexpr):
         """Warpgroup WG's side of the seesaw (module docstring): it scores the tiles of slot WG and owns output
         columns [WG * RH, (WG + 1) * RH). p_ready[w] / m_x[w]: warpgroup w's p and running max of this pair of
-        tiles are in shared memory (p in slot w's rope buffer)."""
+        tiles are in shared memory (p in slot w's rope buffer). MULTI: several query tokens per request in the
+        rows, each row masked at its own limit (`_gluon.row_limits`)."""
         gl.static_assert(gl.num_warps() == 4, "one warpgroup")
         BLOCK_H: gl.constexpr = q0_s.shape[0]
         BLOCK_N: gl.constexpr = c0_s.shape[1]
@@ -164,6 +170,10 @@ if G.gluon is not None:
             c_own = c1_s
         dt: gl.constexpr = c0_s.dtype
 
+        if MULTI:
+            limit = G.row_limits(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal, ROW, BLOCK_H)
+        else:
+            limit = end  # unread
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW)
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=ROW)
         acc = gl.zeros([BLOCK_H, RH], gl.float32, layout=O_L)
@@ -191,7 +201,7 @@ if G.gluon is not None:
             s = warpgroup_mma(q1_s, c1_s.index(WG).permute((1, 0)), s, is_async=True)
             if WG == 0:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                m_a, alpha, p = _softmax_tile(s, t_own, end, m_i, scale_log2, S_L)
+                m_a, alpha, p = _softmax_tile(s, t_own, end, limit, m_i, scale_log2, S_L, MULTI)
                 k_s.index(0).store(p.to(dt))  # the rope part of tile A is dead once its scores are done
                 m_x.index(0).store(m_a)
                 fence_async_shared()
@@ -216,7 +226,7 @@ if G.gluon is not None:
                 acc = warpgroup_mma(k_s.index(0), c_own.index(0), acc, is_async=True)  # p_A from shared memory
                 # the softmax of tile B runs while p_A.c1_A is on the tensor cores
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-                m_b, alpha_b, p = _softmax_tile(s, t_own, end, m_a, scale_log2, S_L)
+                m_b, alpha_b, p = _softmax_tile(s, t_own, end, limit, m_a, scale_log2, S_L, MULTI)
                 k_s.index(1).store(p.to(dt))
                 m_x.index(1).store(m_b)
                 fence_async_shared()
@@ -258,8 +268,9 @@ if G.gluon is not None:
                               scale_log2, H,
                               s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
                               s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
-                              n_splits, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
-                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
+                              n_splits, n_query, heads_per_query, s_lenb, s_lenq, causal,
+                              PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
+                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, MULTI: gl.constexpr = False):
         gl.static_assert(P == BLOCK_N, "p [heads, tokens] reuses the [tokens, rope] buffer")
         gl.static_assert(BLOCK_H == BLOCK_N)
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -267,7 +278,11 @@ if G.gluon is not None:
         hb = gl.program_id(0)
         b = gl.program_id(1).to(gl.int64)
         split = gl.program_id(2)
-        start, end, _ = G.split_bounds(gl.load(Lens + b), split, n_splits, BLOCK_N)
+        if MULTI:  # the block's token range runs to its last row's limit; each row masks the rest
+            n = G.block_token_end(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal, BLOCK_H)
+        else:
+            n = gl.load(Lens + b)
+        start, end, _ = G.split_bounds(n, split, n_splits, BLOCK_N)
         n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
         q0_s, q1_s, qp_s = G.q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt, RH, P, BLOCK_H, LD)
         c0_s = gl.allocate_shared_memory(dt, [2, BLOCK_N, RH], CkvDesc.layout)
@@ -294,22 +309,23 @@ if G.gluon is not None:
         gl.warp_specialize([
             (_seesaw_warpgroup, (0, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O, L,
                                  b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
-                                 RH)),
+                                 Lens, n_query, heads_per_query, s_lenb, s_lenq, causal, RH, MULTI)),
             (_seesaw_warpgroup, (1, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O, L,
                                  b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
-                                 RH)),
+                                 Lens, n_query, heads_per_query, s_lenb, s_lenq, causal, RH, MULTI)),
             (_seesaw_loader, (CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles, PS,
                               RH)),
         ], [4, 1], [WG_REGS, LOADER_REGS])
 
 
-def constexprs(R: int, P: int, page_size: int) -> dict:
+def constexprs(R: int, P: int, page_size: int, multi: bool = False) -> dict:
     """The kernel's compile-time arguments (shared with tools/aot.py's codegen check)."""
-    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N)
+    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, MULTI=multi)
 
 
-def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns):
-    """decode_wgmma.launch's contract, for its TMA layout with rope width 64 (`fits`)."""
+def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
+           n_query: int = 1):
+    """decode_wgmma.launch's contract (n_query included), for its TMA layout with rope width 64 (`fits`)."""
     B, H, R = q_nope.shape
     PS = ckv_cache.shape[1]
     P = kpe_cache.shape[2]
@@ -317,4 +333,5 @@ def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
     return fast(_stage1_seesaw_kernel)[(cdiv(H, BLOCK_H), B, ns)](
         q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
         sm_scale * G.LOG2E, H, *G.strides(q_nope, q_pe, ckv_cache, kpe_cache, block_table, o, l, s_on, s_ln, ns),
-        **constexprs(R, P, PS), num_warps=NUM_WARPS, maxnreg=MAX_REGS)
+        *query_limit_args(seq_lens, n_query, H), **constexprs(R, P, PS, n_query > 1), num_warps=NUM_WARPS,
+        maxnreg=MAX_REGS)

@@ -111,21 +111,6 @@ if G.gluon is not None:
         tma.async_copy_global_to_shared(desc_k, [row, 0], bar, k_t)
 
     @gluon.jit
-    def _row_limits(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal, layout: gl.constexpr,
-                    BLOCK_H: gl.constexpr):
-        """Several query tokens per request folded into the rows (row j * heads_per_query + h: head h of query
-        token j): each row's limit (it sees tokens t < limit; rows past H none) in `layout`, and the block's token
-        range end, its last row's limit (limits grow with the query token). kernels/_util.query_limit_args has the
-        two forms of Lens."""
-        oh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=layout)
-        tok = oh // heads_per_query
-        limit = gl.load(Lens + b * s_lenb + tok * s_lenq, mask=oh < H, other=0) + causal * (tok - n_query + 1)
-        limit = gl.where(oh < H, limit, 0)
-        last = (gl.minimum(hb * BLOCK_H + BLOCK_H, H) - 1) // heads_per_query
-        n = gl.maximum(gl.load(Lens + b * s_lenb + last * s_lenq) + causal * (last - n_query + 1), 0)
-        return limit, n
-
-    @gluon.jit
     def _store_partial(O, L, b, hb, split, H, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, m_i, l_i, acc0, acc1,
                        RH: gl.constexpr, BLOCK_H: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):
         """This split's normalised out and natural-log lse (-inf, out 0 when it saw no token); l_i is the
@@ -153,7 +138,7 @@ if G.gluon is not None:
                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                              MULTI: gl.constexpr = False):
         """MULTI: several query tokens per request folded into the rows, each row with its own limit
-        (`_row_limits`): every tile is masked per row. Else one length per request, full tiles unmasked."""
+        (`_gluon.row_limits`): every tile is masked per row. Else one length per request, full tiles unmasked."""
         gl.static_assert(gl.num_warps() == 8, "two warpgroups")
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, BLOCK_N // 2, 16])
@@ -166,8 +151,9 @@ if G.gluon is not None:
         b = gl.program_id(1).to(gl.int64)
         split = gl.program_id(2)
         if MULTI:
-            limit, n = _row_limits(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal,
-                                   gl.SliceLayout(1, S_L), BLOCK_H)
+            n = G.block_token_end(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal, BLOCK_H)
+            limit = G.row_limits(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal,
+                                 gl.SliceLayout(1, S_L), BLOCK_H)
         else:
             n = gl.load(Lens + b)
         start, end, n_full = G.split_bounds(n, split, n_splits, BLOCK_N)
@@ -310,8 +296,9 @@ if G.gluon is not None:
         if SPARSE:
             n = n_sparse
         elif MULTI:
-            limit, n = _row_limits(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal,
-                                   gl.SliceLayout(1, S_L), BLOCK_H)
+            n = G.block_token_end(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal, BLOCK_H)
+            limit = G.row_limits(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal,
+                                 gl.SliceLayout(1, S_L), BLOCK_H)
         else:
             n = gl.load(Lens + b)
         start, end, n_full = G.split_bounds(n, split, n_splits, BLOCK_N)

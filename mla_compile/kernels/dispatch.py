@@ -78,9 +78,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     | CPU tensors at the op                                              | torch    | the op's CPU impl (definition) |
     | FlashMLA in place (1), sm_90, dense, 1 query token, H >= 64,       | flashmla | faster than ours there (2) |
     |   tokens >= FLASHMLA_MIN_TOKENS (256K)                             |          |     |
-    | sm_90, fp16/bf16, H >= 64, 1 query token, TMA layout (3), P 64     | seesaw   | 1-6% faster than wgmma (4) |
-    | sm_90, fp16/bf16, H >= 64, 1 query token, other layouts (5), P > 0 | wgmma    | 1.5-1.6x Triton TMA at H 128 |
-    | sm_90, fp16/bf16, n_query > 1, rows >= 32, paged, P > 0 (5)        | wgmma    | a limit per row (7) |
+    | sm_90, fp16/bf16, Gluon rows (7), TMA layout (3), P 64             | seesaw   | 1-6% faster than wgmma (4) |
+    | sm_90, fp16/bf16, Gluon rows (7), other layouts (5), P > 0         | wgmma    | 1.5-1.6x Triton TMA at H 128 |
     | the rest: H < 64, not sm_90, fp32, P = 0, rows < 32                | triton   | memory-bound few heads (6) |
 
     (1) FlashMLA installed, R 512, P 64 or 0, page 64, fp16/bf16, ckv and kpe the two column ranges of one
@@ -93,7 +92,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     (5) page sizes under 64 or sparse index lists (16-byte aligned rows, R/2 and P >= 64), or P != 64.
     (6) split-KV Triton kernels at 0.79-0.92 of copy bandwidth; the kernel for P = 0 (a zero rope column) and for
         several query tokens of few rows.
-    (7) H is the rows (n_query x heads); MULTI_TOKEN_GLUON_ROWS says why.
+    (7) H >= 64 with one query token; with n_query > 1 (paged), H is the rows (n_query x heads) and from 32 of them
+        the Gluon kernels take the call, each row with its own causal limit: MULTI_TOKEN_GLUON_ROWS says why.
 
     FlashInfer is never auto's: at H 128 it is faster than ours but slower than FlashMLA, and its cached
     workspace broke torch.compile's cudagraph-tree pool check (H200 2026-11-30); asked for, it serves eager calls.
@@ -111,8 +111,9 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
                     "FlashMLA: needs flash_mla on sm_90, one query token, a paged cache it reads in place",
         "flashinfer": "" if flashinfer and one_dense and P > 0 else
                       "FlashInfer: needs it installed, R 512, P > 0, one query token, no CUDA-graph capture",
-        "seesaw": "" if gluon and n_query == 1 and tma_layout and _seesaw.fits(R, P) else
-                  "seesaw: needs sm_90, fp16/bf16, >= 64 heads, one query token, pages of whole 64-token tiles, P 64",
+        "seesaw": "" if gluon and tma_layout and _seesaw.fits(R, P) else
+                  "seesaw: needs sm_90, fp16/bf16, >= 64 heads (several query tokens: >= 32 rows), pages of whole "
+                  "64-token tiles, P 64",
         "wgmma": "" if gluon and (tma_layout or (rows_aligned and _wgmma.gather_fits(R, P))) else
                  "wgmma: needs sm_90, fp16/bf16, >= 64 heads (several query tokens: >= 32 rows), power-of-two R/2 "
                  "and P, aligned rows",

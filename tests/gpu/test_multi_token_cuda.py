@@ -1,5 +1,5 @@
 """S >= 1 query tokens per request on the GPU: `mla::decode` / `mla::sparse_decode` CUDA impls (S folded into the
-rows: decode_wgmma's Gluon kernels from 32 rows on an H200, else the Triton pointer kernel, both checked) and the DSA
+rows: the Gluon kernels from 32 rows on an H200, else the Triton pointer kernel, each checked) and the DSA
 selection ops with S > 1, against the float64 references of tests/reference.py; shuffled pages with NaN in every unused slot,
 ragged lengths with empty requests and lengths exactly S; one CUDA-graph capture replayed with new lengths.
 
@@ -62,13 +62,13 @@ def test_decode_matches_reference(dtype, S, H, PS):
     check(out, lse, want, dtype, qn.shape)
 
 
-@pytest.mark.parametrize("kernel", ["auto", "triton"])
+@pytest.mark.parametrize("kernel", ["auto", "wgmma", "triton"])
 @pytest.mark.parametrize("PS", [16, 64])
 @pytest.mark.parametrize("H,S", [(16, 2), (16, 4), (24, 3), (8, 8), (128, 2)])
 def test_both_multi_token_kernels_match_reference(H, S, PS, kernel):
-    """Rows = S x H: auto takes decode_wgmma's Gluon kernels from 32 rows (TMA at page 64, gather at 16), with a
-    head block holding rows of several query tokens (H 24 x S 3: 72 rows, a block boundary inside token 2); the
-    pointer kernel asked for serves the same calls."""
+    """Rows = S x H: auto takes the Gluon kernels from 32 rows (seesaw at page 64, decode_wgmma's gather kernel at
+    16), with a head block holding rows of several query tokens (H 24 x S 3: 72 rows, a block boundary inside token
+    2); decode_wgmma's TMA kernel and the pointer kernel asked for serve the same calls."""
     from mla_compile import tuning
 
     lens = [0, S, 63, 64, 65, 2000, 4097]
@@ -149,12 +149,13 @@ def test_cuda_graph_replay_with_new_lengths(H):
 
 
 def test_kernel_choice_for_several_query_tokens():
-    """S > 1 from 32 rows takes decode_wgmma's kernel on an H200 (a limit per row; FlashMLA and the seesaw kernel
-    take one query token per request), fewer rows the pointer kernel."""
+    """S > 1 from 32 rows takes a Gluon kernel on an H200 (a limit per row; FlashMLA takes one query token per
+    request), fewer rows the pointer kernel."""
     from mla_compile.kernels import dispatch
 
     gluon = torch.cuda.get_device_capability() == (9, 0) and dispatch._wgmma.fits(R, P)
     qn, qp, c, k, bt, sl = build([100], 2, 128, torch.bfloat16, 64, seed=0)
     folded, folded_pe = qn.reshape(1, 256, R), qp.reshape(1, 256, P)  # what mla::decode hands over for S = 2
-    assert dispatch.decode_kernel(folded, folded_pe, c, k, n_query=2).name == ("wgmma" if gluon else "triton")
+    assert dispatch.decode_kernel(folded, folded_pe, c, k, n_query=2).name in (("seesaw", "wgmma") if gluon else
+                                                                               ("triton",))
     assert dispatch.decode_kernel(folded[:, :16], folded_pe[:, :16], c, k, n_query=2).name == "triton"

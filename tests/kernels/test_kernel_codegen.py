@@ -69,8 +69,8 @@ def test_many_heads_gluon_kernel_computes_each_score_once(dtype, multi):
     assert out["shared_bytes"] >= W.smem_bytes(512, 64) - 64  # q, both stages and p are all there
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_many_heads_seesaw_kernel_gives_each_warpgroup_whole_tiles(dtype):
+@pytest.mark.parametrize("dtype,multi", [("bf16", False), ("fp16", False), ("bf16", True)])
+def test_many_heads_seesaw_kernel_gives_each_warpgroup_whole_tiles(dtype, multi):
     """The warp-specialised kernel (kernels/decode_seesaw.py): each warpgroup scores whole 64-token tiles (an
     m64n64 MMA over one warpgroup, [4, 1]) and accumulates one latent half (m64n256), a one-warp partition issues
     the TMA copies, and the register file is split between the partitions (setmaxnreg)."""
@@ -78,7 +78,7 @@ def test_many_heads_seesaw_kernel_gives_each_warpgroup_whole_tiles(dtype):
     from mla_compile.kernels import _gluon as G
     from mla_compile.kernels import decode_seesaw as S
 
-    out = aot.wgmma_stage1_sm90(dtype=dtype, kernel="seesaw")
+    out = aot.wgmma_stage1_sm90(dtype=dtype, kernel="seesaw", multi=multi)
     mma_layouts = set(re.findall(MMA_LAYOUT, out["ttgir"]))
     assert mma_layouts == {("[4, 1]", "[16, 64, 16]"), ("[4, 1]", "[16, 256, 16]")}, mma_layouts
     ptx = out["ptx"]

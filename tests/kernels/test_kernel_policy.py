@@ -118,10 +118,10 @@ def select(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_quer
     (dict(flashmla=True, tokens=128 * 1024), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),
     (dict(H=16, flashmla=True), "triton"),  # few heads: ours up to batch 8, within 3% above
     (dict(P=0, flashmla=True), "flashmla"),
-    # several query tokens (H = rows = S x heads): FlashMLA and the seesaw kernel take one; from 32 rows decode_wgmma's
-    # kernels with a limit per row, below the pointer kernel
-    (dict(flashmla=True, n_query=2), "wgmma" if GLUON else "triton"),
-    (dict(H=32, n_query=2), "wgmma" if GLUON else "triton"),  # H 16 x S 2
+    # several query tokens (H = rows = S x heads): FlashMLA takes one; from 32 rows the Gluon kernels with a limit per
+    # row (seesaw on the TMA layout, wgmma's gather form elsewhere), below the pointer kernel
+    (dict(flashmla=True, n_query=2), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),
+    (dict(H=32, n_query=2), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),  # H 16 x S 2
     (dict(H=64, n_query=4, PS=16, tma_layout=False), "wgmma" if GLUON else "triton"),  # its gather form
     (dict(H=16, n_query=2), "triton"),  # H 8 x S 2: 16 rows
     (dict(H=32, n_query=2, sparse=True, PS=1, tma_layout=False), "triton"),
@@ -168,7 +168,8 @@ def test_auto_is_the_fastest_measured_kernel_per_shape_class(case, want):
     ("seesaw", dict(H=16), "triton"),
     ("seesaw", dict(PS=16, tma_layout=False), "wgmma" if GLUON else "triton"),
     ("wgmma", dict(n_query=2, H=16), "triton"),
-    ("seesaw", dict(n_query=2), "wgmma" if GLUON else "triton"),
+    ("seesaw", dict(n_query=2), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),
+    ("wgmma", dict(n_query=2, H=32), "wgmma" if GLUON else "triton"),
 ])
 def test_an_asked_for_kernel_runs_where_it_can_else_auto_says_why(asked, case, want):
     choice = D_.select_decode_kernel(*_args(**case), kernel=asked, **_facts(**case))
