@@ -33,10 +33,12 @@ from . import merge as _merge
 from .few_token import few_token_rows
 
 MANY_HEADS = 64  # the Gluon kernels' head block (one warpgroup MMA's M): fewer heads would leave it part empty
-# several query tokens per request (rows = S x heads): the Gluon TMA / gather kernel from 32 rows (H 16 x S 2) on,
-# a limit per row. The Triton pointer kernel's multi-token tiling is compute- or latency-bound there (H200
-# 2026-12-01, B 8 32K: H 16 S 2 1.87x / S 4 2.55x its S 1 time; H 128 S 2 4.92x the seesaw's S 1), while a 64-row
-# Gluon block reads each KV tile once for up to 64 rows at the warpgroup MMA's rate
+# several query tokens per request (rows = S x heads): the Gluon kernels from 32 rows (H 16 x S 2) on, a limit per
+# row; a 64-row block reads each KV tile once for all its rows at the warpgroup MMA's rate. H200 2026-12-02, B 8 32K,
+# CUDA-graph replay (benchmarks/RESULTS.md): H 16 S 2 / S 4 decode_wgmma 94.5 / 103.8 us (S 1 88.4), the seesaw
+# kernel 113.2 / 118.1, the Triton pointer kernel 166.7 / 228.9; H 128 S 2 / S 4 the seesaw 310.0 / 589.3 (S 1
+# 168.8), decode_wgmma 337.4 / 679.7, the pointer kernel 841.5 / 1659.2. So one head block (<= 64 rows) takes
+# decode_wgmma, more the seesaw
 MULTI_TOKEN_GLUON_ROWS = 32
 # FlashMLA (through kernels/flashmla.py, what auto would run) beats ours where many heads meet many tokens: H200
 # 2026-12-02 (benchmarks/RESULTS.md, CUDA-graph replay, H 128): from 256K tokens (batch x kv) ours takes 1.06-1.31x
@@ -78,7 +80,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     | CPU tensors at the op                                              | torch    | the op's CPU impl (definition) |
     | FlashMLA in place (1), sm_90, dense, 1 query token, H >= 64,       | flashmla | faster than ours there (2) |
     |   tokens >= FLASHMLA_MIN_TOKENS (256K)                             |          |     |
-    | sm_90, fp16/bf16, Gluon rows (7), TMA layout (3), P 64             | seesaw   | 1-6% faster than wgmma (4) |
+    | sm_90, fp16/bf16, Gluon rows (7), TMA layout (3), P 64 (8)         | seesaw   | 1-6% faster than wgmma (4) |
     | sm_90, fp16/bf16, Gluon rows (7), other layouts (5), P > 0         | wgmma    | 1.5-1.6x Triton TMA at H 128 |
     | the rest: H < 64, not sm_90, fp32, P = 0, rows < 32                | triton   | memory-bound few heads (6) |
 
@@ -94,6 +96,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
         several query tokens of few rows.
     (7) H >= 64 with one query token; with n_query > 1 (paged), H is the rows (n_query x heads) and from 32 of them
         the Gluon kernels take the call, each row with its own causal limit: MULTI_TOKEN_GLUON_ROWS says why.
+    (8) several query tokens in one head block (<= 64 rows): wgmma, 12-16% faster there (MULTI_TOKEN_GLUON_ROWS).
 
     FlashInfer is never auto's: at H 128 it is faster than ours but slower than FlashMLA, and its cached
     workspace broke torch.compile's cudagraph-tree pool check (H200 2026-11-30); asked for, it serves eager calls.
@@ -131,8 +134,9 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
                                  f"{auto.reason}")
     if not cannot["flashmla"] and H >= MANY_HEADS and tokens >= FLASHMLA_MIN_TOKENS:
         return Choice("flashmla", "FlashMLA: faster than ours at many heads and >= 256K tokens per call (H200)")
-    if not cannot["seesaw"]:
-        return Choice("seesaw", "many heads on sm_90, TMA layout, rope 64: the warp-specialised Gluon kernel")
+    if not cannot["seesaw"] and (n_query == 1 or H > MANY_HEADS):
+        return Choice("seesaw", ("several query tokens in more than one head block" if n_query > 1 else "many heads")
+                      + " on sm_90, TMA layout, rope 64: the warp-specialised Gluon kernel")
     if not cannot["wgmma"]:
         return Choice("wgmma", ("several query tokens, a limit per row" if n_query > 1 else "many heads")
                       + " on sm_90: the Gluon warpgroup-MMA kernel ("

@@ -66,9 +66,10 @@ def test_decode_matches_reference(dtype, S, H, PS):
 @pytest.mark.parametrize("PS", [16, 64])
 @pytest.mark.parametrize("H,S", [(16, 2), (16, 4), (24, 3), (8, 8), (128, 2)])
 def test_both_multi_token_kernels_match_reference(H, S, PS, kernel):
-    """Rows = S x H: auto takes the Gluon kernels from 32 rows (seesaw at page 64, decode_wgmma's gather kernel at
-    16), with a head block holding rows of several query tokens (H 24 x S 3: 72 rows, a block boundary inside token
-    2); decode_wgmma's TMA kernel and the pointer kernel asked for serve the same calls."""
+    """Rows = S x H: auto takes the Gluon kernels from 32 rows (page 64: decode_wgmma's TMA kernel for one head block,
+    the seesaw for more; page 16: decode_wgmma's gather kernel), with a head block holding rows of several query
+    tokens (H 24 x S 3: 72 rows, a block boundary inside token 2); decode_wgmma and the pointer kernel asked for
+    serve the same calls."""
     from mla_compile import tuning
 
     lens = [0, S, 63, 64, 65, 2000, 4097]

@@ -119,9 +119,12 @@ def select(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_quer
     (dict(H=16, flashmla=True), "triton"),  # few heads: ours up to batch 8, within 3% above
     (dict(P=0, flashmla=True), "flashmla"),
     # several query tokens (H = rows = S x heads): FlashMLA takes one; from 32 rows the Gluon kernels with a limit per
-    # row (seesaw on the TMA layout, wgmma's gather form elsewhere), below the pointer kernel
-    (dict(flashmla=True, n_query=2), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),
-    (dict(H=32, n_query=2), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),  # H 16 x S 2
+    # row (one head block: decode_wgmma; more on the TMA layout: the seesaw; wgmma's gather form elsewhere), below 32
+    # the pointer kernel
+    (dict(flashmla=True, n_query=2), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),  # 128 rows: two head blocks, the seesaw
+    (dict(H=32, n_query=2), "wgmma" if GLUON else "triton"),  # H 16 x S 2: one block, decode_wgmma faster
+    (dict(H=64, n_query=4), "wgmma" if GLUON else "triton"),  # H 16 x S 4
+    (dict(H=256, n_query=2), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),  # H 128 x S 2
     (dict(H=64, n_query=4, PS=16, tma_layout=False), "wgmma" if GLUON else "triton"),  # its gather form
     (dict(H=16, n_query=2), "triton"),  # H 8 x S 2: 16 rows
     (dict(H=32, n_query=2, sparse=True, PS=1, tma_layout=False), "triton"),
