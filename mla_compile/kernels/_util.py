@@ -13,17 +13,6 @@ import triton.language as tl
 # Host-side integer helpers. Triton 3.6's triton.cdiv / triton.next_power_of_2 are constexpr functions: a host call
 # goes through their argument unwrapping, ~5 us each on one CPU core, and a decode call made nine of them
 # (benchmarks/host_overhead.py). Same results (next_power_of_2(0) is 0, as Triton's).
-def query_limit_args(seq_lens, n_query: int, rows: int) -> tuple:
-    """The stage-1 kernels' row-limit arguments for `rows` = n_query * heads rows per request (row j * heads + h is
-    head h of query token j): (n_query, heads, s_lenb, s_lenq, causal). Row j sees tokens t < Lens[b * s_lenb +
-    j * s_lenq] + causal * (j - n_query + 1): seq_lens [B] is one causal length per request (causal 1, s_lenq 0),
-    [B, n_query] each query token's own limit (causal 0: DCP's per-rank counts)."""
-    multi = n_query > 1
-    causal = int(not multi or seq_lens.dim() == 1)
-    return (n_query, rows // n_query, seq_lens.stride(0) if multi else 1,
-            seq_lens.stride(1) if multi and not causal else 0, causal)
-
-
 def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
@@ -35,6 +24,17 @@ def next_power_of_2(n: int) -> int:
 def block(n: int) -> int:
     """Power-of-two tile side covering n, at least 16 (tl.dot needs >= 16 on every side)."""
     return max(16, next_power_of_2(max(n, 1)))
+
+
+def query_limit_args(seq_lens, n_query: int, rows: int) -> tuple:
+    """The stage-1 kernels' row-limit arguments for `rows` = n_query * heads rows per request (row j * heads + h is
+    head h of query token j): (n_query, heads, s_lenb, s_lenq, causal). Row j sees tokens t < Lens[b * s_lenb +
+    j * s_lenq] + causal * (j - n_query + 1): seq_lens [B] is one causal length per request (causal 1, s_lenq 0),
+    [B, n_query] each query token's own limit (causal 0: DCP's per-rank counts)."""
+    multi = n_query > 1
+    causal = int(not multi or seq_lens.dim() == 1)
+    return (n_query, rows // n_query, seq_lens.stride(0) if multi else 1,
+            seq_lens.stride(1) if multi and not causal else 0, causal)
 
 
 @functools.lru_cache(maxsize=None)

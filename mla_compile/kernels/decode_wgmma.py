@@ -19,8 +19,12 @@ allows it (`_gluon.tma_layout`), else the gather kernel; whether this file's ker
 `dispatch.select_decode_kernel`'s decision ("wgmma"; on the TMA layout with rope width 64 it prefers
 decode_seesaw.py's warp-specialised kernel, "seesaw").
 
-Needs sm_90 exactly (warpgroup MMA is Hopper's; Blackwell has tcgen05 instead), bf16 / fp16, >= 64 heads and the
-latent in two power-of-two halves: see `fits`. Measured: benchmarks/RESULTS.md (the Gluon kernel, the gather kernel).
+Several query tokens per request (MTP, speculative verification) fold into the rows, each row masked at its own
+causal limit (MULTI; `_gluon.row_limits`): a 64-row block then holds e.g. 4 tokens of 16 heads, and each KV tile is
+read once for all of them.
+
+Needs sm_90 exactly (warpgroup MMA is Hopper's; Blackwell has tcgen05 instead), bf16 / fp16, >= 64 heads (or >= 32
+rows of several query tokens) and the latent in two power-of-two halves: see `fits`. Measured: benchmarks/RESULTS.md (the Gluon kernel, the gather kernel).
 """
 
 from __future__ import annotations
