@@ -69,7 +69,7 @@ def create_masks_in_graph(config, inputs_embeds, attention_mask, cache=None, pas
 
 
 def optimize_generate(model, mode: str | None = "reduce-overhead", *, masks_in_graph: bool = True,
-                      defer_stop_check: bool = True, **options):
+                      defer_stop_check: bool = True, reuse_cache: bool = False, **options):
     """Make `model.generate()` decode through `mla_dcp` with little host time per step; returns `model`.
 
         optimize_generate(model)
@@ -86,10 +86,17 @@ def optimize_generate(model, mode: str | None = "reduce-overhead", *, masks_in_g
       Other models and devices keep HF's default.
     * Families that need a Dynamo setting for their decode step to stay one graph (`dynamo_config`: glm5_next
       captures data-dependent output shapes) get it for the duration of each generate() call.
+    * `reuse_cache` (off by default): the static cache HF builds for a call is kept and reset (zeroed in place) for
+      the next call of the same batch size, cache length, dtype and device, instead of a new one per call
+      (transformers 5.24 builds a new StaticCache every generate()). Its tensors are static addresses of the
+      CUDA graphs, so a new cache means the cudagraph trees record the decode graph again in every call (~7-12 ms
+      a call on an H200, seen in benchmarks/lab/generate_profile.py); a reused one replays. Costs: the cache's
+      memory stays held between calls (until `optimize_generate` is called again), and a `past_key_values`
+      kept from one call is reset by the next.
     """
-    if not isinstance(masks_in_graph, bool) or not isinstance(defer_stop_check, bool):
-        raise ValueError(f"masks_in_graph / defer_stop_check: expected bools, got {masks_in_graph!r} / "
-                         f"{defer_stop_check!r}")
+    if not all(isinstance(v, bool) for v in (masks_in_graph, defer_stop_check, reuse_cache)):
+        raise ValueError(f"masks_in_graph / defer_stop_check / reuse_cache: expected bools, got {masks_in_graph!r} / "
+                         f"{defer_stop_check!r} / {reuse_cache!r}")
     gen_cfg = model.generation_config
     gen_cfg.compile_config = compile_config(mode, **options)
     if gen_cfg.cache_implementation is None:
@@ -101,7 +108,43 @@ def optimize_generate(model, mode: str | None = "reduce-overhead", *, masks_in_g
     defer = defer_stop_check and _install_deferral_hook()
     hf_generate = getattr(model.generate, _WRAPS, model.generate)  # a second call re-wraps HF's own generate
     model.generate = _wrap_generate(hf_generate, defer, dynamo_config(model))
+    vars(model).pop("_prepare_static_cache", None)  # a previous call's reused cache is dropped
+    if reuse_cache:
+        if hasattr(type(model), "_prepare_static_cache"):
+            model._prepare_static_cache = _reusing_static_cache(model)
+        else:
+            log.warning("mla_compile: reuse_cache=True needs transformers' _prepare_static_cache (5.x); this "
+                        "transformers builds its static cache elsewhere: each generate() keeps its own cache")
     return model
+
+
+def _reusing_static_cache(model):
+    """model._prepare_static_cache (HF's generate() asks it for each call's static cache) that hands back the
+    previous call's cache, reset, when batch size, length, implementation, dtype and device are the same
+    (`optimize_generate(reuse_cache=True)`). Keyed on HF's own arguments, whatever their order."""
+    import inspect
+
+    hf_prepare = type(model)._prepare_static_cache
+    params = inspect.signature(hf_prepare)
+    kept = {}
+
+    def prepare_static_cache(*args, **kwargs):
+        a = params.bind(model, *args, **kwargs).arguments
+        # HF sizes the cache to the longest length seen (its _previous_max_cache_length): the same rule here
+        length = max(a["max_cache_len"], getattr(model, "_previous_max_cache_length", -1))
+        key = (a.get("cache_implementation"), a["batch_size"], length, a.get("prefill_chunk_size"), model.dtype,
+               model.device)
+        cache = kept.get(key)
+        if cache is not None:
+            cache.reset()
+            return cache
+        kept.clear()  # one cache held at a time
+        cache = hf_prepare(model, *args, **kwargs)
+        if not model.config.is_encoder_decoder:  # an encoder-decoder pair sizes its cross cache per call
+            kept[key] = cache
+        return cache
+
+    return prepare_static_cache
 
 
 # Families whose attention computes a tensor of data-dependent shape between HF's kv expansion and the attention

@@ -145,3 +145,42 @@ def test_optimize_generate_deferred_stop_tokens_equal_eager(attn, eos):
         gen_utils.DeferredStopCheck.__init__ = orig_init
     assert built == [1, 1]
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh_cache", "reuse_cache"])
+def test_optimize_generate_records_again_per_call_unless_the_cache_is_reused(reuse):
+    """transformers 5.24 builds a new StaticCache in every generate(): its tensors are static addresses of the CUDA
+    graphs, so the cudagraph trees record the decode graph again in every call. `optimize_generate(reuse_cache=True)`
+    hands the previous call's cache back (reset): a repeated call records nothing and its tokens still equal eager's
+    (fp32)."""
+    from torch._inductor import cudagraph_trees as T
+
+    from mla_compile.integrations.hf import optimize_generate
+
+    model = M.deepseek_v3(num_layers=2, heads=16, hidden=256).cuda()
+    ids, mask = _inputs()
+    kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=12, min_new_tokens=12)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, cache_implementation="static", disable_compile=True, **kw)
+    M.fresh(model)
+    optimize_generate(model, reuse_cache=reuse)
+    records, orig = [], T.CUDAGraphTreeManager.record_function
+
+    def counting(mgr, *a, **k):
+        records[-1] += 1
+        return orig(mgr, *a, **k)
+
+    T.CUDAGraphTreeManager.record_function = counting
+    try:
+        for _ in range(3):
+            records.append(0)
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=mask, **kw)
+            assert torch.equal(out, ref)
+    finally:
+        T.CUDAGraphTreeManager.record_function = orig
+    assert records[0] >= 1, records
+    if reuse:
+        assert records[2] == 0, records
+    else:  # documents transformers' behaviour (if a later transformers reuses its cache, reuse_cache is moot)
+        assert records[2] >= 1, records

@@ -117,3 +117,42 @@ def test_optimize_generate_applies_a_family_dynamo_config_only_inside_generate()
     model.generate()
     assert seen == [True] and torch._dynamo.config.capture_dynamic_output_shape_ops == before
 
+
+
+def _cache_of(out):
+    cache = getattr(out, "past_key_values", None)
+    return cache if cache is not None else out.cache
+
+
+def test_reuse_cache_keeps_one_static_cache_across_calls_and_matches_eager():
+    """reuse_cache=True: the second call of the same shapes gets the first call's cache back, reset (the same
+    tensors: the CUDA graphs' static addresses stay, so nothing is recorded again), with fp32 tokens equal to
+    eager generate's; another batch size gets a new cache; without reuse_cache every call gets its own."""
+    model = M.deepseek_v3(num_layers=2)
+    ids, mask = M.batch(B=2, T=6, L=6, pad=2)
+    ids3, mask3 = M.batch(B=3, T=5, L=5, pad=1)
+    ref, ref3 = _eager(model, ids, mask, 6, do_sample=False), _eager(model, ids3, mask3, 4, do_sample=False)
+    torch._dynamo.reset()
+    COUNTERS.clear()
+    optimize_generate(model, reuse_cache=True)
+
+    def gen(i, m, new):
+        with torch.no_grad():
+            out = model.generate(i, attention_mask=m, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 pad_token_id=0, return_dict_in_generate=True)
+        return out.sequences, _cache_of(out)
+
+    first, c1 = gen(ids, mask, 6)
+    keys = [layer.keys for layer in c1.layers]
+    second, c2 = gen(ids, mask, 6)
+    assert torch.equal(first, ref) and torch.equal(second, ref)
+    assert c2 is c1 and all(layer.keys is k for layer, k in zip(c2.layers, keys))
+    third, c3 = gen(ids3, mask3, 4)  # another batch size: its own cache (one is held at a time)
+    assert torch.equal(third, ref3) and c3 is not c1
+    again, c4 = gen(ids3, mask3, 4)
+    assert torch.equal(again, ref3) and c4 is c3
+    assert COUNTERS["mla_compile"].get("mla_attention_not_rewritten", 0) == 0
+    optimize_generate(model)  # reuse off again: each call builds its own cache, as HF does
+    _, c5 = gen(ids3, mask3, 4)
+    _, c6 = gen(ids3, mask3, 4)
+    assert c5 is not c6 and c5 is not c3
