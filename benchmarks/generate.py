@@ -18,6 +18,8 @@ cache_implementation="static", ...)`:
            on CUDA), then plain generate() calls
   mla_config   only `compile_config=mla_compile.integrations.hf.compile_config()` (CompileConfig(backend="mla_dcp"))
   mla_default  `optimize_generate(model, mode="default")`: our backend without CUDA graphs
+  mla_reuse    `optimize_generate(model, reuse_cache=True)`: the static cache kept across generate() calls (no new
+               CUDA-graph recording per call)
   hf_deferred  HF's own auto-compile plus the deferred stop check alone (what HF would get from that part)
 HF prefills eagerly in every mode (its auto-compile covers decode steps only).
 
@@ -76,11 +78,13 @@ def set_up_mode(model, mode: str) -> None:
     """What a mode installs on the model once (`optimize_generate`), after undoing the previous mode's."""
     from mla_compile.integrations.hf import optimize_generate
 
-    for attr in ("generate", "create_masks_for_generate"):  # instance attributes optimize_generate sets
+    for attr in ("generate", "create_masks_for_generate", "_prepare_static_cache"):  # what optimize_generate sets
         vars(model).pop(attr, None)
     model.generation_config.compile_config = None
     if mode == "mla":
         optimize_generate(model)
+    elif mode == "mla_reuse":
+        optimize_generate(model, reuse_cache=True)
     elif mode == "mla_default":
         optimize_generate(model, mode="default")
     elif mode == "hf_deferred":
@@ -98,7 +102,7 @@ def generate_kwargs(mode: str) -> dict:
         from mla_compile.integrations.hf import compile_config
 
         return dict(compile_config=compile_config())
-    if mode in ("mla", "mla_default", "hf_deferred"):
+    if mode in ("mla", "mla_default", "mla_reuse", "hf_deferred"):
         return {}
     raise ValueError(f"unknown mode {mode!r}")
 
