@@ -19,7 +19,8 @@ are zeroed in shared memory by the warpgroup that scores the tile before any MMA
 seq_len may hold NaN); a lone last tile pairs with a box of zeros.
 
 Pages of whole 64-token tiles (TMA boxes), rope width 64 (p reuses the rope buffer); other layouts use
-decode_wgmma's kernels. Several query tokens per request fold into the rows as there (MULTI: a causal limit per row). Same outputs as them: normalised partial out and natural-log lse per split.
+decode_wgmma's kernels. Several query tokens per request fold into the rows as there (MULTI: a causal limit per
+row). Same outputs as them: normalised partial out and natural-log lse per split.
 
 Measured (H200, benchmarks/RESULTS.md, the seesaw kernel): 1-6% faster than decode_wgmma's TMA kernel on every
 shape (B=8 128K stage 1 669 vs 708 us, 429 TFLOP/s). What bounds it: the copies. Timing probes with the loader's

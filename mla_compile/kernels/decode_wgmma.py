@@ -24,7 +24,8 @@ causal limit (MULTI; `_gluon.row_limits`): a 64-row block then holds e.g. 4 toke
 read once for all of them.
 
 Needs sm_90 exactly (warpgroup MMA is Hopper's; Blackwell has tcgen05 instead), bf16 / fp16, >= 64 heads (or >= 32
-rows of several query tokens) and the latent in two power-of-two halves: see `fits`. Measured: benchmarks/RESULTS.md (the Gluon kernel, the gather kernel).
+rows of several query tokens) and the latent in two power-of-two halves: see `fits`. Measured: benchmarks/RESULTS.md
+(the Gluon kernel, the gather kernel).
 """
 
 from __future__ import annotations
