@@ -104,6 +104,14 @@ if gluon is not None:
         return gl.where(oh < H, limit, 0)
 
     @gluon.jit
+    def query_rows(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal, layout: gl.constexpr,
+                   BLOCK_H: gl.constexpr):
+        """(`block_token_end`, `row_limits`): a head block's token range and its rows' limits, for the kernels
+        that hold both in one warp group."""
+        return (block_token_end(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal, BLOCK_H),
+                row_limits(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal, layout, BLOCK_H))
+
+    @gluon.jit
     def q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt: gl.constexpr, RH: gl.constexpr,
                   P: gl.constexpr, BLOCK_H: gl.constexpr, LD: gl.constexpr):
         """q's latent halves and rope part of this head block into shared memory, once: the A operand of every

@@ -143,7 +143,7 @@ if G.gluon is not None:
                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                              MULTI: gl.constexpr = False):
         """MULTI: several query tokens per request folded into the rows, each row with its own limit
-        (`_gluon.row_limits`): every tile is masked per row. Else one length per request, full tiles unmasked."""
+        (`_gluon.query_rows`): every tile is masked per row. Else one length per request, full tiles unmasked."""
         gl.static_assert(gl.num_warps() == 8, "two warpgroups")
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, BLOCK_N // 2, 16])
@@ -156,9 +156,8 @@ if G.gluon is not None:
         b = gl.program_id(1).to(gl.int64)
         split = gl.program_id(2)
         if MULTI:
-            n = G.block_token_end(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal, BLOCK_H)
-            limit = G.row_limits(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal,
-                                 gl.SliceLayout(1, S_L), BLOCK_H)
+            n, limit = G.query_rows(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal,
+                                    gl.SliceLayout(1, S_L), BLOCK_H)
         else:
             n = gl.load(Lens + b)
         start, end, n_full = G.split_bounds(n, split, n_splits, BLOCK_N)
@@ -301,9 +300,8 @@ if G.gluon is not None:
         if SPARSE:
             n = n_sparse
         elif MULTI:
-            n = G.block_token_end(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal, BLOCK_H)
-            limit = G.row_limits(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal,
-                                 gl.SliceLayout(1, S_L), BLOCK_H)
+            n, limit = G.query_rows(Lens, b, hb, H, n_query, heads_per_query, s_lenb, s_lenq, causal,
+                                    gl.SliceLayout(1, S_L), BLOCK_H)
         else:
             n = gl.load(Lens + b)
         start, end, n_full = G.split_bounds(n, split, n_splits, BLOCK_N)
