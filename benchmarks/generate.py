@@ -15,11 +15,11 @@ cache_implementation="static", ...)`:
   hf       HF's own auto-compile of the decode step (torch.compile(mode="reduce-overhead"), Inductor, CUDA graphs)
   mla      the documented road: `mla_compile.integrations.hf.optimize_generate(model)` once (HF's auto-compile with
            our backend, mode "reduce-overhead": CUDA-graph trees; the mask built in the graph; HF's DeferredStopCheck
-           on CUDA), then plain generate() calls
+           on CUDA; the static cache kept and reset across calls), then plain generate() calls
   mla_config   only `compile_config=mla_compile.integrations.hf.compile_config()` (CompileConfig(backend="mla_dcp"))
   mla_default  `optimize_generate(model, mode="default")`: our backend without CUDA graphs
-  mla_reuse    `optimize_generate(model, reuse_cache=True)`: the static cache kept across generate() calls (no new
-               CUDA-graph recording per call)
+  mla_fresh    `optimize_generate(model, reuse_cache=False)`: a new static cache per generate() call, as HF builds it
+               (so the CUDA-graph trees record the decode graph again in every call)
   hf_deferred  HF's own auto-compile plus the deferred stop check alone (what HF would get from that part)
 HF prefills eagerly in every mode (its auto-compile covers decode steps only).
 
@@ -83,8 +83,8 @@ def set_up_mode(model, mode: str) -> None:
     model.generation_config.compile_config = None
     if mode == "mla":
         optimize_generate(model)
-    elif mode == "mla_reuse":
-        optimize_generate(model, reuse_cache=True)
+    elif mode == "mla_fresh":
+        optimize_generate(model, reuse_cache=False)
     elif mode == "mla_default":
         optimize_generate(model, mode="default")
     elif mode == "hf_deferred":
@@ -102,7 +102,7 @@ def generate_kwargs(mode: str) -> dict:
         from mla_compile.integrations.hf import compile_config
 
         return dict(compile_config=compile_config())
-    if mode in ("mla", "mla_default", "mla_reuse", "hf_deferred"):
+    if mode in ("mla", "mla_default", "mla_fresh", "hf_deferred"):
         return {}
     raise ValueError(f"unknown mode {mode!r}")
 

@@ -11,7 +11,10 @@ launch), ~0.2 ms updating kwargs, and then waits for the device every step (HF's
 `optimize_generate(model)` removes the two parts that are not inherent:
 * the mask is built inside the compiled step (`create_masks_in_graph`): on the device, and provable by the pass;
 * HF's own `DeferredStopCheck` (HF enables it on mps only) runs on CUDA for this model: the host reads the stop
-  flag one step late, so it queues step t+1 while the device runs step t.
+  flag one step late, so it queues step t+1 while the device runs step t;
+and one that is not a host cost but a re-record: transformers 5.24 builds a new StaticCache per generate() call,
+whose tensors are static addresses of the CUDA graphs, so each call recorded the decode graph again; the cache is
+kept and reset instead (`reuse_cache`).
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def create_masks_in_graph(config, inputs_embeds, attention_mask, cache=None, pas
 
 
 def optimize_generate(model, mode: str | None = "reduce-overhead", *, masks_in_graph: bool = True,
-                      defer_stop_check: bool = True, reuse_cache: bool = False, **options):
+                      defer_stop_check: bool = True, reuse_cache: bool = True, **options):
     """Make `model.generate()` decode through `mla_dcp` with little host time per step; returns `model`.
 
         optimize_generate(model)
@@ -86,13 +89,15 @@ def optimize_generate(model, mode: str | None = "reduce-overhead", *, masks_in_g
       Other models and devices keep HF's default.
     * Families that need a Dynamo setting for their decode step to stay one graph (`dynamo_config`: glm5_next
       captures data-dependent output shapes) get it for the duration of each generate() call.
-    * `reuse_cache` (off by default): the static cache HF builds for a call is kept and reset (zeroed in place) for
-      the next call of the same batch size, cache length, dtype and device, instead of a new one per call
-      (transformers 5.24 builds a new StaticCache every generate()). Its tensors are static addresses of the
-      CUDA graphs, so a new cache means the cudagraph trees record the decode graph again in every call (~7-12 ms
-      a call on an H200, seen in benchmarks/lab/generate_profile.py); a reused one replays. Costs: the cache's
-      memory stays held between calls (until `optimize_generate` is called again), and a `past_key_values`
-      kept from one call is reset by the next.
+    * `reuse_cache`: the static cache HF builds for a call is kept and reset (zeroed in place) for the next call of
+      the same batch size, cache length, dtype and device, instead of a new one per call (transformers 5.24 builds
+      a new StaticCache every generate()). Its tensors are static addresses of the CUDA graphs, so a new cache means
+      the cudagraph trees record the decode graph again in every call (~7-12 ms a call on an H200, seen in
+      benchmarks/lab/generate_profile.py); a reused one replays (H200: 0.83 vs 1.10 ms a token at 4K, H 16 batch
+      8). A call that hands its cache back (`return_dict_in_generate=True`: `out.past_key_values`) may take the
+      kept cache but never keeps it, so a cache the caller holds is never reset by a later call. Cost: one cache's
+      memory stays held between calls (until `optimize_generate` is called again). `reuse_cache=False`: HF's own
+      cache per call.
     """
     if not all(isinstance(v, bool) for v in (masks_in_graph, defer_stop_check, reuse_cache)):
         raise ValueError(f"masks_in_graph / defer_stop_check / reuse_cache: expected bools, got {masks_in_graph!r} / "
@@ -107,7 +112,7 @@ def optimize_generate(model, mode: str | None = "reduce-overhead", *, masks_in_g
         del model.create_masks_for_generate
     defer = defer_stop_check and _install_deferral_hook()
     hf_generate = getattr(model.generate, _WRAPS, model.generate)  # a second call re-wraps HF's own generate
-    model.generate = _wrap_generate(hf_generate, defer, dynamo_config(model))
+    model.generate = _wrap_generate(model, hf_generate, defer, dynamo_config(model))
     vars(model).pop("_prepare_static_cache", None)  # a previous call's reused cache is dropped
     if reuse_cache:
         if hasattr(type(model), "_prepare_static_cache"):
@@ -121,7 +126,8 @@ def optimize_generate(model, mode: str | None = "reduce-overhead", *, masks_in_g
 def _reusing_static_cache(model):
     """model._prepare_static_cache (HF's generate() asks it for each call's static cache) that hands back the
     previous call's cache, reset, when batch size, length, implementation, dtype and device are the same
-    (`optimize_generate(reuse_cache=True)`). Keyed on HF's own arguments, whatever their order."""
+    (`optimize_generate(reuse_cache=True)`). Keyed on HF's own arguments, whatever their order. A cache that
+    leaves generate() (`_RETURNS_CACHE`) is the caller's from then on: not kept."""
     import inspect
 
     hf_prepare = type(model)._prepare_static_cache
@@ -134,17 +140,27 @@ def _reusing_static_cache(model):
         length = max(a["max_cache_len"], getattr(model, "_previous_max_cache_length", -1))
         key = (a.get("cache_implementation"), a["batch_size"], length, a.get("prefill_chunk_size"), model.dtype,
                model.device)
-        cache = kept.get(key)
+        cache = kept.pop(key, None)
+        kept.clear()  # one cache held at a time
         if cache is not None:
             cache.reset()
-            return cache
-        kept.clear()  # one cache held at a time
-        cache = hf_prepare(model, *args, **kwargs)
-        if not model.config.is_encoder_decoder:  # an encoder-decoder pair sizes its cross cache per call
+        else:
+            cache = hf_prepare(model, *args, **kwargs)
+        # an encoder-decoder pair sizes its cross cache per call
+        if not _RETURNS_CACHE.get() and not model.config.is_encoder_decoder:
             kept[key] = cache
         return cache
 
     return prepare_static_cache
+
+
+def _returns_cache(model, kwargs: dict) -> bool:
+    """Whether this generate() call hands its cache back to the caller (HF's GenerateOutput.past_key_values):
+    `return_dict_in_generate` from the call, else from the generation config it passes, else the model's."""
+    if "return_dict_in_generate" in kwargs:
+        return bool(kwargs["return_dict_in_generate"])
+    config = kwargs.get("generation_config") or model.generation_config
+    return bool(getattr(config, "return_dict_in_generate", False))
 
 
 # Families whose attention computes a tensor of data-dependent shape between HF's kv expansion and the attention
@@ -164,21 +180,24 @@ def dynamo_config(model) -> dict:
 
 # --------------------------------------------------------------------------- generate(), wrapped once
 _DEFERRING = contextvars.ContextVar("mla_compile_defer_stop_check", default=False)
+_RETURNS_CACHE = contextvars.ContextVar("mla_compile_generate_returns_cache", default=True)
 _WRAPS = "_mla_compile_wraps"  # on our wrapper: the generate it wraps
 _DEFERS = "_mla_compile_defers_stop_check"  # on our wrapper: whether it defers the stop check
 _CACHE_KWARGS = ("cache", "past_key_values")
 
 
-def _wrap_generate(generate, defer: bool, dynamo: dict | None = None):
+def _wrap_generate(model, generate, defer: bool, dynamo: dict | None = None):
     @functools.wraps(generate)
     def mla_generate(*args, **kwargs):
         if any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
             kwargs.setdefault("cache_implementation", None)  # the caller's cache replaces our "static" default
         token = _DEFERRING.set(defer)
+        returns = _RETURNS_CACHE.set(_returns_cache(model, kwargs))
         try:
             with torch._dynamo.config.patch(**dynamo) if dynamo else contextlib.nullcontext():
                 return generate(*args, **kwargs)
         finally:
+            _RETURNS_CACHE.reset(returns)
             _DEFERRING.reset(token)
 
     setattr(mla_generate, _WRAPS, generate)

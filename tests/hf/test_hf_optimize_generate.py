@@ -83,7 +83,8 @@ def test_deferral_hook_answers_hf_rule_only_inside_a_deferring_generate_on_cuda(
 
     assert ask(cuda, None, False, is_assistant=False) is False  # outside: HF's default (mps only)
     seen = []
-    inside = G._wrap_generate(lambda: seen.extend([ask(cuda, None, False, is_assistant=False),
+    model = M.deepseek_v3(num_layers=1)
+    inside = G._wrap_generate(model, lambda: seen.extend([ask(cuda, None, False, is_assistant=False),
                                                ask(cuda, Cache(), True, is_assistant=False),  # HF: not croppable
                                                ask(cuda, Cache(), False, is_assistant=False),
                                                ask(cuda, None, False, is_assistant=True),  # HF: not assistants
@@ -125,34 +126,53 @@ def _cache_of(out):
 
 
 def test_reuse_cache_keeps_one_static_cache_across_calls_and_matches_eager():
-    """reuse_cache=True: the second call of the same shapes gets the first call's cache back, reset (the same
-    tensors: the CUDA graphs' static addresses stay, so nothing is recorded again), with fp32 tokens equal to
-    eager generate's; another batch size gets a new cache; without reuse_cache every call gets its own."""
+    """optimize_generate reuses the static cache by default: the second call of the same shapes gets the first
+    call's cache back, reset (the same tensors: the CUDA graphs' static addresses stay, so nothing is recorded
+    again), with fp32 tokens equal to eager generate's; another batch size gets a new cache. A call that hands its
+    cache back (return_dict_in_generate) may take the kept one but never keeps it: a later call neither resets nor
+    reuses a cache the caller holds. reuse_cache=False: every call its own cache, as HF does."""
     model = M.deepseek_v3(num_layers=2)
     ids, mask = M.batch(B=2, T=6, L=6, pad=2)
     ids3, mask3 = M.batch(B=3, T=5, L=5, pad=1)
     ref, ref3 = _eager(model, ids, mask, 6, do_sample=False), _eager(model, ids3, mask3, 4, do_sample=False)
     torch._dynamo.reset()
     COUNTERS.clear()
-    optimize_generate(model, reuse_cache=True)
+    optimize_generate(model)
+    prepared = []  # each call's static cache, as HF's generate() receives it
+    reusing = model._prepare_static_cache
 
-    def gen(i, m, new):
+    def spy(*args, **kwargs):
+        prepared.append(reusing(*args, **kwargs))
+        return prepared[-1]
+
+    model._prepare_static_cache = spy
+
+    def gen(i, m, new, returns=False):
         with torch.no_grad():
             out = model.generate(i, attention_mask=m, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                 pad_token_id=0, return_dict_in_generate=True)
-        return out.sequences, _cache_of(out)
+                                 pad_token_id=0, return_dict_in_generate=returns)
+        return (out.sequences, _cache_of(out)) if returns else (out, None)
 
-    first, c1 = gen(ids, mask, 6)
-    keys = [layer.keys for layer in c1.layers]
-    second, c2 = gen(ids, mask, 6)
+    first, _ = gen(ids, mask, 6)
+    keys = [layer.keys for layer in prepared[-1].layers]
+    second, _ = gen(ids, mask, 6)
     assert torch.equal(first, ref) and torch.equal(second, ref)
-    assert c2 is c1 and all(layer.keys is k for layer, k in zip(c2.layers, keys))
-    third, c3 = gen(ids3, mask3, 4)  # another batch size: its own cache (one is held at a time)
-    assert torch.equal(third, ref3) and c3 is not c1
-    again, c4 = gen(ids3, mask3, 4)
-    assert torch.equal(again, ref3) and c4 is c3
+    assert prepared[1] is prepared[0] and all(layer.keys is k for layer, k in zip(prepared[1].layers, keys))
+    handed, held = gen(ids, mask, 6, returns=True)  # takes the kept cache, and the caller keeps it
+    assert torch.equal(handed, ref) and held is prepared[0]
+    snapshot = [layer.keys.clone() for layer in held.layers]
+    assert any(s.abs().sum() > 0 for s in snapshot)
+    after, _ = gen(ids, mask, 6)  # a new cache: the caller's is neither reset nor written
+    assert torch.equal(after, ref) and prepared[-1] is not held
+    assert all(torch.equal(layer.keys, s) for layer, s in zip(held.layers, snapshot))
+    gen(ids, mask, 6)
+    assert prepared[-1] is prepared[-2]
+    third, _ = gen(ids3, mask3, 4)  # another batch size: its own cache (one is held at a time)
+    again, _ = gen(ids3, mask3, 4)
+    assert torch.equal(third, ref3) and torch.equal(again, ref3)
+    assert prepared[-2] is not prepared[0] and prepared[-1] is prepared[-2]
     assert COUNTERS["mla_compile"].get("mla_attention_not_rewritten", 0) == 0
-    optimize_generate(model)  # reuse off again: each call builds its own cache, as HF does
-    _, c5 = gen(ids3, mask3, 4)
-    _, c6 = gen(ids3, mask3, 4)
-    assert c5 is not c6 and c5 is not c3
+    optimize_generate(model, reuse_cache=False)  # each call builds its own cache, as HF does
+    _, c5 = gen(ids3, mask3, 4, returns=True)
+    _, c6 = gen(ids3, mask3, 4, returns=True)
+    assert c5 is not c6 and c5 is not prepared[-1]
