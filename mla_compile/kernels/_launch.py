@@ -17,7 +17,12 @@ later calls with that key go straight to its launcher. The key holds everything 
                  Triton's)
   keywords       every keyword argument verbatim (constexprs, launch options), and the current device
 Anything else (a grid function, a tensor passed by keyword, launch hooks installed by a profiler, the CPU
-interpreter) takes Triton's own path every call. Not repeated on the cached path: Triton's check that the module
+interpreter) takes Triton's own path every call.
+
+`bind(fn, grid, **kwargs)` goes one step further for a caller that already keys its calls (a per-signature launch
+plan, kernels/decode.py `AttendPlan`): the grid and the keywords are fixed and every call's positional arguments
+give the same key (same ints, floats, dtypes and alignments; the caller's key guarantees it), so after the first
+launch the compiled kernel's launcher is called with no key built at all. Not repeated on the cached path: Triton's check that the module
 globals a kernel read at compile time are unchanged (ours are constants, never reassigned). Triton's own `run` also
 builds launch metadata for its (empty by default) hook chain on every launch; the cached path skips that where no
 hook is installed.
@@ -80,6 +85,12 @@ def _hooks_installed() -> bool:
     return _hook_set(knobs.runtime.launch_enter_hook) or _hook_set(knobs.runtime.launch_exit_hook)
 
 
+def _key(device, args: tuple, kwargs: dict) -> tuple:
+    # ints (most arguments) inline: a call of _arg_key per argument costs ~0.15 us each
+    return (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+            tuple([a if type(a) is int else _arg_key(a) for a in args]), tuple(kwargs.items()))
+
+
 class _Uncacheable(Exception):
     """An argument of a kind the key does not cover: Triton's own path for this call."""
 
@@ -112,9 +123,7 @@ class FastLaunch:
         active = driver.active
         device = active.get_current_device()
         try:
-            # ints (most arguments) inline: a call of _arg_key per argument costs ~0.15 us each
-            key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
-                   tuple([a if type(a) is int else _arg_key(a) for a in args]), tuple(kwargs.items()))
+            key = _key(device, args, kwargs)
             entry = self._entries.get(key)
         except (_Uncacheable, TypeError):  # TypeError: an unhashable keyword value
             return self.jit_function[grid](*args, **kwargs)
@@ -125,6 +134,15 @@ class FastLaunch:
         entry.run(grid[0], g1, g2, active.get_current_stream(device), entry.function, entry.packed_metadata,
                   None, None, None, *args, *entry.tail)
         return entry.kernel
+
+    def entry(self, grid, args: tuple, kwargs: dict) -> _Entry | None:
+        """The remembered compiled kernel these arguments launch (None: not remembered, or not cacheable)."""
+        if type(grid) is not tuple:
+            return None
+        try:
+            return self._entries.get(_key(driver.active.get_current_device(), args, kwargs))
+        except (_Uncacheable, TypeError):
+            return None
 
     def _first_launch(self, key, device, grid, args, kwargs):
         kernel = self.jit_function[grid](*args, **kwargs)
@@ -142,6 +160,34 @@ class FastLaunch:
             self._entries.clear()
         self._entries[key] = _Entry(kernel, tail)
         return kernel
+
+
+class Bound:
+    """One launch of a plan: `bound(*args)` launches `fn[grid](*args, **kwargs)` and returns the compiled kernel.
+    The caller promises that every call's positional arguments key alike (see the module docstring); the first call
+    goes through `fast(fn)` and remembers its compiled kernel, later ones call its launcher directly."""
+
+    __slots__ = ("fast", "grid", "kwargs", "entry", "g")
+
+    def __init__(self, fn, grid: tuple, kwargs: dict):
+        self.fast, self.grid, self.kwargs, self.entry = fast(fn), grid, kwargs, None
+        self.g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+
+    def __call__(self, *args):
+        e = self.entry
+        if e is None or not ENABLED or _hooks_installed():
+            kernel = self.fast.launch(self.grid, args, self.kwargs)
+            if e is None and ENABLED and not _INTERPRETED:
+                self.entry = self.fast.entry(self.grid, args, self.kwargs)
+            return kernel
+        active = driver.active
+        e.run(*self.g, active.get_current_stream(active.get_current_device()), e.function, e.packed_metadata,
+              None, None, None, *args, *e.tail)
+        return e.kernel
+
+
+def bind(fn, grid: tuple, **kwargs) -> Bound:
+    return Bound(fn, grid, kwargs)
 
 
 def fast(fn) -> FastLaunch:

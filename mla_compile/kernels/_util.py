@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tuning import PDL_ENV
+
 
 # Host-side integer helpers. Triton 3.6's triton.cdiv / triton.next_power_of_2 are constexpr functions: a host call
 # goes through their argument unwrapping, ~5 us each on one CPU core, and a decode call made nine of them
@@ -71,8 +73,8 @@ def caches_view_as_slots(ckv_cache, kpe_cache) -> bool:
 
 
 # programmatic dependent launch for our kernels: "auto" (default) / "1" on sm_90+, "0" never. HF DeepSeek-V3 step
-# (H 16, batch 8, 32K, H200): 736 -> 725 us, 716 with Inductor's kernels too (benchmarks/RESULTS.md)
-PDL_ENV = "MLA_COMPILE_PDL"
+# (H 16, batch 8, 32K, H200): 736 -> 725 us, 716 with Inductor's kernels too (benchmarks/RESULTS.md). The switch's
+# name lives with the others in mla_compile/tuning.py
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,10 +23,10 @@ import triton.language as tl
 
 from ._util import (block, box_width, caches_view_as_slots, cdiv, dot_mode, has_tma, mma, pdl_enter, pdl_launch,
                     query_limit_args, sm_count)
-from ._launch import fast
+from ._launch import bind
 from . import decode_seesaw as _seesaw
 from . import decode_wgmma as _wgmma
-from .merge import merge_into
+from .merge import merge_into, merge_launch
 
 _LOG2E = 1.4426950408889634
 
@@ -363,103 +363,201 @@ def pointer_constexprs(cfg: DecodeConfig, R: int, P: int, page_size: int, sparse
                 **dot_mode(dtype))
 
 
-def _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
-                cfg: DecodeConfig):
+def _tma_stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l, s_on, s_ln, ns, cfg: DecodeConfig):
+    """(`_stage1_tma_kernel` bound to its grid and compile-time arguments, its descriptor templates, the numbers
+    after its ten tensor arguments): what a call's signature fixes. Launch: `bound(q_nope, q_pe, *descriptors(...),
+    ckv_cache, kpe_cache, block_table, seq_lens, o, l, *numbers)`."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     B, H, R = q_nope.shape
     NP, PS, _ = ckv_cache.shape
     P = kpe_cache.shape[2]
-    ckv_desc = TensorDescriptor.from_tensor(ckv_cache.view(NP * PS, R), [cfg.block_n, R // 2])
-    kpe_desc = TensorDescriptor.from_tensor(kpe_cache.view(NP * PS, P), [cfg.block_n, P])
-    grid = (B, cdiv(H, cfg.block_h), ns)
-    return fast(_stage1_tma_kernel)[grid](
-        q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
-        sm_scale * _LOG2E, H, PS,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1), block_table.stride(0),
-        s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1),
-        n_splits=ns, **tma_constexprs(cfg, R, P, q_nope.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_launch(q_nope.device))
+    templates = (TensorDescriptor(ckv_cache, [NP * PS, R], [ckv_cache.stride(1), 1], [cfg.block_n, R // 2]),
+                 TensorDescriptor(kpe_cache, [NP * PS, P], [kpe_cache.stride(1), 1], [cfg.block_n, P]))
+    for t in templates:
+        t.base = None  # validated; a plan keeps no tensor alive (each call's descriptors get their own bases)
+    bound = bind(_stage1_tma_kernel, (B, cdiv(H, cfg.block_h), ns), n_splits=ns,
+                 **tma_constexprs(cfg, R, P, q_nope.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                 **pdl_launch(q_nope.device))
+    numbers = (sm_scale * _LOG2E, H, PS,
+               q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+               ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
+               block_table.stride(0), s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1))
+    return bound, templates, numbers
+
+
+def _descriptors(templates, ckv_cache, kpe_cache):
+    """The TMA descriptors of this call's caches: copies of the plan's templates with the new bases (shape,
+    strides, box and alignment fixed by the signature; a fresh TensorDescriptor re-validates all of it in Python,
+    ~5 us each). The caches view as [slots, width]: the base is the cache itself, only its pointer is read."""
+    out = []
+    for template, base in zip(templates, (ckv_cache, kpe_cache)):
+        d = object.__new__(type(template))
+        d.__dict__.update(template.__dict__)
+        d.base = base
+        out.append(d)
+    return out
+
+
+def _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, sparse: bool, seq_lens, sm_scale, o, l, s_on, s_ln,
+                    ns, cfg: DecodeConfig, n_query: int = 1, ckv_scale=None):
+    """(`_stage1_kernel` bound to its grid and compile-time arguments, the numbers after its nine tensor
+    arguments). Launch: `bound(q_nope, q_pe, ckv_cache, kpe_cache, table, table if sparse else seq_lens, o, l,
+    ckv_scale if FP8 else o, *numbers)` (o: an unread placeholder pointer without FP8)."""
+    B, H, R = q_nope.shape
+    P = q_pe.shape[2]
+    fp8 = ckv_scale is not None
+    s_sp, s_ss = (ckv_scale.stride(0), ckv_scale.stride(1)) if fp8 else (0, 0)
+    sqn, sqp, sc, sk, so, sl = (t.stride() for t in (q_nope, q_pe, ckv_cache, kpe_cache, o, l))
+    bound = bind(_stage1_kernel, (B, cdiv(H, cfg.block_h), ns),
+                 **pointer_constexprs(cfg, R, P, ckv_cache.shape[1], sparse, q_nope.dtype, n_query > 1, fp8),
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q_nope.device))
+    numbers = (sm_scale * _LOG2E, H, table.shape[1] if sparse else 0,
+               sqn[0], sqn[1], sqp[0], sqp[1], sc[0], sc[1], sk[0], sk[1],
+               table.stride(0), s_sp, s_ss,
+               s_on, so[-3], so[-2], s_ln, sl[-2], sl[-1],
+               ns, *query_limit_args(seq_lens, n_query, H))
+    return bound, numbers
+
+
+def _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
+                cfg: DecodeConfig):
+    """One launch of the Triton TMA stage-1 kernel (benchmarks time it alone); returns the compiled kernel."""
+    bound, templates, numbers = _tma_stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l, s_on,
+                                            s_ln, ns, cfg)
+    return bound(q_nope, q_pe, *_descriptors(templates, ckv_cache, kpe_cache), ckv_cache, kpe_cache, block_table,
+                 seq_lens, o, l, *numbers)
 
 
 def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, o, l, s_on,
                     s_ln, ns, cfg: DecodeConfig, n_query: int = 1, ckv_scale=None):
-    B, H, R = q_nope.shape
-    P = q_pe.shape[2]
+    """One launch of the Triton pointer stage-1 kernel (benchmarks time it alone); returns the compiled kernel."""
     sparse = indices is not None
     table = indices if sparse else block_table
-    multi = n_query > 1
-    fp8 = ckv_scale is not None
-    scale = ckv_scale if fp8 else o  # an unread placeholder pointer without FP8
-    s_sp, s_ss = (ckv_scale.stride(0), ckv_scale.stride(1)) if fp8 else (0, 0)
-    grid = (B, cdiv(H, cfg.block_h), ns)
-    # each tensor's strides read once (a stride(i) call per number costs ~0.3 us of host time a call)
-    sqn, sqp, sc, sk, so, sl = (t.stride() for t in (q_nope, q_pe, ckv_cache, kpe_cache, o, l))
-    return fast(_stage1_kernel)[grid](
-        q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens if not sparse else table, o, l, scale,
-        sm_scale * _LOG2E, H, indices.shape[1] if sparse else 0,
-        sqn[0], sqn[1], sqp[0], sqp[1], sc[0], sc[1], sk[0], sk[1],
-        table.stride(0), s_sp, s_ss,
-        s_on, so[-3], so[-2], s_ln, sl[-2], sl[-1],
-        ns, *query_limit_args(seq_lens, n_query, H),
-        **pointer_constexprs(cfg, R, P, ckv_cache.shape[1], sparse, q_nope.dtype, multi, fp8),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q_nope.device))
+    bound, numbers = _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, sparse, seq_lens, sm_scale, o, l,
+                                     s_on, s_ln, ns, cfg, n_query, ckv_scale)
+    return bound(q_nope, q_pe, ckv_cache, kpe_cache, table, table if sparse else seq_lens, o, l,
+                 ckv_scale if ckv_scale is not None else o, *numbers)
 
 
 def _unit_inner_stride(t):
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-def _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, capacity,
-            cfg: DecodeConfig | None, splits: int | None, n_query: int = 1, ckv_scale=None):
-    B, H, R = q_nope.shape  # H: rows per request (n_query * heads)
-    out = q_nope.new_empty(q_nope.shape)  # contiguous, as the fake impl says (empty_like would copy q's strides)
-    lse = torch.empty((B, H), dtype=torch.float32, device=q_nope.device)
-    if B * H == 0:
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class AttendPlan:
+    """One decode call's work with everything its signature fixes decided once: the kernel, tiling and splits, the
+    output and partial shapes, the launches bound to their grids and compile-time arguments and the numbers they
+    take. Calling it runs the kernels on that call's tensors: the allocations, the stream and the launches only.
+
+    The signature: the shapes, strides, dtypes and device of every tensor argument, whether each is 16-byte aligned
+    (Triton specializes on it), the scalars, and the config asked for (the op's impl keys its plans on it,
+    ops/attention.py; any other caller builds a plan per call, which costs what the unplanned path did)."""
+
+    def __init__(self, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, capacity,
+                 cfg: DecodeConfig | None, splits: int | None, n_query: int = 1, ckv_scale=None):
+        B, H, R = q_nope.shape  # H: rows per request (n_query * heads)
+        self.device, self.dtype, self.out_shape, self.lse_shape = q_nope.device, q_nope.dtype, q_nope.shape, (B, H)
+        self.sparse, self.n_query, self.ckv_scale_given = indices is not None, n_query, ckv_scale is not None
+        self.empty = B * H == 0
+        if self.empty:
+            return
+        # q is read with any batch/head strides; the ops are flexible_layout, so Inductor may also hand over strided
+        # lengths / tables. The kernels need unit inner strides only: copy just what lacks them
+        self.copies = tuple(t is not None and t.stride(-1) != 1 for t in (q_nope, q_pe, seq_lens, block_table,
+                                                                           indices))
+        q_nope, q_pe, seq_lens, block_table, indices = map(_unit_inner_stride, (q_nope, q_pe, seq_lens, block_table,
+                                                                                 indices))
+        for t, name in ((ckv_cache, "ckv_cache"), (kpe_cache, "kpe_cache"), (ckv_scale, "ckv_scale")):
+            if t is not None and t.stride(-1) != 1:
+                raise ValueError(f"{name}: last dim must be contiguous for the Triton kernel, strides {t.stride()}")
+        # an index list (sparse_decode) gathers every token through a table load, as a page-1 token table does
+        page_size = 1 if self.sparse else ckv_cache.shape[1]
+        multi = n_query > 1
+        fp8 = ckv_scale is not None
+        cfg = cfg or (fp8_config(H, page_size, q_nope.dtype, multi) if fp8 else
+                      multi_token_config(H, page_size, q_nope.dtype) if multi else
+                      default_config(H, R, page_size, q_nope.dtype))
+        self.cfg = cfg
+        self.ns = ns = splits or num_splits(B, H, capacity, q_nope.device, cfg)
+        self.partial_shapes = ((ns, B, H, R), (ns, B, H))
+        # strides of what the kernels write: the final out / lse with one split, else the partials
+        meta = torch.device("meta")
+        o, l = ((torch.empty(self.out_shape, device=meta), torch.empty(self.lse_shape, device=meta)) if ns == 1 else
+                (torch.empty(self.partial_shapes[0], device=meta), torch.empty(self.partial_shapes[1], device=meta)))
+        s_on, s_ln = (0, 0) if ns == 1 else (o.stride(0), l.stride(0))
+        # several query tokens: the pointer kernel or a Gluon one (their rows carry per-token limits; the Triton TMA
+        # kernel takes one limit per request)
+        if fp8:  # the pointer kernel dequantizes its tiles; the TMA and Gluon kernels read fp16/bf16 caches only
+            self.kind = "pointer"
+        elif cfg.kernel in ("seesaw", "wgmma"):
+            self.kind = cfg.kernel
+        elif not multi and tma_eligible(ckv_cache, kpe_cache, self.sparse, cfg):
+            self.kind = "tma"
+        else:
+            self.kind = "pointer"
+        if self.kind == "tma":
+            self.stage1, self.templates, self.numbers = _tma_stage1(
+                q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l, s_on, s_ln, ns, cfg)
+        elif self.kind == "pointer":
+            table = indices if self.sparse else block_table
+            self.stage1, self.numbers = _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, self.sparse,
+                                                        seq_lens, sm_scale, o, l, s_on, s_ln, ns, cfg, n_query,
+                                                        ckv_scale)
+        else:
+            self.sm_scale, self.s_on, self.s_ln = sm_scale, s_on, s_ln
+        if ns > 1:
+            out = torch.empty(self.out_shape, device=meta)
+            self.merge = merge_launch(o, l, out, torch.empty(self.lse_shape, device=meta))
+
+    def __call__(self, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices=None, ckv_scale=None):
+        device = self.device
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        if self.empty:
+            return out, lse
+        if any(self.copies):
+            q_nope, q_pe, seq_lens, block_table, indices = map(_unit_inner_stride, (q_nope, q_pe, seq_lens,
+                                                                                     block_table, indices))
+        ns = self.ns
+        if ns == 1:
+            o, l = out, lse
+        else:
+            o = torch.empty(self.partial_shapes[0], dtype=torch.float32, device=device)
+            l = torch.empty(self.partial_shapes[1], dtype=torch.float32, device=device)
+        kind = self.kind
+        if kind == "pointer":
+            table = indices if self.sparse else block_table
+            self.stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, table if self.sparse else seq_lens, o, l,
+                        ckv_scale if ckv_scale is not None else o, *self.numbers)
+        elif kind == "tma":
+            self.stage1(q_nope, q_pe, *_descriptors(self.templates, ckv_cache, kpe_cache), ckv_cache, kpe_cache,
+                        block_table, seq_lens, o, l, *self.numbers)
+        elif kind == "seesaw":
+            _seesaw.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, self.sm_scale, o, l,
+                           self.s_on, self.s_ln, ns, n_query=self.n_query)
+        else:
+            _wgmma.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, self.sm_scale, o, l, self.s_on,
+                          self.s_ln, ns, indices=indices, n_query=self.n_query)
+        if ns > 1:
+            self.merge(o, l, out, lse)
         return out, lse
-    # q is read with any batch/head strides; the ops are flexible_layout, so Inductor may also hand over strided
-    # lengths / tables. The kernels need unit inner strides only: copy just what lacks them
-    q_nope, q_pe, seq_lens, block_table, indices = map(_unit_inner_stride, (q_nope, q_pe, seq_lens, block_table,
-                                                                             indices))
-    for t, name in ((ckv_cache, "ckv_cache"), (kpe_cache, "kpe_cache"), (ckv_scale, "ckv_scale")):
-        if t is not None and t.stride(-1) != 1:
-            raise ValueError(f"{name}: last dim must be contiguous for the Triton kernel, strides {t.stride()}")
-    # an index list (sparse_decode) gathers every token through a table load, as a page-1 token table does
-    page_size = 1 if indices is not None else ckv_cache.shape[1]
-    multi = n_query > 1
-    fp8 = ckv_scale is not None
-    cfg = cfg or (fp8_config(H, page_size, q_nope.dtype, multi) if fp8 else
-                  multi_token_config(H, page_size, q_nope.dtype) if multi else
-                  default_config(H, R, page_size, q_nope.dtype))
-    ns = splits or num_splits(B, H, capacity, q_nope.device, cfg)
-    if ns == 1:
-        o, l = out, lse
-        s_on = s_ln = 0
-    else:
-        o = torch.empty((ns, B, H, R), dtype=torch.float32, device=q_nope.device)
-        l = torch.empty((ns, B, H), dtype=torch.float32, device=q_nope.device)
-        s_on, s_ln = o.stride(0), l.stride(0)
-    sparse = indices is not None
-    # several query tokens: the pointer kernel or a Gluon one (their rows carry per-token limits; the Triton TMA
-    # kernel takes one limit per request)
-    if fp8:  # the pointer kernel dequantizes its tiles; the TMA and Gluon kernels read fp16/bf16 caches only
-        _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, o, l, s_on,
-                        s_ln, ns, cfg, n_query, ckv_scale)
-    elif cfg.kernel == "seesaw":
-        _seesaw.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
-                       n_query=n_query)
-    elif cfg.kernel == "wgmma":
-        _wgmma.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
-                      indices=indices, n_query=n_query)
-    elif not multi and tma_eligible(ckv_cache, kpe_cache, sparse, cfg):
-        _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, cfg)
-    else:
-        _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, o, l, s_on,
-                        s_ln, ns, cfg, n_query)
-    if ns > 1:
-        merge_into(o, l, out, lse)
-    return out, lse
+
+
+def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, *, cfg=None, splits=None,
+                n_query: int = 1, ckv_scale=None) -> AttendPlan:
+    """`decode`'s plan for these tensors' signature: `plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table,
+    seq_lens, None, ckv_scale)` runs it on any tensors of that signature."""
+    capacity = block_table.shape[1] * ckv_cache.shape[1]  # the longest a request can be: shape-only
+    return AttendPlan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, None, sm_scale, capacity, cfg, splits,
+                      n_query, ckv_scale)
 
 
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, *, cfg=None, splits=None,
@@ -471,15 +569,22 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
     counts the S new tokens (token j sees t < seq_lens[b] - S + 1 + j), or int32 [B, S] gives each query token's
     limit itself (DCP's per-rank counts). The pointer kernel, each KV tile loaded once for all S tokens.
     ckv_scale: an FP8 ckv_cache's scales (mla_compile/fp8.py): the pointer kernel, tiles dequantized in registers."""
-    capacity = block_table.shape[1] * ckv_cache.shape[1]  # the longest a request can be: shape-only
-    return _attend(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, None, sm_scale, capacity, cfg, splits,
-                   n_query, ckv_scale)
+    return decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, cfg=cfg, splits=splits,
+                       n_query=n_query, ckv_scale=ckv_scale)(q_nope, q_pe, ckv_cache, kpe_cache, block_table,
+                                                             seq_lens, None, ckv_scale)
+
+
+def sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, *, cfg=None, splits=None,
+                       ckv_scale=None) -> AttendPlan:
+    """`sparse_decode`'s plan: `plan(q_nope, q_pe, ckv_cache, kpe_cache, None, None, indices, ckv_scale)`."""
+    return AttendPlan(q_nope, q_pe, ckv_cache, kpe_cache, None, None, indices, sm_scale, indices.shape[1], cfg, splits,
+                      ckv_scale=ckv_scale)
 
 
 def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, *, cfg=None, splits=None, ckv_scale=None):
     """`mla::sparse_decode`: attention over the physical slots in indices [B, K] (-1 ignored)."""
-    return _attend(q_nope, q_pe, ckv_cache, kpe_cache, None, None, indices, sm_scale, indices.shape[1], cfg, splits,
-                   ckv_scale=ckv_scale)
+    return sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, cfg=cfg, splits=splits,
+                              ckv_scale=ckv_scale)(q_nope, q_pe, ckv_cache, kpe_cache, None, None, indices, ckv_scale)
 
 
 def flops(batch: int, heads: int, kv_len: int, R: int, P: int) -> float:

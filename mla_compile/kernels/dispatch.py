@@ -252,37 +252,70 @@ def _with_zero_rope(q_nope, ckv_cache):
     return zero_rope_column(zero, *q_nope.shape[:2]), zero_rope_column(zero, *ckv_cache.shape[:2])
 
 
-def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=1, ckv_scale=None):
-    """n_query = S > 1: S query tokens per request folded into q's rows ([B, S*H, *], see kernels/decode.py
+def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=1, ckv_scale=None):
+    """(plan, keep): `plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, ckv_scale)` decodes any call of
+    these tensors' signature (shapes, strides, dtypes, device, alignment, sm_scale, n_query, the tuning and
+    environment in effect) with the kernel chosen now; `keep`: whether the choice holds for every such call (not
+    FlashInfer's, which depends on whether a CUDA graph is being captured).
+
+    n_query = S > 1: S query tokens per request folded into q's rows ([B, S*H, *], see kernels/decode.py
     `decode`): the Gluon TMA / gather kernel or the Triton pointer kernel, by rows (`select_decode_kernel`;
     FlashMLA, FlashInfer and the seesaw kernel take one token per request).
     An FP8 cache (ckv_scale given, mla_compile/fp8.py): the Triton pointer kernel (`decode_kernel`)."""
     name = decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, n_query=n_query, block_table=block_table).name
     if name == "flashmla":
-        return _flashmla(q_nope.device).decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+        fm = _flashmla(q_nope.device)
+        return (lambda qn, qp, ckv, kpe, table, lens, scale: fm.decode(qn, qp, ckv, kpe, table, lens, sm_scale)), True
     if name == "flashinfer":
-        return _fi.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale)
+        return (lambda qn, qp, ckv, kpe, table, lens, scale: _fi.decode(qn, qp, ckv, kpe, table, lens, sm_scale)), False
     if name in ("seesaw", "wgmma"):
-        cfg = _config(q_nope, ckv_cache, False, name)
-        multi = {"n_query": n_query} if n_query > 1 else {}
-        return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, cfg=cfg, **multi)
-    if rope_less(q_pe):  # see above: the Triton kernel with a zero rope column
-        q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache)
-    kwargs = {"n_query": n_query} if n_query > 1 else {}  # a one-token call is the plain kernels' call
-    if ckv_scale is not None:
-        kwargs["ckv_scale"] = ckv_scale
-    return _decode.decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, **kwargs)
+        plan = _decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
+                                   cfg=_config(q_nope, ckv_cache, False, name), n_query=n_query)
+    elif rope_less(q_pe):  # see above: the Triton kernel with a zero rope column (a fresh one per call)
+        zq, zk = _with_zero_rope(q_nope, ckv_cache)
+        plan = _decode.decode_plan(q_nope, zq, ckv_cache, zk, block_table, seq_lens, sm_scale, n_query=n_query,
+                                   ckv_scale=ckv_scale)
+
+        def zero_rope(qn, qp, ckv, kpe, table, lens, scale):
+            qp, kpe = _with_zero_rope(qn, ckv)
+            return plan(qn, qp, ckv, kpe, table, lens, None, scale)
+
+        return zero_rope, True
+    else:
+        plan = _decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
+                                   n_query=n_query, ckv_scale=ckv_scale)
+    return (lambda qn, qp, ckv, kpe, table, lens, scale: plan(qn, qp, ckv, kpe, table, lens, None, scale)), True
+
+
+def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=1, ckv_scale=None):
+    """One call: `decode_plan`'s plan, made and run (the op's impl keeps plans per signature, ops/_plans.py)."""
+    plan, _ = decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query, ckv_scale)
+    return plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, ckv_scale)
+
+
+def sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
+    """(plan, keep) as `decode_plan`: `plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, ckv_scale)`. An FP8 cache
+    (ckv_scale given): the Triton pointer kernel (`decode_kernel`)."""
+    if decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse=True).name == "wgmma":
+        plan = _decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
+                                          cfg=_config(q_nope, ckv_cache, True, "wgmma"))
+    elif rope_less(q_pe):
+        zq, zk = _with_zero_rope(q_nope, ckv_cache)
+        plan = _decode.sparse_decode_plan(q_nope, zq, ckv_cache, zk, indices, sm_scale, ckv_scale=ckv_scale)
+
+        def zero_rope(qn, qp, ckv, kpe, idx, scale):
+            qp, kpe = _with_zero_rope(qn, ckv)
+            return plan(qn, qp, ckv, kpe, None, None, idx, scale)
+
+        return zero_rope, True
+    else:
+        plan = _decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=ckv_scale)
+    return (lambda qn, qp, ckv, kpe, idx, scale: plan(qn, qp, ckv, kpe, None, None, idx, scale)), True
 
 
 def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
-    """An FP8 cache (ckv_scale given): the Triton pointer kernel (`decode_kernel`)."""
-    if decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse=True).name == "wgmma":
-        cfg = _config(q_nope, ckv_cache, True, "wgmma")
-        return _decode.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, cfg=cfg)
-    if rope_less(q_pe):
-        q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache)
-    fp8_scales = {} if ckv_scale is None else {"ckv_scale": ckv_scale}  # a bf16 call as it always was
-    return _decode.sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, **fp8_scales)
+    plan, _ = sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale)
+    return plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, ckv_scale)
 
 
 def merge_states(outs, lses):

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ._util import cdiv, next_power_of_2, pdl_enter, pdl_launch, sm_count
-from ._launch import fast
+from ._launch import bind
 
 
 @triton.jit
@@ -84,19 +84,24 @@ def _tiles(N: int, rows: int, R: int, sms: int) -> tuple[int, int, tuple[int, in
     return block_n, block_r, (rows, max(1, cdiv(R, block_r)))  # R == 0 still needs the lse
 
 
-def merge_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """outs [N, B, H, R] (last dim contiguous), lses [N, B, H] -> out [B, H, R] (any float dtype), lse [B, H]."""
+def merge_launch(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
+    """`merge_into` bound to these tensors' shapes and strides: `launch(outs, lses, out, lse)` merges any tensors of
+    the same signature (kernels/decode.py's plans keep it); with nothing to merge (B * H == 0) it does nothing."""
     N, B, H, R = outs.shape
     if B * H == 0:
-        return
+        return lambda *tensors: None
     assert outs.stride(-1) == 1 and out.stride(-1) == 1
     block_n, block_r, grid = _tiles(N, B * H, R, sm_count(outs.device))
-    fast(_merge_kernel)[grid](outs, lses, out, lse, N, H, R,
-                              outs.stride(0), outs.stride(1), outs.stride(2),
-                              lses.stride(0), lses.stride(1), lses.stride(2),
-                              out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-                              BLOCK_N=block_n, BLOCK_R=block_r, ONE_PASS=N <= block_n, num_warps=4,
-                              **pdl_launch(outs.device))
+    bound = bind(_merge_kernel, grid, BLOCK_N=block_n, BLOCK_R=block_r, ONE_PASS=N <= block_n, num_warps=4,
+                 **pdl_launch(outs.device))
+    numbers = (N, H, R, outs.stride(0), outs.stride(1), outs.stride(2), lses.stride(0), lses.stride(1),
+               lses.stride(2), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
+    return lambda outs, lses, out, lse: bound(outs, lses, out, lse, *numbers)
+
+
+def merge_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """outs [N, B, H, R] (last dim contiguous), lses [N, B, H] -> out [B, H, R] (any float dtype), lse [B, H]."""
+    merge_launch(outs, lses, out, lse)(outs, lses, out, lse)
 
 
 def merge_states(outs: torch.Tensor, lses: torch.Tensor):

@@ -140,13 +140,13 @@ def test_fp8_takes_the_pointer_kernel(monkeypatch):
 
     batch, qn, qp = build([100, 3], 128, 64, seed=3)
     seen = []
-    original = D._launch_pointer
+    original = D._pointer_stage1
 
-    def spy(*args, **kwargs):
+    def spy(*args, **kwargs):  # the pointer kernel's plan is made with the call's scales
         seen.append(args[-1] if len(args) > 15 else kwargs.get("ckv_scale"))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(D, "_launch_pointer", spy)
+    monkeypatch.setattr(D, "_pointer_stage1", spy)
     dispatch.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, batch.seq_lens, SCALE,
                     ckv_scale=batch.ckv_scale)
     assert len(seen) == 1 and seen[0] is batch.ckv_scale

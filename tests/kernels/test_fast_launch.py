@@ -208,3 +208,55 @@ def test_uncached_paths(fake_gpu, monkeypatch):
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert launches[-1][4] is knobs.runtime.launch_enter_hook, "a hook installed: Triton's path (hooks handed over)"
+
+
+def test_bound_launch_replays_tritons_kernel_without_building_a_key(fake_gpu, monkeypatch):
+    """A plan's bound launch (`_launch.bind`): the first call goes through Triton and remembers its kernel; later
+    calls (other tensors, the same signature) launch that kernel with the new arguments and build no key, and it
+    is the kernel Triton's own run picks for them."""
+    launches, compiles = fake_gpu
+    bound = _launch.bind(_probe_kernel, (3, 2), BLOCK=16, num_warps=4)
+    x, y = torch.zeros(32), torch.zeros(32)
+    first = bound(x, y, None, 7, 0.5, True, 16)
+    assert len(compiles) == 1 and bound.entry is not None and first is compiles[0]
+
+    def no_key(*a, **k):
+        raise AssertionError("a bound launch built a key")
+
+    monkeypatch.setattr(_launch, "_key", no_key)
+    x2, y2 = torch.ones(32), torch.ones(32)
+    assert bound(x2, y2, None, 7, 0.25, True, 16) is compiles[0]
+    ours = launches[-1]
+    assert ours[1] == (3, 2, 1) and ours[6][:2] == (x2, y2) and ours[6][4] == 0.25
+    _probe_kernel[(3, 2)](x2, y2, None, 7, 0.25, True, 16, BLOCK=16, num_warps=4)
+    triton_call = launches[-1]
+    assert ours[0] is triton_call[0] and len(ours[6]) == len(triton_call[6])
+    assert all(a is b or a == b for a, b in zip(ours[6], triton_call[6]))
+    monkeypatch.setattr(_launch, "ENABLED", False)  # the escape hatch: Triton's own path, still launching
+    bound(x, y, None, 7, 0.5, True, 16)
+    assert launches[-1][6][:2] == (x, y)
+
+
+def test_plan_descriptors_equal_fresh_ones(fake_gpu):
+    """kernels/decode.py copies a plan's validated descriptor templates with each call's cache as the base: the
+    copy is what a fresh TensorDescriptor over the [slots, width] view would be, and launches the same kernel."""
+    from mla_compile.kernels import decode as D
+
+    launches, _ = fake_gpu
+    ckv, kpe = torch.zeros(4, 64, 512, dtype=torch.bfloat16), torch.zeros(4, 64, 64, dtype=torch.bfloat16)
+    templates = (TensorDescriptor(ckv, [256, 512], [512, 1], [64, 256]), TensorDescriptor(kpe, [256, 64], [64, 1],
+                                                                                            [64, 64]))
+    for t in templates:
+        t.base = None
+    ckv2, kpe2 = torch.ones_like(ckv), torch.ones_like(kpe)
+    copies = D._descriptors(templates, ckv2, kpe2)
+    fresh = (TensorDescriptor.from_tensor(ckv2.view(256, 512), [64, 256]),
+             TensorDescriptor.from_tensor(kpe2.view(256, 64), [64, 64]))
+    for c, f, base in zip(copies, fresh, (ckv2, kpe2)):
+        assert type(c) is type(f) and c.base is base and c.base.data_ptr() == f.base.data_ptr()
+        assert [list(c.shape), list(c.strides), list(c.block_shape), c.padding] == \
+               [list(f.shape), list(f.strides), list(f.block_shape), f.padding]
+    assert all(t.base is None for t in templates)  # the templates keep no tensor alive
+    _launch.fast(_probe_desc_kernel)[(1,)](copies[0], ckv2, 5, BLOCK=16)
+    _launch.fast(_probe_desc_kernel)[(1,)](fresh[0], ckv2, 5, BLOCK=16)
+    assert launches[-1][0] is launches[-2][0]

@@ -261,9 +261,11 @@ def test_backend_options_carry_a_tuning():
 def test_decode_runs_exactly_the_configured_stage1_kernel(kernel, monkeypatch):
     # decode._attend re-checks nothing: the kernel in the config (dispatch's choice) is the one launched
     launched = []
-    for name, target in (("seesaw", (D._seesaw, "launch")), ("wgmma", (D._wgmma, "launch")),
-                         ("triton-tma", (D, "_launch_tma")), ("triton-pointer", (D, "_launch_pointer"))):
-        monkeypatch.setattr(*target, lambda *a, name=name, **k: launched.append(name))
+    for name in ("seesaw", "wgmma"):
+        monkeypatch.setattr(getattr(D, "_" + name), "launch", lambda *a, name=name, **k: launched.append(name))
+    # the Triton kernels' plans: a stand-in bound launch (no descriptor templates, no numbers)
+    monkeypatch.setattr(D, "_tma_stage1", lambda *a, **k: (lambda *x: launched.append("triton-tma"), (), ()))
+    monkeypatch.setattr(D, "_pointer_stage1", lambda *a, **k: (lambda *x: launched.append("triton-pointer"), ()))
     q_nope, q_pe, ckv, kpe = _cpu_call()
     table, lens = torch.zeros(2, 2, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32)
     cfg = D.default_config(128, 512, 64)
@@ -279,7 +281,8 @@ def test_dispatch_decode_runs_the_selected_kernel(choice, monkeypatch):
     fake_fm = mock.Mock(decode=lambda *a: ran.append("flashmla"))
     monkeypatch.setattr(D_, "_flashmla", lambda device: fake_fm)
     monkeypatch.setattr(D_._fi, "decode", lambda *a: ran.append("flashinfer"))
-    monkeypatch.setattr(D_._decode, "decode", lambda *a, cfg=None, **k: ran.append(cfg.kernel if cfg else "triton"))
+    monkeypatch.setattr(D_._decode, "decode_plan",
+                        lambda *a, cfg=None, **k: lambda *x: ran.append(cfg.kernel if cfg else "triton"))
     monkeypatch.setattr(D_, "decode_kernel", lambda *a, **k: D_.Choice(choice, "test"))
     q_nope, q_pe, ckv, kpe = _cpu_call()
     D_.decode(q_nope, q_pe, ckv, kpe, torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 0.1)

@@ -53,6 +53,19 @@ class Recorder:
         return self.result
 
 
+class PlanRecorder(Recorder):
+    """Stands in for kernels/decode.py's `decode_plan` / `sparse_decode_plan`: records what each plan was made
+    with (`made`: args, keywords) and is the plan itself (its calls: the tensors each run is handed)."""
+
+    def __init__(self, result=None):
+        super().__init__(result)
+        self.made = []
+
+    def make(self, *args, **kwargs):
+        self.made.append((args, kwargs))
+        return self
+
+
 def _assert_zero_rope(t, lead):
     assert t.shape == (*lead, 1) and t.stride() == (0,) * len(lead) + (1,)
     assert t.untyped_storage().nbytes() == t.element_size()  # one element, whatever the rows
@@ -61,15 +74,16 @@ def _assert_zero_rope(t, lead):
 
 def test_dispatch_sends_rope_less_decode_to_triton_with_a_zero_rope_column(monkeypatch):
     q, qp, c, k, bt, sl = _problem()
-    triton, flashinfer = Recorder(("out", "lse")), Recorder()
-    monkeypatch.setattr(dispatch._decode, "decode", triton)
+    triton, flashinfer = PlanRecorder(("out", "lse")), Recorder()
+    monkeypatch.setattr(dispatch._decode, "decode_plan", triton.make)
     monkeypatch.setattr(dispatch._fi, "decode", flashinfer)
     monkeypatch.setattr(dispatch._fi, "usable", lambda *a: True)
     monkeypatch.setenv("MLA_COMPILE_DECODE_BACKEND", "flashinfer")  # asked for, but built for P = 64 only
     assert dispatch.decode(q, qp, c, k, bt, sl, 0.3) == ("out", "lse")
     assert not flashinfer.calls and len(triton.calls) == 1
-    qn2, qp2, c2, k2, bt2, sl2, scale = triton.calls[0]
-    assert qn2 is q and c2 is c and bt2 is bt and sl2 is sl and scale == 0.3
+    qn2, qp2, c2, k2, bt2, sl2, idx2, ckv_scale = triton.calls[0]
+    assert qn2 is q and c2 is c and bt2 is bt and sl2 is sl and idx2 is None and ckv_scale is None
+    assert triton.made[0][0][6] == 0.3  # sm_scale, fixed when the plan is made
     _assert_zero_rope(qp2, (B, H))
     _assert_zero_rope(k2, c.shape[:2])
     # what the kernel is handed is exactly the P = 0 attention (the definition, on CPU)
@@ -86,11 +100,12 @@ def test_dispatch_sends_rope_less_decode_to_triton_with_a_zero_rope_column(monke
 def test_dispatch_sends_rope_less_sparse_decode_with_a_zero_rope_column(monkeypatch):
     q, qp, c, k, bt, _ = _problem(1)
     idx = _sparse_indices(bt)
-    triton = Recorder(("out", "lse"))
-    monkeypatch.setattr(dispatch._decode, "sparse_decode", triton)
+    triton = PlanRecorder(("out", "lse"))
+    monkeypatch.setattr(dispatch._decode, "sparse_decode_plan", triton.make)
     dispatch.sparse_decode(q, qp, c, k, idx, 0.4)
-    qn2, qp2, c2, k2, idx2, _ = triton.calls[0]
-    assert qn2 is q and c2 is c and idx2 is idx
+    qn2, qp2, c2, k2, bt2, sl2, idx2, _ = triton.calls[0]
+    assert qn2 is q and c2 is c and idx2 is idx and bt2 is None and sl2 is None
+    assert triton.made[0][0][5] == 0.4
     _assert_zero_rope(qp2, (B, H))
     _assert_zero_rope(k2, c.shape[:2])
     want = torch.ops.mla.sparse_decode(q, qp, c, k, idx, 0.4)
