@@ -7,7 +7,7 @@ import triton.language as tl
 
 from .. import fp8
 from ._util import next_power_of_2, pdl_enter, pdl_launch
-from ._launch import fast
+from ._launch import bind
 
 
 @triton.jit
@@ -35,24 +35,44 @@ def _cache_write_kernel(Ckv, Kpe, SrcC, SrcK, Slots, Scale, SrcS, R, P, PS, G,
             tl.store(Scale + page * s_gp + off * s_gs + offs_g, s, mask=offs_g < G)
 
 
+def _write_launch(ckv_cache, kpe_cache, ckv, kpe, dst_s, scales, fp8: bool):
+    """(`_cache_write_kernel` bound for these tensors' signature, the numbers after its seven tensor arguments):
+    `bound(ckv_cache, kpe_cache, ckv, kpe, slots, dst_s, scales, *numbers)`; without FP8, dst_s and scales are
+    unread placeholders (the cache and ckv)."""
+    R, P = ckv.shape[1], kpe.shape[1]
+    G = scales.shape[1] if fp8 else 1
+    bound = bind(_cache_write_kernel, (ckv.shape[0],), BLOCK_R=next_power_of_2(max(R, 1)),
+                 BLOCK_P=next_power_of_2(max(P, 1)), BLOCK_G=next_power_of_2(G), FP8=fp8, num_warps=4,
+                 **pdl_launch(ckv.device))
+    return bound, (R, P, ckv_cache.shape[1], G, ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0),
+                   kpe_cache.stride(1), ckv.stride(0), kpe.stride(0), dst_s.stride(0), dst_s.stride(1),
+                   scales.stride(0))
+
+
+def cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots):
+    """`plan(ckv_cache, kpe_cache, ckv, kpe, slots)` writes any fp16 / bf16 / fp32 call of this signature (ops/
+    _plans.py): one bound launch."""
+    if ckv.shape[0] == 0:
+        return lambda *tensors: None
+    copy_c, copy_k = ckv.stride(-1) != 1, kpe.stride(-1) != 1
+    bound, numbers = _write_launch(ckv_cache, kpe_cache, ckv.contiguous() if copy_c else ckv,
+                                   kpe.contiguous() if copy_k else kpe, ckv_cache, ckv, False)
+
+    def plan(ckv_cache, kpe_cache, ckv, kpe, slots):
+        ckv = ckv.contiguous() if copy_c else ckv
+        bound(ckv_cache, kpe_cache, ckv, kpe.contiguous() if copy_k else kpe, slots, ckv_cache, ckv, *numbers)
+
+    return plan
+
+
 def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None) -> None:
     """ckv_scale given: an FP8 cache; ckv is quantized here by `fp8.quantize` (device ops, no host sync) and the
     kernel scatters values and scales."""
-    T = ckv.shape[0]
-    if T == 0:
+    if ckv_scale is None:
+        return cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots)(ckv_cache, kpe_cache, ckv, kpe, slots)
+    if ckv.shape[0] == 0:
         return
-    if ckv_scale is not None:
-        ckv, scales = fp8.quantize(ckv)
-    else:
-        scales = ckv  # unread placeholders without FP8
-    ckv = ckv if ckv.stride(-1) == 1 else ckv.contiguous()
+    ckv, scales = fp8.quantize(ckv)
     kpe = kpe if kpe.stride(-1) == 1 else kpe.contiguous()
-    R, P = ckv.shape[1], kpe.shape[1]
-    G = scales.shape[1] if ckv_scale is not None else 1
-    dst_s = ckv_scale if ckv_scale is not None else ckv_cache
-    fast(_cache_write_kernel)[(T,)](ckv_cache, kpe_cache, ckv, kpe, slots, dst_s, scales, R, P, ckv_cache.shape[1], G,
-                                    ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
-                                    ckv.stride(0), kpe.stride(0), dst_s.stride(0), dst_s.stride(1), scales.stride(0),
-                                    BLOCK_R=next_power_of_2(max(R, 1)), BLOCK_P=next_power_of_2(max(P, 1)),
-                                    BLOCK_G=next_power_of_2(G), FP8=ckv_scale is not None,
-                                    num_warps=4, **pdl_launch(ckv.device))
+    bound, numbers = _write_launch(ckv_cache, kpe_cache, ckv, kpe, ckv_scale, scales, True)
+    bound(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale, scales, *numbers)

@@ -318,8 +318,15 @@ def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_sca
     return plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, ckv_scale)
 
 
-def merge_states(outs, lses):
-    return _merge.merge_states(outs, lses)
+def merge_states_plan(outs, lses):
+    return _merge.merge_states_plan(outs, lses), True
+
+
+def cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots):
+    """(plan, keep): `plan(ckv_cache, kpe_cache, ckv, kpe, slots)` for a cache in q's dtype (not FP8)."""
+    if rope_less(kpe):
+        return (lambda *tensors: cache_write(*tensors)), True
+    return _cache.cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots), True
 
 
 def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None):
@@ -343,28 +350,35 @@ def k_only_indices(block_table, seq_lens, page_size, topk):
     return _dsa.k_only_indices(block_table, seq_lens, page_size, topk)
 
 
-def fused_linear(x, weights):
-    """Up to 16 rows in fp16/bf16: the few-token kernel, one launch per pair of weights (benchmarks/
+def fused_linear_plan(x, weights):
+    """(plan, keep): `plan(x, *weights)` -> `mla::fused_linear(x, weights)` for inputs of this signature.
+    Up to 16 rows in fp16/bf16: the few-token kernel, one launch per pair of weights (benchmarks/
     linear_sweep.py, H200: q_a + kv_a 6.6 vs 11.7 us as two cuBLAS GEMMs, gate + up 18.4 vs 21.5, a lone
     K=8192 weight 12.2 vs 13.8; a lone weight with a short K is ~5% slower than cuBLAS, which is why the pass
     does not send those here). Otherwise F.linear per weight."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     if not few_token_rows(x2.shape[0], x2.dtype):
-        return [torch.nn.functional.linear(x, w) for w in weights]
-    outs = []
-    for i in range(0, len(weights), 2):
-        outs += _linear.linear_small_m(x2, weights[i:i + 2])
-    return [y.view(*lead, y.shape[-1]) for y in outs]
+        return (lambda x, *weights: [torch.nn.functional.linear(x, w) for w in weights]), True
+    pairs = [(i, _linear.small_m_plan(x2, weights[i:i + 2])) for i in range(0, len(weights), 2)]
+    flat = len(lead) == 1  # x [M, K]: the products are the outputs, no views to take
+
+    def plan(x, *weights):
+        x2 = x if flat else x.reshape(-1, K)
+        outs = []
+        for i, pair in pairs:
+            outs += pair(x2, weights[i:i + 2])
+        return outs if flat else [y.view(*lead, y.shape[-1]) for y in outs]
+
+    return plan, True
 
 
-def linear_partials(x, weights, splits):
-    """The few-token kernel writes the partials (one launch per pair of weights); x within its range (the op's CUDA
-    impl sends the rest to the op's definition)."""
-    return _linear.linear_partials(x, weights, splits)
+def linear_partials_plan(x, weights, splits):
+    plan = _linear.linear_partials_plan(x, weights, splits)
+    return (lambda x, *weights: plan(x, weights)), True
 
 
-def per_head_linear(x, weight):
-    """One few-token launch over (head, row block) writing [B, H, N] directly; x within its range (the op's CUDA
-    impl sends the rest to the op's definition, a bmm over heads)."""
-    return _linear.per_head_linear(x, weight)
+def per_head_linear_plan(x, weight):
+    return _linear.per_head_plan(x, weight), True
+
+

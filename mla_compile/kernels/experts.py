@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._util import cdiv, pdl_enter, pdl_launch
-from ._launch import fast
+from ._launch import bind
 
 BLOCK_O = 64
 BLOCK_I = 128
@@ -58,20 +58,29 @@ def _expert_linear_kernel(X, W, IDS, Y, N_OUT, N_IN, E, s_xs, s_xi, s_we, s_wo, 
     tl.store(Y + s * s_ys + offs_o * s_yo, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=mask_o)
 
 
+def expert_linear_plan(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor, block_o: int = BLOCK_O,
+                       block_i: int = BLOCK_I):
+    """`plan(x, weight, expert_ids)` -> `expert_linear(...)` for inputs of this signature (ops/_plans.py)."""
+    S, I = x.shape
+    E, O = weight.shape[0], weight.shape[1]
+    shape, dtype, device = (S, O), x.dtype, x.device
+    if S == 0 or O == 0 or I == 0:
+        return lambda x, weight, expert_ids: torch.zeros(shape, dtype=dtype, device=device)
+    bound = bind(_expert_linear_kernel, (S, cdiv(O, block_o)), BLOCK_O=block_o, BLOCK_I=block_i,
+                 EVEN_I=I % block_i == 0, num_warps=4, num_stages=3, **pdl_launch(x.device))
+    numbers = (O, I, E, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), O, 1)
+
+    def plan(x, weight, expert_ids):
+        y = torch.empty(shape, dtype=dtype, device=device)
+        bound(x, weight, expert_ids, y, *numbers)
+        return y
+
+    return plan
+
+
 def expert_linear(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor,
                   block_o: int = BLOCK_O, block_i: int = BLOCK_I) -> torch.Tensor:
     """x [S, I], weight [E, O, I] (any strides), expert_ids [S] int32 / int64 in [-E, E) -> y [S, O] contiguous
     in x's dtype, y[s] = weight[expert_ids[s]] @ x[s] accumulated in fp32. Ids are not range-checked here (the op
     checks them where data checks are on)."""
-    S, I = x.shape
-    E, O = weight.shape[0], weight.shape[1]
-    y = x.new_empty((S, O))
-    if S == 0 or O == 0:
-        return y
-    if I == 0:
-        return y.zero_()
-    fast(_expert_linear_kernel)[(S, cdiv(O, block_o))](
-        x, weight, expert_ids, y, O, I, E, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        weight.stride(2), y.stride(0), y.stride(1), BLOCK_O=block_o, BLOCK_I=block_i, EVEN_I=I % block_i == 0,
-        num_warps=4, num_stages=3, **pdl_launch(x.device))
-    return y
+    return expert_linear_plan(x, weight, expert_ids, block_o, block_i)(x, weight, expert_ids)

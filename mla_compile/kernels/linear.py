@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .few_token import FEW_TOKEN_ROWS, K_ALIGN, split_width
 from ._util import cdiv, dot_mode, mma, next_power_of_2, pdl_enter, pdl_launch, sm_count
-from ._launch import fast
+from ._launch import bind
 
 MAX_M = FEW_TOKEN_ROWS  # the MMA's N side (rows of x padded to it)
 
@@ -124,10 +124,12 @@ def default_linear_config(M: int, K: int, N: int) -> LinearConfig:
     return LinearConfig(block_n=32, block_k=128, num_warps=4, num_stages=stages, split_k=split)
 
 
-def _launch(x, weights, ys, k_split: int, splits: int, cfg: LinearConfig, s_ys: int):
-    """One `_linear_kernel` launch per pair of weights; ys[i] receives x @ weights[i]^T ([M, N_i], or fp32
-    partials [splits, M, N_i] with split stride s_ys; s_ys = 0: no split)."""
+def _pair_launches(x, weights, ys, k_split: int, splits: int, cfg: LinearConfig, s_ys: int) -> list:
+    """`_linear_kernel` bound once per pair of weights: [(bound, first, second, numbers)]; the pair's launch is
+    `bound(x, weights[first], weights[second], ys[first], ys[second], *numbers)`, ys[i] receiving x @ weights[i]^T
+    ([M, N_i], or fp32 partials [splits, M, N_i] with split stride s_ys; s_ys = 0: no split)."""
     M, K = x.shape
+    launches = []
     for i in range(0, len(weights), 2):
         j = min(i + 1, len(weights) - 1)  # a lone weight: W1 is W0 again with no rows of its own (n1 = 0)
         w0, w1, y0, y1 = weights[i], weights[j], ys[i], ys[j]
@@ -135,12 +137,45 @@ def _launch(x, weights, ys, k_split: int, splits: int, cfg: LinearConfig, s_ys: 
         grid = (cdiv(n0, cfg.block_n) + cdiv(n1, cfg.block_n), splits)
         if grid[0] == 0:
             continue
-        fast(_linear_kernel)[grid](x, w0, w1, y0, y1, M, n0, n1, K, k_split,
-                                   x.stride(0), x.stride(1), w0.stride(0), w0.stride(1), w1.stride(0), w1.stride(1),
-                                   s_ys, y0.stride(-2), y0.stride(-1), y1.stride(-2), y1.stride(-1),
-                                   BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                   EVEN_K=K % cfg.block_k == 0, **dot_mode(x.dtype), num_warps=cfg.num_warps,
-                                   num_stages=cfg.num_stages, **pdl_launch(x.device))
+        bound = bind(_linear_kernel, grid, BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                     EVEN_K=K % cfg.block_k == 0, **dot_mode(x.dtype), num_warps=cfg.num_warps,
+                     num_stages=cfg.num_stages, **pdl_launch(x.device))
+        launches.append((bound, i, j, (M, n0, n1, K, k_split, x.stride(0), x.stride(1), w0.stride(0), w0.stride(1),
+                                       w1.stride(0), w1.stride(1), s_ys, y0.stride(-2), y0.stride(-1),
+                                       y1.stride(-2), y1.stride(-1))))
+    return launches
+
+
+def _run_pairs(launches, x, weights, ys) -> None:
+    for bound, i, j, numbers in launches:
+        bound(x, weights[i], weights[j], ys[i], ys[j], *numbers)
+
+
+def linear_partials_plan(x: torch.Tensor, weights: list[torch.Tensor], splits: int, cfg: LinearConfig | None = None,
+                         align: int = K_ALIGN):
+    """`plan(x, weights)` -> `linear_partials(x, weights, splits)` for inputs of this signature: one allocation,
+    the column views of each weight's partials, the bound launches."""
+    M, K = x.shape
+    N = sum(w.shape[0] for w in weights)
+    shape, device = (splits, M, N), x.device
+    if M == 0 or N == 0 or K == 0:
+        return lambda x, weights: torch.zeros(shape, dtype=torch.float32, device=device)
+    cfg = cfg or default_linear_config(M, K, N)
+    k_split = split_width(K, splits, align)
+    if k_split % cfg.block_k:
+        raise ValueError(f"cfg: block_k {cfg.block_k} must divide the split width {k_split}")
+    cols = list(itertools.accumulate((w.shape[0] for w in weights), initial=0))
+    ranges = tuple(zip(cols, cols[1:]))
+    part = torch.empty(shape, dtype=torch.float32, device=torch.device("meta"))
+    launches = _pair_launches(x, weights, [part[:, :, lo:hi] for lo, hi in ranges], k_split, splits, cfg,
+                              part.stride(0))
+
+    def plan(x, weights):
+        part = torch.empty(shape, dtype=torch.float32, device=device)
+        _run_pairs(launches, x, weights, [part[:, :, lo:hi] for lo, hi in ranges])
+        return part
+
+    return plan
 
 
 def linear_partials(x: torch.Tensor, weights: list[torch.Tensor], splits: int, cfg: LinearConfig | None = None,
@@ -148,59 +183,80 @@ def linear_partials(x: torch.Tensor, weights: list[torch.Tensor], splits: int, c
     """fp32 [splits, M, sum N_i]: partial s = x[:, r_s] @ [W_0 | W_1 | ...][:, r_s]^T over the K range
     r_s = [s * w, min((s + 1) * w, K)), w = `split_width(K, splits, align)` (empty ranges give zeros); their sum
     is x @ W^T. x [M, K] (M <= 16), weights [N_i, K] (any strides)."""
+    return linear_partials_plan(x, weights, splits, cfg, align)(x, weights)
+
+
+def small_m_plan(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig | None = None):
+    """`plan(x, weights, outs=None)` -> `linear_small_m(x, weights, outs=outs)` for inputs of this signature."""
     M, K = x.shape
-    N = sum(w.shape[0] for w in weights)
-    part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
-    if M == 0 or N == 0 or K == 0:
-        return part.zero_()
-    cfg = cfg or default_linear_config(M, K, N)
-    k_split = split_width(K, splits, align)
-    if k_split % cfg.block_k:
-        raise ValueError(f"cfg: block_k {cfg.block_k} must divide the split width {k_split}")
-    cols = list(itertools.accumulate((w.shape[0] for w in weights), initial=0))
-    _launch(x, weights, [part[:, :, lo:hi] for lo, hi in zip(cols, cols[1:])], k_split, splits, cfg, part.stride(0))
-    return part
+    shapes, dtype, device = [(M, w.shape[0]) for w in weights], x.dtype, x.device
+    if cfg is None:
+        cfg = default_linear_config(M, K, sum(w.shape[0] for w in weights))
+    n0, n1 = weights[0].shape[0], (weights[-1].shape[0] if len(weights) == 2 else 0)
+
+    def allocate(outs):
+        return [torch.empty(s, dtype=dtype, device=device) for s in shapes] if outs is None else outs
+
+    if M == 0 or n0 + n1 == 0 or K == 0:  # nothing to launch (K == 0: the product is all zeros)
+        return lambda x, weights, outs=None: [o.zero_() for o in allocate(outs)]
+    meta = [torch.empty(s, device=torch.device("meta")) for s in shapes]  # the outputs' (row-major) strides
+    splits = cdiv(K, split_width(K, cfg.split_k, cfg.block_k))
+    if splits == 1:
+        launches = _pair_launches(x, weights, meta, K, 1, cfg, 0)
+
+        def one_pass(x, weights, outs=None):
+            outs = allocate(outs)
+            _run_pairs(launches, x, weights, outs)
+            return outs
+
+        return one_pass
+    partials = linear_partials_plan(x, weights, splits, cfg, align=cfg.block_k)
+    block = 512
+    sum_splits = bind(_sum_splits_kernel, (M, cdiv(n0 + n1, block)), BLOCK=block, **pdl_launch(x.device))
+    # the partials' split and row strides (contiguous [splits, M, n0 + n1]), the outputs' row strides
+    numbers = (splits, n0, n1, M * (n0 + n1), n0 + n1, meta[0].stride(0), meta[-1].stride(0))
+
+    def split_k(x, weights, outs=None):
+        outs = allocate(outs)
+        sum_splits(partials(x, weights), outs[0], outs[-1], *numbers)
+        return outs
+
+    return split_k
 
 
 def linear_small_m(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig | None = None,
                    outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """x [M, K] (M <= 16), weights: one or two [N_i, K] (nn.Linear layout, any strides) -> [x @ W_i^T]."""
-    M, K = x.shape
-    if cfg is None:
-        cfg = default_linear_config(M, K, sum(w.shape[0] for w in weights))
-    if outs is None:
-        outs = [x.new_empty(M, w.shape[0]) for w in weights]
-    n0, n1 = weights[0].shape[0], (weights[-1].shape[0] if len(weights) == 2 else 0)
-    if M == 0 or n0 + n1 == 0 or K == 0:  # nothing to launch (K == 0: the product is all zeros)
-        return [o.zero_() for o in outs]
-    splits = cdiv(K, split_width(K, cfg.split_k, cfg.block_k))
-    if splits == 1:
-        _launch(x, weights, outs, K, 1, cfg, 0)
-        return outs
-    part = linear_partials(x, weights, splits, cfg, align=cfg.block_k)
-    o0, o1 = outs[0], outs[-1]  # row-major (made here, or the caller's contiguous buffers)
-    block = 512
-    fast(_sum_splits_kernel)[(M, cdiv(n0 + n1, block))](part, o0, o1, splits, n0, n1, part.stride(0),
-                                                               part.stride(1), o0.stride(0), o1.stride(0), BLOCK=block,
-                                                               **pdl_launch(x.device))
-    return outs
+    """x [M, K] (M <= 16), weights: one or two [N_i, K] (nn.Linear layout, any strides) -> [x @ W_i^T]
+    (`outs`: contiguous buffers to write instead of new ones)."""
+    return small_m_plan(x, weights, cfg)(x, weights, outs)
+
+
+def per_head_plan(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None):
+    """`plan(x, weight)` -> `per_head_linear(x, weight)` for inputs of this signature."""
+    M, H, K = x.shape
+    N = weight.shape[1]
+    shape, dtype, device = (M, H, N), x.dtype, x.device
+    if M * H * N == 0 or K == 0:
+        return lambda x, weight: torch.zeros(shape, dtype=dtype, device=device)
+    if block_n is None:
+        block_n = 32 if H * cdiv(N, 32) >= sm_count(x.device) else 16
+    block_k = min(128, max(16, next_power_of_2(K)))
+    bound = bind(_per_head_kernel, (H, cdiv(N, block_n)), BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k,
+                 EVEN_K=K % block_k == 0, **dot_mode(x.dtype), num_warps=4, num_stages=3, **pdl_launch(x.device))
+    y = torch.empty(shape, device=torch.device("meta"))
+    numbers = (M, N, K, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1), weight.stride(2),
+               y.stride(0), y.stride(1), y.stride(2))
+
+    def plan(x, weight):
+        y = torch.empty(shape, dtype=dtype, device=device)
+        bound(x, weight, y, *numbers)
+        return y
+
+    return plan
 
 
 def per_head_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None) -> torch.Tensor:
     """x [M, H, K] (M <= 16, any strides), weight [H, N, K] (any strides) -> y [M, H, N] contiguous,
     y[:, h] = x[:, h] @ weight[h]^T: one launch over (head, row block), the absorbed MLA projections' shape
     (H 16-128 heads of a [128, 512] weight). Row blocks of 32, or 16 when 32 leave most SMs idle."""
-    M, H, K = x.shape
-    N = weight.shape[1]
-    y = x.new_empty((M, H, N))
-    if M * H * N == 0 or K == 0:
-        return y.zero_()
-    if block_n is None:
-        block_n = 32 if H * cdiv(N, 32) >= sm_count(x.device) else 16
-    block_k = min(128, max(16, next_power_of_2(K)))
-    fast(_per_head_kernel)[(H, cdiv(N, block_n))](
-        x, weight, y, M, N, K, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
-        weight.stride(2), y.stride(0), y.stride(1), y.stride(2), BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=K % block_k == 0, **dot_mode(x.dtype), num_warps=4, num_stages=3, **pdl_launch(x.device))
-    return y
-
+    return per_head_plan(x, weight, block_n)(x, weight)

@@ -104,10 +104,26 @@ def merge_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: t
     merge_launch(outs, lses, out, lse)(outs, lses, out, lse)
 
 
+def merge_states_plan(outs: torch.Tensor, lses: torch.Tensor):
+    """`plan(outs, lses)` merges any inputs of this signature (ops/_plans.py): the output allocations and one bound
+    launch per call."""
+    copy = outs.stride(-1) != 1
+    outs = outs.contiguous() if copy else outs
+    out_shape, lse_shape, dtype, lse_dtype, device = outs.shape[1:], lses.shape[1:], outs.dtype, lses.dtype, outs.device
+    meta = torch.device("meta")
+    launch = merge_launch(outs, lses, torch.empty(out_shape, device=meta), torch.empty(lse_shape, device=meta))
+
+    def plan(outs, lses):
+        if copy:
+            outs = outs.contiguous()
+        out = torch.empty(out_shape, dtype=dtype, device=device)
+        lse = torch.empty(lse_shape, dtype=lse_dtype, device=device)
+        launch(outs, lses, out, lse)
+        return out, lse
+
+    return plan
+
+
 def merge_states(outs: torch.Tensor, lses: torch.Tensor):
     """The `mla::merge_states` CUDA impl: (out [B, H, R] outs.dtype, lse float32 [B, H])."""
-    outs = outs if outs.stride(-1) == 1 else outs.contiguous()
-    out = outs.new_empty(outs.shape[1:])
-    lse = lses.new_empty(lses.shape[1:])
-    merge_into(outs, lses, out, lse)
-    return out, lse
+    return merge_states_plan(outs, lses)(outs, lses)

@@ -26,6 +26,7 @@ from . import _checks as C
 
 # the environment a plan's choices read when it is made: a change makes new plans
 _ENV = (tuning.DECODE_KERNEL_ENV, tuning.PDL_ENV, C.DATA_ENV)  # data checks last
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # model weights reach the linear ops as Parameters
 _LIMIT = 4096  # plans kept per op (a serving process sees a handful of signatures; a stream of new ones starts over)
 
 
@@ -41,7 +42,7 @@ class Plans:
         for t in tensors:
             if t is None:
                 key.append(None)
-            elif type(t) is torch.Tensor and t.is_cuda:
+            elif type(t) in _PLAIN and t.is_cuda:
                 key += (t.dtype, t.device, t.shape, t.stride(), t.data_ptr() & 15)
             else:
                 return None, None

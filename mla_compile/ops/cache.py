@@ -6,6 +6,7 @@ import torch
 
 from .. import fp8
 from . import _checks as C
+from ._plans import Plans
 from ._registry import define
 
 
@@ -99,11 +100,17 @@ def _(ckv_cache, kpe_cache, ckv, kpe, slots):
 
 @cache_write.register_kernel("cuda")
 def _(ckv_cache, kpe_cache, ckv, kpe, slots):
-    _check_not_fp8(ckv_cache)
-    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots)
     from ..kernels import dispatch
 
-    dispatch.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots)
+    def check():
+        _check_not_fp8(ckv_cache)
+        check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots)
+
+    _PLANS.run((ckv_cache, kpe_cache, ckv, kpe, slots), (), check,
+               lambda: dispatch.cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots))
+
+
+_PLANS = Plans()  # one plan per call signature (ops/_plans.py)
 
 
 # A separate op rather than an optional mutated argument of mla::cache_write: torch-mlir's importer cannot emit an

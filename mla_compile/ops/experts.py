@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks as C
+from ._plans import Plans
 from ._registry import define
 
 ID_DTYPES = (torch.int64, torch.int32)
@@ -98,13 +99,22 @@ def _(x, weight, expert_ids):
 
 @expert_linear.register_kernel("cuda")
 def _(x, weight, expert_ids):
-    check_expert_linear_args(x, weight, expert_ids)
-    check_expert_ids_data(expert_ids, weight.shape[0])
+    def check():
+        check_expert_linear_args(x, weight, expert_ids)
+        check_expert_ids_data(expert_ids, weight.shape[0])  # reads values only where data checks are on
+
+    return _PLANS.run((x, weight, expert_ids), (), check, lambda: _plan(x, weight, expert_ids))
+
+
+def _plan(x, weight, expert_ids):
     if x.dtype not in C.FLOAT_DTYPES:  # float64: the kernel's dtypes are the half / single ones
-        return _gathered(x, weight, expert_ids)
+        return _gathered, True
     from ..kernels import experts
 
-    return experts.expert_linear(x, weight, expert_ids)
+    return experts.expert_linear_plan(x, weight, expert_ids), True
+
+
+_PLANS = Plans()  # one plan per call signature (ops/_plans.py)
 
 
 def _setup_context(ctx, inputs, output):

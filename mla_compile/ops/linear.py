@@ -22,7 +22,11 @@ import torch.nn.functional as F
 
 from ..kernels.few_token import FEW_TOKEN_ROWS, K_ALIGN, few_token_rows, split_width  # noqa: F401 (re-exported)
 from . import _checks as C
+from ._plans import Plans
 from ._registry import define
+
+# one plan per call signature for each op's CUDA impl (ops/_plans.py)
+_FUSED_PLANS, _PARTIALS_PLANS, _PER_HEAD_PLANS = Plans(), Plans(), Plans()
 
 
 @C.once_per_signature
@@ -60,10 +64,10 @@ def _(x, weights):
 
 @fused_linear.register_kernel("cuda")
 def _(x, weights):
-    check_fused_linear_args(x, weights)
     from ..kernels import dispatch
 
-    return dispatch.fused_linear(x, weights)
+    return _FUSED_PLANS.run((x, *weights), (), lambda: check_fused_linear_args(x, weights),
+                            lambda: dispatch.fused_linear_plan(x, weights))
 
 
 def _setup_context(ctx, inputs, output):
@@ -141,12 +145,16 @@ def _(x, weights, splits):
 
 @linear_partials.register_kernel("cuda")
 def _(x, weights, splits):
-    check_linear_partials_args(x, weights, splits)
+    return _PARTIALS_PLANS.run((x, *weights), (splits,), lambda: check_linear_partials_args(x, weights, splits),
+                               lambda: _partials_plan(x, weights, splits))
+
+
+def _partials_plan(x, weights, splits):
     if not few_token_rows(x.shape[0], x.dtype):  # outside the few-token kernel's range: the definition
-        return _partials(x, weights, splits)
+        return (lambda x, *weights: _partials(x, list(weights), splits)), True
     from ..kernels import dispatch
 
-    return dispatch.linear_partials(x, weights, splits)
+    return dispatch.linear_partials_plan(x, weights, splits)
 
 
 def _partials_setup_context(ctx, inputs, output):
@@ -215,12 +223,16 @@ def _(x, weight):
 
 @per_head_linear.register_kernel("cuda")
 def _(x, weight):
-    check_per_head_linear_args(x, weight)
+    return _PER_HEAD_PLANS.run((x, weight), (), lambda: check_per_head_linear_args(x, weight),
+                               lambda: _per_head_plan(x, weight))
+
+
+def _per_head_plan(x, weight):
     if not few_token_rows(x.shape[0], x.dtype):  # outside the few-token kernel's range: the definition
-        return _per_head(x, weight)
+        return _per_head, True
     from ..kernels import dispatch
 
-    return dispatch.per_head_linear(x, weight)
+    return dispatch.per_head_linear_plan(x, weight)
 
 
 def _per_head_setup_context(ctx, inputs, output):

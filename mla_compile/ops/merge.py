@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks as C
+from ._plans import Plans
 from ._registry import define
 
 
@@ -85,12 +86,16 @@ def _(outs, lses):
 
 @merge_states.register_kernel("cuda")
 def _(outs, lses):
-    check_merge_args(outs, lses)
     if outs.dtype == torch.float64:  # no kernel computes in float64: the reference
+        check_merge_args(outs, lses)
         return merge_states_reference(outs, lses)
     from ..kernels import dispatch
 
-    return dispatch.merge_states(outs, lses)
+    return _PLANS.run((outs, lses), (), lambda: check_merge_args(outs, lses),
+                      lambda: dispatch.merge_states_plan(outs, lses))
+
+
+_PLANS = Plans()  # one plan per call signature (ops/_plans.py)
 
 
 def _merge_setup_context(ctx, inputs, output):
