@@ -9,15 +9,18 @@ Parts, each in OUT.json and printed:
                (the launch queue holds them all). Next to them the peers' entry points timed the same way
                (FlashInfer's `run` after its `plan`, FlashMLA's decode on a fused cache) and floors (an aten add,
                four torch.empty).
-  layers       (CUDA) `mla.decode` split into its layers: the op through the dispatcher, the CUDA entry without it
-               (kernels.dispatch.decode), one split (no merge kernel), the check alone; the op and one split again
-               with every launch through Triton's own `JITFunction.run` (kernels/_launch.py's cached path off).
+  layers       (CUDA) `mla.decode` split into its layers: the op through the dispatcher (its plan kept per signature,
+               ops/_plans.py), the CUDA entry without the op (kernels.dispatch.decode: a plan made per call, what the
+               op paid before plans), one split (no merge kernel, a plan made per call), the check alone; the op
+               and one split again with every launch through Triton's own `JITFunction.run` (kernels/_launch.py's
+               cached path off).
   registration the dispatcher's cost of one op registered two ways with the same trivial body: torch.library.custom_op
                vs `mla_compile.ops._registry.define` (what every op of ours pays per call; CPU tensors).
   checks       each op's input check: a repeated signature (what every call after the first pays: `once_per_signature`)
                vs the whole check (every remembered signature forgotten first); on meta tensors where no GPU is there.
-  glue         the Python of a Triton decode call between the op and the kernels (kernels.dispatch.decode with
-               the Triton launches stubbed out), on the device's tensors (CPU ones where no GPU is there).
+  glue         the Python of an unplanned Triton decode call between the op and the kernels (kernels.dispatch.decode
+               with the Triton launches stubbed out: choice, plan made, plan run), on the device's tensors (CPU ones
+               where no GPU is there).
   profile      (CUDA) cProfile of `--calls` eager `mla.decode` calls: the top functions by own time.
 
 Where it ran is in `provenance` ("cuda: <GPU name>" or "cpu"); report.py's `host` block shows the CUDA runs.
@@ -163,7 +166,7 @@ def bench_layers(calls: int) -> dict:
     finally:
         _launch.ENABLED = True
     return {**triton_path, "op (dispatcher)": host_us(lambda: torch.ops.mla.decode(*a), calls),
-            "cuda entry (kernels.dispatch.decode)": host_us(lambda: dispatch.decode(*a), calls),
+            "unplanned cuda entry (kernels.dispatch.decode)": host_us(lambda: dispatch.decode(*a), calls),
             "triton, one split (no merge kernel)": host_us(lambda: _one_split(*a), calls),
             "check, repeated signature": host_us(lambda: attention.check_decode_args(*a), calls),
             "check, whole": host_us(lambda: (C.forget_signatures(), attention.check_decode_args(*a)), calls)}
@@ -202,7 +205,7 @@ def bench_glue(device: str, calls: int) -> dict:
     saved = D._stage1_kernel, D._stage1_tma_kernel, M._merge_kernel
     D._stage1_kernel, D._stage1_tma_kernel, M._merge_kernel = _NoLaunch(), _NoLaunch(), _NoLaunch()
     try:
-        return {"cuda entry (dispatch.decode), launches stubbed": host_us(lambda: dispatch.decode(*a), calls),
+        return {"unplanned cuda entry (dispatch.decode), launches stubbed": host_us(lambda: dispatch.decode(*a), calls),
                 "kernels.decode.decode, launches stubbed": host_us(lambda: D.decode(*a), calls),
                 "kernel choice (dispatch.decode_kernel)": host_us(lambda: dispatch.decode_kernel(*a[:4]), calls)}
     finally:
