@@ -12,7 +12,9 @@ token always outranks padding). A top-k over distinct keys is unique, so single-
 `dsa::dcp_indexer_topk` select the same set. The key also carries the index, so a DCP rank sends its
 candidates' (score, token) pairs as one int64 each. `NONE` (int64 min) is below every real key: padding.
 
-This module imports nothing of ours (kernels and ops both use it).
+This module imports nothing of ours (kernels and ops both use it). The CUDA indexer computes these keys inside its
+logits kernel (kernels/dsa.py `_order_key`, a second implementation of this definition): a change here must change
+it too; tests/kernels/test_indexer_kernels.py asserts the two agree bit for bit.
 """
 
 from __future__ import annotations

@@ -346,6 +346,12 @@ def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
     return _dsa.indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)
 
 
+def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
+    """(plan, keep): `plan(q, weights, k_cache, block_table, seq_lens)` -> `dsa::indexer_topk` for q [B, Hi, Di] of
+    this signature (kernels/dsa.py: the keys kernel, torch.topk, the slots kernel)."""
+    return _dsa.indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk, sm_scale), True
+
+
 def k_only_indices(block_table, seq_lens, page_size, topk):
     return _dsa.k_only_indices(block_table, seq_lens, page_size, topk)
 

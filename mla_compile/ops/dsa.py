@@ -9,6 +9,7 @@ import torch
 
 from .. import topk_order
 from . import _checks as C
+from ._plans import Plans
 from .attention import check_query_lens, query_limits, token_slots
 from ._registry import define
 
@@ -145,17 +146,22 @@ def _(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
 
 
 @indexer_topk.register_kernel("cuda")
-def _(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
-    check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)
+def _indexer_topk_cuda(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
     from ..kernels import dispatch
 
-    if q.dim() == 4:
+    if q.dim() == 4:  # S query tokens: one row per token, through a plan made for this call
+        check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)
         B, S = q.shape[:2]
         table, lens = per_query_token(block_table, seq_lens, S)
         out = dispatch.indexer_topk(q.reshape(B * S, *q.shape[2:]), weights.reshape(B * S, -1), k_cache, table, lens,
                                     topk, sm_scale)
         return out.view(B, S, topk)
-    return dispatch.indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)
+    args = (q, weights, k_cache, block_table, seq_lens)
+    return _PLANS.run(args, (topk, sm_scale), lambda: check_indexer_args(*args, topk, sm_scale),
+                      lambda: dispatch.indexer_topk_plan(*args, topk, sm_scale))
+
+
+_PLANS = Plans()  # q [B, Hi, Di]: one plan per call signature (ops/_plans.py)
 
 
 @define(
