@@ -128,3 +128,63 @@ def test_sparse_decode_plans():
         got = torch.ops.mla.sparse_decode(qn, qp, b.ckv_cache, b.kpe_cache, idx.cuda(), 0.1)
         assert_attention(*got, *want, DT)
     assert _plans(attention._SPARSE_PLANS) == 1
+
+
+def _rel(a, b) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _fresh(seed):
+    g = torch.Generator().manual_seed(seed)
+    return lambda *shape, dtype=DT: (torch.randn(*shape, generator=g) / shape[-1] ** 0.25).to(dtype).cuda()
+
+
+def _merge(rnd):
+    outs, lses = rnd(3, 2, 16, 512, dtype=torch.float32), rnd(3, 2, 16, dtype=torch.float32)
+    w = torch.softmax(lses.double(), 0)
+    return torch.ops.mla.merge_states(outs, lses), ((w[..., None] * outs.double()).sum(0),
+                                                     torch.logsumexp(lses.double(), 0))
+
+
+def _fused(rnd, K):
+    x, wa, wb = rnd(3, K), rnd(1536, K), rnd(576, K)
+    return torch.ops.mla.fused_linear(x, [wa, wb]), [x.double() @ wa.double().T, x.double() @ wb.double().T]
+
+
+def _partials(rnd):
+    x, wa, wb = rnd(2, 2048), rnd(256, 2048), rnd(64, 2048)
+    got = torch.ops.mla.linear_partials(x, [wa, wb], 4)
+    return (got.sum(0),), (x.double() @ torch.cat([wa, wb]).double().T,)
+
+
+def _per_head(rnd):
+    x, w = rnd(4, 16, 128), rnd(16, 512, 128)
+    return (torch.ops.mla.per_head_linear(x, w),), (torch.einsum("bhk,hnk->bhn", x.double(), w.double()),)
+
+
+def _experts(rnd):
+    x, w = rnd(5, 256), rnd(8, 128, 256)
+    ids = torch.randint(0, 8, (5,)).cuda()
+    return (torch.ops.mla.expert_linear(x, w, ids),), (torch.einsum("soi,si->so", w[ids].double(), x.double()),)
+
+
+def _cache_write(rnd):
+    ckv_cache, kpe_cache = torch.zeros(4, 16, 512, dtype=DT).cuda(), torch.zeros(4, 16, 64, dtype=DT).cuda()
+    ckv, kpe, slots = rnd(3, 512), rnd(3, 64), torch.randperm(64)[:3].cuda()
+    torch.ops.mla.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots)
+    return (ckv_cache.view(64, 512)[slots], kpe_cache.view(64, 64)[slots]), (ckv, kpe)
+
+
+@pytest.mark.parametrize("op", ["merge_states", "fused_linear_split_k", "fused_linear_one_pass", "linear_partials",
+                                "per_head_linear", "expert_linear", "cache_write"])
+def test_every_planned_op_replays_with_new_tensors(op):
+    """Every op with plans, called three times with new tensors of one signature: each answer is the float64 one
+    for those tensors (a plan that kept a tensor or a stale argument of its first call would fail here)."""
+    make = {"merge_states": _merge, "fused_linear_split_k": lambda r: _fused(r, 2048),
+            "fused_linear_one_pass": lambda r: _fused(r, 256), "linear_partials": _partials,
+            "per_head_linear": _per_head, "expert_linear": _experts, "cache_write": _cache_write}[op]
+    for seed in range(3):
+        got, want = make(_fresh(seed))
+        for g, w in zip(got, want):
+            assert _rel(g, w) < (1e-5 if g.dtype == torch.float32 else 1e-2), (op, seed)
