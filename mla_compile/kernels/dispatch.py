@@ -356,6 +356,12 @@ def k_only_indices(block_table, seq_lens, page_size, topk):
     return _dsa.k_only_indices(block_table, seq_lens, page_size, topk)
 
 
+def k_only_indices_plan(block_table, seq_lens, page_size, topk):
+    """(plan, keep): `plan(block_table, seq_lens)` -> `k_only_indices(...)` for inputs of this signature."""
+    slots = _dsa._slots_plan(block_table, seq_lens, page_size, topk, keyed=False)
+    return (lambda block_table, seq_lens: slots(None, block_table, seq_lens)), True
+
+
 def fused_linear_plan(x, weights):
     """(plan, keep): `plan(x, *weights)` -> `mla::fused_linear(x, weights)` for inputs of this signature.
     Up to 16 rows in fp16/bf16: the few-token kernel, one launch per pair of weights (benchmarks/

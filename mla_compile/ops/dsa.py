@@ -162,6 +162,7 @@ def _indexer_topk_cuda(q, weights, k_cache, block_table, seq_lens, topk, sm_scal
 
 
 _PLANS = Plans()  # q [B, Hi, Di]: one plan per call signature (ops/_plans.py)
+_K_ONLY_PLANS = Plans()  # dsa::k_only_indices with one query token
 
 
 @define(
@@ -204,9 +205,13 @@ def _(block_table, seq_lens, page_size, topk, n_query=1):
 
 @k_only_indices.register_kernel("cuda")
 def _(block_table, seq_lens, page_size, topk, n_query=1):
-    check_k_only_args(block_table, seq_lens, page_size, topk, n_query)
     from ..kernels import dispatch
 
+    if n_query == 1:  # a plan per signature (ops/_plans.py)
+        return _K_ONLY_PLANS.run((block_table, seq_lens), (page_size, topk),
+                                 lambda: check_k_only_args(block_table, seq_lens, page_size, topk, n_query),
+                                 lambda: dispatch.k_only_indices_plan(block_table, seq_lens, page_size, topk))
+    check_k_only_args(block_table, seq_lens, page_size, topk, n_query)
     if n_query > 1:
         table, lens = per_query_token(block_table, seq_lens, n_query)
         return dispatch.k_only_indices(table, lens, page_size, topk).view(block_table.shape[0], n_query, topk)
