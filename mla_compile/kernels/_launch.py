@@ -162,15 +162,31 @@ class FastLaunch:
         return kernel
 
 
+def _raw_launcher(entry: _Entry):
+    """(the C launcher, the arguments Triton's CudaLauncher adds before the kernel's) where that wrapper adds nothing
+    else: no global or profile scratch to allocate. Its Python __call__ costs ~9 us a launch on the H200 host
+    (benchmarks/host_overhead.py profile). None for any other launcher (another backend or Triton version, the
+    tests' fake driver): the kernel's own run then."""
+    run = entry.run
+    raw = getattr(run, "launch", None)
+    if (_device is None or _stream is None or type(run).__name__ != "CudaLauncher" or raw is None or getattr(run, "global_scratch_size", 1) != 0
+            or getattr(run, "profile_scratch_size", 1) != 0 or not hasattr(run, "launch_pdl")):
+        return None
+    # CudaLauncher.__call__: launch(grid, stream, function, cooperative, pdl, global_scratch, profile_scratch,
+    # packed_metadata, launch_metadata, enter_hook, exit_hook, *kernel_args)
+    return raw, (run.launch_cooperative_grid, run.launch_pdl, None, None, entry.packed_metadata, None, None, None)
+
+
 class Bound:
     """One launch of a plan: `bound(*args)` launches `fn[grid](*args, **kwargs)` and returns the compiled kernel.
     The caller promises that every call's positional arguments key alike (see the module docstring); the first call
-    goes through `fast(fn)` and remembers its compiled kernel, later ones call its launcher directly."""
+    goes through `fast(fn)` and remembers its compiled kernel, later ones call its launcher directly (the C
+    launcher itself where `_raw_launcher` allows, on the current CUDA device's current stream)."""
 
-    __slots__ = ("fast", "grid", "kwargs", "entry", "g")
+    __slots__ = ("fast", "grid", "kwargs", "entry", "g", "raw")
 
     def __init__(self, fn, grid: tuple, kwargs: dict):
-        self.fast, self.grid, self.kwargs, self.entry = fast(fn), grid, kwargs, None
+        self.fast, self.grid, self.kwargs, self.entry, self.raw = fast(fn), grid, kwargs, None, None
         self.g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
 
     def __call__(self, *args):
@@ -178,12 +194,22 @@ class Bound:
         if e is None or not ENABLED or _hooks_installed():
             kernel = self.fast.launch(self.grid, args, self.kwargs)
             if e is None and ENABLED and not _INTERPRETED:
-                self.entry = self.fast.entry(self.grid, args, self.kwargs)
+                self.entry = e = self.fast.entry(self.grid, args, self.kwargs)
+                self.raw = _raw_launcher(e) if e is not None else None
             return kernel
+        if self.raw is not None:
+            raw, fixed = self.raw
+            raw(*self.g, _stream(_device()), e.function, *fixed, *args, *e.tail)
+            return e.kernel
         active = driver.active
         e.run(*self.g, active.get_current_stream(active.get_current_device()), e.function, e.packed_metadata,
               None, None, None, *args, *e.tail)
         return e.kernel
+
+
+# what Triton's CUDA driver asks for the current device and stream, without torch.cuda.current_device's Python
+_device = getattr(torch._C, "_cuda_getDevice", None)
+_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def bind(fn, grid: tuple, **kwargs) -> Bound:

@@ -182,5 +182,7 @@ def test_optimize_generate_records_again_per_call_unless_the_cache_is_reused(reu
     assert records[0] >= 1, records
     if reuse:
         assert records[2] == 0, records
-    else:  # documents transformers' behaviour (if a later transformers reuses its cache, reuse_cache is moot)
-        assert records[2] >= 1, records
+    else:  # documents transformers' behaviour (if a later transformers reuses its cache, reuse_cache is moot); a new
+        # cache may land on the freed one's addresses (the caching allocator), and then the trees replay: so "some
+        # later call recorded again", not every one (seen on an H200: [1, 1, 0])
+        assert max(records[1:]) >= 1, records
