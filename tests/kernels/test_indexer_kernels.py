@@ -15,8 +15,6 @@ the previous kernel before any memory access.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -349,23 +347,11 @@ if importlib.util.find_spec("triton") is not None:
 
 
 def _child():
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    import traceback
+    from test_triton_interpret import run_checks
 
-    from test_triton_interpret import _patch_interpreter_for_numpy2
-
-    _patch_interpreter_for_numpy2()
-    torch.set_num_threads(1)
     import mla_compile  # noqa: F401  (registers the ops: the CPU impls are the references)
 
-    verdict = {}
-    for name in CHECKS:
-        try:
-            globals()["check_" + name]()
-            verdict[name] = "ok"
-        except Exception:  # report every check, not just the first failure
-            verdict[name] = traceback.format_exc(limit=8)[-4000:]
-    print("VERDICT " + json.dumps(verdict), flush=True)
+    run_checks(globals(), CHECKS, tb_limit=8)
 
 
 if __name__ == "__main__":

@@ -384,7 +384,9 @@ def _patch_interpreter_for_numpy2():
     interp._patch_lang_tensor = patched
 
 
-def _child():
+def run_checks(namespace: dict, checks, tb_limit: int = 6) -> None:
+    """In an interpreter child: run namespace["check_<name>"] for every name, print one VERDICT line (every check
+    reported, not just the first failure)."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
     import traceback
 
@@ -394,13 +396,17 @@ def _child():
 
     torch.set_num_threads(1)
     verdict = {}
-    for name in CHECKS:
+    for name in checks:
         try:
-            globals()["check_" + name]()
+            namespace["check_" + name]()
             verdict[name] = "ok"
-        except Exception:  # report every check, not just the first failure
-            verdict[name] = traceback.format_exc(limit=6)
+        except Exception:
+            verdict[name] = traceback.format_exc(limit=tb_limit)[-4000:]
     print("VERDICT " + json.dumps(verdict), flush=True)
+
+
+def _child():
+    run_checks(globals(), CHECKS)
 
 
 if __name__ == "__main__":
