@@ -17,15 +17,17 @@ later calls with that key go straight to its launcher. The key holds everything 
                  Triton's)
   keywords       every keyword argument verbatim (constexprs, launch options), and the current device
 Anything else (a grid function, a tensor passed by keyword, launch hooks installed by a profiler, the CPU
-interpreter) takes Triton's own path every call.
-
-`bind(fn, grid, **kwargs)` goes one step further for a caller that already keys its calls (a per-signature launch
-plan, kernels/decode.py `AttendPlan`): the grid and the keywords are fixed and every call's positional arguments
-give the same key (same ints, floats, dtypes and alignments; the caller's key guarantees it), so after the first
-launch the compiled kernel's launcher is called with no key built at all. Not repeated on the cached path: Triton's check that the module
+interpreter) takes Triton's own path every call. Not repeated on the cached path: Triton's check that the module
 globals a kernel read at compile time are unchanged (ours are constants, never reassigned). Triton's own `run` also
 builds launch metadata for its (empty by default) hook chain on every launch; the cached path skips that where no
 hook is installed.
+
+`bind(fn, grid, **kwargs)` goes one step further for a caller that already keys its calls (a per-signature launch
+plan: ops/_plans.py, kernels/decode.py `AttendPlan`): the grid and the keywords are fixed and every call's
+positional arguments give the same key (same ints, floats, dtypes and alignments; the caller's key guarantees it),
+so after the first launch the compiled kernel's launcher is called with no key built at all. Its kernel is the one
+chosen under the Triton knobs of that first launch (debug, instrumentation): a bound launch does not follow a later
+change of them.
 """
 
 from __future__ import annotations
@@ -169,8 +171,9 @@ def _raw_launcher(entry: _Entry):
     tests' fake driver): the kernel's own run then."""
     run = entry.run
     raw = getattr(run, "launch", None)
-    if (_device is None or _stream is None or type(run).__name__ != "CudaLauncher" or raw is None or getattr(run, "global_scratch_size", 1) != 0
-            or getattr(run, "profile_scratch_size", 1) != 0 or not hasattr(run, "launch_pdl")):
+    if (_device is None or _stream is None or type(run).__name__ != "CudaLauncher" or raw is None
+            or getattr(run, "global_scratch_size", 1) != 0 or getattr(run, "profile_scratch_size", 1) != 0
+            or not hasattr(run, "launch_pdl")):
         return None
     # CudaLauncher.__call__: launch(grid, stream, function, cooperative, pdl, global_scratch, profile_scratch,
     # packed_metadata, launch_metadata, enter_hook, exit_hook, *kernel_args)
