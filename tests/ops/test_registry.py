@@ -159,3 +159,45 @@ def test_a_real_op_refuses_a_bad_call_after_a_good_one_of_the_same_shapes():
         torch.ops.mla.decode(q, qp, ckv, kpe, table, lens.long(), 0.1)
     with pytest.raises(ValueError, match="sm_scale"):
         torch.ops.mla.decode(q, qp, ckv, kpe, table, lens, float("inf"))
+
+
+# ------------------------------------------------------------------ the no-grad shortcut below autograd
+def test_no_grad_calls_reach_the_backend_kernel_directly_but_modes_still_see_the_op():
+    """A call where no input requires grad goes from the autograd kernel straight to our kernel for the backend
+    below it; anything else that sits between (a TorchDispatchMode, FakeTensors, functionalization) must still see
+    the op, and a call that needs grad still builds the graph."""
+    x = torch.arange(3.0)
+    key = torch._C.DispatchKey.CPU
+    direct, kernel = [], double._kernels[key]
+    double._kernels[key] = lambda *a: direct.append(1) or kernel(*a)  # seen only where the shortcut is taken
+    try:
+        assert torch.equal(double(x), 2 * x) and direct == [1]  # the shortcut: the CPU kernel itself
+        _check_modes_see_the_op(x)
+        assert direct == [1]  # with a mode (or fake tensors) the dispatcher's redispatch ran instead
+    finally:
+        double._kernels[key] = kernel
+    w = torch.ones(2, requires_grad=True)
+    double(w).sum().backward()
+    assert torch.equal(w.grad, torch.full((2,), 2.0))
+    with torch.no_grad():
+        assert double(w).grad_fn is None
+
+
+def _check_modes_see_the_op(x):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as mode:
+        assert torch.equal(double(x), 2 * x)
+    assert "registry_test.double.default" in mode.ops
+    with FakeTensorMode():
+        fake = double(torch.empty(5))
+    assert fake.shape == (5,)
