@@ -237,14 +237,6 @@ def _unit_inner_stride(t):
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-def _contiguous_strides(shape) -> tuple:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
 class AttendPlan:
     """One decode call's work with everything its signature fixes decided once: the kernel, tiling and splits, the
     output and partial shapes, the launches bound to their grids and compile-time arguments and the numbers they
@@ -258,7 +250,7 @@ class AttendPlan:
                  cfg: DecodeConfig | None, splits: int | None, n_query: int = 1, ckv_scale=None):
         B, H, R = q_nope.shape  # H: rows per request (n_query * heads)
         self.device, self.dtype, self.out_shape, self.lse_shape = q_nope.device, q_nope.dtype, q_nope.shape, (B, H)
-        self.sparse, self.n_query, self.ckv_scale_given = indices is not None, n_query, ckv_scale is not None
+        self.sparse, self.n_query = indices is not None, n_query
         self.empty = B * H == 0
         if self.empty:
             return
@@ -278,7 +270,6 @@ class AttendPlan:
         cfg = cfg or (fp8_config(H, page_size, q_nope.dtype, multi) if fp8 else
                       multi_token_config(H, page_size, q_nope.dtype) if multi else
                       default_config(H, R, page_size, q_nope.dtype))
-        self.cfg = cfg
         self.ns = ns = splits or num_splits(B, H, capacity, q_nope.device, cfg)
         self.partial_shapes = ((ns, B, H, R), (ns, B, H))
         # strides of what the kernels write: the final out / lse with one split, else the partials
@@ -308,7 +299,7 @@ class AttendPlan:
             self.sm_scale, self.s_on, self.s_ln = sm_scale, s_on, s_ln
         if ns > 1:
             out = torch.empty(self.out_shape, device=meta)
-            self.merge = merge_launch(o, l, out, torch.empty(self.lse_shape, device=meta))
+            self.merge = merge_launch(o, l, out, torch.empty(self.lse_shape, device=meta), q_nope.device)
 
     def __call__(self, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices=None, ckv_scale=None):
         device = self.device

@@ -84,16 +84,19 @@ def _tiles(N: int, rows: int, R: int, sms: int) -> tuple[int, int, tuple[int, in
     return block_n, block_r, (rows, max(1, cdiv(R, block_r)))  # R == 0 still needs the lse
 
 
-def merge_launch(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
+def merge_launch(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 device: torch.device | None = None):
     """`merge_into` bound to these tensors' shapes and strides: `launch(outs, lses, out, lse)` merges any tensors of
-    the same signature (kernels/decode.py's plans keep it); with nothing to merge (B * H == 0) it does nothing."""
+    the same signature (kernels/decode.py's plans keep it); with nothing to merge (B * H == 0) it does nothing.
+    `device`: where the launches run (default outs'), for a plan that passes meta tensors for the strides."""
     N, B, H, R = outs.shape
     if B * H == 0:
         return lambda *tensors: None
     assert outs.stride(-1) == 1 and out.stride(-1) == 1
-    block_n, block_r, grid = _tiles(N, B * H, R, sm_count(outs.device))
+    device = device or outs.device
+    block_n, block_r, grid = _tiles(N, B * H, R, sm_count(device))
     bound = bind(_merge_kernel, grid, BLOCK_N=block_n, BLOCK_R=block_r, ONE_PASS=N <= block_n, num_warps=4,
-                 **pdl_launch(outs.device))
+                 **pdl_launch(device))
     numbers = (N, H, R, outs.stride(0), outs.stride(1), outs.stride(2), lses.stride(0), lses.stride(1),
                lses.stride(2), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
     return lambda outs, lses, out, lse: bound(outs, lses, out, lse, *numbers)
@@ -111,7 +114,8 @@ def merge_states_plan(outs: torch.Tensor, lses: torch.Tensor):
     outs = outs.contiguous() if copy else outs
     out_shape, lse_shape, dtype, lse_dtype, device = outs.shape[1:], lses.shape[1:], outs.dtype, lses.dtype, outs.device
     meta = torch.device("meta")
-    launch = merge_launch(outs, lses, torch.empty(out_shape, device=meta), torch.empty(lse_shape, device=meta))
+    launch = merge_launch(outs, lses, torch.empty(out_shape, device=meta), torch.empty(lse_shape, device=meta),
+                          device)
 
     def plan(outs, lses):
         if copy:

@@ -56,3 +56,19 @@ def test_a_cuda_plan_is_made_and_checked_once_per_signature(monkeypatch):
     monkeypatch.setenv(C.DATA_ENV, "1")
     run(x)
     assert len(checks) == 4 and len(plans._plans) == 3  # data checks on: checked, not kept
+
+
+def test_a_decode_plan_sizes_its_merge_for_the_call_device(monkeypatch):
+    """AttendPlan takes the partials' strides from meta tensors; the merge launch's SM count and PDL switch must
+    still come from the call's device (a meta device reads as "not a GPU": 4 SMs, no PDL)."""
+    from mla_compile.kernels import decode as D
+    from mla_compile.kernels import merge as M
+
+    seen = []
+    monkeypatch.setattr(M, "sm_count", lambda device: seen.append(device) or 4)
+    monkeypatch.setattr(M, "pdl_launch", lambda device: seen.append(device) or {})
+    qn, qp = torch.randn(2, 16, 512, dtype=torch.bfloat16), torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    ckv, kpe = torch.randn(4, 64, 512, dtype=torch.bfloat16), torch.randn(4, 64, 64, dtype=torch.bfloat16)
+    table, lens = torch.arange(4, dtype=torch.int32).view(2, 2), torch.full((2,), 100, dtype=torch.int32)
+    plan = D.decode_plan(qn, qp, ckv, kpe, table, lens, 0.1, splits=3)
+    assert plan.ns == 3 and len(seen) == 2 and all(d == qn.device for d in seen)
