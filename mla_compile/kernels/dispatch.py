@@ -271,20 +271,25 @@ def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
     if name in ("seesaw", "wgmma"):
         plan = _decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
                                    cfg=_config(q_nope, ckv_cache, False, name), n_query=n_query)
-    elif rope_less(q_pe):  # see above: the Triton kernel with a zero rope column (a fresh one per call)
-        zq, zk = _with_zero_rope(q_nope, ckv_cache)
-        plan = _decode.decode_plan(q_nope, zq, ckv_cache, zk, block_table, seq_lens, sm_scale, n_query=n_query,
-                                   ckv_scale=ckv_scale)
-
-        def zero_rope(qn, qp, ckv, kpe, table, lens, scale):
-            qp, kpe = _with_zero_rope(qn, ckv)
-            return plan(qn, qp, ckv, kpe, table, lens, None, scale)
-
-        return zero_rope, True
-    else:
-        plan = _decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
-                                   n_query=n_query, ckv_scale=ckv_scale)
+    else:  # the Triton kernels; a rope-less call (see above) with a zero rope column
+        zero = rope_less(q_pe)
+        q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache) if zero else (q_pe, kpe_cache)
+        plan = _zero_rope_run(_decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
+                                                  n_query=n_query, ckv_scale=ckv_scale), zero)
     return (lambda qn, qp, ckv, kpe, table, lens, scale: plan(qn, qp, ckv, kpe, table, lens, None, scale)), True
+
+
+def _zero_rope_run(plan, zero: bool):
+    """An AttendPlan's call as it is, or (rope-less calls) with a fresh zero rope column per call in place of the
+    call's empty q_pe / kpe_cache."""
+    if not zero:
+        return plan
+
+    def with_zero_rope(qn, qp, ckv, kpe, table, lens, indices, scale):
+        qp, kpe = _with_zero_rope(qn, ckv)
+        return plan(qn, qp, ckv, kpe, table, lens, indices, scale)
+
+    return with_zero_rope
 
 
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=1, ckv_scale=None):
@@ -299,17 +304,11 @@ def sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ck
     if decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse=True).name == "wgmma":
         plan = _decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
                                           cfg=_config(q_nope, ckv_cache, True, "wgmma"))
-    elif rope_less(q_pe):
-        zq, zk = _with_zero_rope(q_nope, ckv_cache)
-        plan = _decode.sparse_decode_plan(q_nope, zq, ckv_cache, zk, indices, sm_scale, ckv_scale=ckv_scale)
-
-        def zero_rope(qn, qp, ckv, kpe, idx, scale):
-            qp, kpe = _with_zero_rope(qn, ckv)
-            return plan(qn, qp, ckv, kpe, None, None, idx, scale)
-
-        return zero_rope, True
     else:
-        plan = _decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=ckv_scale)
+        zero = rope_less(q_pe)
+        q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache) if zero else (q_pe, kpe_cache)
+        plan = _zero_rope_run(_decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
+                                                         ckv_scale=ckv_scale), zero)
     return (lambda qn, qp, ckv, kpe, idx, scale: plan(qn, qp, ckv, kpe, None, None, idx, scale)), True
 
 
@@ -358,8 +357,7 @@ def k_only_indices(block_table, seq_lens, page_size, topk):
 
 def k_only_indices_plan(block_table, seq_lens, page_size, topk):
     """(plan, keep): `plan(block_table, seq_lens)` -> `k_only_indices(...)` for inputs of this signature."""
-    slots = _dsa._slots_plan(block_table, seq_lens, page_size, topk, keyed=False)
-    return (lambda block_table, seq_lens: slots(None, block_table, seq_lens)), True
+    return _dsa.k_only_plan(block_table, seq_lens, page_size, topk), True
 
 
 def fused_linear_plan(x, weights):

@@ -147,8 +147,8 @@ def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk: int, sm_
     T = block_table.shape[1] * PS
     B, device = q.shape[0], q.device
     if T <= topk or B == 0:  # seq_len <= T <= topk in every row (or no row): no key is ever read
-        identity = _slots_plan(block_table, seq_lens, PS, topk, keyed=False)
-        return lambda q, weights, k_cache, block_table, seq_lens: identity(None, block_table, seq_lens)
+        identity = k_only_plan(block_table, seq_lens, PS, topk)
+        return lambda q, weights, k_cache, block_table, seq_lens: identity(block_table, seq_lens)
     slots = _slots_plan(block_table, seq_lens, PS, topk, keyed=True)
     logits = _logits_launch(q, weights, k_cache, block_table, seq_lens, sm_scale, topk, keys=True)
 
@@ -188,6 +188,12 @@ def indexer_scores(q, weights, k_cache, block_table, seq_lens, sm_scale, topk) -
     return _logits(q, weights, k_cache, block_table, seq_lens, sm_scale, topk, torch.float32)
 
 
+def k_only_plan(block_table, seq_lens, page_size: int, topk: int):
+    """`plan(block_table, seq_lens)` -> `k_only_indices(...)` for tables and lengths of this signature."""
+    slots = _slots_plan(block_table, seq_lens, page_size, topk, keyed=False)
+    return lambda block_table, seq_lens: slots(None, block_table, seq_lens)
+
+
 def k_only_indices(block_table, seq_lens, page_size, topk) -> torch.Tensor:
     """int32 [B, topk]: `dsa::k_only_indices`, slots of tokens 0 .. min(seq_len, topk) - 1 in order, then -1."""
-    return _slots_plan(block_table, seq_lens, page_size, topk, keyed=False)(None, block_table, seq_lens)
+    return k_only_plan(block_table, seq_lens, page_size, topk)(block_table, seq_lens)
