@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from ._launch import without_bases
 from ._util import caches_view_as_slots
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every shape
@@ -59,6 +60,12 @@ def descriptors(ckv_cache, kpe_cache):
     c_layout, k_layout = _box_layouts(R, P, ckv_cache.dtype)
     return (TensorDescriptor.from_tensor(ckv_cache.view(NP * PS, R), [BLOCK_N, R // 2], c_layout),
             TensorDescriptor.from_tensor(kpe_cache.view(NP * PS, P), [BLOCK_N, P], k_layout))
+
+
+def descriptor_templates(ckv_cache, kpe_cache) -> tuple:
+    """`descriptors` as a plan keeps them (no tensor held): `_launch.rebased(templates, (ckv_cache, kpe_cache))`
+    gives a call's, its caches the bases (only their pointers are read)."""
+    return without_bases(descriptors(ckv_cache, kpe_cache))
 
 
 def strides(q_nope, q_pe, ckv_cache, kpe_cache, table, o, l, s_on, s_ln, ns) -> tuple:

@@ -219,6 +219,27 @@ def bind(fn, grid: tuple, **kwargs) -> Bound:
     return Bound(fn, grid, kwargs)
 
 
+def without_bases(descriptors) -> tuple:
+    """TMA descriptors (Triton's or Gluon's) as a plan keeps them: validated once, holding no tensor."""
+    for d in descriptors:
+        d.base = None
+    return tuple(descriptors)
+
+
+def rebased(templates, bases) -> list:
+    """A call's TMA descriptors: copies of a plan's templates (`without_bases`) over these bases. Shape, strides, box
+    and alignment are fixed by the plan's signature; a fresh descriptor re-validates all of it in Python (~5 us
+    each). The launcher reads only a base's data pointer, so a base may be the tensor the template's view was taken
+    of (a cache viewed as [slots, width])."""
+    out = []
+    for template, base in zip(templates, bases):
+        d = object.__new__(type(template))
+        d.__dict__.update(template.__dict__)
+        d.base = base
+        out.append(d)
+    return out
+
+
 def fast(fn) -> FastLaunch:
     """`fast(kernel)[grid](...)`: launch a `@triton.jit` (or Gluon) function through the cached path (one wrapper per
     function, made on first use and kept on the function: JITFunction hashes its source, ~0.6 us a dict lookup);

@@ -21,7 +21,7 @@ import torch
 
 from ._util import (block, box_width, caches_view_as_slots, cdiv, dot_mode, has_tma, pdl_launch,
                     query_limit_args, sm_count)
-from ._launch import bind
+from ._launch import bind, without_bases
 from .decode_stage1 import _stage1_kernel, _stage1_tma_kernel
 from . import decode_seesaw as _seesaw
 from . import decode_wgmma as _wgmma
@@ -165,10 +165,8 @@ def _tma_stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l,
     B, H, R = q_nope.shape
     NP, PS, _ = ckv_cache.shape
     P = kpe_cache.shape[2]
-    templates = (TensorDescriptor(ckv_cache, [NP * PS, R], [ckv_cache.stride(1), 1], [cfg.block_n, R // 2]),
-                 TensorDescriptor(kpe_cache, [NP * PS, P], [kpe_cache.stride(1), 1], [cfg.block_n, P]))
-    for t in templates:
-        t.base = None  # validated; a plan keeps no tensor alive (each call's descriptors get their own bases)
+    templates = without_bases((TensorDescriptor(ckv_cache, [NP * PS, R], [ckv_cache.stride(1), 1], [cfg.block_n, R // 2]),
+                               TensorDescriptor(kpe_cache, [NP * PS, P], [kpe_cache.stride(1), 1], [cfg.block_n, P])))
     bound = bind(_stage1_tma_kernel, (B, cdiv(H, cfg.block_h), ns), n_splits=ns,
                  **tma_constexprs(cfg, R, P, q_nope.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                  **pdl_launch(q_nope.device))
@@ -177,19 +175,6 @@ def _tma_stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l,
                ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1),
                block_table.stride(0), s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1))
     return bound, templates, numbers
-
-
-def _descriptors(templates, ckv_cache, kpe_cache):
-    """The TMA descriptors of this call's caches: copies of the plan's templates with the new bases (shape,
-    strides, box and alignment fixed by the signature; a fresh TensorDescriptor re-validates all of it in Python,
-    ~5 us each). The caches view as [slots, width]: the base is the cache itself, only its pointer is read."""
-    out = []
-    for template, base in zip(templates, (ckv_cache, kpe_cache)):
-        d = object.__new__(type(template))
-        d.__dict__.update(template.__dict__)
-        d.base = base
-        out.append(d)
-    return out
 
 
 def _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, sparse: bool, seq_lens, sm_scale, o, l, s_on, s_ln,
@@ -216,10 +201,8 @@ def _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, sparse: bool, seq
 def _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
                 cfg: DecodeConfig):
     """One launch of the Triton TMA stage-1 kernel (benchmarks time it alone); returns the compiled kernel."""
-    bound, templates, numbers = _tma_stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l, s_on,
-                                            s_ln, ns, cfg)
-    return bound(q_nope, q_pe, *_descriptors(templates, ckv_cache, kpe_cache), ckv_cache, kpe_cache, block_table,
-                 seq_lens, o, l, *numbers)
+    plan = _tma_stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l, s_on, s_ln, ns, cfg)
+    return _wgmma.run_stage1(plan, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, o, l)
 
 
 def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, o, l, s_on,
@@ -287,16 +270,20 @@ class AttendPlan:
             self.kind = "tma"
         else:
             self.kind = "pointer"
-        if self.kind == "tma":
-            self.stage1, self.templates, self.numbers = _tma_stage1(
-                q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l, s_on, s_ln, ns, cfg)
+        if self.kind == "tma":  # launched as the Gluon TMA kernel is: same arguments in the same order
+            self.stage1 = _tma_stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l, s_on, s_ln, ns,
+                                      cfg)
         elif self.kind == "pointer":
             table = indices if self.sparse else block_table
             self.stage1, self.numbers = _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, self.sparse,
                                                         seq_lens, sm_scale, o, l, s_on, s_ln, ns, cfg, n_query,
                                                         ckv_scale)
+        elif self.kind == "seesaw":
+            self.stage1 = _seesaw.stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o,
+                                              l, s_on, s_ln, ns, n_query)
         else:
-            self.sm_scale, self.s_on, self.s_ln = sm_scale, s_on, s_ln
+            self.stage1 = _wgmma.stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l,
+                                             s_on, s_ln, ns, indices, n_query)
         if ns > 1:
             out = torch.empty(self.out_shape, device=meta)
             self.merge = merge_launch(o, l, out, torch.empty(self.lse_shape, device=meta), q_nope.device)
@@ -316,20 +303,12 @@ class AttendPlan:
         else:
             o = torch.empty(self.partial_shapes[0], dtype=torch.float32, device=device)
             l = torch.empty(self.partial_shapes[1], dtype=torch.float32, device=device)
-        kind = self.kind
-        if kind == "pointer":
+        if self.kind == "pointer":
             table = indices if self.sparse else block_table
             self.stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, table if self.sparse else seq_lens, o, l,
                         ckv_scale if ckv_scale is not None else o, *self.numbers)
-        elif kind == "tma":
-            self.stage1(q_nope, q_pe, *_descriptors(self.templates, ckv_cache, kpe_cache), ckv_cache, kpe_cache,
-                        block_table, seq_lens, o, l, *self.numbers)
-        elif kind == "seesaw":
-            _seesaw.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, self.sm_scale, o, l,
-                           self.s_on, self.s_ln, ns, n_query=self.n_query)
-        else:
-            _wgmma.launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, self.sm_scale, o, l, self.s_on,
-                          self.s_ln, ns, indices=indices, n_query=self.n_query)
+        else:  # the TMA kernels (Triton's, Gluon's) and the Gluon gather kernel
+            _wgmma.run_stage1(self.stage1, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, o, l, indices)
         if ns > 1:
             self.merge(o, l, out, lse)
         return out, lse

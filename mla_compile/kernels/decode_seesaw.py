@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from . import _gluon as G
 from ._util import cdiv, query_limit_args
-from ._launch import fast
+from ._launch import bind
+from .decode_wgmma import run_stage1
 
 if G.gluon is not None:
     from triton.experimental import gluon
@@ -324,15 +325,22 @@ def constexprs(R: int, P: int, page_size: int, multi: bool = False) -> dict:
     return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, MULTI=multi)
 
 
-def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
-           n_query: int = 1):
-    """decode_wgmma.launch's contract (n_query included), for its TMA layout with rope width 64 (`fits`)."""
+def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
+                n_query: int = 1):
+    """decode_wgmma.stage1_plan's contract for this kernel (TMA layout only): run it with decode_wgmma.run_stage1."""
     B, H, R = q_nope.shape
     PS = ckv_cache.shape[1]
     P = kpe_cache.shape[2]
-    ckv_desc, kpe_desc = G.descriptors(ckv_cache, kpe_cache)
-    return fast(_stage1_seesaw_kernel)[(cdiv(H, BLOCK_H), B, ns)](
-        q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
-        sm_scale * G.LOG2E, H, *G.strides(q_nope, q_pe, ckv_cache, kpe_cache, block_table, o, l, s_on, s_ln, ns),
-        *query_limit_args(seq_lens, n_query, H), **constexprs(R, P, PS, n_query > 1), num_warps=NUM_WARPS,
-        maxnreg=MAX_REGS)
+    bound = bind(_stage1_seesaw_kernel, (cdiv(H, BLOCK_H), B, ns), **constexprs(R, P, PS, n_query > 1),
+                 num_warps=NUM_WARPS, maxnreg=MAX_REGS)
+    numbers = (sm_scale * G.LOG2E, H, *G.strides(q_nope, q_pe, ckv_cache, kpe_cache, block_table, o, l, s_on, s_ln, ns),
+               *query_limit_args(seq_lens, n_query, H))
+    return bound, G.descriptor_templates(ckv_cache, kpe_cache), numbers
+
+
+def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
+           n_query: int = 1):
+    """decode_wgmma.launch's contract (n_query included), for its TMA layout with rope width 64 (`fits`)."""
+    plan = stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
+                       n_query)
+    return run_stage1(plan, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, o, l)

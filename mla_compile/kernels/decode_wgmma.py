@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from . import _gluon as G
 from ._util import box_width, cdiv, query_limit_args
-from ._launch import fast
+from ._launch import bind, rebased
 
 if G.gluon is not None:
     from triton.experimental import gluon
@@ -364,28 +364,46 @@ def gather_constexprs(R: int, P: int, page_size: int, sparse: bool, multi: bool 
                 MULTI=multi)
 
 
+def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
+                indices=None, n_query: int = 1):
+    """`launch`'s work that these tensors' signature fixes (o / l may be meta tensors: only their strides are
+    read): (the kernel bound to its grid and compile-time arguments, its TMA descriptor templates or None for the
+    gather kernel, the numbers after its tensor arguments). `run_stage1` launches it on a call's tensors."""
+    B, H, R = q_nope.shape
+    PS = ckv_cache.shape[1]
+    P = kpe_cache.shape[2]
+    sparse = indices is not None
+    table = indices if sparse else block_table
+    grid = (cdiv(H, BLOCK_H), B, ns)
+    scale = sm_scale * G.LOG2E
+    strides = G.strides(q_nope, q_pe, ckv_cache, kpe_cache, table, o, l, s_on, s_ln, ns)
+    limits = query_limit_args(seq_lens, n_query, H)
+    if not G.tma_layout(ckv_cache, kpe_cache, sparse):
+        return (bind(_stage1_gather_kernel, grid, **gather_constexprs(R, P, PS, sparse, n_query > 1),
+                     num_warps=NUM_WARPS), None, (scale, H, table.shape[1] if sparse else 0, *strides, *limits))
+    return (bind(_stage1_wgmma_kernel, grid, **constexprs(R, P, PS, n_query > 1), num_warps=NUM_WARPS),
+            G.descriptor_templates(ckv_cache, kpe_cache), (scale, H, *strides, *limits))
+
+
+def run_stage1(plan, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, o, l, indices=None):
+    """A `stage1_plan` (or decode_seesaw's) launched on a call's tensors; returns the compiled kernel."""
+    bound, templates, numbers = plan
+    if templates is None:  # the gather kernel: the table, then the index list or the lengths
+        table = indices if indices is not None else block_table
+        return bound(q_nope, q_pe, ckv_cache, kpe_cache, table, table if indices is not None else seq_lens, o, l,
+                     *numbers)
+    return bound(q_nope, q_pe, *rebased(templates, (ckv_cache, kpe_cache)), ckv_cache, kpe_cache, block_table,
+                 seq_lens, o, l, *numbers)
+
+
 def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, indices=None,
            n_query: int = 1):
     """Stage 1 into o [ns, B, H, R] / l [ns, B, H] (or the final out / lse with ns == 1: s_on = s_ln = 0); paged
     (block_table, seq_lens) or sparse (indices [B, K], -1 = none). The TMA kernel where the tiles are TMA boxes,
     else the gather kernel. n_query > 1 (paged): H = n_query * heads rows, seq_lens [B] (causal) or [B, n_query]
     (each token's limit), as kernels/decode.py `decode` takes them; a KV tile is read once for all of a block's
-    rows, so S tokens of 16 heads cost one 64-row block."""
-    B, H, R = q_nope.shape
-    PS = ckv_cache.shape[1]
-    P = kpe_cache.shape[2]
-    sparse = indices is not None
-    multi = n_query > 1
-    table = indices if sparse else block_table
-    grid = (cdiv(H, BLOCK_H), B, ns)
-    strides = G.strides(q_nope, q_pe, ckv_cache, kpe_cache, table, o, l, s_on, s_ln, ns)
-    limits = query_limit_args(seq_lens, n_query, H)
-    if not G.tma_layout(ckv_cache, kpe_cache, sparse):
-        return fast(_stage1_gather_kernel)[grid](
-            q_nope, q_pe, ckv_cache, kpe_cache, table, table if sparse else seq_lens, o, l,
-            sm_scale * G.LOG2E, H, table.shape[1] if sparse else 0, *strides, *limits,
-            **gather_constexprs(R, P, PS, sparse, multi), num_warps=NUM_WARPS)
-    ckv_desc, kpe_desc = G.descriptors(ckv_cache, kpe_cache)
-    return fast(_stage1_wgmma_kernel)[grid](
-        q_nope, q_pe, ckv_desc, kpe_desc, ckv_cache, kpe_cache, block_table, seq_lens, o, l,
-        sm_scale * G.LOG2E, H, *strides, *limits, **constexprs(R, P, PS, multi), num_warps=NUM_WARPS)
+    rows, so S tokens of 16 heads cost one 64-row block. One call: its plan made and run (kernels/decode.py
+    `AttendPlan` keeps the plan)."""
+    plan = stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
+                       indices, n_query)
+    return run_stage1(plan, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, o, l, indices)

@@ -240,16 +240,12 @@ def test_bound_launch_replays_tritons_kernel_without_building_a_key(fake_gpu, mo
 def test_plan_descriptors_equal_fresh_ones(fake_gpu):
     """kernels/decode.py copies a plan's validated descriptor templates with each call's cache as the base: the
     copy is what a fresh TensorDescriptor over the [slots, width] view would be, and launches the same kernel."""
-    from mla_compile.kernels import decode as D
-
     launches, _ = fake_gpu
     ckv, kpe = torch.zeros(4, 64, 512, dtype=torch.bfloat16), torch.zeros(4, 64, 64, dtype=torch.bfloat16)
-    templates = (TensorDescriptor(ckv, [256, 512], [512, 1], [64, 256]), TensorDescriptor(kpe, [256, 64], [64, 1],
-                                                                                            [64, 64]))
-    for t in templates:
-        t.base = None
+    templates = _launch.without_bases((TensorDescriptor(ckv, [256, 512], [512, 1], [64, 256]),
+                                       TensorDescriptor(kpe, [256, 64], [64, 1], [64, 64])))
     ckv2, kpe2 = torch.ones_like(ckv), torch.ones_like(kpe)
-    copies = D._descriptors(templates, ckv2, kpe2)
+    copies = _launch.rebased(templates, (ckv2, kpe2))
     fresh = (TensorDescriptor.from_tensor(ckv2.view(256, 512), [64, 256]),
              TensorDescriptor.from_tensor(kpe2.view(256, 64), [64, 64]))
     for c, f, base in zip(copies, fresh, (ckv2, kpe2)):
@@ -260,3 +256,20 @@ def test_plan_descriptors_equal_fresh_ones(fake_gpu):
     _launch.fast(_probe_desc_kernel)[(1,)](copies[0], ckv2, 5, BLOCK=16)
     _launch.fast(_probe_desc_kernel)[(1,)](fresh[0], ckv2, 5, BLOCK=16)
     assert launches[-1][0] is launches[-2][0]
+
+
+def test_gluon_plan_descriptors_equal_fresh_ones():
+    """The Gluon kernels' plans (decode_wgmma / decode_seesaw `stage1_plan`) keep descriptor templates the same
+    way: a rebased copy is the descriptor `_gluon.descriptors` would build for that call's caches."""
+    from mla_compile.kernels import _gluon as G
+
+    if G.gluon is None:
+        pytest.skip("no Gluon in this Triton")
+    ckv, kpe = torch.zeros(4, 64, 512, dtype=torch.bfloat16), torch.zeros(4, 64, 64, dtype=torch.bfloat16)
+    templates = G.descriptor_templates(ckv, kpe)
+    assert all(t.base is None for t in templates)
+    ckv2, kpe2 = torch.ones_like(ckv), torch.ones_like(kpe)
+    for c, f, base in zip(_launch.rebased(templates, (ckv2, kpe2)), G.descriptors(ckv2, kpe2), (ckv2, kpe2)):
+        assert type(c) is type(f) and c.base is base and c.base.data_ptr() == f.base.data_ptr()
+        assert [list(c.shape), list(c.strides), list(c.block_shape), c.layout, c.padding] == \
+               [list(f.shape), list(f.strides), list(f.block_shape), f.layout, f.padding]

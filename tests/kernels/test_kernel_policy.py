@@ -261,9 +261,10 @@ def test_backend_options_carry_a_tuning():
 def test_decode_runs_exactly_the_configured_stage1_kernel(kernel, monkeypatch):
     # decode._attend re-checks nothing: the kernel in the config (dispatch's choice) is the one launched
     launched = []
+    # every kernel's plan: a stand-in bound launch (no descriptor templates, no numbers)
     for name in ("seesaw", "wgmma"):
-        monkeypatch.setattr(getattr(D, "_" + name), "launch", lambda *a, name=name, **k: launched.append(name))
-    # the Triton kernels' plans: a stand-in bound launch (no descriptor templates, no numbers)
+        monkeypatch.setattr(getattr(D, "_" + name), "stage1_plan",
+                            lambda *a, name=name, **k: (lambda *x: launched.append(name), (), ()))
     monkeypatch.setattr(D, "_tma_stage1", lambda *a, **k: (lambda *x: launched.append("triton-tma"), (), ()))
     monkeypatch.setattr(D, "_pointer_stage1", lambda *a, **k: (lambda *x: launched.append("triton-pointer"), ()))
     q_nope, q_pe, ckv, kpe = _cpu_call()
