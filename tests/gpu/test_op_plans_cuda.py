@@ -44,11 +44,18 @@ def test_one_plan_per_signature_replays_with_new_tensors(H):
     on the GPU the second and third calls take the plan's bound launches (no key, no choice)."""
     # the same pages per request in another order: caches and block tables of one shape, other data and lengths
     lens_list = ([700, 0, 64, 1], [1, 700, 0, 64], [64, 1, 690, 0])
-    for seed, lens in enumerate(lens_list):
-        b, qn, qp = make_batch(lens, H, 512, 64, 64, DT, seed=seed, max_pages=20)
-        out, lse = torch.ops.mla.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.1)
-        assert_attention(out, lse, *ref_of(b, qn, qp, 0.1), DT)
-    assert _plans() == 1
+    keyed = []
+    real = attention._DECODE_PLANS.lookup
+    attention._DECODE_PLANS.lookup = lambda *a: keyed.append(1) or real(*a)
+    try:
+        for seed, lens in enumerate(lens_list):
+            b, qn, qp = make_batch(lens, H, 512, 64, 64, DT, seed=seed, max_pages=20)
+            out, lse = torch.ops.mla.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.1)
+            assert_attention(out, lse, *ref_of(b, qn, qp, 0.1), DT)
+    finally:
+        del attention._DECODE_PLANS.lookup
+    # the later calls found the plan by the C++ check of the recent signature, not by the key
+    assert _plans() == 1 and len(attention._DECODE_PLANS._recent) == 1 and len(keyed) == 1
 
 
 def test_a_misaligned_view_gets_its_own_plan():
@@ -116,9 +123,11 @@ def test_planned_call_captures_in_a_cuda_graph():
     assert _plans() == 1
 
 
-def test_sparse_decode_plans():
-    b, qn, qp = make_batch([400, 200], 16, 512, 64, 64, DT, seed=5)
-    for seed in range(2):
+@pytest.mark.parametrize("H", [16, 128])
+def test_sparse_decode_plans(H):
+    """H 16: the Triton pointer kernel; H 128: the Gluon gather kernel, its launch bound in the plan too."""
+    b, qn, qp = make_batch([400, 200], H, 512, 64, 64, DT, seed=5)
+    for seed in range(3):
         g = torch.Generator().manual_seed(seed)
         idx = torch.full((2, 64), -1, dtype=torch.int32)
         for r, n in enumerate((400, 200)):

@@ -4,6 +4,7 @@ per signature and checked only then. (tests/gpu/test_op_plans_cuda.py replays re
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 
 from mla_compile import tuning
@@ -72,3 +73,94 @@ def test_a_decode_plan_sizes_its_merge_for_the_call_device(monkeypatch):
     table, lens = torch.arange(4, dtype=torch.int32).view(2, 2), torch.full((2,), 100, dtype=torch.int32)
     plan = D.decode_plan(qn, qp, ckv, kpe, table, lens, 0.1, splits=3)
     assert plan.ns == 3 and len(seen) == 2 and all(d == qn.device for d in seen)
+
+
+# ================================================================================ recent signatures (C++ check)
+def test_this_torch_has_the_cpp_tensor_check():
+    """The fast path is on for the torch versions we pin (2.11-2.15); `_guards_work` turns it off (the key alone)
+    where a torch's private TensorGuards changed."""
+    assert _plans._GUARDS
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.int32)
+_SCALARS = (0.1, 1, 1.0, True, None)
+
+
+@st.composite
+def _arg(draw):
+    """An optional tensor: dtype, shape, strides (a transpose), a 4-byte offset (misaligned), a Parameter."""
+    if draw(st.integers(0, 5)) == 0:
+        return None
+    shape = draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))
+    dtype = draw(st.sampled_from(_DTYPES))
+    base = torch.zeros(64 + 2 * torch.Size(shape).numel(), dtype=torch.int32).view(dtype)
+    t = base[draw(st.sampled_from((0, 4 // base.element_size()))):][:torch.Size(shape).numel()].view(shape)
+    if len(shape) == 2 and draw(st.booleans()):
+        t = t.t()
+    if dtype != torch.int32 and draw(st.integers(0, 3)) == 0:
+        t = torch.nn.Parameter(t)
+    return t
+
+
+def _key(tensors, scalars):
+    return (tuple(None if t is None else (type(t), t.dtype, t.device, t.shape, t.stride(), t.data_ptr() & 15,
+                                          t.requires_grad) for t in tensors),
+            tuple((type(a), a) for a in scalars))
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=st.lists(_arg(), min_size=1, max_size=4), b=st.lists(_arg(), min_size=1, max_size=4),
+       sa=st.lists(st.sampled_from(_SCALARS), max_size=2), sb=st.lists(st.sampled_from(_SCALARS), max_size=2),
+       same_tensors=st.booleans())
+def test_a_recent_signature_matches_exactly_when_the_key_would(a, b, sa, sb, same_tensors):
+    """What `Plans.run` asks before the key: a recent signature's plan is found for a call iff the call's key
+    (with requires_grad, which the C++ check also reads) equals the signature's, and the call is aligned."""
+    if same_tensors:  # equal signatures: fresh tensors of the same layout
+        b = [None if t is None else type(t)(t.detach().clone().as_strided(t.shape, t.stride())) if isinstance(
+            t, torch.nn.Parameter) else t.clone().as_strided(t.shape, t.stride()) for t in a]
+    a, b, sa, sb = tuple(a), tuple(b), tuple(sa), tuple(sb)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_plans, "_state", lambda env: ("device", "tuning", env))
+        plans = _plans.Plans()
+        if not _plans._aligned(a):  # run keeps no recent entry for a misaligned call
+            return
+        plans._recent = (_plans._Recent(a, sa, _plans._state(_plans._switches()), "plan"),)
+        found = plans._recent_plan(b, sb)
+    assert (found == "plan") == (_key(a, sa) == _key(b, sb) and _plans._aligned(b))
+
+
+def test_a_recent_signature_needs_the_same_state(monkeypatch):
+    """Another device, tuning or environment switch: not the recent plan (the key decides, and makes a new one)."""
+    x = torch.zeros(4)
+    states = iter([("dev0", "t", ("e",)), ("dev1", "t", ("e",))])
+    monkeypatch.setattr(_plans, "_state", lambda env: next(states))
+    plans = _plans.Plans()
+    plans._recent = (_plans._Recent((x,), (), _plans._state(None), "plan"),)
+    assert plans._recent_plan((torch.ones(4),), ()) is None
+
+
+def test_recent_signatures_are_kept_first_in_first_out_and_cleared(monkeypatch):
+    monkeypatch.setattr(_plans, "_state", lambda env: ("device", "tuning", env))
+    monkeypatch.setattr(_plans.Plans, "lookup", lambda self, tensors, scalars: (("key", tensors[0].shape), None))
+    plans, made = _plans.Plans(), []
+
+    def run(n):
+        return plans.run((torch.zeros(n),), (), lambda: None, lambda: (made.append(n) or (lambda x: n), True))
+
+    for n in range(1, _plans._RECENT + 3):
+        assert run(n) == n
+    assert [r.plan(None) for r in plans._recent] == list(range(3, _plans._RECENT + 3))
+    assert run(_plans._RECENT + 2) == _plans._RECENT + 2 and len(made) == _plans._RECENT + 2  # a recent hit
+    plans.clear()
+    assert plans._recent == () and not plans._plans
+
+
+def test_one_tensor_passed_twice_takes_the_key(monkeypatch):
+    """The C++ check rejects a tensor object passed in two places (Dynamo's duplicate-input rule): such a call misses
+    the recent signature and takes the key, which finds the same plan (slower, never another plan)."""
+    monkeypatch.setattr(_plans, "_state", lambda env: ("device", "tuning", env))
+    x = torch.zeros(4)
+    plans = _plans.Plans()
+    state = _plans._state(_plans._switches())
+    plans._recent = (_plans._Recent((torch.zeros(4), torch.zeros(4)), (), state, "plan"),)
+    assert plans._recent_plan((x, x), ()) is None and plans._recent_plan((x, torch.zeros(4)), ()) == "plan"
