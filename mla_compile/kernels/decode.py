@@ -165,8 +165,9 @@ def _tma_stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l,
     B, H, R = q_nope.shape
     NP, PS, _ = ckv_cache.shape
     P = kpe_cache.shape[2]
-    templates = without_bases((TensorDescriptor(ckv_cache, [NP * PS, R], [ckv_cache.stride(1), 1], [cfg.block_n, R // 2]),
-                               TensorDescriptor(kpe_cache, [NP * PS, P], [kpe_cache.stride(1), 1], [cfg.block_n, P])))
+    templates = without_bases((
+        TensorDescriptor(ckv_cache, [NP * PS, R], [ckv_cache.stride(1), 1], [cfg.block_n, R // 2]),
+        TensorDescriptor(kpe_cache, [NP * PS, P], [kpe_cache.stride(1), 1], [cfg.block_n, P])))
     bound = bind(_stage1_tma_kernel, (B, cdiv(H, cfg.block_h), ns), n_splits=ns,
                  **tma_constexprs(cfg, R, P, q_nope.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                  **pdl_launch(q_nope.device))

@@ -117,6 +117,14 @@ def _aligned(tensors: tuple) -> bool:
     return bits & 15 == 0
 
 
+def dispatch_module():
+    """kernels/dispatch.py (it imports Triton), imported where a plan is made: a planned call imports nothing (an
+    import statement in a function costs ~1 us a call on a laptop core, ~5 us on the H200 host)."""
+    from ..kernels import dispatch as module
+
+    return module
+
+
 class Plans:
     """One op's plans, keyed by call signature."""
 

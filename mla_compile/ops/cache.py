@@ -6,7 +6,7 @@ import torch
 
 from .. import fp8
 from . import _checks as C
-from ._plans import Plans
+from ._plans import Plans, dispatch_module
 from ._registry import define
 
 
@@ -100,14 +100,12 @@ def _(ckv_cache, kpe_cache, ckv, kpe, slots):
 
 @cache_write.register_kernel("cuda")
 def _(ckv_cache, kpe_cache, ckv, kpe, slots):
-    from ..kernels import dispatch
-
     def check():
         _check_not_fp8(ckv_cache)
         check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots)
 
     _PLANS.run((ckv_cache, kpe_cache, ckv, kpe, slots), (), check,
-               lambda: dispatch.cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots))
+               lambda: dispatch_module().cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots))
 
 
 _PLANS = Plans()  # one plan per call signature (ops/_plans.py)

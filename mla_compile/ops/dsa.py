@@ -9,7 +9,7 @@ import torch
 
 from .. import topk_order
 from . import _checks as C
-from ._plans import Plans
+from ._plans import Plans, dispatch_module
 from .attention import check_query_lens, query_limits, token_slots
 from ._registry import define
 
@@ -147,9 +147,8 @@ def _(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
 
 @indexer_topk.register_kernel("cuda")
 def _indexer_topk_cuda(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
-    from ..kernels import dispatch
-
     if q.dim() == 4:  # S query tokens: one row per token, through a plan made for this call
+        dispatch = dispatch_module()
         check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)
         B, S = q.shape[:2]
         table, lens = per_query_token(block_table, seq_lens, S)
@@ -158,7 +157,7 @@ def _indexer_topk_cuda(q, weights, k_cache, block_table, seq_lens, topk, sm_scal
         return out.view(B, S, topk)
     args = (q, weights, k_cache, block_table, seq_lens)
     return _PLANS.run(args, (topk, sm_scale), lambda: check_indexer_args(*args, topk, sm_scale),
-                      lambda: dispatch.indexer_topk_plan(*args, topk, sm_scale))
+                      lambda: dispatch_module().indexer_topk_plan(*args, topk, sm_scale))
 
 
 _PLANS = Plans()  # q [B, Hi, Di]: one plan per call signature (ops/_plans.py)
@@ -205,12 +204,11 @@ def _(block_table, seq_lens, page_size, topk, n_query=1):
 
 @k_only_indices.register_kernel("cuda")
 def _(block_table, seq_lens, page_size, topk, n_query=1):
-    from ..kernels import dispatch
-
     if n_query == 1:  # a plan per signature (ops/_plans.py)
         return _K_ONLY_PLANS.run((block_table, seq_lens), (page_size, topk),
                                  lambda: check_k_only_args(block_table, seq_lens, page_size, topk, n_query),
-                                 lambda: dispatch.k_only_indices_plan(block_table, seq_lens, page_size, topk))
+                                 lambda: dispatch_module().k_only_indices_plan(block_table, seq_lens, page_size, topk))
+    dispatch = dispatch_module()
     check_k_only_args(block_table, seq_lens, page_size, topk, n_query)
     if n_query > 1:
         table, lens = per_query_token(block_table, seq_lens, n_query)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..kernels.few_token import FEW_TOKEN_ROWS, K_ALIGN, few_token_rows, split_width  # noqa: F401 (re-exported)
 from . import _checks as C
-from ._plans import Plans
+from ._plans import Plans, dispatch_module
 from ._registry import define
 
 # one plan per call signature for each op's CUDA impl (ops/_plans.py)
@@ -64,10 +64,8 @@ def _(x, weights):
 
 @fused_linear.register_kernel("cuda")
 def _(x, weights):
-    from ..kernels import dispatch
-
     return _FUSED_PLANS.run((x, *weights), (), lambda: check_fused_linear_args(x, weights),
-                            lambda: dispatch.fused_linear_plan(x, weights))
+                            lambda: dispatch_module().fused_linear_plan(x, weights))
 
 
 def _setup_context(ctx, inputs, output):
