@@ -25,6 +25,7 @@ from ._launch import bind, without_bases
 from .decode_stage1 import _stage1_kernel, _stage1_tma_kernel
 from . import decode_seesaw as _seesaw
 from . import decode_wgmma as _wgmma
+from .scratch import Partials
 from .merge import merge_into, merge_launch  # noqa: F401 (merge_into: benchmarks time the stages apart)
 
 _LOG2E = 1.4426950408889634
@@ -288,6 +289,7 @@ class AttendPlan:
         if ns > 1:
             out = torch.empty(self.out_shape, device=meta)
             self.merge = merge_launch(o, l, out, torch.empty(self.lse_shape, device=meta), q_nope.device)
+            self.partials = Partials(*self.partial_shapes, q_nope.device)
 
     def __call__(self, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices=None, ckv_scale=None):
         device = self.device
@@ -301,9 +303,12 @@ class AttendPlan:
         ns = self.ns
         if ns == 1:
             o, l = out, lse
-        else:
-            o = torch.empty(self.partial_shapes[0], dtype=torch.float32, device=device)
-            l = torch.empty(self.partial_shapes[1], dtype=torch.float32, device=device)
+        else:  # the default stream's scratch where it is safe (kernels/scratch.py), else fresh buffers
+            partials = self.partials.get()
+            if partials is None:
+                partials = (torch.empty(self.partial_shapes[0], dtype=torch.float32, device=device),
+                            torch.empty(self.partial_shapes[1], dtype=torch.float32, device=device))
+            o, l = partials
         if self.kind == "pointer":
             table = indices if self.sparse else block_table
             self.stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, table if self.sparse else seq_lens, o, l,

@@ -198,3 +198,27 @@ def test_every_planned_op_replays_with_new_tensors(op):
         got, want = make(_fresh(seed))
         for g, w in zip(got, want):
             assert _rel(g, w) < (1e-5 if g.dtype == torch.float32 else 1e-2), (op, seed)
+
+
+def test_split_partials_reuse_the_default_stream_scratch_and_not_a_side_stream(monkeypatch):
+    """kernels/scratch.py: on the default stream a split decode's partials are the thread's scratch buffer (reused
+    call after call, answers still each call's own); on a side stream fresh buffers, answers equally right."""
+    import threading
+
+    from mla_compile.kernels import scratch
+
+    monkeypatch.setattr(scratch, "_local", threading.local())
+    buffer = scratch._buffer(torch.cuda.current_device())
+    for seed in range(2):
+        b, qn, qp = make_batch([3000, 5, 2000], 16, 512, 64, 64, DT, seed=10 + seed, max_pages=60)
+        assert_attention(*torch.ops.mla.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.1),
+                         *ref_of(b, qn, qp, 0.1), DT)
+    assert buffer.data is not None and buffer.generation == 1  # made once, reused by the second call
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        b, qn, qp = make_batch([2500, 700, 64], 16, 512, 64, 64, DT, seed=12, max_pages=60)
+        out, lse = torch.ops.mla.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.1)
+    torch.cuda.current_stream().wait_stream(side)
+    assert_attention(out, lse, *ref_of(b, qn, qp, 0.1), DT)
+    assert buffer.generation == 1

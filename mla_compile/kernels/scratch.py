@@ -1,0 +1,78 @@
+"""Split-KV partials without two allocations per call: a scratch buffer reused by the calls one thread makes on the
+legacy default CUDA stream.
+
+A split decode writes float32 partials (o [ns, B, H, R], lse [ns, B, H]) that only its own merge reads. Allocated per
+call, they are two of the four `torch.empty` an eager `mla.decode` pays on the host (~4 us each on the H200 host,
+benchmarks/host_overhead.py). Reusing one buffer is safe where every user of it is ordered after the previous one:
+  * the legacy default stream (raw handle 0) orders all work queued on it, and a CUDA graph is never captured on it
+    (capture needs another stream), so no graph bakes the buffer's address into its replays;
+  * Inductor's CUDA-graph trees warm up and record on a stream of their own, whose allocations go to the graph pool:
+    a call there allocates fresh partials, as does any call on a side stream (no ordering with other streams);
+  * one buffer per thread: two threads queueing on the default stream interleave their launches.
+Any other stream, or a CPU tensor: `None`, and the caller allocates (what every call did before).
+
+The buffer grows (to at least twice its size) when a plan needs more; a plan's cached views keep the old buffer
+alive until it next runs (the views carry the buffer's generation), so at most the last few sizes are held.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_local = threading.local()
+_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_ALIGN = 128  # float32 elements (512 bytes): lse's views start where a fresh allocation would (Triton keys on it)
+
+
+class _Buffer:
+    __slots__ = ("data", "generation")
+
+    def __init__(self):
+        self.data, self.generation = None, 0
+
+    def reserve(self, numel: int, device: torch.device) -> None:
+        if self.data is None or self.data.numel() < numel:
+            grown = 0 if self.data is None else 2 * self.data.numel()
+            self.data = torch.empty(max(numel, grown), dtype=torch.float32, device=device)
+            self.generation += 1
+
+
+def _buffer(device_index: int) -> _Buffer:
+    buffers = getattr(_local, "buffers", None)
+    if buffers is None:
+        buffers = _local.buffers = {}
+    buf = buffers.get(device_index)
+    if buf is None:
+        buf = buffers[device_index] = _Buffer()
+    return buf
+
+
+class Partials:
+    """A plan's split-KV partials: `get()` -> (o, lse) views of this thread's default-stream scratch, or None where
+    the caller must allocate (see the module docstring). The views are made once per buffer generation."""
+
+    __slots__ = ("o_shape", "l_shape", "o_numel", "l_offset", "device", "index", "views")
+
+    def __init__(self, o_shape: tuple, l_shape: tuple, device: torch.device):
+        self.o_shape, self.l_shape, self.device = tuple(o_shape), tuple(l_shape), device
+        self.o_numel = torch.Size(o_shape).numel()
+        self.l_offset = -(-self.o_numel // _ALIGN) * _ALIGN
+        self.index = device.index if device.type == "cuda" and device.index is not None else (
+            torch.cuda.current_device() if device.type == "cuda" else -1)
+        self.views = None  # (buffer, generation, o, lse)
+
+    def get(self):
+        if self.index < 0 or _stream is None or _stream(self.index) != 0:
+            return None
+        buf = _buffer(self.index)
+        v = self.views
+        if v is not None and v[0] is buf and v[1] == buf.generation:
+            return v[2], v[3]
+        buf.reserve(self.l_offset + torch.Size(self.l_shape).numel(), self.device)
+        data = buf.data
+        o = data[:self.o_numel].view(self.o_shape)
+        lse = data[self.l_offset:self.l_offset + torch.Size(self.l_shape).numel()].view(self.l_shape)
+        self.views = (buf, buf.generation, o, lse)
+        return o, lse

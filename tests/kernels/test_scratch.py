@@ -1,0 +1,79 @@
+"""kernels/scratch.py without a GPU (the raw stream query patched): where split-KV partials come from the reused
+scratch buffer, and that its views are laid out as fresh allocations would be. (tests/gpu/test_op_plans_cuda.py runs
+decode through it on the default stream and on a side stream.)"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from mla_compile.kernels import scratch as S
+
+
+@pytest.fixture
+def default_stream(monkeypatch):
+    """CPU tensors standing in for device 0's: the stream query answers `streams[0]`, the buffers are per test."""
+    streams = [0]
+    monkeypatch.setattr(S, "_stream", lambda index: streams[0])
+    monkeypatch.setattr(S, "_local", threading.local())
+    return streams
+
+
+def _partials(o_shape, l_shape):
+    p = S.Partials(o_shape, l_shape, torch.device("cpu"))
+    p.index = 0  # as a CUDA device's
+    return p
+
+
+def test_views_of_one_buffer_laid_out_as_fresh_allocations(default_stream):
+    p = _partials((3, 2, 5, 7), (3, 2, 5))
+    o, lse = p.get()
+    assert o.shape == (3, 2, 5, 7) and lse.shape == (3, 2, 5) and o.dtype == lse.dtype == torch.float32
+    assert o.is_contiguous() and lse.is_contiguous()
+    assert o.untyped_storage().data_ptr() == lse.untyped_storage().data_ptr()
+    assert (lse.data_ptr() - o.data_ptr()) % 512 == 0 and lse.data_ptr() >= o.data_ptr() + o.numel() * 4
+    again = p.get()
+    assert again[0] is o and again[1] is lse  # views made once per buffer generation
+
+
+def test_plans_share_the_buffer_and_it_grows(default_stream):
+    small, big = _partials((1, 1, 2, 4), (1, 1, 2)), _partials((4, 8, 16, 64), (4, 8, 16))
+    o_small, _ = small.get()
+    buf = S._buffer(0)
+    first = buf.generation
+    o_big, l_big = big.get()
+    assert buf.generation == first + 1 and buf.data.numel() >= big.l_offset + l_big.numel()
+    o_again, _ = small.get()  # the small plan's views move to the grown buffer
+    assert o_again is not o_small and o_again.data_ptr() == o_big.data_ptr()
+    grown = buf.data.numel()
+    _partials((grown + 1,), (1,)).get()
+    assert buf.data.numel() >= 2 * grown  # at least doubles: few generations
+
+
+@pytest.mark.parametrize("stream", [7, None])
+def test_no_scratch_off_the_default_stream(default_stream, stream, monkeypatch):
+    """Another stream (a capture, CUDA-graph trees' warm-up, a user's side stream) or no CUDA: the caller
+    allocates."""
+    if stream is None:
+        monkeypatch.setattr(S, "_stream", None)
+    else:
+        default_stream[0] = stream
+    assert _partials((1, 1, 2, 4), (1, 1, 2)).get() is None
+
+
+def test_cpu_partials_are_never_scratch(default_stream):
+    assert S.Partials((1, 1, 2, 4), (1, 1, 2), torch.device("cpu")).get() is None
+
+
+def test_each_thread_has_its_own_buffer(default_stream):
+    """Two threads queueing on the default stream interleave their launches: never one buffer between them."""
+    p = _partials((2, 1, 2, 4), (2, 1, 2))
+    here = p.get()[0].data_ptr()
+    there = []
+    t = threading.Thread(target=lambda: there.append(p.get()[0].data_ptr()))
+    t.start()
+    t.join()
+    assert there and there[0] != here
+    assert p.get()[0].data_ptr() == here  # back on this thread: its own buffer again
