@@ -25,7 +25,7 @@ from ._launch import bind, without_bases
 from .decode_stage1 import _stage1_kernel, _stage1_tma_kernel
 from . import decode_seesaw as _seesaw
 from . import decode_wgmma as _wgmma
-from .scratch import Partials
+from .scratch import Scratch
 from .merge import merge_into, merge_launch  # noqa: F401 (merge_into: benchmarks time the stages apart)
 
 _LOG2E = 1.4426950408889634
@@ -289,7 +289,7 @@ class AttendPlan:
         if ns > 1:
             out = torch.empty(self.out_shape, device=meta)
             self.merge = merge_launch(o, l, out, torch.empty(self.lse_shape, device=meta), q_nope.device)
-            self.partials = Partials(*self.partial_shapes, q_nope.device)
+            self.partials = Scratch(self.partial_shapes, q_nope.device)
 
     def __call__(self, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices=None, ckv_scale=None):
         device = self.device

@@ -23,6 +23,7 @@ import triton.language as tl
 from .. import topk_order
 from ._util import block, cdiv, dot_mode, mma, next_power_of_2, pdl_enter, pdl_launch
 from ._launch import bind
+from .scratch import Scratch
 
 _NONE = tl.constexpr(topk_order.NONE)
 _LOW = tl.constexpr(2**32 - 1)  # the key's index half (topk_order._LOW)
@@ -151,9 +152,13 @@ def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk: int, sm_
         return lambda q, weights, k_cache, block_table, seq_lens: identity(block_table, seq_lens)
     slots = _slots_plan(block_table, seq_lens, PS, topk, keyed=True)
     logits = _logits_launch(q, weights, k_cache, block_table, seq_lens, sm_scale, topk, keys=True)
+    # the keys are this call's intermediate (torch.topk reads them): scratch where it is safe (kernels/scratch.py)
+    reused = Scratch([(B, 2 * T)], device, lambda raw: raw.view(torch.int64))
 
     def plan(q, weights, k_cache, block_table, seq_lens):
-        keys = torch.empty((B, T), dtype=torch.int64, device=device)
+        keys = reused.get()
+        if keys is None:
+            keys = torch.empty((B, T), dtype=torch.int64, device=device)
         logits(q, weights, k_cache, block_table, seq_lens, keys)
         # T > topk: every row yields topk keys, largest first (distinct for valid tokens, so the set is unique)
         return slots(torch.topk(keys, topk, dim=1).values, block_table, seq_lens)

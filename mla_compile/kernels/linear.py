@@ -22,6 +22,7 @@ import triton.language as tl
 from .few_token import FEW_TOKEN_ROWS, K_ALIGN, split_width
 from ._util import cdiv, dot_mode, mma, next_power_of_2, pdl_enter, pdl_launch, sm_count
 from ._launch import bind
+from .scratch import Scratch
 
 MAX_M = FEW_TOKEN_ROWS  # the MMA's N side (rows of x padded to it)
 
@@ -152,9 +153,10 @@ def _run_pairs(launches, x, weights, ys) -> None:
 
 
 def linear_partials_plan(x: torch.Tensor, weights: list[torch.Tensor], splits: int, cfg: LinearConfig | None = None,
-                         align: int = K_ALIGN):
+                         align: int = K_ALIGN, scratch: bool = False):
     """`plan(x, weights)` -> `linear_partials(x, weights, splits)` for inputs of this signature: one allocation,
-    the column views of each weight's partials, the bound launches."""
+    the column views of each weight's partials, the bound launches. `scratch`: the partials are the caller's
+    intermediate (a split-K product's, summed in the same call), taken from kernels/scratch.py where it is safe."""
     M, K = x.shape
     N = sum(w.shape[0] for w in weights)
     shape, device = (splits, M, N), x.device
@@ -170,9 +172,15 @@ def linear_partials_plan(x: torch.Tensor, weights: list[torch.Tensor], splits: i
     launches = _pair_launches(x, weights, [part[:, :, lo:hi] for lo, hi in ranges], k_split, splits, cfg,
                               part.stride(0))
 
+    def columns(part):
+        return part, [part[:, :, lo:hi] for lo, hi in ranges]
+
+    reused = Scratch([shape], device, columns) if scratch else None
+
     def plan(x, weights):
-        part = torch.empty(shape, dtype=torch.float32, device=device)
-        _run_pairs(launches, x, weights, [part[:, :, lo:hi] for lo, hi in ranges])
+        views = reused.get() if reused is not None else None
+        part, cols = views if views is not None else columns(torch.empty(shape, dtype=torch.float32, device=device))
+        _run_pairs(launches, x, weights, cols)
         return part
 
     return plan
@@ -210,7 +218,7 @@ def small_m_plan(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig
             return outs
 
         return one_pass
-    partials = linear_partials_plan(x, weights, splits, cfg, align=cfg.block_k)
+    partials = linear_partials_plan(x, weights, splits, cfg, align=cfg.block_k, scratch=True)
     block = 512
     sum_splits = bind(_sum_splits_kernel, (M, cdiv(n0 + n1, block)), BLOCK=block, **pdl_launch(x.device))
     # the partials' split and row strides (contiguous [splits, M, n0 + n1]), the outputs' row strides

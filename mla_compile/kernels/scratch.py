@@ -1,9 +1,11 @@
-"""Split-KV partials without two allocations per call: a scratch buffer reused by the calls one thread makes on the
+"""Intermediate buffers without allocations per call: a scratch buffer reused by the calls one thread makes on the
 legacy default CUDA stream.
 
-A split decode writes float32 partials (o [ns, B, H, R], lse [ns, B, H]) that only its own merge reads. Allocated per
-call, they are two of the four `torch.empty` an eager `mla.decode` pays on the host (~4 us each on the H200 host,
-benchmarks/host_overhead.py). Reusing one buffer is safe where every user of it is ordered after the previous one:
+A split decode writes float32 partials (o [ns, B, H, R], lse [ns, B, H]) that only its own merge reads; a split-K
+few-token linear writes partial products only its sum reads. Allocated per call, they are two of the four
+`torch.empty` an eager `mla.decode` pays on the host (~4 us each on the H200 host, benchmarks/host_overhead.py), and
+the linear's also takes a column view per weight. Reusing one buffer is safe where every user of it is ordered after
+the previous one:
   * the legacy default stream (raw handle 0) orders all work queued on it, and a CUDA graph is never captured on it
     (capture needs another stream), so no graph bakes the buffer's address into its replays;
   * Inductor's CUDA-graph trees warm up and record on a stream of their own, whose allocations go to the graph pool:
@@ -23,7 +25,7 @@ import torch
 
 _local = threading.local()
 _stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_ALIGN = 128  # float32 elements (512 bytes): lse's views start where a fresh allocation would (Triton keys on it)
+_ALIGN = 128  # float32 elements (512 bytes): every view starts aligned as a fresh allocation (Triton keys on it)
 
 
 class _Buffer:
@@ -49,19 +51,24 @@ def _buffer(device_index: int) -> _Buffer:
     return buf
 
 
-class Partials:
-    """A plan's split-KV partials: `get()` -> (o, lse) views of this thread's default-stream scratch, or None where
-    the caller must allocate (see the module docstring). The views are made once per buffer generation."""
+class Scratch:
+    """A plan's float32 scratch tensors: `get()` -> views of this thread's default-stream buffer (one per shape,
+    each contiguous and 512-byte aligned, as a fresh allocation is; then whatever `derive(*views)` adds, e.g.
+    column views), or None where the caller must allocate (see the module docstring). Made once per buffer
+    generation: a call on the default stream pays no allocation and no view."""
 
-    __slots__ = ("o_shape", "l_shape", "o_numel", "l_offset", "device", "index", "views")
+    __slots__ = ("shapes", "offsets", "numel", "derive", "device", "index", "views")
 
-    def __init__(self, o_shape: tuple, l_shape: tuple, device: torch.device):
-        self.o_shape, self.l_shape, self.device = tuple(o_shape), tuple(l_shape), device
-        self.o_numel = torch.Size(o_shape).numel()
-        self.l_offset = -(-self.o_numel // _ALIGN) * _ALIGN
+    def __init__(self, shapes, device: torch.device, derive=None):
+        self.shapes, self.device, self.derive = [tuple(s) for s in shapes], device, derive
+        self.offsets, end = [], 0
+        for shape in self.shapes:
+            self.offsets.append(end)
+            end += -(-torch.Size(shape).numel() // _ALIGN) * _ALIGN
+        self.numel = end
         self.index = device.index if device.type == "cuda" and device.index is not None else (
             torch.cuda.current_device() if device.type == "cuda" else -1)
-        self.views = None  # (buffer, generation, o, lse)
+        self.views = None  # (buffer, generation, views)
 
     def get(self):
         if self.index < 0 or _stream is None or _stream(self.index) != 0:
@@ -69,10 +76,11 @@ class Partials:
         buf = _buffer(self.index)
         v = self.views
         if v is not None and v[0] is buf and v[1] == buf.generation:
-            return v[2], v[3]
-        buf.reserve(self.l_offset + torch.Size(self.l_shape).numel(), self.device)
-        data = buf.data
-        o = data[:self.o_numel].view(self.o_shape)
-        lse = data[self.l_offset:self.l_offset + torch.Size(self.l_shape).numel()].view(self.l_shape)
-        self.views = (buf, buf.generation, o, lse)
-        return o, lse
+            return v[2]
+        buf.reserve(self.numel, self.device)
+        views = tuple(buf.data[start:start + torch.Size(shape).numel()].view(shape)
+                      for start, shape in zip(self.offsets, self.shapes))
+        if self.derive is not None:
+            views = self.derive(*views)
+        self.views = (buf, buf.generation, views)
+        return views

@@ -21,8 +21,8 @@ def default_stream(monkeypatch):
     return streams
 
 
-def _partials(o_shape, l_shape):
-    p = S.Partials(o_shape, l_shape, torch.device("cpu"))
+def _partials(o_shape, l_shape, derive=None):
+    p = S.Scratch((o_shape, l_shape), torch.device("cpu"), derive)
     p.index = 0  # as a CUDA device's
     return p
 
@@ -44,7 +44,7 @@ def test_plans_share_the_buffer_and_it_grows(default_stream):
     buf = S._buffer(0)
     first = buf.generation
     o_big, l_big = big.get()
-    assert buf.generation == first + 1 and buf.data.numel() >= big.l_offset + l_big.numel()
+    assert buf.generation == first + 1 and buf.data.numel() >= big.numel >= l_big.numel()
     o_again, _ = small.get()  # the small plan's views move to the grown buffer
     assert o_again is not o_small and o_again.data_ptr() == o_big.data_ptr()
     grown = buf.data.numel()
@@ -64,7 +64,7 @@ def test_no_scratch_off_the_default_stream(default_stream, stream, monkeypatch):
 
 
 def test_cpu_partials_are_never_scratch(default_stream):
-    assert S.Partials((1, 1, 2, 4), (1, 1, 2), torch.device("cpu")).get() is None
+    assert S.Scratch(((1, 1, 2, 4), (1, 1, 2)), torch.device("cpu")).get() is None
 
 
 def test_each_thread_has_its_own_buffer(default_stream):
@@ -77,3 +77,12 @@ def test_each_thread_has_its_own_buffer(default_stream):
     t.join()
     assert there and there[0] != here
     assert p.get()[0].data_ptr() == here  # back on this thread: its own buffer again
+
+
+def test_derived_views_are_made_once_per_generation(default_stream):
+    """A split-K linear's column views of its partials (kernels/linear.py): derived once, then returned as they are."""
+    made = []
+    p = _partials((2, 3, 10), (1,), derive=lambda part, _: made.append(1) or (part, part[:, :, :4], part[:, :, 4:]))
+    part, left, right = p.get()
+    assert left.stride() == right.stride() == part.stride() and right.data_ptr() == part.data_ptr() + 16
+    assert p.get()[1] is left and made == [1]
