@@ -165,7 +165,22 @@ def bench_layers(calls: int) -> dict:
                        "triton, one split, Triton's own launch path": host_us(lambda: _one_split(*a), calls)}
     finally:
         _launch.ENABLED = True
+    from mla_compile.ops import _plans
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # no scratch off the default stream: the partials allocated per call
+        on_side_stream = host_us(lambda: torch.ops.mla.decode(*a), calls)
+    torch.cuda.current_stream().wait_stream(side)
+    guards, _plans._GUARDS = _plans._GUARDS, False
+    attention._DECODE_PLANS.clear()  # its recent signatures dropped: the key finds the plan
+    try:
+        key_only = host_us(lambda: torch.ops.mla.decode(*a), calls)
+    finally:
+        _plans._GUARDS = guards
     return {**triton_path, "op (dispatcher)": host_us(lambda: torch.ops.mla.decode(*a), calls),
+            "op, plan found by the key (no recent-signature check)": key_only,
+            "op on a side stream (partials allocated, no scratch)": on_side_stream,
             "unplanned cuda entry (kernels.dispatch.decode)": host_us(lambda: dispatch.decode(*a), calls),
             "triton, one split (no merge kernel)": host_us(lambda: _one_split(*a), calls),
             "check, repeated signature": host_us(lambda: attention.check_decode_args(*a), calls),
@@ -212,14 +227,17 @@ def bench_glue(device: str, calls: int) -> dict:
         D._stage1_kernel, D._stage1_tma_kernel, M._merge_kernel = saved
 
 
-def profile_decode(calls: int, top: int = 15) -> list[dict]:
-    t = tensors("cuda")
-    a = (t["qn"], t["qp"], t["ckv"], t["kpe"], t["table"], t["lens"], 0.1)
-    torch.ops.mla.decode(*a)
+PROFILED = ("mla.decode", "mla.sparse_decode", "mla.merge_states", "mla.fused_linear", "dsa.indexer_topk")
+
+
+def profile_op(name: str, calls: int, top: int = 15) -> list[dict]:
+    """cProfile of `calls` eager calls of one op (its plan made first): the functions by own time per call."""
+    call = op_calls(tensors("cuda"))[name]
+    call()
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
-        torch.ops.mla.decode(*a)
+        call()
     prof.disable()
     torch.cuda.synchronize()
     stats = pstats.Stats(prof).sort_stats("tottime")
@@ -242,11 +260,14 @@ def main(argv=None) -> int:
     if cuda:
         res["ops"] = bench_ops(a.calls)
         res["layers"] = bench_layers(a.calls)
-        res["profile"] = profile_decode(a.calls)
+        res["profile"] = profile_op("mla.decode", a.calls)
+        res["profiles"] = {name: profile_op(name, a.calls, top=8) for name in PROFILED[1:]}
     a.out.write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: v for k, v in res.items() if k != "profile"}, indent=1))
-    for row in res.get("profile", []):
-        print(f"{row['own_us_per_op']:8.2f} us own {row['cum_us_per_op']:8.2f} us cum  {row['function']}")
+    print(json.dumps({k: v for k, v in res.items() if k not in ("profile", "profiles")}, indent=1))
+    for name, rows in {"mla.decode": res.get("profile", []), **res.get("profiles", {})}.items():
+        print(f"--- profile of {name}")
+        for row in rows:
+            print(f"{row['own_us_per_op']:8.2f} us own {row['cum_us_per_op']:8.2f} us cum  {row['function']}")
     return 0
 
 

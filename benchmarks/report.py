@@ -460,6 +460,9 @@ def host_block(d: dict) -> list[str]:
     for row in d.get("profile", [])[:8]:
         out.append(f"  - profile: {row['own_us_per_op']:.1f} us own, {row['cum_us_per_op']:.1f} us cum: "
                    f"`{row['function']}`")
+    for name, rows in d.get("profiles", {}).items():
+        out.append(f"- profile of `{name}` (own us per call): " + ", ".join(
+            f"`{r['function']}` {r['own_us_per_op']:.1f}" for r in rows[:5]))
     return out
 
 
