@@ -46,18 +46,25 @@ from mla_compile.ops import _registry, attention, cache, dsa, experts, linear, m
 B, H, R, P, PS, L, DT = 1, 16, 512, 64, 64, 1024, torch.bfloat16
 
 
+REPEATS = 5  # a row: the median of this many loops (one loop's mean swung by ~2x between rows of one run)
+
+
 def host_us(fn, calls: int) -> float:
-    """Mean wall time of one call, launches queued but not waited for (one warm call first)."""
+    """Wall time of one call, launches queued but not waited for (one warm call first): the median over REPEATS
+    loops of calls // REPEATS calls each, the GPU drained between loops."""
     fn()
+    per_loop = max(1, calls // REPEATS)
+    means = []
+    for _ in range(REPEATS):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(per_loop):
+            fn()
+        means.append((time.perf_counter() - t0) / per_loop * 1e6)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - t0
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    return sorted(means)[len(means) // 2]
 
 
 def tensors(device) -> dict:
@@ -251,7 +258,7 @@ def profile_op(name: str, calls: int, top: int = 15) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--calls", type=int, default=1000)
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     res = {"provenance": f"cuda: {torch.cuda.get_device_name()}" if cuda else "cpu", "torch": torch.__version__,

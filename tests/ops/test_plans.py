@@ -164,3 +164,26 @@ def test_one_tensor_passed_twice_takes_the_key(monkeypatch):
     state = _plans._state(_plans._switches())
     plans._recent = (_plans._Recent((torch.zeros(4), torch.zeros(4)), (), state, "plan"),)
     assert plans._recent_plan((x, x), ()) is None and plans._recent_plan((x, torch.zeros(4)), ()) == "plan"
+
+
+def test_a_plan_the_key_finds_returns_to_a_free_recent_place(monkeypatch):
+    """After the recent signatures are dropped (or with places free), a plan the key finds is checked the fast way
+    from its next call on; with every place taken, only new plans evict (no guard built per call)."""
+    monkeypatch.setattr(_plans, "_state", lambda env: ("device", "tuning", env))
+    keys = []
+    plans = _plans.Plans()
+    monkeypatch.setattr(plans, "lookup", lambda tensors, scalars: (keys.append(1) or ("k", tensors[0].shape),
+                                                                    plans._plans.get(("k", tensors[0].shape))))
+
+    def run(n):
+        return plans.run((torch.zeros(n),), (), lambda: None, lambda: ((lambda x: n), True))
+
+    run(3)
+    plans._recent = ()  # dropped, the plan still kept
+    run(3), run(3), run(3)
+    assert len(keys) == 2 and len(plans._recent) == 1  # the key once more, then the recent check
+    for n in range(4, 4 + _plans._RECENT):
+        run(n)
+    full = plans._recent
+    plans._plans[("k", torch.Size([3]))] = lambda x: 3
+    assert run(3) == 3 and plans._recent is full  # found by the key, every place taken: nothing evicted
