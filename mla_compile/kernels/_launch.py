@@ -186,7 +186,7 @@ class Bound:
     goes through `fast(fn)` and remembers its compiled kernel, later ones call its launcher directly (the C
     launcher itself where `_raw_launcher` allows, on the current CUDA device's current stream)."""
 
-    __slots__ = ("fast", "grid", "kwargs", "entry", "g", "raw")
+    __slots__ = ("fast", "grid", "kwargs", "entry", "g", "raw", "head", "tail")
 
     def __init__(self, fn, grid: tuple, kwargs: dict):
         self.fast, self.grid, self.kwargs, self.entry, self.raw = fast(fn), grid, kwargs, None, None
@@ -199,10 +199,13 @@ class Bound:
             if e is None and ENABLED and not _INTERPRETED:
                 self.entry = e = self.fast.entry(self.grid, args, self.kwargs)
                 self.raw = _raw_launcher(e) if e is not None else None
+                if self.raw is not None:  # what every raw launch passes around the call's own arguments
+                    raw, fixed = self.raw
+                    self.head, self.tail = (e.function, *fixed), e.tail
             return kernel
         if self.raw is not None:
-            raw, fixed = self.raw
-            raw(*self.g, _stream(_device()), e.function, *fixed, *args, *e.tail)
+            g = self.g
+            self.raw[0](g[0], g[1], g[2], _stream(_device()), *self.head, *args, *self.tail)
             return e.kernel
         active = driver.active
         e.run(*self.g, active.get_current_stream(active.get_current_device()), e.function, e.packed_metadata,

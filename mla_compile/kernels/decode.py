@@ -241,8 +241,8 @@ class AttendPlan:
             return
         # q is read with any batch/head strides; the ops are flexible_layout, so Inductor may also hand over strided
         # lengths / tables. The kernels need unit inner strides only: copy just what lacks them
-        self.copies = tuple(t is not None and t.stride(-1) != 1 for t in (q_nope, q_pe, seq_lens, block_table,
-                                                                           indices))
+        self.copies = any(t is not None and t.stride(-1) != 1 for t in (q_nope, q_pe, seq_lens, block_table,
+                                                                         indices))
         q_nope, q_pe, seq_lens, block_table, indices = map(_unit_inner_stride, (q_nope, q_pe, seq_lens, block_table,
                                                                                  indices))
         for t, name in ((ckv_cache, "ckv_cache"), (kpe_cache, "kpe_cache"), (ckv_scale, "ckv_scale")):
@@ -297,7 +297,7 @@ class AttendPlan:
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
         if self.empty:
             return out, lse
-        if any(self.copies):
+        if self.copies:
             q_nope, q_pe, seq_lens, block_table, indices = map(_unit_inner_stride, (q_nope, q_pe, seq_lens,
                                                                                      block_table, indices))
         ns = self.ns

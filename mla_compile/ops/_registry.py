@@ -51,6 +51,7 @@ class Op:
             self._register_version_bump(schema_obj)
         functools.update_wrapper(self, impl)
         self._kernels = {}  # DispatchKey -> our kernel registered for it (the no-grad shortcut's targets)
+        self._below = {}  # a keyset's raw bits -> our kernel the shortcut takes for it, or None (kept per keyset)
         if device_types is None:  # one kernel for every device
             self._lib.impl(self.name, impl, "CompositeExplicitAutograd")
         for device in () if device_types is None else (device_types,) if isinstance(device_types, str) else device_types:
@@ -64,6 +65,7 @@ class Op:
             key = _dispatch_key(device_type)
             self._lib.impl(self.name, fn, key)
             self._kernels[getattr(torch._C.DispatchKey, key)] = fn
+            self._below.clear()
             return fn
 
         return register
@@ -87,7 +89,11 @@ class Op:
         op, below = self.default, torch._C._after_autograd_keyset
         # below autograd a functional op's dense tensors also carry ADInplaceOrView, a fallthrough for it
         backend_keys = below.remove(torch._C.DispatchKey.ADInplaceOrView)
-        kernels = self._kernels
+        kernels, by_keyset = self._kernels, self._below
+
+        def kernel_below(keyset):
+            kernel = by_keyset[keyset.raw_repr()] = kernels.get((keyset & backend_keys).highestPriorityTypeId())
+            return kernel
 
         def autograd_kernel(keyset, *args, **kwargs):
             if torch._C.is_grad_enabled() and torch._C._any_requires_grad(*args):
@@ -95,7 +101,8 @@ class Op:
             # where nothing but a backend lies below (no mode, subclass, functionalization: their keys rank above
             # the backends), our kernel for it is what the redispatch would reach: called directly, it saves the
             # dispatcher's second pass (~5 us a call on the H200 host, benchmarks/host_overhead.py profile)
-            kernel = kernels.get((keyset & backend_keys).highestPriorityTypeId())
+            raw = keyset.raw_repr()
+            kernel = by_keyset[raw] if raw in by_keyset else kernel_below(keyset)
             if kernel is not None:
                 return kernel(*args, **kwargs)
             with torch._C._AutoDispatchBelowAutograd():
