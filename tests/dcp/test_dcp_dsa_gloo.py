@@ -13,6 +13,10 @@ import torch
 
 import test_dcp_gloo as base
 
+# its module fixture (a process group pool) runs once: every test here on one xdist worker
+# (README's test command: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_dcp_dsa_gloo")
+
 DI, HI, PS = 32, 4, 4
 
 

@@ -21,6 +21,10 @@ import torch
 
 import test_dcp_gloo as base
 
+# its module fixture (a process group pool) runs once: every test here on one xdist worker
+# (README's test command: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_dcp_faults")
+
 R, P, PS, H = 32, 8, 4, 4
 SCALE = 1.0 / math.sqrt(R + P)
 MAX_TOKENS = 40  # per request: tokens are prefixes of a fixed stream, whatever length a rank believes

@@ -24,6 +24,10 @@ import traceback
 import pytest
 import torch
 
+# its module fixture (a process group pool) runs once: every test here on one xdist worker
+# (README's test command: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_dcp_gloo")
+
 R, P, PS, H = 32, 8, 4, 4
 PG_TIMEOUT_S = 60.0  # every collective of a healthy group
 FAIL_PG_TIMEOUT_S = 10.0  # the groups of the failure tests

@@ -20,6 +20,10 @@ import torch
 
 import test_dcp_gloo as base
 
+# its module fixture (a process group pool) runs once: every test here on one xdist worker
+# (README's test command: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_feature_combinations_gloo")
+
 pytest.importorskip("transformers")
 
 FP8 = "fp8_e4m3"

@@ -15,6 +15,10 @@ import torch
 
 import test_dcp_gloo as base
 
+# its module fixture (a process group pool) runs once: every test here on one xdist worker
+# (README's test command: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_hf_tp_dcp_gloo")
+
 pytest.importorskip("transformers")
 
 TOPK, PROMPT, STEPS = 8, 5, 9  # kv lengths 6 .. 14: dense graph first, then sparse

@@ -13,6 +13,10 @@ import torch
 
 import test_dcp_gloo as base
 
+# its module fixture (a process group pool) runs once: every test here on one xdist worker
+# (README's test command: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_tp_dcp_gloo")
+
 R, P, PS = 32, 8, 4
 HL = 2  # heads per rank; H = n * HL
 

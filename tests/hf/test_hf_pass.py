@@ -26,7 +26,9 @@ TOL = 1e-4
 COUNTERS = torch._dynamo.utils.counters
 
 
-pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+# its module fixture runs once: every test here on one xdist worker (README's test command: --dist loadgroup)
+pytestmark = [pytest.mark.usefixtures("fresh_dynamo"),
+              pytest.mark.xdist_group("test_hf_pass")]
 
 
 MODELS = {

@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+# its module fixture runs once: every test here on one xdist worker (README's test command: --dist loadgroup)
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+              pytest.mark.xdist_group("test_indexer_kernels")]
 
 CHECKS = ["order_key_special_values", "order_key_fuzz", "logits_keys_are_order_keys", "indexer_topk_fuzz",
           "plan_replays_new_inputs", "empty_and_narrow", "k_only_indices", "cuda_impl_on_cpu_tensors"]

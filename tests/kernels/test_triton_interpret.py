@@ -16,7 +16,9 @@ import pytest
 
 import tree
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+# its module fixture runs once: every test here on one xdist worker (README's test command: --dist loadgroup)
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+              pytest.mark.xdist_group("test_triton_interpret")]
 
 CHECKS = ["decode", "decode_tma", "decode_strided_q", "decode_fp32_odd_dims", "decode_multi_token", "sparse_decode",
           "merge_states", "cache_write", "indexer_topk", "k_only_indices", "fused_linear",
