@@ -172,7 +172,8 @@ class Plans:
     def _remember(self, tensors: tuple, scalars: tuple, plan, evict: bool) -> None:
         """A new plan takes the oldest recent signature's place; a plan the key found only fills a free one (more
         signatures than places in turn would otherwise build a guard every call)."""
-        if _GUARDS and _aligned(tensors) and (evict or len(self._recent) < _RECENT):
+        if (_GUARDS and len(tensors) <= len(_ABSENT) and _aligned(tensors)
+                and (evict or len(self._recent) < _RECENT)):
             self._recent = (*self._recent[1 - _RECENT:], _Recent(tensors, scalars, _state(_switches()), plan))
 
     def _recent_plan(self, tensors: tuple, scalars: tuple):

@@ -187,3 +187,17 @@ def test_a_plan_the_key_finds_returns_to_a_free_recent_place(monkeypatch):
     full = plans._recent
     plans._plans[("k", torch.Size([3]))] = lambda x: 3
     assert run(3) == 3 and plans._recent is full  # found by the key, every place taken: nothing evicted
+
+
+def test_more_tensors_than_absent_places_take_the_key(monkeypatch):
+    """A call of more tensors than `_ABSENT` has places (e.g. a fused linear of many weights) keeps no recent
+    signature: every call takes the key, none fails."""
+    monkeypatch.setattr(_plans, "_state", lambda env: ("device", "tuning", env))
+    n = len(_plans._ABSENT) + 2
+    monkeypatch.setattr(_plans.Plans, "lookup", lambda self, tensors, scalars: (("k", len(tensors)),
+                                                                               self._plans.get(("k", len(tensors)))))
+    plans = _plans.Plans()
+    run = lambda *ts: plans.run(ts, (), lambda: None, lambda: ((lambda *x: len(x)), True))  # noqa: E731
+    assert run(*[torch.zeros(1) for _ in range(3)]) == 3
+    assert run(*[torch.zeros(1) for _ in range(n)]) == n and run(*[torch.zeros(1) for _ in range(n)]) == n
+    assert all(r.n == 3 for r in plans._recent)
