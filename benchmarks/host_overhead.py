@@ -143,22 +143,43 @@ def bench_registration(calls: int) -> dict:
             "body_alone_us": host_us(lambda: body(x), calls * 10)}
 
 
+def host_us_interleaved(fns: dict, calls: int) -> dict:
+    """`host_us` for several calls side by side: REPEATS rounds, each timing one loop of every call in turn, and
+    each row the median of its loops (a host that drifts during the run moves every row alike)."""
+    for fn in fns.values():
+        fn()
+    per_loop = max(1, calls // REPEATS)
+    loops = {name: [] for name in fns}
+    cuda = torch.cuda.is_available()
+    for _ in range(REPEATS):
+        for name, fn in fns.items():
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(per_loop):
+                fn()
+            loops[name].append((time.perf_counter() - t0) / per_loop * 1e6)
+    if cuda:
+        torch.cuda.synchronize()
+    return {name: sorted(v)[len(v) // 2] for name, v in loops.items()}
+
+
 def bench_ops(calls: int) -> dict:
     t = tensors("cuda")
-    rows = {name: host_us(fn, calls) for name, fn in op_calls(t).items()}
-    rows["floor: torch.add"] = host_us(lambda: torch.add(t["x"], 1), calls)
-    rows["floor: 4x torch.empty"] = host_us(lambda: [torch.empty(16, device="cuda") for _ in range(4)], calls)
+    fns = dict(op_calls(t))
+    fns["floor: torch.add"] = lambda: torch.add(t["x"], 1)
+    fns["floor: 4x torch.empty"] = lambda: [torch.empty(16, device="cuda") for _ in range(4)]
     from mla_compile.kernels import flashinfer_mla as FI
     from mla_compile.kernels import flashmla as FMLA
 
     if FI.available():
         run = FI.plan(t["qn"], t["qp"], t["ckv"], t["table"], t["lens"], 0.1).raw
-        rows["peer: flashinfer run"] = host_us(lambda: run(t["qn"], t["qp"], t["ckv"], t["kpe"]), calls)
+        fns["peer: flashinfer run"] = lambda: run(t["qn"], t["qp"], t["ckv"], t["kpe"])
     if FMLA.available():
         fckv, fkpe = FMLA.fused_caches(t["ckv"].shape[0], PS, R, P, DT, torch.device("cuda"))
-        rows["peer: flashmla decode (fused cache)"] = host_us(
-            lambda: FMLA.decode(t["qn"], t["qp"], fckv, fkpe, t["table"], t["lens"], 0.1), calls)
-    return rows
+        fns["peer: flashmla decode (fused cache)"] = lambda: FMLA.decode(t["qn"], t["qp"], fckv, fkpe, t["table"],
+                                                                          t["lens"], 0.1)
+    return host_us_interleaved(fns, calls)
 
 
 def bench_layers(calls: int) -> dict:

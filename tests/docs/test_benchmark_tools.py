@@ -350,3 +350,15 @@ def test_host_overhead_runs_its_cpu_parts_and_the_report_judges_the_goals(tmp_pa
     assert goals == {"mla.decode host us per eager call <= 40": "met",
                      "mla.merge_states host us per eager call <= 30": "not met"}
     assert "| peer: flashinfer run | 23.0 | - |" in "\n".join(report.host_block(d))
+
+
+def test_host_rows_are_timed_round_robin(monkeypatch):
+    """host_overhead's op table: every call timed once per round, in turn (a drifting host moves all rows alike),
+    one warm call each first, and each row the median of its rounds."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import host_overhead as H
+
+    order = []
+    rows = H.host_us_interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, H.REPEATS * 2)
+    assert set(rows) == {"a", "b"} and all(v > 0 for v in rows.values())
+    assert order[:2] == ["a", "b"] and order[2:] == (["a"] * 2 + ["b"] * 2) * H.REPEATS
