@@ -234,7 +234,7 @@ class AttendPlan:
     def __init__(self, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, capacity,
                  cfg: DecodeConfig | None, splits: int | None, n_query: int = 1, ckv_scale=None):
         B, H, R = q_nope.shape  # H: rows per request (n_query * heads)
-        self.device, self.dtype, self.out_shape, self.lse_shape = q_nope.device, q_nope.dtype, q_nope.shape, (B, H)
+        self.device, self.out_shape, self.lse_shape = q_nope.device, q_nope.shape, (B, H)
         self.sparse, self.n_query = indices is not None, n_query
         self.empty = B * H == 0
         if self.empty:
@@ -292,10 +292,9 @@ class AttendPlan:
             self.partials = Scratch(self.partial_shapes, q_nope.device)
 
     def __call__(self, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices=None, ckv_scale=None):
-        device = self.device
         # out has q's shape, dtype and device: empty_like parses less than torch.empty (~0.6 us a call on one core)
         out = torch.empty_like(q_nope, memory_format=torch.contiguous_format)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         if self.empty:
             return out, lse
         if self.copies:
@@ -304,12 +303,8 @@ class AttendPlan:
         ns = self.ns
         if ns == 1:
             o, l = out, lse
-        else:  # the default stream's scratch where it is safe (kernels/scratch.py), else fresh buffers
-            partials = self.partials.get()
-            if partials is None:
-                partials = (torch.empty(self.partial_shapes[0], dtype=torch.float32, device=device),
-                            torch.empty(self.partial_shapes[1], dtype=torch.float32, device=device))
-            o, l = partials
+        else:  # the default stream's scratch where it is safe, else fresh buffers (kernels/scratch.py)
+            o, l = self.partials.get()
         if self.kind == "pointer":
             table = indices if self.sparse else block_table
             self.stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, table if self.sparse else seq_lens, o, l,

@@ -157,8 +157,6 @@ def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk: int, sm_
 
     def plan(q, weights, k_cache, block_table, seq_lens):
         keys = reused.get()
-        if keys is None:
-            keys = torch.empty((B, T), dtype=torch.int64, device=device)
         logits(q, weights, k_cache, block_table, seq_lens, keys)
         # T > topk: every row yields topk keys, largest first (distinct for valid tokens, so the set is unique)
         return slots(torch.topk(keys, topk, dim=1).values, block_table, seq_lens)

@@ -175,11 +175,10 @@ def linear_partials_plan(x: torch.Tensor, weights: list[torch.Tensor], splits: i
     def columns(part):
         return part, [part[:, :, lo:hi] for lo, hi in ranges]
 
-    reused = Scratch([shape], device, columns) if scratch else None
+    buffers = Scratch([shape], device, columns)
 
     def plan(x, weights):
-        views = reused.get() if reused is not None else None
-        part, cols = views if views is not None else columns(torch.empty(shape, dtype=torch.float32, device=device))
+        part, cols = buffers.get() if scratch else buffers.fresh()
         _run_pairs(launches, x, weights, cols)
         return part
 

@@ -11,7 +11,7 @@ the previous one:
   * Inductor's CUDA-graph trees warm up and record on a stream of their own, whose allocations go to the graph pool:
     a call there allocates fresh partials, as does any call on a side stream (no ordering with other streams);
   * one buffer per thread: two threads queueing on the default stream interleave their launches.
-Any other stream, or a CPU tensor: `None`, and the caller allocates (what every call did before).
+Any other stream, or a CPU tensor: fresh allocations (what every call did before).
 
 The buffer grows (to at least twice its size) when a plan needs more; a plan's cached views keep the old buffer
 alive until it next runs (the views carry the buffer's generation), so at most the last few sizes are held.
@@ -52,10 +52,10 @@ def _buffer(device_index: int) -> _Buffer:
 
 
 class Scratch:
-    """A plan's float32 scratch tensors: `get()` -> views of this thread's default-stream buffer (one per shape,
-    each contiguous and 512-byte aligned, as a fresh allocation is; then whatever `derive(*views)` adds, e.g.
-    column views), or None where the caller must allocate (see the module docstring). Made once per buffer
-    generation: a call on the default stream pays no allocation and no view."""
+    """A plan's float32 scratch tensors: `get()` -> one contiguous tensor per shape, then whatever `derive(*tensors)`
+    makes of them (e.g. column views). Where it is safe (see the module docstring) they are views of this thread's
+    default-stream buffer, 512-byte aligned as a fresh allocation is and made once per buffer generation: such a call
+    pays no allocation and no view. Elsewhere `fresh()`: new tensors each call."""
 
     __slots__ = ("shapes", "offsets", "numel", "derive", "device", "index", "views")
 
@@ -70,9 +70,13 @@ class Scratch:
             torch.cuda.current_device() if device.type == "cuda" else -1)
         self.views = None  # (buffer, generation, views)
 
+    def fresh(self):
+        tensors = tuple(torch.empty(shape, dtype=torch.float32, device=self.device) for shape in self.shapes)
+        return tensors if self.derive is None else self.derive(*tensors)
+
     def get(self):
         if self.index < 0 or _stream is None or _stream(self.index) != 0:
-            return None
+            return self.fresh()
         buf = _buffer(self.index)
         v = self.views
         if v is not None and v[0] is buf and v[1] == buf.generation:

@@ -54,17 +54,24 @@ def test_plans_share_the_buffer_and_it_grows(default_stream):
 
 @pytest.mark.parametrize("stream", [7, None])
 def test_no_scratch_off_the_default_stream(default_stream, stream, monkeypatch):
-    """Another stream (a capture, CUDA-graph trees' warm-up, a user's side stream) or no CUDA: the caller
-    allocates."""
+    """Another stream (a capture, CUDA-graph trees' warm-up, a user's side stream) or no CUDA: fresh tensors every
+    call, no buffer made."""
     if stream is None:
         monkeypatch.setattr(S, "_stream", None)
     else:
         default_stream[0] = stream
-    assert _partials((1, 1, 2, 4), (1, 1, 2)).get() is None
+    _assert_fresh(_partials((1, 1, 2, 4), (1, 1, 2)))
 
 
 def test_cpu_partials_are_never_scratch(default_stream):
-    assert S.Scratch(((1, 1, 2, 4), (1, 1, 2)), torch.device("cpu")).get() is None
+    _assert_fresh(S.Scratch(((1, 1, 2, 4), (1, 1, 2)), torch.device("cpu")))
+
+
+def _assert_fresh(p):
+    (o1, l1), (o2, l2) = p.get(), p.get()
+    assert o1.shape == (1, 1, 2, 4) and l1.shape == (1, 1, 2) and o1.dtype == l1.dtype == torch.float32
+    assert len({t.untyped_storage().data_ptr() for t in (o1, l1, o2, l2)}) == 4  # four allocations, none shared
+    assert S._buffer(0).data is None
 
 
 def test_each_thread_has_its_own_buffer(default_stream):
@@ -86,3 +93,10 @@ def test_derived_views_are_made_once_per_generation(default_stream):
     part, left, right = p.get()
     assert left.stride() == right.stride() == part.stride() and right.data_ptr() == part.data_ptr() + 16
     assert p.get()[1] is left and made == [1]
+
+
+def test_fresh_tensors_are_derived_too():
+    """`fresh()` (a caller that never reuses, or an unsafe stream): new tensors, derived the same way."""
+    p = S.Scratch([(2, 3, 10)], torch.device("cpu"), lambda part: (part, part[:, :, :4]))
+    part, left = p.fresh()
+    assert part.shape == (2, 3, 10) and left.data_ptr() == part.data_ptr() and p.fresh()[0].data_ptr() != part.data_ptr()
