@@ -52,19 +52,7 @@ REPEATS = 5  # a row: the median of this many loops (one loop's mean swung by ~2
 def host_us(fn, calls: int) -> float:
     """Wall time of one call, launches queued but not waited for (one warm call first): the median over REPEATS
     loops of calls // REPEATS calls each, the GPU drained between loops."""
-    fn()
-    per_loop = max(1, calls // REPEATS)
-    means = []
-    for _ in range(REPEATS):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(per_loop):
-            fn()
-        means.append((time.perf_counter() - t0) / per_loop * 1e6)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return sorted(means)[len(means) // 2]
+    return host_us_interleaved({"call": fn}, calls)["call"]
 
 
 def tensors(device) -> dict:
@@ -144,7 +132,7 @@ def bench_registration(calls: int) -> dict:
 
 
 def host_us_interleaved(fns: dict, calls: int) -> dict:
-    """`host_us` for several calls side by side: REPEATS rounds, each timing one loop of every call in turn, and
+    """`host_us` of several calls side by side: REPEATS rounds, each timing one loop of every call in turn, and
     each row the median of its loops (a host that drifts during the run moves every row alike)."""
     for fn in fns.values():
         fn()

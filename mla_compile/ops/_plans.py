@@ -164,16 +164,16 @@ class Plans:
             plan, keep = make()
             if keep and key is not None:
                 self.keep(key, plan)
-                self._remember(tensors, scalars, plan, evict=True)
-        elif len(self._recent) < _RECENT:  # a kept plan not among the recent ones (e.g. after a clear): room for it
-            self._remember(tensors, scalars, plan, evict=False)
+                self._remember(tensors, scalars, plan)
+        elif len(self._recent) < _RECENT:
+            # a kept plan the key found fills a free place only (e.g. after a clear): with more signatures than
+            # places in turn, evicting here would build a guard every call
+            self._remember(tensors, scalars, plan)
         return plan(*tensors)
 
-    def _remember(self, tensors: tuple, scalars: tuple, plan, evict: bool) -> None:
-        """A new plan takes the oldest recent signature's place; a plan the key found only fills a free one (more
-        signatures than places in turn would otherwise build a guard every call)."""
-        if (_GUARDS and len(tensors) <= len(_ABSENT) and _aligned(tensors)
-                and (evict or len(self._recent) < _RECENT)):
+    def _remember(self, tensors: tuple, scalars: tuple, plan) -> None:
+        """This signature among the recent ones, in the oldest one's place when all are taken."""
+        if _GUARDS and len(tensors) <= len(_ABSENT) and _aligned(tensors):
             self._recent = (*self._recent[1 - _RECENT:], _Recent(tensors, scalars, _state(_switches()), plan))
 
     def _recent_plan(self, tensors: tuple, scalars: tuple):
