@@ -2,7 +2,8 @@
 # The one script the GPU machine runs:  bash benchmarks/device.sh [stage ...]   (default: kernels bench)
 #   stages: kernels (GPU tests)  bench (op benchmark)  sweep (decode configs)  linear (few-token GEMM configs)
 #           wgmma (the Gluon many-head decode kernel, phase by phase)
-#           profile (HF step)  host (per-call host time)  dcp  dsa  hf  generate (HF generate() end to end)  gencrash (lab probe)  compile
+#           profile (HF step)  host (per-call host time)  fp8 (FP8 cache decode)  dcp  dsa  hf
+#           generate (HF generate() end to end)  gencrash (lab probe)  compile
 #           families (five HF MLA families at 32K)  report
 # Installs the wheels carried in .whl/ (tools/device_wheels.sh fetches them; run(carry=[".whl"])), records the environment, then runs each stage.
 #
@@ -83,6 +84,8 @@ stage_bench() { timeout "${T_BENCH:-400}" python3 benchmarks/bench_ops.py "$OUT/
 # host (issue 29): host us per eager call of every op, next to FlashInfer / FlashMLA, and a profile of mla.decode
 # multi-token decode (issue 27): S = 1 / 2 / 4 query tokens, auto's kernel and the pointer kernel side by side
 stage_multi() { timeout "${T_MULTI:-200}" python3 benchmarks/multi_token.py "$OUT/multi_token.json"; }
+# fp8 (issue 25): FP8 cache decode vs the bf16 cache, FlashMLA bf16 / FP8; FP8_ARGS="--sweep" adds other tilings
+stage_fp8() { timeout "${T_FP8:-300}" python3 benchmarks/fp8_decode.py "$OUT/fp8_decode.json" ${FP8_ARGS:-}; }
 stage_host() { timeout "${T_HOST:-180}" python3 benchmarks/host_overhead.py "$OUT/host.json" ${HOST_ARGS:-}; }
 
 # DCP (issue 4): torchrun n = 1, 2, 4 (those that fit the GPUs here), then one merged $OUT/dcp.json.

@@ -1,15 +1,24 @@
-"""FP8 latent cache decode (mla_compile/fp8.py, issue 25) vs the bf16 cache, side by side on the same tokens.
+"""FP8 latent cache decode (mla_compile/fp8.py, issue 25) vs the bf16 cache and the peers, side by side on the same
+tokens.
 
     python benchmarks/fp8_decode.py [out.json]
 
-Shapes: (H 16, B 8), (H 16, B 32), (H 128, B 8), kv 32K per request, R 512 / P 64, page 64, bf16 q. The bf16
+Shapes (H, B, kv per request): issue 25's acceptance grid, R 512 / P 64, page 64, shuffled pages, bf16 q. The bf16
 cache is random bf16 tokens; the FP8 cache holds the same tokens quantized by `mla::cache_write_fp8` (656 bytes a
 token, one [NP, PS, 656] buffer). Timing: CUDA-graph replay (triton.testing.do_bench_cudagraph, median) of one
-`torch.ops.mla.decode` call, what a captured decode step runs: the bf16 call is what the dispatch picks for
-separate caches (the Triton / Gluon kernels; FlashMLA reads only a fused buffer), the FP8 call the Triton pointer
-kernel's FP8 path. Every timed call is checked first against a float64 reference of request 0 (over the
-dequantized cache for FP8). `fp8_speedup` = bf16 ms / FP8 ms; `*_gbps` counts the cache bytes read (bf16: 1152 a
-token, FP8: 656). Prints one JSON document (also written to argv[1] if given).
+decode call, what a captured decode step runs:
+  - `bf16_ms`: `torch.ops.mla.decode` over the bf16 caches (what the dispatch picks for separate caches);
+  - `flashmla_bf16_ms`: FlashMLA's dense bf16 decode on its fused [pages, 64, 576] layout (schedule made per call);
+  - `flashmla_fp8_ms`: FlashMLA's dense FP8 decode (`is_fp8_kvcache=True`, one scale per tensor for q and for the
+    cache: not our format, so its accuracy is reported, not compared; schedule made once, outside the timing);
+  - `fp8_ms`: `torch.ops.mla.decode` over the FP8 cache (decode_fp8.py: scales folded into the products);
+  - `fp8_dequant_ms`: the pointer kernel that dequantizes its tiles in registers (what bf16 q took before
+    decode_fp8.py; fp16 / fp32 q still take it), over the same FP8 cache;
+  - `fp8_configs_ms`: decode_fp8.py's kernel at other tilings (`--sweep`).
+Every timed call of ours is checked first against a float64 reference of request 0 (over the dequantized cache
+for FP8). `*_gbps` counts the cache bytes read (bf16: 1152 a token, FP8: 656); `*_bw_frac` divides that by a
+device-to-device copy's bandwidth (read + write) measured in the same run. Prints one JSON document (also written
+to argv[1] if given).
 """
 
 from __future__ import annotations
@@ -25,12 +34,13 @@ from op_timing_out import emit, row_done  # noqa: E402
 import mla_compile  # noqa: F401  (registers the ops)
 from mla_compile import fp8
 
-R, P, PS, KV = 512, 64, 64, 32768
+R, P, PS = 512, 64, 64
 SCALE = (128 + 64) ** -0.5
-CASES = [(16, 8), (16, 32), (128, 8)]  # (H, B)
+CASES = [(16, 8, 32768), (16, 32, 32768), (16, 8, 131072), (128, 8, 32768), (128, 32, 32768)]  # (H, B, kv)
+SWEEP = [(16, 64, 4, 3), (16, 32, 4, 2), (32, 64, 8, 2), (32, 32, 4, 2), (64, 32, 8, 2)]  # block_h, block_n, warps, stages
 
 
-def caches(B, gen):
+def caches(B, KV, gen):
     """(bf16 ckv, bf16 kpe, FP8 buffer views (ckv, scale, kpe), block table, lengths) of the same tokens."""
     pages = B * KV // PS
     ckv = torch.randn(pages, PS, R, generator=gen, device="cuda").to(torch.bfloat16)
@@ -53,41 +63,119 @@ def check_request0(out, lse, qn, qp, ckv_rows, kpe, table) -> str:
     return "ok" if err < 2e-2 and lse_err < 2e-2 else f"out rel err {err:.3g}, lse abs err {lse_err:.3g}"
 
 
+def flashmla_calls(qn, qp, ckv, kpe, table, lens):
+    """(bf16 call, FP8 call) of FlashMLA's dense decode, or (None, None) without it. The bf16 call reads a fused
+    [pages, 64, 1, 576] copy of the caches; the FP8 call a per-tensor-scaled e4m3 copy of that (q too)."""
+    try:
+        import flash_mla as fm
+        from mla_compile.kernels import flashmla as FMLA
+    except ImportError:
+        return None, None
+    if not FMLA.available():
+        return None, None
+    kv = torch.cat((ckv, kpe), -1).unsqueeze(2)
+    q = torch.cat((qn, qp), -1).unsqueeze(1)
+
+    def bf16():
+        return fm.flash_mla_with_kvcache(q, kv, table, lens, R, fm.get_mla_metadata()[0], softmax_scale=SCALE,
+                                         causal=False, use_legacy=True)
+
+    k_scale = kv.float().abs().amax() / 448
+    q_scale = q.float().abs().amax() / 448
+    kv8 = (kv.float() / k_scale).to(torch.float8_e4m3fn)
+    q8 = (q.float() / q_scale).to(torch.float8_e4m3fn)
+    dq, dk = q_scale.reshape(1).float(), k_scale.reshape(1).float()
+    meta = fm.get_mla_metadata()[0]
+    meta.tile_scheduler_metadata, meta.num_splits = fm.get_mla_decoding_metadata(
+        lens, q.shape[1] * q.shape[2], 1, is_fp8_kvcache=True, use_legacy=True)
+
+    def fp8_call():
+        return fm.flash_mla_with_kvcache(q8, kv8, table, lens, R, meta, softmax_scale=SCALE, causal=False,
+                                         is_fp8_kvcache=True, use_legacy=True, descale_q=dq, descale_k=dk)
+
+    return bf16, fp8_call
+
+
 def main(argv):
+    from unittest import mock
+
     from triton.testing import do_bench_cudagraph
 
+    from mla_compile.kernels import decode as K
+    from mla_compile.kernels import decode_fp8
+
+    def ms(fn):
+        return do_bench_cudagraph(fn, rep=50, return_mode="median")
+
+    x = torch.randn(1 << 30, device="cuda", dtype=torch.float16)  # 2 GiB, device-to-device
+    y = torch.empty_like(x)
+    copy_gbps = 2 * x.numel() * 2 / ms(lambda: y.copy_(x)) / 1e6
+    del x, y
+    sweep = "--sweep" in argv
+    argv = [a for a in argv if a != "--sweep"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for H, B in CASES:
-        ckv, kpe, (c8, s8, k8), table, lens = caches(B, gen)
+    for H, B, KV in CASES:
+        ckv, kpe, (c8, s8, k8), table, lens = caches(B, KV, gen)
         qn = torch.randn(B, H, R, generator=gen, device="cuda").to(torch.bfloat16)
         qp = torch.randn(B, H, P, generator=gen, device="cuda").to(torch.bfloat16)
 
         def bf16_call():
             return torch.ops.mla.decode(qn, qp, ckv, kpe, table, lens, SCALE)
 
-        def fp8_call():
-            return torch.ops.mla.decode(qn, qp, c8, k8, table, lens, SCALE, s8)
+        def fp8_call(cfg=None):
+            return K.decode(qn, qp, c8, k8, table, lens, SCALE, cfg=cfg, ckv_scale=s8)
+
+        def fp8_rows(s):
+            return fp8.dequantize(c8.reshape(-1, R)[s], s8.reshape(-1, 4)[s], torch.float64)
 
         row = dict(H=H, B=B, kv_len=KV)
         row["bf16_check"] = check_request0(*bf16_call(), qn, qp, lambda s: ckv.view(-1, R)[s].double(), kpe, table)
-        row["fp8_check"] = check_request0(
-            *fp8_call(), qn, qp, lambda s: fp8.dequantize(c8.reshape(-1, R)[s], s8.reshape(-1, 4)[s], torch.float64),
-            k8, table)
+        row["fp8_check"] = check_request0(*fp8_call(), qn, qp, fp8_rows, k8, table)
         o8, o16 = fp8_call()[0].double(), bf16_call()[0].double()
         row["fp8_vs_bf16_max_row_rel_err"] = float(((o8 - o16).norm(dim=-1) / o16.norm(dim=-1)).max())
-        row["bf16_ms"] = do_bench_cudagraph(bf16_call, rep=50, return_mode="median")
-        row["fp8_ms"] = do_bench_cudagraph(fp8_call, rep=50, return_mode="median")
-        row["fp8_speedup"] = row["bf16_ms"] / row["fp8_ms"]
+        row["bf16_ms"] = ms(bf16_call)
+        row["fp8_ms"] = ms(fp8_call)
+        with mock.patch.object(decode_fp8, "fits", lambda *a: False):  # the register-dequantizing kernel
+            row["fp8_dequant_check"] = check_request0(*fp8_call(), qn, qp, fp8_rows, k8, table)
+            row["fp8_dequant_ms"] = ms(fp8_call)
+        fm_bf16, fm_fp8 = flashmla_calls(qn, qp, ckv, kpe, table, lens)
+        if fm_bf16 is not None:
+            try:
+                row["flashmla_bf16_ms"] = ms(fm_bf16)
+                out, _ = fm_fp8()
+                row["flashmla_fp8_vs_bf16_max_row_rel_err"] = float(
+                    ((out.reshape(o16.shape).double() - o16).norm(dim=-1) / o16.norm(dim=-1)).max())
+                row["flashmla_fp8_ms"] = ms(fm_fp8)
+            except Exception as e:  # noqa: BLE001 - a peer's failure is reported, not fatal
+                row["flashmla_error"] = repr(e)[:300]
+        if sweep:
+            row["fp8_configs_ms"] = {}
+            for bh, bn, w, st in SWEEP:
+                cfg = K.DecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=st, max_splits=256)
+                name = f"h{bh}n{bn}w{w}s{st}"
+                try:
+                    ok = check_request0(*fp8_call(cfg), qn, qp, fp8_rows, k8, table)
+                    row["fp8_configs_ms"][name] = ms(lambda: fp8_call(cfg)) if ok == "ok" else ok
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: reported per config
+                    row["fp8_configs_ms"][name] = repr(e)[:200]
         tokens = B * KV
-        row["bf16_gbps"] = tokens * 2 * (R + P) / row["bf16_ms"] / 1e6
-        row["fp8_gbps"] = tokens * fp8.token_bytes(R, P) / row["fp8_ms"] / 1e6
+        for key, per_token in (("bf16", 2 * (R + P)), ("fp8", fp8.token_bytes(R, P)),
+                               ("fp8_dequant", fp8.token_bytes(R, P)), ("flashmla_bf16", 2 * (R + P)),
+                               ("flashmla_fp8", R + P)):
+            if isinstance(row.get(f"{key}_ms"), float):
+                row[f"{key}_gbps"] = tokens * per_token / row[f"{key}_ms"] / 1e6
+                row[f"{key}_bw_frac"] = row[f"{key}_gbps"] / copy_gbps
+        row["fp8_speedup"] = row["bf16_ms"] / row["fp8_ms"]
+        for peer in ("flashmla_bf16", "flashmla_fp8"):
+            if isinstance(row.get(f"{peer}_ms"), float):
+                row[f"fp8_vs_{peer}"] = row[f"{peer}_ms"] / row["fp8_ms"]
         rows.append(row)
         row_done(row)
         del ckv, kpe, c8, s8, k8
         torch.cuda.empty_cache()
-    doc = dict(device=torch.cuda.get_device_name(), token_bytes=dict(bf16=2 * (R + P), fp8=fp8.token_bytes(R, P)),
-               rows=rows)
+    doc = dict(device=torch.cuda.get_device_name(), copy_gbps=copy_gbps,
+               token_bytes=dict(bf16=2 * (R + P), fp8=fp8.token_bytes(R, P)), rows=rows)
     emit(doc, argv)
 
 

@@ -22,7 +22,9 @@ import torch
 from ._util import (block, box_width, caches_view_as_slots, cdiv, dot_mode, has_tma, pdl_launch,
                     query_limit_args, sm_count)
 from ._launch import bind, without_bases
+from .decode_fp8 import _stage1_fp8_kernel
 from .decode_stage1 import _stage1_kernel, _stage1_tma_kernel
+from . import decode_fp8 as _fp8
 from . import decode_seesaw as _seesaw
 from . import decode_wgmma as _wgmma
 from .scratch import Scratch
@@ -98,16 +100,26 @@ def multi_token_config(rows: int, page_size: int, dtype: torch.dtype = torch.bfl
 
 
 @functools.lru_cache(maxsize=1024)  # per call on the host: cached (frozen results, shared)
-def fp8_config(rows: int, page_size: int, dtype: torch.dtype = torch.bfloat16, multi: bool = False) -> DecodeConfig:
-    """An FP8 latent cache (the pointer kernel, tiles dequantized in registers; `multi`: S > 1 query tokens, rows =
-    S * H). Sized from sm_90a builds (tools/aot.py, R 512 / P 64, bf16 q; tests/ops/test_fp8_cache.py guards them): the
-    float32 dequantization of a tile doubles its registers, so the tiles are 32 tokens, not 64. 16 rows: 4 warps,
-    214-229 registers, 105 KB shared, no spill (64-token tiles need 8 warps and 191 KB). More rows, one query
-    token: 32 per program at 8 warps, 255 registers, 123 KB, no spill (64 rows spill 148-288 bytes at every tiling
-    tried; with S > 1, 32 rows spill too, so those stay at 16). fp32 q (fp32 MMAs on the dequantized tile): 16 rows
-    x 16 tokens, 4 warps, 255 registers, 115 KB, no spill (32 rows spill 548-1820 bytes). Not yet timed on a GPU."""
+def fp8_config(rows: int, page_size: int, dtype: torch.dtype = torch.bfloat16, multi: bool = False,
+               R: int = 512) -> DecodeConfig:
+    """An FP8 latent cache (`multi`: S > 1 query tokens, rows = S * H). Sized from sm_90a builds (tools/aot.py,
+    R 512 / P 64; tests/ops/test_fp8_cache.py guards them).
+
+    bf16 q (decode_fp8.py, the scales folded into the products; every tile an async copy): 64-token tiles like
+    the bf16 cache's; 16 rows at 4 warps, 32 rows (one query token or several) at 8 warps: 255 registers, no spill,
+    95 / 116 KB shared at 2 stages (64 rows spill 300+ bytes).
+    fp16 / fp32 q (the pointer kernel dequantizing its tiles in registers): the float32 dequantization of a tile
+    doubles its registers, so tiles are 32 tokens. 16 rows: 4 warps, 214-229 registers, 105 KB shared, no spill.
+    More rows, one query token: 32 per program at 8 warps, 255 registers, 123 KB, no spill (64 rows spill 148-288
+    bytes at every tiling tried; with S > 1, 32 rows spill too, so those stay at 16). fp32 q (fp32 MMAs on the
+    dequantized tile): 16 rows x 16 tokens, 4 warps, 255 registers, 115 KB, no spill (32 rows spill 548-1820
+    bytes)."""
     if dtype == torch.float32:
         return DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2, max_splits=256)
+    if _fp8.fits(R, dtype):
+        if rows <= 16:
+            return DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, max_splits=256)
+        return DecodeConfig(block_h=32, block_n=64, num_warps=8, num_stages=2, max_splits=256)
     stages = 2 if page_size % 64 == 0 else 3
     if rows <= 16 or multi:
         return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=stages, max_splits=256)
@@ -157,6 +169,14 @@ def pointer_constexprs(cfg: DecodeConfig, R: int, P: int, page_size: int, sparse
                 **dot_mode(dtype))
 
 
+@functools.lru_cache(maxsize=1024)  # per call on the host: cached (frozen results, shared)
+def fp8_constexprs(cfg: DecodeConfig, R: int, P: int, page_size: int, sparse: bool, dtype: torch.dtype,
+                   multi: bool = False) -> dict:
+    """The compile-time arguments of `decode_fp8._stage1_fp8_kernel` (its arguments are `_stage1_kernel`'s)."""
+    return dict(SPARSE=sparse, PS=page_size, G=R // _fp8.GROUP, P=P, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+                BLOCK_P=block(P), MULTI=multi, **dot_mode(dtype))
+
+
 def _tma_stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l, s_on, s_ln, ns, cfg: DecodeConfig):
     """(`_stage1_tma_kernel` bound to its grid and compile-time arguments, its descriptor templates, the numbers
     after its ten tensor arguments): what a call's signature fixes. Launch: `bound(q_nope, q_pe, *descriptors(...),
@@ -189,9 +209,13 @@ def _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, sparse: bool, seq
     fp8 = ckv_scale is not None
     s_sp, s_ss = (ckv_scale.stride(0), ckv_scale.stride(1)) if fp8 else (0, 0)
     sqn, sqp, sc, sk, so, sl = (t.stride() for t in (q_nope, q_pe, ckv_cache, kpe_cache, o, l))
-    bound = bind(_stage1_kernel, (B, cdiv(H, cfg.block_h), ns),
-                 **pointer_constexprs(cfg, R, P, ckv_cache.shape[1], sparse, q_nope.dtype, n_query > 1, fp8),
-                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q_nope.device))
+    page_size, multi = ckv_cache.shape[1], n_query > 1
+    if fp8 and _fp8.fits(R, q_nope.dtype):  # the scales folded into the products (decode_fp8.py)
+        kernel, constexprs = _stage1_fp8_kernel, fp8_constexprs(cfg, R, P, page_size, sparse, q_nope.dtype, multi)
+    else:
+        kernel, constexprs = _stage1_kernel, pointer_constexprs(cfg, R, P, page_size, sparse, q_nope.dtype, multi, fp8)
+    bound = bind(kernel, (B, cdiv(H, cfg.block_h), ns), **constexprs, num_warps=cfg.num_warps,
+                 num_stages=cfg.num_stages, **pdl_launch(q_nope.device))
     numbers = (sm_scale * _LOG2E, H, table.shape[1] if sparse else 0,
                sqn[0], sqn[1], sqp[0], sqp[1], sc[0], sc[1], sk[0], sk[1],
                table.stride(0), s_sp, s_ss,
@@ -252,7 +276,7 @@ class AttendPlan:
         page_size = 1 if self.sparse else ckv_cache.shape[1]
         multi = n_query > 1
         fp8 = ckv_scale is not None
-        cfg = cfg or (fp8_config(H, page_size, q_nope.dtype, multi) if fp8 else
+        cfg = cfg or (fp8_config(H, page_size, q_nope.dtype, multi, R) if fp8 else
                       multi_token_config(H, page_size, q_nope.dtype) if multi else
                       default_config(H, R, page_size, q_nope.dtype))
         self.ns = ns = splits or num_splits(B, H, capacity, q_nope.device, cfg)
@@ -264,7 +288,7 @@ class AttendPlan:
         s_on, s_ln = (0, 0) if ns == 1 else (o.stride(0), l.stride(0))
         # several query tokens: the pointer kernel or a Gluon one (their rows carry per-token limits; the Triton TMA
         # kernel takes one limit per request)
-        if fp8:  # the pointer kernel dequantizes its tiles; the TMA and Gluon kernels read fp16/bf16 caches only
+        if fp8:  # the pointer kernels' FP8 paths (`_pointer_stage1`); the TMA and Gluon kernels read fp16/bf16 caches
             self.kind = "pointer"
         elif cfg.kernel in ("seesaw", "wgmma"):
             self.kind = cfg.kernel
@@ -333,7 +357,8 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
     of query token j (what q [B, S, H, R].reshape(B, S * H, R) gives), out / lse likewise. seq_lens int32 [B]
     counts the S new tokens (token j sees t < seq_lens[b] - S + 1 + j), or int32 [B, S] gives each query token's
     limit itself (DCP's per-rank counts). The pointer kernel, each KV tile loaded once for all S tokens.
-    ckv_scale: an FP8 ckv_cache's scales (mla_compile/fp8.py): the pointer kernel, tiles dequantized in registers."""
+    ckv_scale: an FP8 ckv_cache's scales (mla_compile/fp8.py): bf16 q takes decode_fp8.py's kernel (scales folded
+    into the products), fp16 / fp32 q the pointer kernel dequantizing its tiles in registers."""
     return decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, cfg=cfg, splits=splits,
                        n_query=n_query, ckv_scale=ckv_scale)(q_nope, q_pe, ckv_cache, kpe_cache, block_table,
                                                              seq_lens, None, ckv_scale)

@@ -23,6 +23,51 @@ def _split_range(n, split, n_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _block_tokens(Lens, b, offs_h, mask_h, H, n_sparse, n_query, heads_per_query, s_lenb, s_lenq, causal,
+                  SPARSE: tl.constexpr, MULTI: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(n, limit): the tokens this head block reads (its split range is cut from [0, n)) and, with MULTI, each
+    row's own causal limit [BLOCK_H] (`_stage1_kernel`'s docstring); without MULTI, limit is an unused placeholder."""
+    limit = n_sparse
+    if SPARSE:
+        n = n_sparse
+    elif MULTI:
+        tok = offs_h // heads_per_query
+        limit = tl.load(Lens + b * s_lenb + tok * s_lenq, mask=mask_h, other=0) + causal * (tok - n_query + 1)
+        # limits grow with the query token, so the block's last row has the largest: the block's token range
+        last = (tl.minimum(tl.program_id(1) * BLOCK_H + BLOCK_H, H) - 1) // heads_per_query
+        n = tl.maximum(tl.load(Lens + b * s_lenb + last * s_lenq) + causal * (last - n_query + 1), 0)
+    else:
+        n = tl.load(Lens + b)
+    return n, limit
+
+
+@triton.jit
+def _tile_slots(Table, b, s_tb, offs_t, end, SPARSE: tl.constexpr, PS: tl.constexpr):
+    """(page int64 [BLOCK_N], row in page [BLOCK_N], valid [BLOCK_N]) of tokens offs_t (< end): through the
+    request's block table, or (SPARSE) its index list of physical slots (-1 entries invalid)."""
+    valid = offs_t < end
+    if SPARSE:
+        slot = tl.load(Table + b * s_tb + offs_t, mask=valid, other=-1)  # Table holds the index list
+        valid = valid & (slot >= 0)
+        slot = tl.maximum(slot, 0)
+        page = (slot // PS).to(tl.int64)
+        off = slot % PS
+    else:
+        page = tl.load(Table + b * s_tb + offs_t // PS, mask=valid, other=0).to(tl.int64)
+        off = offs_t % PS
+    return page, off, valid
+
+
+@triton.jit
+def _tile_mask(valid, offs_t, limit, MULTI: tl.constexpr):
+    """Which scores of a tile count: valid[None, :], and with MULTI each row's own limit ([BLOCK_H, BLOCK_N])."""
+    if MULTI:
+        return valid[None, :] & (offs_t[None, :] < limit[:, None])
+    else:
+        return valid[None, :]
+
+
+@triton.jit
 def _load_q(Qn, Qp, b, offs_h, mask_h, s_qnb, s_qnh, s_qpb, s_qph, R: tl.constexpr, P: tl.constexpr,
             RH: tl.constexpr, BLOCK_P: tl.constexpr):
     """q as the two latent halves and the rope part, [BLOCK_H, width] each."""
@@ -89,12 +134,19 @@ def _tile_update(qn0, qn1, qp, c0, c1, k, mask, m_i, l_i, acc0, acc1, scale_log2
 
 
 @triton.jit
+def _split_norm(m_i, l_i):
+    """(1 / l, natural-log lse) of a split's running max m_i (base 2) and sum l_i: (1, -inf) where it saw no
+    token, so its out is 0."""
+    has = l_i > 0
+    inv = 1.0 / tl.where(has, l_i, 1.0)
+    return inv, tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+
+
+@triton.jit
 def _store_split(O, L, split, b, offs_h, mask_h, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, R: tl.constexpr, m_i, l_i,
                  acc0, acc1, RH: tl.constexpr):
     """This split's normalised out and natural-log lse (-inf, out 0 when it saw no token)."""
-    has = l_i > 0
-    inv = 1.0 / tl.where(has, l_i, 1.0)
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    inv, lse = _split_norm(m_i, l_i)
     offs_r = tl.arange(0, RH)[None, :]
     o_ptr = O + split.to(tl.int64) * s_on + b * s_ob + offs_h[:, None] * s_oh + offs_r
     tl.store(o_ptr, acc0 * inv[:, None], mask=mask_h[:, None] & (offs_r < R))
@@ -132,16 +184,8 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale,
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     mask_h = offs_h < H
-    if SPARSE:
-        n = n_sparse
-    elif MULTI:
-        tok = offs_h // heads_per_query
-        limit = tl.load(Lens + b * s_lenb + tok * s_lenq, mask=mask_h, other=0) + causal * (tok - n_query + 1)
-        # limits grow with the query token, so the block's last row has the largest: the block's token range
-        last = (tl.minimum(tl.program_id(1) * BLOCK_H + BLOCK_H, H) - 1) // heads_per_query
-        n = tl.maximum(tl.load(Lens + b * s_lenb + last * s_lenq) + causal * (last - n_query + 1), 0)
-    else:
-        n = tl.load(Lens + b)
+    n, limit = _block_tokens(Lens, b, offs_h, mask_h, H, n_sparse, n_query, heads_per_query, s_lenb, s_lenq, causal,
+                             SPARSE, MULTI, BLOCK_H)
     start, end = _split_range(n, split, n_splits, BLOCK_N)
     qn0, qn1, qp = _load_q(Qn, Qp, b, offs_h, mask_h, s_qnb, s_qnh, s_qpb, s_qph, R, P, RH, BLOCK_P)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, base-2 units
@@ -150,25 +194,14 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale,
     acc1 = tl.zeros([BLOCK_H, RH], tl.float32)
     for t0 in range(start, end, BLOCK_N):
         offs_t = t0 + tl.arange(0, BLOCK_N)
-        valid = offs_t < end
-        if SPARSE:
-            slot = tl.load(Table + b * s_tb + offs_t, mask=valid, other=-1)  # Table holds the index list
-            valid = valid & (slot >= 0)
-            slot = tl.maximum(slot, 0)
-            page = (slot // PS).to(tl.int64)[:, None]
-            off = (slot % PS)[:, None]
-        else:
-            page = tl.load(Table + b * s_tb + offs_t // PS, mask=valid, other=0).to(tl.int64)[:, None]
-            off = (offs_t % PS)[:, None]
+        page, off, valid = _tile_slots(Table, b, s_tb, offs_t, end, SPARSE, PS)
+        page, off = page[:, None], off[:, None]
         c0, c1, k = _load_tile(Ckv, Kpe, page, off, valid, s_cp, s_cs, s_kp, s_ks, R, P, RH, BLOCK_P)
         if FP8:
             srow = page * s_sp + off * s_ss
             c0 = _dequantize(c0, Scale, srow, valid, 0, R, RH).to(qn0.dtype)
             c1 = _dequantize(c1, Scale, srow, valid, RH, R, RH).to(qn0.dtype)
-        if MULTI:
-            mask = valid[None, :] & (offs_t[None, :] < limit[:, None])
-        else:
-            mask = valid[None, :]
+        mask = _tile_mask(valid, offs_t, limit, MULTI)
         m_i, l_i, acc0, acc1 = _tile_update(qn0, qn1, qp, c0, c1, k, mask, m_i, l_i, acc0, acc1, scale_log2,
                                             True, DOT_PREC, DOT_UPCAST)
     _store_split(O, L, split, b, offs_h, mask_h, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, R, m_i, l_i, acc0, acc1,

@@ -1,6 +1,7 @@
 """The FP8 latent cache on the GPU (mla_compile/fp8.py): `mla::cache_write_fp8` quantizing on write (the Triton kernel,
-byte-identical to the CPU op), `mla::decode` / `mla::sparse_decode` through the Triton pointer kernel's FP8 path
-(tiles dequantized in registers, bf16 q) against the float64 reference over the dequantized cache; H 16 and 128,
+byte-identical to the CPU op), `mla::decode` / `mla::sparse_decode` over an FP8 cache (bf16 q: decode_fp8.py, the
+scales folded into the products; fp16 q: the pointer kernel dequantizing in registers) against the float64
+reference over the dequantized cache; H 16 and 128,
 pages 1 and 64, ragged lengths with an empty request, S 1 and 2, one CUDA-graph capture replayed with new lengths;
 HF models over an FP8 cache (`kv_cache_dtype="fp8_e4m3"`) compiled with `mla_dcp` under "reduce-overhead" against
 eager HF over the same FP8 cache: V3 (paged), V3.2 (`DSAStaticCache`, dense then sparse graph), generate().
@@ -29,15 +30,15 @@ LSE_TOL = 2e-2  # lse: absolute
 LENS = [0, 1, 63, 64, 65, 1000, 4097, 3]  # on and off page / tile edges, an empty request
 
 
-def build(lens, H, PS, seed, S=None):
-    """(FP8 batch on the GPU, q_nope, q_pe bf16); unused slots hold NaN (every byte 0xFF)."""
+def build(lens, H, PS, seed, S=None, dtype=torch.bfloat16):
+    """(FP8 batch on the GPU, q_nope, q_pe in `dtype`); unused slots hold NaN (every byte 0xFF)."""
     g = torch.Generator().manual_seed(seed)
-    ckv = [torch.randn(n, R, generator=g).to(torch.bfloat16).to(DEV) for n in lens]
-    kpe = [torch.randn(n, P, generator=g).to(torch.bfloat16).to(DEV) for n in lens]
+    ckv = [torch.randn(n, R, generator=g).to(dtype).to(DEV) for n in lens]
+    kpe = [torch.randn(n, P, generator=g).to(dtype).to(DEV) for n in lens]
     batch = paged.fill_paged(ckv, kpe, PS, generator=g, spare_pages=2, kv_cache_dtype="fp8_e4m3")
     lead = (len(lens), H) if S is None else (len(lens), S, H)
-    qn = torch.randn(*lead, R, generator=g).to(torch.bfloat16).to(DEV)
-    qp = torch.randn(*lead, P, generator=g).to(torch.bfloat16).to(DEV)
+    qn = torch.randn(*lead, R, generator=g).to(dtype).to(DEV)
+    qp = torch.randn(*lead, P, generator=g).to(dtype).to(DEV)
     return batch, qn, qp
 
 
@@ -47,16 +48,16 @@ def reference(batch, qn, qp):
     return ref.ref_decode(*args) if qn.dim() == 3 else ref.ref_decode_multi(*args)
 
 
-def check(out, lse, want, shape):
+def check(out, lse, want, shape, dtype=torch.bfloat16, lse_tol=LSE_TOL):
     ref_out, ref_lse = want
-    assert out.shape == shape and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert out.shape == shape and out.dtype == dtype and lse.dtype == torch.float32
     out, lse = out.cpu(), lse.cpu()
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     empty = torch.isneginf(ref_lse)
     assert torch.equal(torch.isneginf(lse), empty), "empty rows differ"
     assert (out[empty] == 0).all(), "empty rows must be exactly 0"
     assert rel(out[~empty], ref_out[~empty]) < TOL
-    assert float((lse[~empty].double() - ref_lse[~empty]).abs().max()) < LSE_TOL
+    assert float((lse[~empty].double() - ref_lse[~empty]).abs().max()) < lse_tol
 
 
 def test_cache_write_kernel_matches_cpu_op_bytes():
@@ -88,6 +89,25 @@ def test_decode_matches_reference(S, H, PS):
     out, lse = torch.ops.mla.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, batch.seq_lens,
                                     SCALE, batch.ckv_scale)
     check(out, lse, reference(batch, qn, qp), qn.shape)
+
+
+@pytest.mark.parametrize("H", [16, 128])
+def test_bf16_scores_are_not_rounded(H):
+    """bf16 q (decode_fp8.py): scores are q . stored e4m3 values times the scale in fp32, so lse matches float64
+    to fp32-accumulation precision (the dequantizing kernel, rounding value x scale to bf16 first: ~2e-2)."""
+    batch, qn, qp = build(LENS, H, 64, seed=5 + H)
+    out, lse = torch.ops.mla.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, batch.seq_lens,
+                                    SCALE, batch.ckv_scale)
+    check(out, lse, reference(batch, qn, qp), qn.shape, lse_tol=1e-3)
+
+
+@pytest.mark.parametrize("PS", [1, 64])
+@pytest.mark.parametrize("H", [16, 128])
+def test_fp16_q_takes_the_dequantizing_kernel(H, PS):
+    batch, qn, qp = build(LENS, H, PS, seed=7 + H + PS, dtype=torch.float16)
+    out, lse = torch.ops.mla.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, batch.seq_lens,
+                                    SCALE, batch.ckv_scale)
+    check(out, lse, reference(batch, qn, qp), qn.shape, torch.float16)
 
 
 @pytest.mark.parametrize("H", [16, 128])
