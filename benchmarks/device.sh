@@ -86,6 +86,8 @@ stage_bench() { timeout "${T_BENCH:-400}" python3 benchmarks/bench_ops.py "$OUT/
 stage_multi() { timeout "${T_MULTI:-200}" python3 benchmarks/multi_token.py "$OUT/multi_token.json"; }
 # fp8 (issue 25): FP8 cache decode vs the bf16 cache, FlashMLA bf16 / FP8; FP8_ARGS="--sweep" adds other tilings
 stage_fp8() { timeout "${T_FP8:-300}" python3 benchmarks/fp8_decode.py "$OUT/fp8_decode.json" ${FP8_ARGS:-}; }
+# fp8probe: the lab probe of the FP8 kernel (benchmarks/lab/fp8_probe.py: fp16 MMAs, phases dropped)
+stage_fp8probe() { timeout "${T_FP8PROBE:-240}" python3 benchmarks/lab/fp8_probe.py "$OUT/fp8_probe.json"; }
 stage_host() { timeout "${T_HOST:-180}" python3 benchmarks/host_overhead.py "$OUT/host.json" ${HOST_ARGS:-}; }
 
 # DCP (issue 4): torchrun n = 1, 2, 4 (those that fit the GPUs here), then one merged $OUT/dcp.json.
