@@ -11,14 +11,15 @@ decode call, what a captured decode step runs:
   - `flashmla_bf16_ms`: FlashMLA's dense bf16 decode on its fused [pages, 64, 576] layout (schedule made per call);
   - `flashmla_fp8_ms`: FlashMLA's dense FP8 decode (`is_fp8_kvcache=True`, one scale per tensor for q and for the
     cache: not our format, so its accuracy is reported, not compared; schedule made once, outside the timing);
-  - `fp8_ms`: `torch.ops.mla.decode` over the FP8 cache (decode_fp8.py: scales folded into the products);
+  - `fp8_ms`: `kernels.decode.decode` (what the op's CUDA impl runs) over the FP8 cache (decode_fp8.py: scales
+    folded into the products);
   - `fp8_dequant_ms`: the pointer kernel that dequantizes its tiles in registers (what bf16 q took before
     decode_fp8.py; fp16 / fp32 q still take it), over the same FP8 cache;
   - `fp8_configs_ms`: decode_fp8.py's kernel at other tilings (`--sweep`).
 Every timed call of ours is checked first against a float64 reference of request 0 (over the dequantized cache
 for FP8). `*_gbps` counts the cache bytes read (bf16: 1152 a token, FP8: 656); `*_bw_frac` divides that by a
-device-to-device copy's bandwidth (read + write) measured in the same run. Prints one JSON document (also written
-to argv[1] if given).
+device-to-device copy's bandwidth (read + write) measured in the same run as bench_ops.py measures it. Prints one
+JSON document (also written to argv[1] if given).
 """
 
 from __future__ import annotations
@@ -107,10 +108,9 @@ def main(argv):
     def ms(fn):
         return do_bench_cudagraph(fn, rep=50, return_mode="median")
 
-    x = torch.randn(1 << 30, device="cuda", dtype=torch.float16)  # 2 GiB, device-to-device
-    y = torch.empty_like(x)
-    copy_gbps = 2 * x.numel() * 2 / ms(lambda: y.copy_(x)) / 1e6
-    del x, y
+    from bench_ops import copy_bandwidth  # the ops table's measure, so the bandwidth fractions compare
+
+    copy_gbps = copy_bandwidth() / 1e9
     sweep = "--sweep" in argv
     argv = [a for a in argv if a != "--sweep"]
     gen = torch.Generator(device="cuda").manual_seed(0)
