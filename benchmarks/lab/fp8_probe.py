@@ -10,7 +10,8 @@ the bf16 cache's decode, same tokens (benchmarks/fp8_decode.py's caches):
   cvt.bf16.f16 on sm_90, sm_90a PTX of the product kernel), q converted to fp16 after a power-of-two prescale per
   row (no overflow), p x scale / (the tile's largest scale) in fp16 with the largest scale applied in fp32 after
   the MMA (no underflow of p x scale); the rope product stays bf16.
-- DROP: 0 the whole kernel; 1 without p.ckv; 2 without the latent part of q.ckv^T (timing only: wrong results).
+- DROP: 0 the whole kernel; 1 without p.ckv; 2 without the latent part of q.ckv^T; 3 without both (timing only:
+  wrong results).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _scores(s, Ckv, Scale, rows, srow, valid, qg, g: tl.constexpr, F16: tl.const
             DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
     c = tl.load(Ckv + rows[:, None] + g * 128 + tl.arange(0, 128)[None, :], mask=valid[:, None], other=0.0)
     sg = tl.load(Scale + srow + g, mask=valid, other=0.0)[None, :]
-    if DROP != 2:
+    if DROP != 2 and DROP != 3:
         s = s + mma(qg, tl.trans(c.to(qg.dtype)), tl.zeros(s.shape, tl.float32), DOT_PREC, DOT_UPCAST) * sg
     return s, sg
 
@@ -43,7 +44,7 @@ def _scores(s, Ckv, Scale, rows, srow, valid, qg, g: tl.constexpr, F16: tl.const
 @triton.jit
 def _values(acc, Ckv, rows, valid, p, sg, alpha, g: tl.constexpr, F16: tl.constexpr, DROP: tl.constexpr,
             DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    if DROP == 1:
+    if DROP == 1 or DROP == 3:
         return acc
     c = tl.load((Ckv + g * 128) + (tl.arange(0, 128)[None, :] + rows[:, None]), mask=valid[:, None], other=0.0)
     if F16:
@@ -61,7 +62,7 @@ def _q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, qs, g: tl.constexpr, F16: tl.c
     offs = g * 128 + tl.arange(0, 128)[None, :]
     q = tl.load(Qn + b * s_qnb + offs_h[:, None] * s_qnh + offs, mask=mask_h[:, None], other=0.0)
     if F16:
-        return (q.to(tl.float32) * qs[:, None]).to(tl.float16)
+        q = (q.to(tl.float32) * qs[:, None]).to(tl.float16)
     return q
 
 
@@ -145,8 +146,8 @@ def _probe_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale,
 
 
 VARIANTS = {"bf16": dict(F16=False, DROP=0), "f16": dict(F16=True, DROP=0), "f16_no_pv": dict(F16=True, DROP=1),
-            "f16_no_qk": dict(F16=True, DROP=2), "bf16_no_pv": dict(F16=False, DROP=1),
-            "bf16_no_qk": dict(F16=False, DROP=2)}
+            "f16_no_qk": dict(F16=True, DROP=2), "f16_no_both": dict(F16=True, DROP=3),
+            "f16_n32": dict(F16=True, DROP=0, BLOCK_N=32), "f16_h32n32": dict(F16=True, DROP=0, BLOCK_N=32, BLOCK_H=32)}
 CASES = [(16, 8, 32768), (16, 32, 32768), (128, 8, 32768)]
 
 
@@ -165,6 +166,7 @@ def main(argv):
         qn = torch.randn(B, H, 512, generator=gen, device="cuda").to(torch.bfloat16)
         qp = torch.randn(B, H, 64, generator=gen, device="cuda").to(torch.bfloat16)
         row = dict(H=H, B=B, kv_len=KV)
+        torch.cuda.synchronize()
         row["bf16_cache_ms"] = do_bench_cudagraph(lambda: torch.ops.mla.decode(qn, qp, ckv, kpe, table, lens,
                                                                                FD.SCALE), rep=50, return_mode="median")
         call = lambda: K.decode(qn, qp, c8, k8, table, lens, FD.SCALE, ckv_scale=s8)  # noqa: E731
@@ -172,14 +174,23 @@ def main(argv):
         want = call()[0].double()
         base = K.fp8_constexprs
         for name, flags in VARIANTS.items():
+            flags = dict(flags)
+            tiles = {k: flags.pop(k) for k in ("BLOCK_N", "BLOCK_H") if k in flags}
+            cfg = K.DecodeConfig(block_h=tiles.get("BLOCK_H", 16), block_n=tiles.get("BLOCK_N", 64), num_warps=4,
+                                 num_stages=2, max_splits=256)
             with mock.patch.object(K, "_stage1_fp8_kernel", _probe_kernel), \
                     mock.patch.object(K, "fp8_constexprs", lambda *a, flags=flags: dict(base(*a), **flags)):
                 try:
-                    out = call()[0].double()
+                    out = K.decode(qn, qp, c8, k8, table, lens, FD.SCALE, cfg=cfg, ckv_scale=s8)[0].double()
+                    torch.cuda.synchronize()
                     row[f"{name}_rel_err_vs_product"] = float((out - want).norm() / want.norm())
-                    row[f"{name}_ms"] = do_bench_cudagraph(call, rep=50, return_mode="median")
+                    row[f"{name}_ms"] = do_bench_cudagraph(
+                        lambda: K.decode(qn, qp, c8, k8, table, lens, FD.SCALE, cfg=cfg, ckv_scale=s8), rep=50,
+                        return_mode="median")
+                    torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001 - reported per variant
-                    row[f"{name}_error"] = repr(e)[:300]
+                    row[f"{name}_error"] = repr(e)[-300:]
+                    print(name, row[f"{name}_error"], flush=True)
         rows.append(row)
         print(json.dumps(row), flush=True)
         del ckv, kpe, c8, s8, k8
