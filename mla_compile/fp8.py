@@ -28,11 +28,11 @@ Dequantization, the definition every decode implementation reads the cache by: f
 product; the float64 reference precision computes it in float64). A non-finite x gives a non-finite scale: NaN in,
 NaN out, never a silently finite token.
 
-Readers: the ops' CPU impls dequantize exactly as above; with bf16 q the Triton kernel of kernels/decode_fp8.py
-never forms the product: value x scale enters as scale x (q . values) and (p x scale) . values, scales applied in
-float32 to the products (p x scale rounded to bf16 for the MMA); with fp16 / fp32 q the pointer kernel
-(kernels/decode_stage1.py) forms the float32 product in registers and rounds it once more, to q's dtype, for its
-MMAs (as a bf16 cache would hold it); FlashMLA / FlashInfer / the Gluon kernels take fp16/bf16 caches only. Under torch.compile, pass the
+Readers: the ops' CPU impls dequantize exactly as above; with bf16 / fp16 q the Triton kernel of
+kernels/decode_fp8.py never forms the product: value x scale enters as scale x (q . values) and
+(p x scale) . values, the scales applied in float32 to the products (fp16 MMAs on the exact e4m3 values); with fp32
+q the pointer kernel (kernels/decode_stage1.py) forms the float32 product in registers for fp32 MMAs; FlashMLA /
+FlashInfer / the Gluon kernels take fp16/bf16 caches only. Under torch.compile, pass the
 buffer and take the views inside the compiled function (`views`: why there).
 
 Capacity: 656 bytes a token against 1152 for a bf16 cache (2 * (512 + 64)): 1.76x the tokens per GiB (the scales

@@ -105,21 +105,22 @@ def fp8_config(rows: int, page_size: int, dtype: torch.dtype = torch.bfloat16, m
     """An FP8 latent cache (`multi`: S > 1 query tokens, rows = S * H). Sized from sm_90a builds (tools/aot.py,
     R 512 / P 64; tests/ops/test_fp8_cache.py guards them).
 
-    bf16 q (decode_fp8.py, the scales folded into the products; every tile an async copy): 64-token tiles like
-    the bf16 cache's; 16 rows at 4 warps, 32 rows (one query token or several) at 8 warps: 255 registers, no spill,
-    95 / 116 KB shared at 2 stages (64 rows spill 300+ bytes).
-    fp16 / fp32 q (the pointer kernel dequantizing its tiles in registers): the float32 dequantization of a tile
-    doubles its registers, so tiles are 32 tokens. 16 rows: 4 warps, 214-229 registers, 105 KB shared, no spill.
-    More rows, one query token: 32 per program at 8 warps, 255 registers, 123 KB, no spill (64 rows spill 148-288
-    bytes at every tiling tried; with S > 1, 32 rows spill too, so those stay at 16). fp32 q (fp32 MMAs on the
-    dequantized tile): 16 rows x 16 tokens, 4 warps, 255 registers, 115 KB, no spill (32 rows spill 548-1820
-    bytes)."""
+    bf16 / fp16 q (decode_fp8.py: scales folded into the products, fp16 MMAs, every tile an async copy): 64-token
+    tiles like the bf16 cache's. Up to 16 rows, and several query tokens at any rows: 16 rows per program, 8 warps,
+    178-187 registers, no spill, 95 KB shared (4 warps spill 88 bytes; 32 rows of several query tokens spill 12).
+    More rows, one query token: 32 per program, 32-token tiles, 8 warps, 255 registers, a 4-8 byte spill (64 rows
+    spill 616 bytes; 16 rows per program at H 128 read every tile 8 times: 1.85x slower, H200 2026-12-03).
+    fp32 q (the pointer kernel dequantizing its tiles in registers, fp32 MMAs on the dequantized tile): 16 rows x
+    16 tokens, 4 warps, 255 registers, 115 KB, no spill (32 rows spill 548-1820 bytes). R that is no multiple of
+    128 or above 512 (the dequantizing kernel with q in half precision too): 32-token tiles (the float32
+    dequantization of a tile doubles its registers), 16 rows at 4 warps (214-229 registers, 105 KB) or, for one
+    query token, 32 rows at 8 warps (255 registers, 123 KB, no spill)."""
     if dtype == torch.float32:
         return DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2, max_splits=256)
     if _fp8.fits(R, dtype):
-        if rows <= 16:
-            return DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, max_splits=256)
-        return DecodeConfig(block_h=32, block_n=64, num_warps=8, num_stages=2, max_splits=256)
+        if rows <= 16 or multi:
+            return DecodeConfig(block_h=16, block_n=64, num_warps=8, num_stages=2, max_splits=256)
+        return DecodeConfig(block_h=32, block_n=32, num_warps=8, num_stages=2, max_splits=256)
     stages = 2 if page_size % 64 == 0 else 3
     if rows <= 16 or multi:
         return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=stages, max_splits=256)
@@ -357,8 +358,8 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
     of query token j (what q [B, S, H, R].reshape(B, S * H, R) gives), out / lse likewise. seq_lens int32 [B]
     counts the S new tokens (token j sees t < seq_lens[b] - S + 1 + j), or int32 [B, S] gives each query token's
     limit itself (DCP's per-rank counts). The pointer kernel, each KV tile loaded once for all S tokens.
-    ckv_scale: an FP8 ckv_cache's scales (mla_compile/fp8.py): bf16 q takes decode_fp8.py's kernel (scales folded
-    into the products), fp16 / fp32 q the pointer kernel dequantizing its tiles in registers."""
+    ckv_scale: an FP8 ckv_cache's scales (mla_compile/fp8.py): bf16 / fp16 q take decode_fp8.py's kernel (scales
+    folded into the products), fp32 q the pointer kernel dequantizing its tiles in registers."""
     return decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, cfg=cfg, splits=splits,
                        n_query=n_query, ckv_scale=ckv_scale)(q_nope, q_pe, ckv_cache, kpe_cache, block_table,
                                                              seq_lens, None, ckv_scale)

@@ -7,15 +7,17 @@ products of the decode split along the groups, and each group's scale is one num
     s[h, n]       = sum_g scale_g[n] * (q_g[h] . k8_g[n])        q.ckv^T: one MMA per group, its [H, N] result scaled
     out_g[h, :]  += sum_n (p[h, n] * scale_g[n]) * k8_g[n, :]      p.ckv: p scaled per group, one MMA per group
 
-so the only per-element work on a tile is e4m3 -> bf16 (exact: e4m3's 3 mantissa bits and exponents fit bf16) for
-the MMAs, where the register-dequantizing pointer kernel (decode_stage1.py, FP8) forms float32 value x scale for
-every element and rounds it to bf16. The MMAs are the bf16 kernel's (4 of K 128 instead of 2 of K 256 for
-q.ckv^T, 4 of N 128 for p.ckv); the scaling costs 2 x G multiplies of [H, N] score tiles. Scores are exact
-products of bf16 q and the stored values (no rounding of value x scale before q.ckv^T).
-
-Rounding: p * scale_g is rounded to bf16 where the dequantizing kernel rounds p and value x scale (both relative
-2^-8: the same error class, measured against float64 in tests/ops/test_fp8_cache.py). bf16 q only: with fp16 q,
-p * scale (scale = amax / 448) can fall below fp16's range, so fp16 and fp32 q keep the dequantizing kernel.
+so the only per-element work on a tile is e4m3 -> fp16 (exact: e4m3's values all fit fp16), one
+`cvt.rn.f16x2.e4m3x2` per two values; bf16 would take a second, per-value `cvt.bf16.f16` on sm_90 (Triton 3.6,
+sm_90a PTX: 512 more instructions per warp and 64-token tile than the 136 MMAs). The MMAs run in fp16:
+- q (bf16 or fp16) is multiplied by a power of two per row so that its largest |value| is below 2^14 (fp16 holds
+  it; exact for values in fp16's normal range), and the scores by its inverse;
+- p * scale_g is divided by the tile's largest scale_g (so it lies in [0, 1]: small scales do not underflow fp16)
+  and that scale multiplies the fp32 product;
+- the rope part (bf16 / fp16 in the cache) keeps q's dtype.
+Scores are then q . stored values exactly (fp32 accumulation; no rounding of value x scale), and p carries fp16's
+11-bit mantissa where the bf16 pointer kernels carry 8. fp32 q keeps the register-dequantizing pointer kernel
+(decode_stage1.py, FP8: fp32 MMAs).
 
 Grid, split ranges, block tables / index lists and per-row limits (several query tokens) are the pointer
 kernel's (the shared helpers of decode_stage1.py); each split writes its normalised partial out and natural-log
@@ -34,32 +36,35 @@ MAX_GROUPS = 4  # R <= 512: one accumulator of [BLOCK_H, 128] per group, written
 
 
 def fits(R: int, dtype) -> bool:
-    """This kernel takes an FP8 call: bf16 q, R a multiple of 128 up to 512."""
+    """This kernel takes an FP8 call: bf16 / fp16 q, R a multiple of 128 up to 512."""
     import torch
 
-    return dtype == torch.bfloat16 and R % GROUP == 0 and 0 < R // GROUP <= MAX_GROUPS
+    return dtype in (torch.bfloat16, torch.float16) and R % GROUP == 0 and 0 < R // GROUP <= MAX_GROUPS
 
 
 @triton.jit
-def _load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, g: tl.constexpr):
+def _load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, prescale, g: tl.constexpr):
+    """Group g of q's latent part [BLOCK_H, 128] as fp16, times its row's power-of-two prescale."""
     offs = g * 128 + tl.arange(0, 128)[None, :]
-    return tl.load(Qn + b * s_qnb + offs_h[:, None] * s_qnh + offs, mask=mask_h[:, None], other=0.0)
+    q = tl.load(Qn + b * s_qnb + offs_h[:, None] * s_qnh + offs, mask=mask_h[:, None], other=0.0)
+    return (q.to(tl.float32) * prescale[:, None]).to(tl.float16)
 
 
 @triton.jit
 def _group_scores(s, Ckv, Scale, rows, srow, valid, qg, g: tl.constexpr, DOT_PREC: tl.constexpr,
                   DOT_UPCAST: tl.constexpr):
-    """(s + scale_g[n] * (q_g . k8_g[n]), scale_g as [1, BLOCK_N]) for group g of a tile. Masked slots load value
-    0 and scale 0 (unused slots may hold NaN: never read)."""
+    """(s + scale_g[n] * (q_g . k8_g[n]), scale_g as [1, BLOCK_N]) for group g of a tile (q_g fp16, prescaled).
+    Masked slots load value 0 and scale 0 (unused slots may hold NaN: never read)."""
     c = tl.load(Ckv + rows[:, None] + g * 128 + tl.arange(0, 128)[None, :], mask=valid[:, None], other=0.0)
     sg = tl.load(Scale + srow + g, mask=valid, other=0.0)[None, :]
-    return s + mma(qg, tl.trans(c.to(qg.dtype)), tl.zeros(s.shape, tl.float32), DOT_PREC, DOT_UPCAST) * sg, sg
+    return s + mma(qg, tl.trans(c.to(tl.float16)), tl.zeros(s.shape, tl.float32), DOT_PREC, DOT_UPCAST) * sg, sg
 
 
 @triton.jit
 def _group_values(acc, Ckv, rows, valid, p, sg, alpha, g: tl.constexpr, DOT_PREC: tl.constexpr,
                   DOT_UPCAST: tl.constexpr):
-    """acc * alpha + (p * scale_g) . k8_g for group g of a tile.
+    """acc * alpha + (p * scale_g) . k8_g for group g of a tile: p * scale_g / (the tile's largest scale_g) in
+    fp16 (within [0, 1]: no underflow of small scales), the largest scale applied to the fp32 product.
 
     The group's values are loaded again here, not passed from `_group_scores`: Triton 3.6 does not pipeline a
     load with two uses (transposed for q.ckv^T, plain for p.ckv) and loads it synchronously into registers (255
@@ -67,7 +72,22 @@ def _group_values(acc, Ckv, rows, valid, p, sg, alpha, g: tl.constexpr, DOT_PREC
     shared memory (the second served by L2). The address is formed in another order on purpose: an identical
     load would be merged with the first."""
     c = tl.load((Ckv + g * 128) + (tl.arange(0, 128)[None, :] + rows[:, None]), mask=valid[:, None], other=0.0)
-    return mma((p * sg).to(tl.bfloat16), c.to(tl.bfloat16), acc * alpha[:, None], DOT_PREC, DOT_UPCAST)
+    top = tl.max(sg, 1)
+    top = tl.where(top > 0, top, 1.0)[:, None]  # a tile of masked slots only: p is 0 there anyway
+    pv = mma((p * (sg / top)).to(tl.float16), c.to(tl.float16), tl.zeros(acc.shape, tl.float32), DOT_PREC,
+             DOT_UPCAST)
+    return acc * alpha[:, None] + pv * top
+
+
+@triton.jit
+def _load_q_groups(Qn, b, offs_h, mask_h, s_qnb, s_qnh, G: tl.constexpr):
+    """(inverse prescale [BLOCK_H], the power of two each row of q was multiplied by so that its largest |value|
+    is below 2^14: fp16 holds it, exactly for bf16 / fp16 inputs in range)."""
+    offs = tl.arange(0, 128 * G)[None, :]
+    q = tl.load(Qn + b * s_qnb + offs_h[:, None] * s_qnh + offs, mask=mask_h[:, None], other=0.0)
+    amax = tl.max(tl.abs(q.to(tl.float32)), 1)
+    e = tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1e-30))) - 14.0, 0.0)
+    return tl.exp2(e), tl.exp2(-e)
 
 
 @triton.jit
@@ -87,7 +107,7 @@ def _stage1_fp8_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale,
                        PDL: tl.constexpr = False):
     """`_stage1_kernel`'s arguments and grid (decode_stage1.py) over an FP8 cache of G = R / 128 groups: Ckv the
     e4m3 values, Scale their float32 scales (strides s_sp, s_ss per page / slot, G per token), Kpe the rope part
-    in q's dtype (bf16)."""
+    in q's dtype (bf16 / fp16)."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -98,16 +118,17 @@ def _stage1_fp8_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale,
     start, end = _split_range(n, split, n_splits, BLOCK_N)
     offs_p = tl.arange(0, BLOCK_P)[None, :]
     qp = tl.load(Qp + b * s_qpb + offs_h[:, None] * s_qph + offs_p, mask=mask_h[:, None] & (offs_p < P), other=0.0)
-    q0 = _load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, 0)
+    unscale, prescale = _load_q_groups(Qn, b, offs_h, mask_h, s_qnb, s_qnh, G)
+    q0 = _load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, prescale, 0)
     a0 = tl.zeros([BLOCK_H, 128], tl.float32)
     if G > 1:
-        q1 = _load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, 1)
+        q1 = _load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, prescale, 1)
         a1 = tl.zeros([BLOCK_H, 128], tl.float32)
     if G > 2:
-        q2 = _load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, 2)
+        q2 = _load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, prescale, 2)
         a2 = tl.zeros([BLOCK_H, 128], tl.float32)
     if G > 3:
-        q3 = _load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, 3)
+        q3 = _load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, prescale, 3)
         a3 = tl.zeros([BLOCK_H, 128], tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, base-2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -117,7 +138,7 @@ def _stage1_fp8_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale,
         rows = page * s_cp + off * s_cs
         srow = page * s_sp + off * s_ss
         k = tl.load(Kpe + (page * s_kp + off * s_ks)[:, None] + offs_p, mask=valid[:, None] & (offs_p < P), other=0.0)
-        s = mma(qp, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_PREC, DOT_UPCAST)
+        s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
         s, s0 = _group_scores(s, Ckv, Scale, rows, srow, valid, q0, 0, DOT_PREC, DOT_UPCAST)
         if G > 1:
             s, s1 = _group_scores(s, Ckv, Scale, rows, srow, valid, q1, 1, DOT_PREC, DOT_UPCAST)
@@ -125,6 +146,8 @@ def _stage1_fp8_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale,
             s, s2 = _group_scores(s, Ckv, Scale, rows, srow, valid, q2, 2, DOT_PREC, DOT_UPCAST)
         if G > 3:
             s, s3 = _group_scores(s, Ckv, Scale, rows, srow, valid, q3, 3, DOT_PREC, DOT_UPCAST)
+        s = s * unscale[:, None] + mma(qp, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), DOT_PREC,
+                                       DOT_UPCAST)
         s = tl.where(_tile_mask(valid, offs_t, limit, MULTI), s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of only masked slots stays NaN-free

@@ -191,8 +191,8 @@ def _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool, n_query: int, block
                  tokens=tokens))
 
 
-FP8_REASON = ("an FP8 latent cache: the Triton FP8 kernels (bf16 q: scales folded into the products, decode_fp8.py; "
-              "fp16 / fp32 q: the pointer kernel dequantizing its tiles in registers) (FlashMLA, "
+FP8_REASON = ("an FP8 latent cache: the Triton FP8 kernels (bf16 / fp16 q: scales folded into the products, "
+              "decode_fp8.py; fp32 q: the pointer kernel dequantizing its tiles in registers) (FlashMLA, "
               "FlashInfer and the Gluon kernels take fp16/bf16 caches only)")
 
 

@@ -1,7 +1,6 @@
 """The FP8 latent cache on the GPU (mla_compile/fp8.py): `mla::cache_write_fp8` quantizing on write (the Triton kernel,
-byte-identical to the CPU op), `mla::decode` / `mla::sparse_decode` over an FP8 cache (bf16 q: decode_fp8.py, the
-scales folded into the products; fp16 q: the pointer kernel dequantizing in registers) against the float64
-reference over the dequantized cache; H 16 and 128,
+byte-identical to the CPU op), `mla::decode` / `mla::sparse_decode` over an FP8 cache (bf16 / fp16 q: decode_fp8.py,
+the scales folded into the products) against the float64 reference over the dequantized cache; H 16 and 128,
 pages 1 and 64, ragged lengths with an empty request, S 1 and 2, one CUDA-graph capture replayed with new lengths;
 HF models over an FP8 cache (`kv_cache_dtype="fp8_e4m3"`) compiled with `mla_dcp` under "reduce-overhead" against
 eager HF over the same FP8 cache: V3 (paged), V3.2 (`DSAStaticCache`, dense then sparse graph), generate().
@@ -91,23 +90,33 @@ def test_decode_matches_reference(S, H, PS):
     check(out, lse, reference(batch, qn, qp), qn.shape)
 
 
-@pytest.mark.parametrize("H", [16, 128])
-def test_bf16_scores_are_not_rounded(H):
-    """bf16 q (decode_fp8.py): scores are q . stored e4m3 values times the scale in fp32, so lse matches float64
-    to fp32-accumulation precision (the dequantizing kernel, rounding value x scale to bf16 first: ~2e-2)."""
-    batch, qn, qp = build(LENS, H, 64, seed=5 + H)
-    out, lse = torch.ops.mla.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, batch.seq_lens,
-                                    SCALE, batch.ckv_scale)
-    check(out, lse, reference(batch, qn, qp), qn.shape, lse_tol=1e-3)
-
-
 @pytest.mark.parametrize("PS", [1, 64])
 @pytest.mark.parametrize("H", [16, 128])
-def test_fp16_q_takes_the_dequantizing_kernel(H, PS):
-    batch, qn, qp = build(LENS, H, PS, seed=7 + H + PS, dtype=torch.float16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scores_are_not_rounded(dtype, H, PS):
+    """bf16 / fp16 q (decode_fp8.py): scores are q . stored e4m3 values times the scale in fp32, so lse matches
+    float64 to fp32-accumulation precision (rounding value x scale to bf16 first, as the dequantizing kernel did,
+    moves it by ~2e-2)."""
+    batch, qn, qp = build(LENS, H, PS, seed=5 + H + PS, dtype=dtype)
     out, lse = torch.ops.mla.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, batch.seq_lens,
                                     SCALE, batch.ckv_scale)
-    check(out, lse, reference(batch, qn, qp), qn.shape, torch.float16)
+    check(out, lse, reference(batch, qn, qp), qn.shape, dtype, lse_tol=1e-3)
+
+
+def test_q_beyond_fp16_range():
+    """bf16 q whose values exceed fp16's range (2^16 times the usual): the kernel's fp16 MMAs take q times a
+    power of two per row, so nothing overflows and the result is the float64 one (lse relative to its size)."""
+    batch, qn, qp = build(LENS, 16, 64, seed=9)
+    qn[1:3] *= 2.0 ** 16
+    qp[1:3] *= 2.0 ** 16
+    out, lse = torch.ops.mla.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, batch.seq_lens,
+                                    SCALE, batch.ckv_scale)
+    ref_out, ref_lse = reference(batch, qn, qp)
+    assert torch.isfinite(out).all()
+    empty = torch.isneginf(ref_lse)
+    assert rel(out.cpu()[~empty], ref_out[~empty]) < TOL
+    lse_err = (lse.cpu().double()[~empty] - ref_lse[~empty]).abs() / ref_lse[~empty].abs().clamp(min=1)
+    assert float(lse_err.max()) < 1e-5
 
 
 @pytest.mark.parametrize("H", [16, 128])

@@ -402,9 +402,11 @@ def _aot():
                                                  (128, 1, 1, torch.float32), (16, 64, 2, torch.float32)])
 def test_fp8_kernels_build_without_spills_within_shared_memory(H, page_size, S, dtype):
     """The FP8 stage-1 kernel each q dtype takes, at its default tiling (R 512 / P 64), for sm_90a without a GPU:
-    no spills, shared memory within 200 KB (the H200 has 227 KB a block). bf16 q: decode_fp8.py, every e4m3 tile
-    an async copy into shared memory (not a synchronous load into registers) converted there (no float32
-    product per element); fp16 / fp32 q: the pointer kernel dequantizing in registers."""
+    no spills (more than 16 heads, one query token, bf16 / fp16 q: at most 8 bytes, the documented cost of 32 rows
+    per program),
+    shared memory within 200 KB (the H200 has 227 KB a block). bf16 / fp16 q: decode_fp8.py, every e4m3 tile an
+    async copy into shared memory (not a synchronous load into registers), converted to fp16 once per two values
+    (no bf16 conversion, no float32 product per element); fp32 q: the pointer kernel dequantizing in registers."""
     pytest.importorskip("triton")
     from mla_compile.kernels import decode as D
     from mla_compile.kernels import decode_fp8
@@ -414,7 +416,7 @@ def test_fp8_kernels_build_without_spills_within_shared_memory(H, page_size, S, 
     cfg = D.fp8_config(rows, page_size, dtype, multi=S > 1)
     q = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
     folded = decode_fp8.fits(512, dtype)
-    assert folded == (dtype == torch.bfloat16)
+    assert folded == (dtype != torch.float32)
     kernel, constexprs = ((decode_fp8._stage1_fp8_kernel, D.fp8_constexprs(cfg, 512, 64, page_size, False, dtype,
                                                                             S > 1)) if folded else
                           (D._stage1_kernel, D.pointer_constexprs(cfg, 512, 64, page_size, False, dtype, S > 1,
@@ -423,10 +425,12 @@ def test_fp8_kernels_build_without_spills_within_shared_memory(H, page_size, S, 
                            {"Qn": q, "Qp": q, "Ckv": "*fp8e4nv", "Kpe": q, "Scale": "*fp32"},
                            cfg.num_warps, cfg.num_stages)
     print(f"H {H} page {page_size} S {S} {dtype}: {got['registers']} registers, {got['shared_bytes']} B shared")
-    assert got["spill_bytes"] == 0, got["registers"]
+    spill_budget = 8 if folded and H > 16 and S == 1 else 0  # 32 rows a program: 4-8 bytes (decode.fp8_config)
+    assert got["spill_bytes"] <= spill_budget, (got["registers"], got["spill_bytes"])
     assert got["shared_bytes"] <= 200 * 1024, got["shared_bytes"]
     assert "cvt" in got["ptx"] and "e4m3" in got["ptx"]  # the tile is converted from e4m3 in registers
     if folded:
+        assert "cvt.rn.f16x2.e4m3x2" in got["ptx"] and "cvt.bf16.f16" not in got["ptx"]
         e4m3_loads = [ln for ln in got["ttgir"].splitlines() if "f8E4M3FN" in ln and "tt.ptr" in ln
                       and ("tt.load" in ln or "async_copy_global_to_local" in ln)]
         assert e4m3_loads and all("async_copy_global_to_local" in ln for ln in e4m3_loads), e4m3_loads
@@ -465,7 +469,7 @@ def _interp_decode(H, PS, lens, dtype, splits, S=1, P=64, R=512):
 def _interp_scores_unrounded():
     """bf16 q (decode_fp8.py): the scales multiply the products, so scores are q . stored values exactly (fp32
     accumulation) and lse matches float64 to ~1e-6, where rounding value x scale to bf16 first (the dequantizing
-    kernel) moves it by ~2e-2."""
+    kernel's half-precision path) moves it by ~2e-2."""
     from mla_compile.kernels import decode as K
 
     f8, _, g = fp8_batch([0, 70, 129], 16, R=512, P=64, seed=21)
@@ -533,7 +537,8 @@ def _interp_cache_write():
 INTERPRETER_CHECKS = {
     "decode_h16_page16": lambda: _interp_decode(16, 16, [0, 1, 70, 129], torch.bfloat16, 3),
     "decode_h16_page1_fp32": lambda: _interp_decode(4, 1, [5, 0, 33], torch.float32, 2),
-    "decode_fp16_dequantizing": lambda: _interp_decode(16, 16, [0, 70, 129], torch.float16, 2),
+    "decode_fp16": lambda: _interp_decode(16, 16, [0, 70, 129], torch.float16, 2),
+    "decode_r640_dequantizing": lambda: _interp_decode(4, 8, [9, 30], torch.bfloat16, 2, R=640, P=32),
     "decode_bf16_scores_unrounded": _interp_scores_unrounded,
     "decode_h64_rope_less": lambda: _interp_decode(64, 16, [20, 0], torch.bfloat16, 1, P=0),
     "decode_r384": lambda: _interp_decode(2, 8, [9, 30], torch.float32, 2, R=384, P=32),
