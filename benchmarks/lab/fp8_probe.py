@@ -27,8 +27,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mla_compile.kernels._util import mma, pdl_enter  # noqa: E402
-from mla_compile.kernels.decode_stage1 import (_block_tokens, _split_norm, _split_range, _tile_mask,  # noqa: E402
-                                               _tile_slots)
+from mla_compile.kernels.decode_stage1 import _program_tokens, _split_norm, _tile_mask, _tile_slots  # noqa: E402
 
 
 @triton.jit
@@ -84,13 +83,9 @@ def _probe_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale,
                   DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, MULTI: tl.constexpr = False,
                   PDL: tl.constexpr = False, F16: tl.constexpr = False, DROP: tl.constexpr = 0):
     pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    split = tl.program_id(2)
-    mask_h = offs_h < H
-    n, limit = _block_tokens(Lens, b, offs_h, mask_h, H, n_sparse, n_query, heads_per_query, s_lenb, s_lenq, causal,
-                             SPARSE, MULTI, BLOCK_H)
-    start, end = _split_range(n, split, n_splits, BLOCK_N)
+    b, offs_h, mask_h, split, limit, start, end = _program_tokens(Lens, H, n_sparse, n_query, heads_per_query, s_lenb,
+                                                                  s_lenq, causal, n_splits, SPARSE, MULTI, BLOCK_H,
+                                                                  BLOCK_N)
     offs_p = tl.arange(0, BLOCK_P)[None, :]
     qp = tl.load(Qp + b * s_qpb + offs_h[:, None] * s_qph + offs_p, mask=mask_h[:, None] & (offs_p < P), other=0.0)
     if F16:  # power-of-two prescale per row: |q| * qs < 2^14, exact

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ._util import mma, pdl_enter
-from .decode_stage1 import _block_tokens, _split_norm, _split_range, _tile_mask, _tile_slots
+from .decode_stage1 import _program_tokens, _split_norm, _tile_mask, _tile_slots
 
 GROUP = 128  # latent channels per scale (mla_compile/fp8.py GROUP)
 MAX_GROUPS = 4  # R <= 512: one accumulator of [BLOCK_H, 128] per group, written out
@@ -109,13 +109,9 @@ def _stage1_fp8_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale,
     e4m3 values, Scale their float32 scales (strides s_sp, s_ss per page / slot, G per token), Kpe the rope part
     in q's dtype (bf16 / fp16)."""
     pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    split = tl.program_id(2)
-    mask_h = offs_h < H
-    n, limit = _block_tokens(Lens, b, offs_h, mask_h, H, n_sparse, n_query, heads_per_query, s_lenb, s_lenq, causal,
-                             SPARSE, MULTI, BLOCK_H)
-    start, end = _split_range(n, split, n_splits, BLOCK_N)
+    b, offs_h, mask_h, split, limit, start, end = _program_tokens(Lens, H, n_sparse, n_query, heads_per_query, s_lenb,
+                                                                  s_lenq, causal, n_splits, SPARSE, MULTI, BLOCK_H,
+                                                                  BLOCK_N)
     offs_p = tl.arange(0, BLOCK_P)[None, :]
     qp = tl.load(Qp + b * s_qpb + offs_h[:, None] * s_qph + offs_p, mask=mask_h[:, None] & (offs_p < P), other=0.0)
     unscale, prescale = _load_q_groups(Qn, b, offs_h, mask_h, s_qnb, s_qnh, G)

@@ -23,10 +23,15 @@ def _split_range(n, split, n_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _block_tokens(Lens, b, offs_h, mask_h, H, n_sparse, n_query, heads_per_query, s_lenb, s_lenq, causal,
-                  SPARSE: tl.constexpr, MULTI: tl.constexpr, BLOCK_H: tl.constexpr):
-    """(n, limit): the tokens this head block reads (its split range is cut from [0, n)) and, with MULTI, each
-    row's own causal limit [BLOCK_H] (`_stage1_kernel`'s docstring); without MULTI, limit is an unused placeholder."""
+def _program_tokens(Lens, H, n_sparse, n_query, heads_per_query, s_lenb, s_lenq, causal, n_splits,
+                    SPARSE: tl.constexpr, MULTI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's (request b int64, its head rows offs_h [BLOCK_H], mask_h, split, limit, start, end): the
+    tokens [start, end) of its split of the head block's range, and with MULTI each row's own causal limit
+    [BLOCK_H] (`_stage1_kernel`'s docstring; without MULTI, limit is an unused placeholder)."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    mask_h = offs_h < H
     limit = n_sparse
     if SPARSE:
         n = n_sparse
@@ -38,7 +43,8 @@ def _block_tokens(Lens, b, offs_h, mask_h, H, n_sparse, n_query, heads_per_query
         n = tl.maximum(tl.load(Lens + b * s_lenb + last * s_lenq) + causal * (last - n_query + 1), 0)
     else:
         n = tl.load(Lens + b)
-    return n, limit
+    start, end = _split_range(n, split, n_splits, BLOCK_N)
+    return b, offs_h, mask_h, split, limit, start, end
 
 
 @triton.jit
@@ -180,13 +186,9 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale,
     128 channels: mla_compile/fp8.py); each tile is dequantized in registers (float32 value * scale, rounded once
     to q's dtype) before the MMAs, which run in q's dtype as for a bf16 cache."""
     pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    split = tl.program_id(2)
-    mask_h = offs_h < H
-    n, limit = _block_tokens(Lens, b, offs_h, mask_h, H, n_sparse, n_query, heads_per_query, s_lenb, s_lenq, causal,
-                             SPARSE, MULTI, BLOCK_H)
-    start, end = _split_range(n, split, n_splits, BLOCK_N)
+    b, offs_h, mask_h, split, limit, start, end = _program_tokens(Lens, H, n_sparse, n_query, heads_per_query, s_lenb,
+                                                                  s_lenq, causal, n_splits, SPARSE, MULTI, BLOCK_H,
+                                                                  BLOCK_N)
     qn0, qn1, qp = _load_q(Qn, Qp, b, offs_h, mask_h, s_qnb, s_qnh, s_qpb, s_qph, R, P, RH, BLOCK_P)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, base-2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
