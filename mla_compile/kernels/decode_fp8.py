@@ -10,8 +10,9 @@ products of the decode split along the groups, and each group's scale is one num
 so the only per-element work on a tile is e4m3 -> fp16 (exact: e4m3's values all fit fp16), one
 `cvt.rn.f16x2.e4m3x2` per two values; bf16 would take a second, per-value `cvt.bf16.f16` on sm_90 (Triton 3.6,
 sm_90a PTX: 512 more instructions per warp and 64-token tile than the 136 MMAs). The MMAs run in fp16:
-- q (bf16 or fp16) is multiplied by a power of two per row so that its largest |value| is below 2^14 (fp16 holds
-  it; exact for values in fp16's normal range), and the scores by its inverse;
+- q (bf16 or fp16) is multiplied by a power of two per row so that its largest |value| lies in (2^13, 2^14] (fp16
+  holds it, and a row of small values keeps fp16's full mantissa; exact where the values stay in fp16's normal
+  range), and the scores by its inverse;
 - p * scale_g is divided by the tile's largest scale_g (so it lies in [0, 1]: small scales do not underflow fp16)
   and that scale multiplies the fp32 product;
 - the rope part (bf16 / fp16 in the cache) keeps q's dtype.
@@ -43,11 +44,10 @@ def fits(R: int, dtype) -> bool:
 
 
 @triton.jit
-def _load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, prescale, g: tl.constexpr):
-    """Group g of q's latent part [BLOCK_H, 128] as fp16, times its row's power-of-two prescale."""
+def _load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, g: tl.constexpr):
+    """Group g of q's latent part [BLOCK_H, 128], as stored."""
     offs = g * 128 + tl.arange(0, 128)[None, :]
-    q = tl.load(Qn + b * s_qnb + offs_h[:, None] * s_qnh + offs, mask=mask_h[:, None], other=0.0)
-    return (q.to(tl.float32) * prescale[:, None]).to(tl.float16)
+    return tl.load(Qn + b * s_qnb + offs_h[:, None] * s_qnh + offs, mask=mask_h[:, None], other=0.0)
 
 
 @triton.jit
@@ -80,14 +80,23 @@ def _group_values(acc, Ckv, rows, valid, p, sg, alpha, g: tl.constexpr, DOT_PREC
 
 
 @triton.jit
-def _load_q_groups(Qn, b, offs_h, mask_h, s_qnb, s_qnh, G: tl.constexpr):
-    """(inverse prescale [BLOCK_H], the power of two each row of q was multiplied by so that its largest |value|
-    is below 2^14: fp16 holds it, exactly for bf16 / fp16 inputs in range)."""
-    offs = tl.arange(0, 128 * G)[None, :]
-    q = tl.load(Qn + b * s_qnb + offs_h[:, None] * s_qnh + offs, mask=mask_h[:, None], other=0.0)
-    amax = tl.max(tl.abs(q.to(tl.float32)), 1)
-    e = tl.maximum(tl.ceil(tl.log2(tl.maximum(amax, 1e-30))) - 14.0, 0.0)
+def _q_prescale(Qn, b, offs_h, mask_h, s_qnb, s_qnh, G: tl.constexpr):
+    """(2^e, 2^-e) [BLOCK_H]: q goes to fp16 for the MMAs, each row times the power of two 2^-e that puts its
+    largest |value| in (2^13, 2^14] (fp16 holds it, and a row of small values keeps fp16's full mantissa instead of
+    its subnormals); the scores are multiplied back by 2^e. A row of zeros takes 2^-e = 2^114 (its values stay 0);
+    NaN / inf give NaN scores. One load of the whole row (the register allocation of the loop after it spills least
+    this way, sm_90a)."""
+    R_BLOCK: tl.constexpr = 512 if G > 2 else 128 * G
+    offs = tl.arange(0, R_BLOCK)[None, :]
+    q = tl.load(Qn + b * s_qnb + offs_h[:, None] * s_qnh + offs, mask=mask_h[:, None] & (offs < 128 * G), other=0.0)
+    e = tl.ceil(tl.log2(tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), 1e-30))) - 14.0
     return tl.exp2(e), tl.exp2(-e)
+
+
+@triton.jit
+def _prescaled(q, prescale):
+    """q [BLOCK_H, 128] times its rows' power-of-two prescale, as fp16."""
+    return (q.to(tl.float32) * prescale[:, None]).to(tl.float16)
 
 
 @triton.jit
@@ -114,17 +123,17 @@ def _stage1_fp8_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale,
                                                                   BLOCK_N)
     offs_p = tl.arange(0, BLOCK_P)[None, :]
     qp = tl.load(Qp + b * s_qpb + offs_h[:, None] * s_qph + offs_p, mask=mask_h[:, None] & (offs_p < P), other=0.0)
-    unscale, prescale = _load_q_groups(Qn, b, offs_h, mask_h, s_qnb, s_qnh, G)
-    q0 = _load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, prescale, 0)
+    unscale, prescale = _q_prescale(Qn, b, offs_h, mask_h, s_qnb, s_qnh, G)
+    q0 = _prescaled(_load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, 0), prescale)
     a0 = tl.zeros([BLOCK_H, 128], tl.float32)
     if G > 1:
-        q1 = _load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, prescale, 1)
+        q1 = _prescaled(_load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, 1), prescale)
         a1 = tl.zeros([BLOCK_H, 128], tl.float32)
     if G > 2:
-        q2 = _load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, prescale, 2)
+        q2 = _prescaled(_load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, 2), prescale)
         a2 = tl.zeros([BLOCK_H, 128], tl.float32)
     if G > 3:
-        q3 = _load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, prescale, 3)
+        q3 = _prescaled(_load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, 3), prescale)
         a3 = tl.zeros([BLOCK_H, 128], tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, base-2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)

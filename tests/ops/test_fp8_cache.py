@@ -486,6 +486,21 @@ def _interp_scores_unrounded():
     assert err < 1e-4, err
 
 
+def _interp_small_q():
+    """q of tiny magnitude with a matching large sm_scale (the scores are ordinary): decode_fp8.py's per-row
+    prescale lifts such rows to fp16's normal range instead of leaving them to its subnormals (2^-24 steps)."""
+    from mla_compile.kernels import decode as K
+
+    f8, _, g = fp8_batch([0, 70, 129], 16, R=512, P=64, seed=23)
+    qn, qp = queries(g, 3, 16, 512, 64, torch.bfloat16)
+    tiny = 2.0 ** -20
+    qn, qp = qn * tiny, qp * tiny  # exact: powers of two
+    out, lse = K.decode(qn, qp, f8.ckv_cache, f8.kpe_cache, f8.block_table, f8.seq_lens, 0.05 / tiny, splits=2,
+                        ckv_scale=f8.ckv_scale)
+    r_out, r_lse = ref.ref_decode(qn, qp, dequantized(f8), f8.kpe_cache, f8.block_table, f8.seq_lens, 0.05 / tiny)
+    assert_close_to_reference(out, lse, r_out, r_lse, torch.bfloat16)
+
+
 def _interp_dispatch(H, P, S=1):
     """Through kernels/dispatch.py as the op's CUDA impl calls it (the route, the rope-less zero column)."""
     from mla_compile.kernels import dispatch
@@ -543,6 +558,8 @@ INTERPRETER_CHECKS = {
     "decode_fp16": lambda: _interp_decode(16, 16, [0, 70, 129], torch.float16, 2),
     "decode_r640_dequantizing": lambda: _interp_decode(4, 8, [9, 30], torch.bfloat16, 2, R=640, P=32),
     "decode_bf16_scores_unrounded": _interp_scores_unrounded,
+    "decode_small_q": _interp_small_q,
+    "decode_r384_bf16": lambda: _interp_decode(4, 8, [9, 30], torch.bfloat16, 2, R=384, P=32),
     "decode_h64_rope_less": lambda: _interp_decode(64, 16, [20, 0], torch.bfloat16, 1, P=0),
     "decode_r384": lambda: _interp_decode(2, 8, [9, 30], torch.float32, 2, R=384, P=32),
     "decode_query_tokens": lambda: _interp_decode(8, 16, [0, 3, 50], torch.bfloat16, 2, S=3),
