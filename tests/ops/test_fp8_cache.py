@@ -501,6 +501,43 @@ def _interp_small_q():
     assert_close_to_reference(out, lse, r_out, r_lse, torch.bfloat16)
 
 
+def _interp_fuzz_folded():
+    """decode_fp8.py's kernel, hypothesis-fuzzed (few examples: the interpreter is slow) against float64 over the
+    dequantized cache: ragged lengths with empty requests, page sizes, heads, 1-4 scale groups, rope widths, value
+    scales and q magnitudes (its per-row prescale), several query tokens, splits."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from mla_compile.kernels import decode as K
+
+    @settings(max_examples=6, deadline=None, derandomize=True)
+    @given(lens=st.lists(st.integers(0, 90), min_size=1, max_size=3), PS=st.sampled_from([1, 16, 64]),
+           H=st.sampled_from([2, 16, 20]), groups=st.integers(1, 4), P=st.sampled_from([0, 32, 64]),
+           spread=st.booleans(), q_exp=st.sampled_from([-12, 0, 10]), S=st.sampled_from([1, 2]),
+           splits=st.sampled_from([1, 3]), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+           seed=st.integers(0, 2**16))
+    def run(lens, PS, H, groups, P, spread, q_exp, S, splits, dtype, seed):
+        R, B = 128 * groups, len(lens)
+        lens = [n if n == 0 else max(n, S) for n in lens]
+        f8, _, g = fp8_batch(lens, PS, R=R, P=P, dtype=dtype, seed=seed, spread=spread)
+        qn, qp = queries(g, B, H, R, P, dtype, S=None if S == 1 else S)
+        qn, qp = qn * 2.0 ** q_exp, qp * 2.0 ** q_exp
+        sm = 0.05 * 2.0 ** -q_exp
+        deq = dequantized(f8)
+        if S == 1:
+            out, lse = K.decode(qn, qp, f8.ckv_cache, f8.kpe_cache, f8.block_table, f8.seq_lens, sm, splits=splits,
+                                ckv_scale=f8.ckv_scale)
+            r_out, r_lse = ref.ref_decode(qn, qp, deq, f8.kpe_cache, f8.block_table, f8.seq_lens, sm)
+        else:
+            out, lse = K.decode(qn.reshape(B, S * H, R), qp.reshape(B, S * H, P), f8.ckv_cache, f8.kpe_cache,
+                                f8.block_table, f8.seq_lens, sm, splits=splits, n_query=S, ckv_scale=f8.ckv_scale)
+            out, lse = out.view(B, S, H, R), lse.view(B, S, H)
+            r_out, r_lse = ref.ref_decode_multi(qn, qp, deq, f8.kpe_cache, f8.block_table, f8.seq_lens, sm)
+        assert_close_to_reference(out, lse, r_out, r_lse, dtype)
+
+    run()
+
+
 def _interp_dispatch(H, P, S=1):
     """Through kernels/dispatch.py as the op's CUDA impl calls it (the route, the rope-less zero column)."""
     from mla_compile.kernels import dispatch
@@ -559,6 +596,7 @@ INTERPRETER_CHECKS = {
     "decode_r640_dequantizing": lambda: _interp_decode(4, 8, [9, 30], torch.bfloat16, 2, R=640, P=32),
     "decode_bf16_scores_unrounded": _interp_scores_unrounded,
     "decode_small_q": _interp_small_q,
+    "decode_folded_fuzz": _interp_fuzz_folded,
     "decode_r384_bf16": lambda: _interp_decode(4, 8, [9, 30], torch.bfloat16, 2, R=384, P=32),
     "decode_h64_rope_less": lambda: _interp_decode(64, 16, [20, 0], torch.bfloat16, 1, P=0),
     "decode_r384": lambda: _interp_decode(2, 8, [9, 30], torch.float32, 2, R=384, P=32),
