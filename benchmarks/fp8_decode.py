@@ -38,7 +38,8 @@ from mla_compile import fp8
 R, P, PS = 512, 64, 64
 SCALE = (128 + 64) ** -0.5
 CASES = [(16, 8, 32768), (16, 32, 32768), (16, 8, 131072), (128, 8, 32768), (128, 32, 32768)]  # (H, B, kv)
-SWEEP = [(16, 64, 8, 3), (16, 32, 8, 2), (16, 64, 4, 2), (32, 64, 8, 2), (32, 32, 4, 2)]  # block_h, block_n, warps, stages
+# other tilings of decode_fp8.py's kernel (--sweep): block_h, block_n, warps, stages
+SWEEP = [(16, 64, 8, 3), (16, 32, 8, 2), (16, 64, 4, 2), (32, 64, 8, 2), (32, 32, 4, 2)]
 
 
 def caches(B, KV, gen):

@@ -153,6 +153,7 @@ def main(argv):
 
     import fp8_decode as FD
     from mla_compile.kernels import decode as K
+    from mla_compile.kernels import decode_fp8
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -173,7 +174,7 @@ def main(argv):
             tiles = {k: flags.pop(k) for k in ("BLOCK_N", "BLOCK_H") if k in flags}
             cfg = K.DecodeConfig(block_h=tiles.get("BLOCK_H", 16), block_n=tiles.get("BLOCK_N", 64), num_warps=4,
                                  num_stages=2, max_splits=256)
-            with mock.patch.object(K, "_stage1_fp8_kernel", _probe_kernel), \
+            with mock.patch.object(decode_fp8, "_stage1_fp8_kernel", _probe_kernel), \
                     mock.patch.object(K, "fp8_constexprs", lambda *a, flags=flags: dict(base(*a), **flags)):
                 try:
                     out = K.decode(qn, qp, c8, k8, table, lens, FD.SCALE, cfg=cfg, ckv_scale=s8)[0].double()

@@ -198,14 +198,14 @@ class Bound:
             kernel = self.fast.launch(self.grid, args, self.kwargs)
             if e is None and ENABLED and not _INTERPRETED:
                 self.entry = e = self.fast.entry(self.grid, args, self.kwargs)
-                self.raw = _raw_launcher(e) if e is not None else None
-                if self.raw is not None:  # what every raw launch passes around the call's own arguments
-                    raw, fixed = self.raw
+                raw = _raw_launcher(e) if e is not None else None
+                if raw is not None:  # the C launcher and what every launch passes around the call's own arguments
+                    self.raw, fixed = raw
                     self.head, self.tail = (e.function, *fixed), e.tail
             return kernel
         if self.raw is not None:
             g = self.g
-            self.raw[0](g[0], g[1], g[2], _stream(_device()), *self.head, *args, *self.tail)
+            self.raw(g[0], g[1], g[2], _stream(_device()), *self.head, *args, *self.tail)
             return e.kernel
         active = driver.active
         e.run(*self.g, active.get_current_stream(active.get_current_device()), e.function, e.packed_metadata,

@@ -22,8 +22,8 @@ import torch
 from ._util import (block, box_width, caches_view_as_slots, cdiv, dot_mode, has_tma, pdl_launch,
                     query_limit_args, sm_count)
 from ._launch import bind, without_bases
-from .decode_fp8 import _stage1_fp8_kernel
 from .decode_stage1 import _stage1_kernel, _stage1_tma_kernel
+from ..fp8 import GROUP as FP8_GROUP
 from . import decode_fp8 as _fp8
 from . import decode_seesaw as _seesaw
 from . import decode_wgmma as _wgmma
@@ -178,7 +178,7 @@ def pointer_constexprs(cfg: DecodeConfig, R: int, P: int, page_size: int, sparse
 def fp8_constexprs(cfg: DecodeConfig, R: int, P: int, page_size: int, sparse: bool, dtype: torch.dtype,
                    multi: bool = False) -> dict:
     """The compile-time arguments of `decode_fp8._stage1_fp8_kernel` (its arguments are `_stage1_kernel`'s)."""
-    return dict(SPARSE=sparse, PS=page_size, G=R // _fp8.GROUP, P=P, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+    return dict(SPARSE=sparse, PS=page_size, G=R // FP8_GROUP, P=P, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
                 BLOCK_P=block(P), MULTI=multi, **dot_mode(dtype))
 
 
@@ -206,8 +206,8 @@ def _tma_stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l,
 
 def _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, sparse: bool, seq_lens, sm_scale, o, l, s_on, s_ln,
                     ns, cfg: DecodeConfig, n_query: int = 1, ckv_scale=None):
-    """(`_stage1_kernel` bound to its grid and compile-time arguments, the numbers after its nine tensor
-    arguments). Launch: `bound(q_nope, q_pe, ckv_cache, kpe_cache, table, table if sparse else seq_lens, o, l,
+    """(`_stage1_kernel`, or over an FP8 cache with bf16 / fp16 q `decode_fp8._stage1_fp8_kernel` (the same
+    arguments), bound to its grid and compile-time arguments, the numbers after its nine tensor arguments). Launch: `bound(q_nope, q_pe, ckv_cache, kpe_cache, table, table if sparse else seq_lens, o, l,
     ckv_scale if FP8 else o, *numbers)` (o: an unread placeholder pointer without FP8)."""
     B, H, R = q_nope.shape
     P = q_pe.shape[2]
@@ -216,9 +216,11 @@ def _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, sparse: bool, seq
     sqn, sqp, sc, sk, so, sl = (t.stride() for t in (q_nope, q_pe, ckv_cache, kpe_cache, o, l))
     page_size, multi = ckv_cache.shape[1], n_query > 1
     if fp8 and _fp8.fits(R, q_nope.dtype):  # the scales folded into the products (decode_fp8.py)
-        kernel, constexprs = _stage1_fp8_kernel, fp8_constexprs(cfg, R, P, page_size, sparse, q_nope.dtype, multi)
+        kernel = _fp8._stage1_fp8_kernel
+        constexprs = fp8_constexprs(cfg, R, P, page_size, sparse, q_nope.dtype, multi)
     else:
-        kernel, constexprs = _stage1_kernel, pointer_constexprs(cfg, R, P, page_size, sparse, q_nope.dtype, multi, fp8)
+        kernel = _stage1_kernel
+        constexprs = pointer_constexprs(cfg, R, P, page_size, sparse, q_nope.dtype, multi, fp8)
     bound = bind(kernel, (B, cdiv(H, cfg.block_h), ns), **constexprs, num_warps=cfg.num_warps,
                  num_stages=cfg.num_stages, **pdl_launch(q_nope.device))
     numbers = (sm_scale * _LOG2E, H, table.shape[1] if sparse else 0,

@@ -26,21 +26,20 @@ lse (-inf when it holds no token)."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from .. import fp8
 from ._util import mma, pdl_enter
 from .decode_stage1 import _program_tokens, _split_norm, _tile_mask, _tile_slots
 
-GROUP = 128  # latent channels per scale (mla_compile/fp8.py GROUP)
-MAX_GROUPS = 4  # R <= 512: one accumulator of [BLOCK_H, 128] per group, written out
+MAX_GROUPS = 4  # R <= 512: one accumulator of [BLOCK_H, fp8.GROUP] per group, written out (the kernels' 128)
 
 
 def fits(R: int, dtype) -> bool:
     """This kernel takes an FP8 call: bf16 / fp16 q, R a multiple of 128 up to 512."""
-    import torch
-
-    return dtype in (torch.bfloat16, torch.float16) and R % GROUP == 0 and 0 < R // GROUP <= MAX_GROUPS
+    return dtype in (torch.bfloat16, torch.float16) and R % fp8.GROUP == 0 and 0 < R // fp8.GROUP <= MAX_GROUPS
 
 
 @triton.jit

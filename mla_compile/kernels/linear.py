@@ -169,11 +169,11 @@ def linear_partials_plan(x: torch.Tensor, weights: list[torch.Tensor], splits: i
     cols = list(itertools.accumulate((w.shape[0] for w in weights), initial=0))
     ranges = tuple(zip(cols, cols[1:]))
     part = torch.empty(shape, dtype=torch.float32, device=torch.device("meta"))
-    launches = _pair_launches(x, weights, [part[:, :, lo:hi] for lo, hi in ranges], k_split, splits, cfg,
-                              part.stride(0))
 
     def columns(part):
         return part, [part[:, :, lo:hi] for lo, hi in ranges]
+
+    launches = _pair_launches(x, weights, columns(part)[1], k_split, splits, cfg, part.stride(0))
 
     buffers = Scratch([shape], device, columns)
 
