@@ -167,39 +167,47 @@ SPLIT_SHAPES = [(16, 8, 32768), (16, 8, 131072), (16, 32, 8192), (16, 32, 32768)
                 (128, 8, 32768), (128, 8, 131072)]
 
 
-def split_probe(path: str, split_counts: list[int]) -> None:
-    """The default config of each shape at forced split counts (and the policy's own, "policy"): whole-op time
-    (stage 1 + merge) by CUDA-graph replay, page 64 and, at H=16, the page-1 token table."""
+def split_probe(path: str, split_counts: list[int], shapes=None, page1: bool = True) -> None:
+    """The default config of each shape (H, B, L; default SPLIT_SHAPES) at forced split counts (and the policy's
+    own, "policy"): whole-op time (stage 1 + merge) by CUDA-graph replay, page 64 and, at H=16 unless `page1` is
+    False, the page-1 token table. Every forced count is checked against the policy's output first."""
     from mla_compile.kernels._util import sm_count
+
+    shapes = shapes or SPLIT_SHAPES
 
     copy_bw = copy_bandwidth()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bw_TBps": copy_bw / 1e12,
            "sms": sm_count(torch.device("cuda")), "rows": []}
-    pages = max(b * n for _, b, n in SPLIT_SHAPES) // PS
+    pages = max(b * n for _, b, n in shapes) // PS
     ckv = torch.empty(pages, PS, R, dtype=DT, device="cuda").normal_()
     kpe = torch.empty(pages, PS, P, dtype=DT, device="cuda").normal_()
-    for H, B, L in SPLIT_SHAPES:
+    for H, B, L in shapes:
         table = torch.randperm(pages, device="cuda")[: B * L // PS].view(B, L // PS).int()
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
         qn = torch.randn(B, H, R, dtype=DT, device="cuda")
         qp = torch.randn(B, H, P, dtype=DT, device="cuda")
         tok = token_table(table)
         layouts = {"page64": (ckv, kpe, table)}
-        if H == 16:
+        if H == 16 and page1:
             layouts["page1"] = (ckv.view(-1, 1, R), kpe.view(-1, 1, P), tok)
         for layout, (c, k, t) in layouts.items():
             cfg = dispatch.own_decode_config(qn, qp, c, k)  # the kernel of ours auto runs (Gluon at H 128)
             row = {"H": H, "B": B, "L": L, "layout": layout, "cfg": str(cfg),
                    "policy_splits": D.num_splits(B, H, t.shape[1] * c.shape[1], qn.device, cfg), "us": {}}
+            want = D.decode(qn, qp, c, k, t, lens, 0.07, cfg=cfg)
+            row["check"] = {}
             for ns in [None] + split_counts:
                 fn = lambda ns=ns: D.decode(qn, qp, c, k, t, lens, 0.07, cfg=cfg, splits=ns)  # noqa: E731
+                got = fn()
+                row["check"][str(ns)] = max((got[0].float() - want[0].float()).abs().max().item(),
+                                            (got[1] - want[1]).abs().max().item())
                 row["us"]["policy" if ns is None else str(ns)] = do_bench_cudagraph(fn, rep=40,
                                                                                       return_mode="median") * 1e3
             nbytes = D.kv_bytes(B, L, R, P, 2)
             row["bw_frac"] = {k_: nbytes / (v * 1e-6) / copy_bw for k_, v in row["us"].items()}
             res["rows"].append(row)
-            print(f"H={H} B={B} L={L // 1024}K {layout} policy={row['policy_splits']}: "
-                  + " ".join(f"{k_}={v:.1f}us({row['bw_frac'][k_]:.2f})" for k_, v in row["us"].items()), flush=True)
+            print(f"H={H} B={B} L={L // 1024}K {layout} policy={row['policy_splits']} "
+                  f"(max diff vs policy {max(row['check'].values()):.1e}): " + " ".join(f"{k_}={v:.1f}us({row['bw_frac'][k_]:.2f})" for k_, v in row["us"].items()), flush=True)
             with open(path, "w") as fh:
                 json.dump(res, fh, indent=1)
 
@@ -270,6 +278,8 @@ def main(argv):
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="two configs per head count, two shapes")
     mode.add_argument("--splits", type=int, nargs="+", metavar="N", help="the default configs at forced split counts")
+    ap.add_argument("--shapes", nargs="+", metavar="H:B:L", help="--splits: these shapes (e.g. 16:32:1024)")
+    ap.add_argument("--no-page1", action="store_true", help="--splits: page 64 only")
     mode.add_argument("--scaling", action="store_true", help="stage 1 / merge time vs kv_len (fixed cost)")
     mode.add_argument("--aot", action="store_true", help="no GPU: each config compiled for sm_90a")
     a = ap.parse_args(argv)
@@ -281,7 +291,8 @@ def main(argv):
     if a.scaling:
         return scaling_probe(path)
     if a.splits:
-        return split_probe(path, a.splits)
+        shapes = [tuple(int(x) for x in sh.split(":")) for sh in a.shapes] if a.shapes else None
+        return split_probe(path, a.splits, shapes, page1=not a.no_page1)
     quick = a.quick
     t_start = time.time()
     copy_bw = copy_bandwidth()

@@ -135,11 +135,18 @@ def num_splits(batch: int, heads: int, capacity: int, device: torch.device, cfg:
     """Splits from shapes only: as many as fit in one wave of `ctas_per_sm` programs per SM, never splits shorter
     than min_split_tokens. One wave, not more: H200 probe 2026-12-01 (benchmarks/RESULTS.md): H=16 B=32
     8 splits (256 programs) 88.9 / 310 us at 8K / 32K vs 98.5 / 318 for the ~2-wave 16; B=128 2 splits 316 vs
-    4 323 at 8K; H=128 B=8 8 splits 269 / 1043 vs 16 279 / 1057 at 32K / 128K; B=8 H=16 keeps 33 (= 264 slots)."""
+    4 323 at 8K; H=128 B=8 8 splits 269 / 1043 vs 16 279 / 1057 at 32K / 128K. Then trimmed to the splits whole
+    tiles fill (B=8 H=16: 33 -> 32 at 8K-128K, B=1 H=128: 66 -> 64)."""
     programs = max(batch * cdiv(heads, cfg.block_h), 1)
     slots = cfg.ctas_per_sm * sm_count(device)
     cap = max(1, min(cdiv(max(capacity, 1), cfg.min_split_tokens), cfg.max_splits))
-    return max(1, min(slots // programs, cap))
+    ns = max(1, min(slots // programs, cap))
+    # the kernels round a split to whole tiles (`_split_range`, `_gluon.split_bounds`): count only the splits a
+    # request at full capacity fills. An empty split still costs a program and a partial the merge reads, and
+    # past the merge's one-pass width (64 parts of 128 columns) a second pass: H200 2026-12-03, H 128 batch 1,
+    # 66 splits (64 filled) 24.3 / 42.3 us at 8K / 32K against 20.2 / 38.0 for 64
+    split_len = cdiv(cdiv(max(capacity, 1), ns), cfg.block_n) * cfg.block_n
+    return cdiv(max(capacity, 1), split_len)
 
 
 def tma_eligible(ckv_cache, kpe_cache, sparse: bool, cfg: DecodeConfig) -> bool:
