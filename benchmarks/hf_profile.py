@@ -1,6 +1,7 @@
 """Where an HF DeepseekV3 `mla_dcp` decode step spends its time (torch.profiler; not a test).
 
 usage: python benchmarks/hf_profile.py OUT.json [--heads 16] [--kv 4096 32768] [--batch 8] [--layers 4]
+                                           [--kv-cache-dtype auto|fp8_e4m3]
                                            [--variants input static static+nopdl ...] [--step model|greedy]
                                            [--ab ROUNDS]
 
@@ -119,7 +120,7 @@ def model_cache_mask(H, kv, args, device):
     """The benchmark model (hf_decode.py's), its StaticCache filled to kv, and an all-ones attention mask."""
     max_len = kv + 64 * args.steps
     model = build_model(H, args.layers, args.hidden, args.vocab, torch.bfloat16, device, small=args.smoke)
-    cache = filled_cache(model, args.batch, kv, max_len, device)
+    cache = filled_cache(model, args.batch, kv, max_len, device, kv_cache_dtype=args.kv_cache_dtype)
     return model, cache, torch.ones(args.batch, max_len, dtype=torch.long, device=device)
 
 
@@ -166,7 +167,7 @@ def _profile(H, kv, args, device, variant, model, cache, mask, static_mask, opti
             spans.append((e.time_range.start, e.time_range.end, e.name))
     gpu_us = sum(v[1] for v in kernels.values()) / n
     top = sorted(kernels.items(), key=lambda kv_: -kv_[1][1])[:30]
-    row = {"variant": variant, "step": args.step, "H": H, "kv_len": kv, "batch": B, "wall_us_per_step": wall_us, "gpu_kernel_us_per_step": gpu_us,
+    row = {"variant": variant, "step": args.step, "H": H, "kv_len": kv, "batch": B, "kv_cache_dtype": args.kv_cache_dtype, "wall_us_per_step": wall_us, "gpu_kernel_us_per_step": gpu_us,
            "kernels_per_step": sum(v[0] for v in kernels.values()) / n,
            "top": [{"name": k, "calls_per_step": v[0] / n, "us_per_step": v[1] / n} for k, v in top]}
     row["gaps"] = gap_stats(spans, n)
@@ -239,6 +240,8 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
+                    help="fp8_e4m3: hf_decode's FP8 DSAStaticCache (the latent in FP8, 656 bytes a token)")
     ap.add_argument("--variants", nargs="+", default=["input"], choices=sorted(VARIANTS))
     ap.add_argument("--step", choices=["model", "greedy"], default="model",
                     help="profile the compiled model (argmax eagerly after it) or model + argmax as one step")
