@@ -256,15 +256,6 @@ def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, i
                  ckv_scale if ckv_scale is not None else o, *numbers)
 
 
-def partial_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a split writes its normalised out in: q's half precision (the merge accumulates in float32 and the
-    result is rounded to q's dtype anyway: at most one more rounding of a convex combination, <= 2 ulps of the out),
-    float32 for float32 q. Half the partial bytes: at H 128, batch 1, 64 splits the float32 partials are 16.8 MB
-    written and read again per call against 37.7 MB of a 32K request's cache (FlashInfer's split-KV decode keeps
-    its partial out in the output dtype too); the lse partials stay float32 (the merge's weights)."""
-    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
-
-
 def _unit_inner_stride(t):
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
@@ -336,8 +327,10 @@ class AttendPlan:
         if ns > 1:
             out = torch.empty(self.out_shape, device=meta)
             self.merge = merge_launch(o, l, out, torch.empty(self.lse_shape, device=meta), q_nope.device)
-            self.partials = Scratch(self.partial_shapes, q_nope.device,
-                                    dtypes=(partial_dtype(q_nope.dtype), torch.float32))
+            # float32 partial outs: q's half precision halves their bytes but was slower at short split shapes and
+            # no faster elsewhere (H200 2026-12-03, two runs whose peers agreed within 2% there: H 16 B 32 1K 20.9
+            # -> 28.9 us, H 128 B 32 1K 40.5 -> 58.8, H 128 B 8 1K 19.0 -> 25.7)
+            self.partials = Scratch(self.partial_shapes, q_nope.device)
 
     def __call__(self, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices=None, ckv_scale=None):
         # out has q's shape, dtype and device: empty_like parses less than torch.empty (~0.6 us a call on one core)

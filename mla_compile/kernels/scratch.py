@@ -1,8 +1,7 @@
 """Intermediate buffers without allocations per call: a scratch buffer reused by the calls one thread makes on the
 legacy default CUDA stream.
 
-A split decode writes partials (o [ns, B, H, R] in q's half precision, lse [ns, B, H] float32) that only its own
-merge reads; a split-K
+A split decode writes float32 partials (o [ns, B, H, R], lse [ns, B, H]) that only its own merge reads; a split-K
 few-token linear writes partial products only its sum reads. Allocated per call, they are two of the four
 `torch.empty` an eager `mla.decode` pays on the host (~4 us each on the H200 host, benchmarks/host_overhead.py), and
 the linear's also takes a column view per weight. Reusing one buffer is safe where every user of it is ordered after
@@ -52,42 +51,27 @@ def _buffer(device_index: int) -> _Buffer:
     return buf
 
 
-def _view(data: torch.Tensor, start: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous `dtype` tensor of `shape` at float32 element `start` of the buffer."""
-    numel = torch.Size(shape).numel()
-    if dtype == torch.float32:
-        return data[start:start + numel].view(shape)
-    words = -(-numel * dtype.itemsize // 4)
-    return data[start:start + words].view(dtype)[:numel].view(shape)
-
-
 class Scratch:
-    """A plan's scratch tensors: `get()` -> one contiguous tensor per shape (of the matching `dtypes` entry; float32
-    by default), then whatever `derive(*tensors)` makes of them (e.g. column views). Where it is safe (see the module
-    docstring) they are views of this thread's default-stream buffer, 512-byte aligned as a fresh allocation is and
-    made once per buffer generation: such a call pays no allocation and no view. Elsewhere `fresh()`: new tensors
-    each call."""
+    """A plan's float32 scratch tensors: `get()` -> one contiguous tensor per shape, then whatever `derive(*tensors)`
+    makes of them (e.g. column views). Where it is safe (see the module docstring) they are views of this thread's
+    default-stream buffer, 512-byte aligned as a fresh allocation is and made once per buffer generation: such a call
+    pays no allocation and no view. Elsewhere `fresh()`: new tensors each call."""
 
-    __slots__ = ("shapes", "dtypes", "offsets", "numel", "derive", "device", "index", "views")
+    __slots__ = ("shapes", "offsets", "numel", "derive", "device", "index", "views")
 
-    def __init__(self, shapes, device: torch.device, derive=None, dtypes=None):
+    def __init__(self, shapes, device: torch.device, derive=None):
         self.shapes, self.device, self.derive = [tuple(s) for s in shapes], device, derive
-        self.dtypes = tuple(dtypes) if dtypes is not None else (torch.float32,) * len(self.shapes)
-        if len(self.dtypes) != len(self.shapes):
-            raise ValueError(f"dtypes: one per shape ({len(self.shapes)}), got {len(self.dtypes)}")
         self.offsets, end = [], 0
-        for shape, dtype in zip(self.shapes, self.dtypes):
+        for shape in self.shapes:
             self.offsets.append(end)
-            words = -(-torch.Size(shape).numel() * dtype.itemsize // 4)  # the buffer's float32 elements it spans
-            end += -(-words // _ALIGN) * _ALIGN
+            end += -(-torch.Size(shape).numel() // _ALIGN) * _ALIGN
         self.numel = end
         self.index = device.index if device.type == "cuda" and device.index is not None else (
             torch.cuda.current_device() if device.type == "cuda" else -1)
         self.views = None  # (buffer, generation, views)
 
     def fresh(self):
-        tensors = tuple(torch.empty(shape, dtype=dtype, device=self.device)
-                        for shape, dtype in zip(self.shapes, self.dtypes))
+        tensors = tuple(torch.empty(shape, dtype=torch.float32, device=self.device) for shape in self.shapes)
         return tensors if self.derive is None else self.derive(*tensors)
 
     def get(self):
@@ -98,8 +82,8 @@ class Scratch:
         if v is not None and v[0] is buf and v[1] == buf.generation:
             return v[2]
         buf.reserve(self.numel, self.device)
-        views = tuple(_view(buf.data, start, shape, dtype)
-                      for start, shape, dtype in zip(self.offsets, self.shapes, self.dtypes))
+        views = tuple(buf.data[start:start + torch.Size(shape).numel()].view(shape)
+                      for start, shape in zip(self.offsets, self.shapes))
         if self.derive is not None:
             views = self.derive(*views)
         self.views = (buf, buf.generation, views)

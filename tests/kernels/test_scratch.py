@@ -100,27 +100,3 @@ def test_fresh_tensors_are_derived_too():
     p = S.Scratch([(2, 3, 10)], torch.device("cpu"), lambda part: (part, part[:, :, :4]))
     part, left = p.fresh()
     assert part.shape == (2, 3, 10) and left.data_ptr() == part.data_ptr() and p.fresh()[0].data_ptr() != part.data_ptr()
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_partials_share_the_buffer_aligned(default_stream, dtype):
-    """A split decode's out partials in q's half precision next to float32 lse partials: each view as a fresh
-    allocation of its dtype would be (contiguous, 512-byte aligned, not overlapping), fresh ones of the same dtypes
-    off the default stream."""
-    p = S.Scratch(((3, 2, 5, 7), (3, 2, 5)), torch.device("cpu"), dtypes=(dtype, torch.float32))
-    p.index = 0
-    o, lse = p.get()
-    assert o.dtype == dtype and lse.dtype == torch.float32 and o.shape == (3, 2, 5, 7) and lse.shape == (3, 2, 5)
-    assert o.is_contiguous() and lse.is_contiguous()
-    assert (lse.data_ptr() - o.data_ptr()) % 512 == 0 and lse.data_ptr() >= o.data_ptr() + o.numel() * o.itemsize
-    o.fill_(3.0), lse.fill_(-1.0)  # writing one never touches the other
-    assert (o == 3.0).all() and (lse == -1.0).all()
-    assert p.numel * 4 < 2 * (o.numel() * 4 + lse.numel() * 4)  # fewer bytes than float32 partials would take
-    default_stream[0] = 7
-    o2, l2 = p.get()
-    assert o2.dtype == dtype and l2.dtype == torch.float32 and o2.data_ptr() != o.data_ptr()
-
-
-def test_dtypes_must_match_the_shapes():
-    with pytest.raises(ValueError, match="dtypes"):
-        S.Scratch(((1, 2), (1,)), torch.device("cpu"), dtypes=(torch.float32,))
