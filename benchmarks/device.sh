@@ -4,7 +4,7 @@
 #           wgmma (the Gluon many-head decode kernel, phase by phase)
 #           profile (HF step)  host (per-call host time)  fp8 (FP8 cache decode)  dcp  dsa  hf
 #           generate (HF generate() end to end)  gencrash (lab probe)  compile
-#           families (five HF MLA families at 32K)  report
+#           families (five HF MLA families at 32K)  fp8probe / topkprobe (lab probes)  report
 # Installs the wheels carried in .whl/ (tools/device_wheels.sh fetches them; run(carry=[".whl"])), records the environment, then runs each stage.
 #
 # $OUT stays flat and small (the device tool returns at most 8 files). A full run
@@ -88,6 +88,8 @@ stage_multi() { timeout "${T_MULTI:-200}" python3 benchmarks/multi_token.py "$OU
 stage_fp8() { timeout "${T_FP8:-300}" python3 benchmarks/fp8_decode.py "$OUT/fp8_decode.json" ${FP8_ARGS:-}; }
 # fp8probe: the lab probe of the FP8 kernel (benchmarks/lab/fp8_probe.py: fp16 MMAs, phases dropped)
 stage_fp8probe() { timeout "${T_FP8PROBE:-240}" python3 benchmarks/lab/fp8_probe.py "$OUT/fp8_probe.json"; }
+# topkprobe: the lab radix-select top-k vs torch.topk (benchmarks/lab/topk_probe.py: graph time, host time per call)
+stage_topkprobe() { timeout "${T_TOPKPROBE:-200}" python3 benchmarks/lab/topk_probe.py "$OUT/topk_probe.json"; }
 stage_host() { timeout "${T_HOST:-180}" python3 benchmarks/host_overhead.py "$OUT/host.json" ${HOST_ARGS:-}; }
 
 # DCP (issue 4): torchrun n = 1, 2, 4 (those that fit the GPUs here), then one merged $OUT/dcp.json.
