@@ -206,8 +206,9 @@ def split_probe(path: str, split_counts: list[int], shapes=None, page1: bool = T
             nbytes = D.kv_bytes(B, L, R, P, 2)
             row["bw_frac"] = {k_: nbytes / (v * 1e-6) / copy_bw for k_, v in row["us"].items()}
             res["rows"].append(row)
+            times = " ".join(f"{k_}={v:.1f}us({row['bw_frac'][k_]:.2f})" for k_, v in row["us"].items())
             print(f"H={H} B={B} L={L // 1024}K {layout} policy={row['policy_splits']} "
-                  f"(max diff vs policy {max(row['check'].values()):.1e}): " + " ".join(f"{k_}={v:.1f}us({row['bw_frac'][k_]:.2f})" for k_, v in row["us"].items()), flush=True)
+                  f"(max diff vs policy {max(row['check'].values()):.1e}): {times}", flush=True)
             with open(path, "w") as fh:
                 json.dump(res, fh, indent=1)
 

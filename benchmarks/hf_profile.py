@@ -167,7 +167,8 @@ def _profile(H, kv, args, device, variant, model, cache, mask, static_mask, opti
             spans.append((e.time_range.start, e.time_range.end, e.name))
     gpu_us = sum(v[1] for v in kernels.values()) / n
     top = sorted(kernels.items(), key=lambda kv_: -kv_[1][1])[:30]
-    row = {"variant": variant, "step": args.step, "H": H, "kv_len": kv, "batch": B, "kv_cache_dtype": args.kv_cache_dtype, "wall_us_per_step": wall_us, "gpu_kernel_us_per_step": gpu_us,
+    row = {"variant": variant, "step": args.step, "H": H, "kv_len": kv, "batch": B,
+           "kv_cache_dtype": args.kv_cache_dtype, "wall_us_per_step": wall_us, "gpu_kernel_us_per_step": gpu_us,
            "kernels_per_step": sum(v[0] for v in kernels.values()) / n,
            "top": [{"name": k, "calls_per_step": v[0] / n, "us_per_step": v[1] / n} for k, v in top]}
     row["gaps"] = gap_stats(spans, n)
