@@ -28,7 +28,7 @@ from . import decode_fp8 as _fp8
 from . import decode_seesaw as _seesaw
 from . import decode_wgmma as _wgmma
 from .scratch import Scratch
-from .merge import merge_into, merge_launch  # noqa: F401 (merge_into: benchmarks time the stages apart)
+from .merge import merge_into, merge_launch, one_pass_parts  # noqa: F401 (merge_into: benchmarks time the stages apart)
 
 _LOG2E = 1.4426950408889634
 
@@ -131,22 +131,24 @@ def fp8_config(rows: int, page_size: int, dtype: torch.dtype = torch.bfloat16, m
     return DecodeConfig(block_h=32, block_n=32, num_warps=8, num_stages=stages, max_splits=256)
 
 
-def num_splits(batch: int, heads: int, capacity: int, device: torch.device, cfg: DecodeConfig) -> int:
+def num_splits(batch: int, heads: int, capacity: int, device: torch.device, cfg: DecodeConfig,
+               R: int = 512) -> int:
     """Splits from shapes only: as many as fit in one wave of `ctas_per_sm` programs per SM, never splits shorter
     than min_split_tokens. One wave, not more: H200 probe 2026-12-01 (benchmarks/RESULTS.md): H=16 B=32
     8 splits (256 programs) 88.9 / 310 us at 8K / 32K vs 98.5 / 318 for the ~2-wave 16; B=128 2 splits 316 vs
-    4 323 at 8K; H=128 B=8 8 splits 269 / 1043 vs 16 279 / 1057 at 32K / 128K. Then trimmed to the splits whole
-    tiles fill (B=8 H=16: 33 -> 32 at 8K-128K, B=1 H=128: 66 -> 64)."""
+    4 323 at 8K; H=128 B=8 8 splits 269 / 1043 vs 16 279 / 1057 at 32K / 128K. The empty splits (a split is whole
+    tiles) are dropped where they would cost the merge a second pass (B=1 H=128: 66 -> 64); B=8 H=16 keeps 33 (32
+    filled), 35.4 us at 8K against 37.3 for 32 (H200 2026-12-03, one run)."""
     programs = max(batch * cdiv(heads, cfg.block_h), 1)
-    slots = cfg.ctas_per_sm * sm_count(device)
+    sms = sm_count(device)
     cap = max(1, min(cdiv(max(capacity, 1), cfg.min_split_tokens), cfg.max_splits))
-    ns = max(1, min(slots // programs, cap))
-    # the kernels round a split to whole tiles (`_split_range`, `_gluon.split_bounds`): count only the splits a
-    # request at full capacity fills. An empty split still costs a program and a partial the merge reads, and
-    # past the merge's one-pass width (64 parts of 128 columns) a second pass: H200 2026-12-03, H 128 batch 1,
-    # 66 splits (64 filled) 24.3 / 42.3 us at 8K / 32K against 20.2 / 38.0 for 64
+    ns = max(1, min(cfg.ctas_per_sm * sms // programs, cap))
+    # the kernels round a split to whole tiles (`_split_range`, `_gluon.split_bounds`), so a request at full
+    # capacity fills `filled` of them; past the merge's one-pass width the empty ones cost a second pass:
+    # H 128 batch 1, 66 splits (64 filled) 24.3 / 42.3 us at 8K / 32K against 20.2 / 38.0 for 64 (H200 2026-12-03)
     split_len = cdiv(cdiv(max(capacity, 1), ns), cfg.block_n) * cfg.block_n
-    return cdiv(max(capacity, 1), split_len)
+    filled = cdiv(max(capacity, 1), split_len)
+    return filled if filled <= one_pass_parts(batch * heads, R, sms) < ns else ns
 
 
 def tma_eligible(ckv_cache, kpe_cache, sparse: bool, cfg: DecodeConfig) -> bool:
@@ -293,7 +295,7 @@ class AttendPlan:
         cfg = cfg or (fp8_config(H, page_size, q_nope.dtype, multi, R) if fp8 else
                       multi_token_config(H, page_size, q_nope.dtype) if multi else
                       default_config(H, R, page_size, q_nope.dtype))
-        self.ns = ns = splits or num_splits(B, H, capacity, q_nope.device, cfg)
+        self.ns = ns = splits or num_splits(B, H, capacity, q_nope.device, cfg, R)
         self.partial_shapes = ((ns, B, H, R), (ns, B, H))
         # strides of what the kernels write: the final out / lse with one split, else the partials
         meta = torch.device("meta")

@@ -84,6 +84,12 @@ def _tiles(N: int, rows: int, R: int, sms: int) -> tuple[int, int, tuple[int, in
     return block_n, block_r, (rows, max(1, cdiv(R, block_r)))  # R == 0 still needs the lse
 
 
+def one_pass_parts(rows: int, R: int, sms: int) -> int:
+    """The most parts `_merge_kernel` merges in one pass over `rows` rows of width R (more take a second pass, which
+    a split count should avoid: kernels/decode.py `num_splits`)."""
+    return max(_TILE // _tiles(1, rows, R, sms)[1], 1)
+
+
 def merge_launch(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  device: torch.device | None = None):
     """`merge_into` bound to these tensors' shapes and strides: `launch(outs, lses, out, lse)` merges any tensors of
