@@ -109,10 +109,12 @@ def fp8_config(rows: int, page_size: int, dtype: torch.dtype = torch.bfloat16, m
     (H200 2026-12-03, B 8-32 x 32K-128K, page 64, CUDA-graph replay): 16 rows x 64 tokens at 4 warps 171 / 627 us
     (B 8 / 32 at 32K) against 222 / 819 at 8 warps, though 4 warps spill 52-88 bytes there and 8 warps none
     (178-187 registers); at H 128, 32 rows x 32 tokens at 4 warps 858 us (B 8) against 1312 at 8 warps, 1047 for
-    32 x 64 and 1161 for 16-row programs (each tile read 8 times). So pages of at least 64 tokens take the 4-warp
-    tilings (timed at page 64; larger pages, e.g. DSAStaticCache's one page per request, build alike: 96-byte
-    spill); smaller pages and index lists (not timed; 4 warps spill 100-220 bytes there) the 8-warp ones without
-    spills. Several query tokens: 16 rows per program (32 rows spill 12 bytes at 8 warps).
+    32 x 64 and 1161 for 16-row programs (each tile read 8 times); one page of 33408 tokens per request alike (168 /
+    868 us at 4 warps, 234 / 1036 at 8). Token tables (page 1: what the HF pass hands every cache, DSAStaticCache's
+    FP8 one too) and index lists take the 4-warp tilings as well, though they spill 100-180 bytes there: the HF
+    step (H 16, B 8, 32K) took 1.37 ms with the 4-warp (bf16-MMA) kernel and 1.61 with the 8-warp fp16 one, whose
+    stage 1 ran 329 us per call there against 168 at page 64 (H200 2026-12-03; the 4-warp fp16 kernel on token
+    tables not yet timed). Several query tokens: 16 rows per program (32 rows spill 12 bytes at 8 warps).
     fp32 q (the pointer kernel dequantizing its tiles in registers, fp32 MMAs on the dequantized tile): 16 rows x
     16 tokens, 4 warps, 255 registers, 115 KB, no spill (32 rows spill 548-1820 bytes). R that is no multiple of
     128 or above 512 (the dequantizing kernel with q in half precision too): 32-token tiles (the float32
@@ -121,10 +123,9 @@ def fp8_config(rows: int, page_size: int, dtype: torch.dtype = torch.bfloat16, m
     if dtype == torch.float32:
         return DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2, max_splits=256)
     if _fp8.fits(R, dtype):
-        warps = 4 if page_size >= 64 else 8
         if rows <= 16 or multi:
-            return DecodeConfig(block_h=16, block_n=64, num_warps=warps, num_stages=2, max_splits=256)
-        return DecodeConfig(block_h=32, block_n=32, num_warps=warps, num_stages=2, max_splits=256)
+            return DecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, max_splits=256)
+        return DecodeConfig(block_h=32, block_n=32, num_warps=4, num_stages=2, max_splits=256)
     stages = 2 if page_size % 64 == 0 else 3
     if rows <= 16 or multi:
         return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=stages, max_splits=256)

@@ -403,8 +403,8 @@ def _aot():
                                                  (128, 1, 1, torch.float32), (16, 64, 2, torch.float32)])
 def test_fp8_kernels_build_without_spills_within_shared_memory(H, page_size, S, dtype):
     """The FP8 stage-1 kernel each q dtype takes, at its default tiling (R 512 / P 64), for sm_90a without a GPU:
-    no spills beyond the documented ones (bf16 / fp16 q: the 4-warp tilings of pages of >= 64 tokens, measured
-    faster than the spill-free 8-warp ones; 32-row programs of smaller pages: 4-8 bytes),
+    no spills beyond the documented ones (bf16 / fp16 q: the 4-warp tilings, measured faster than the spill-free
+    8-warp ones: 52-96 bytes on pages of >= 64 tokens, 100-180 on token tables),
     shared memory within 200 KB (the H200 has 227 KB a block). bf16 / fp16 q: decode_fp8.py, every e4m3 tile an
     async copy into shared memory (not a synchronous load into registers), converted to fp16 once per two values
     (no bf16 conversion, no float32 product per element); fp32 q: the pointer kernel dequantizing in registers."""
@@ -426,9 +426,9 @@ def test_fp8_kernels_build_without_spills_within_shared_memory(H, page_size, S, 
                            {"Qn": q, "Qp": q, "Ckv": "*fp8e4nv", "Kpe": q, "Scale": "*fp32"},
                            cfg.num_warps, cfg.num_stages)
     print(f"H {H} page {page_size} S {S} {dtype}: {got['registers']} registers, {got['shared_bytes']} B shared")
-    # decode.fp8_config: pages of >= 64 tokens take 4-warp tilings measured faster despite spilling 52-96 bytes;
-    # 32-row programs of smaller pages spill 4-8
-    spill_budget = (128 if page_size >= 64 else 8 if H > 16 and S == 1 else 0) if folded else 0
+    # decode.fp8_config: 4-warp tilings, measured faster despite spilling (52-96 bytes on pages of >= 64 tokens,
+    # 100-180 on token tables, whose tile addresses are per-token loads)
+    spill_budget = (128 if page_size >= 64 else 192) if folded else 0
     assert got["spill_bytes"] <= spill_budget, (got["registers"], got["spill_bytes"])
     assert got["shared_bytes"] <= 200 * 1024, got["shared_bytes"]
     assert "cvt" in got["ptx"] and "e4m3" in got["ptx"]  # the tile is converted from e4m3 in registers
