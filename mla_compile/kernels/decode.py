@@ -111,7 +111,7 @@ def fp8_config(rows: int, page_size: int, dtype: torch.dtype = torch.bfloat16, m
     (178-187 registers); at H 128, 32 rows x 32 tokens at 4 warps 858 us (B 8) against 1312 at 8 warps, 1047 for
     32 x 64 and 1161 for 16-row programs (each tile read 8 times); one page of 33408 tokens per request alike (168 /
     868 us at 4 warps, 234 / 1036 at 8). Token tables (page 1: what the HF pass hands every cache, DSAStaticCache's
-    FP8 one too) and index lists take the 4-warp tilings as well, though they spill 100-180 bytes there: the HF
+    FP8 one too) and index lists take the 4-warp tilings as well, though they spill 100-220 bytes there: the HF
     step (H 16, B 8, 32K) took 1.37 ms with the 4-warp (bf16-MMA) kernel and 1.61 with the 8-warp fp16 one, whose
     stage 1 ran 329 us per call there against 168 at page 64 (H200 2026-12-03; the 4-warp fp16 kernel on token
     tables not yet timed). Several query tokens: 16 rows per program (32 rows spill 12 bytes at 8 warps).

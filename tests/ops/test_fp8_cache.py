@@ -398,13 +398,14 @@ def _aot():
                                                  (128, 64, 1, torch.bfloat16), (128, 1, 1, torch.bfloat16),
                                                  (16, 64, 2, torch.bfloat16), (16, 1, 4, torch.bfloat16),
                                                  (16, 32800, 1, torch.bfloat16),  # one page per request
+                                                 (16, 0, 1, torch.bfloat16),  # page 0: an index list (sparse_decode)
                                                  (16, 64, 1, torch.float16), (128, 1, 1, torch.float16),
                                                  (16, 64, 2, torch.float16),
                                                  (128, 1, 1, torch.float32), (16, 64, 2, torch.float32)])
 def test_fp8_kernels_build_without_spills_within_shared_memory(H, page_size, S, dtype):
     """The FP8 stage-1 kernel each q dtype takes, at its default tiling (R 512 / P 64), for sm_90a without a GPU:
     no spills beyond the documented ones (bf16 / fp16 q: the 4-warp tilings, measured faster than the spill-free
-    8-warp ones: 52-96 bytes on pages of >= 64 tokens, 100-180 on token tables),
+    8-warp ones: 52-96 bytes on pages of >= 64 tokens, 100-220 on token tables and index lists),
     shared memory within 200 KB (the H200 has 227 KB a block). bf16 / fp16 q: decode_fp8.py, every e4m3 tile an
     async copy into shared memory (not a synchronous load into registers), converted to fp16 once per two values
     (no bf16 conversion, no float32 product per element); fp32 q: the pointer kernel dequantizing in registers."""
@@ -414,21 +415,22 @@ def test_fp8_kernels_build_without_spills_within_shared_memory(H, page_size, S, 
 
     aot = _aot()
     rows = H * S
+    sparse, page_size = page_size == 0, max(page_size, 1)
     cfg = D.fp8_config(rows, page_size, dtype, multi=S > 1)
     q = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
     folded = decode_fp8.fits(512, dtype)
     assert folded == (dtype != torch.float32)
-    kernel, constexprs = ((decode_fp8._stage1_fp8_kernel, D.fp8_constexprs(cfg, 512, 64, page_size, False, dtype,
+    kernel, constexprs = ((decode_fp8._stage1_fp8_kernel, D.fp8_constexprs(cfg, 512, 64, page_size, sparse, dtype,
                                                                             S > 1)) if folded else
-                          (D._stage1_kernel, D.pointer_constexprs(cfg, 512, 64, page_size, False, dtype, S > 1,
+                          (D._stage1_kernel, D.pointer_constexprs(cfg, 512, 64, page_size, sparse, dtype, S > 1,
                                                                   fp8=True)))
     got = aot.compile_sm90(kernel, dict(constexprs, PDL=False),
                            {"Qn": q, "Qp": q, "Ckv": "*fp8e4nv", "Kpe": q, "Scale": "*fp32"},
                            cfg.num_warps, cfg.num_stages)
     print(f"H {H} page {page_size} S {S} {dtype}: {got['registers']} registers, {got['shared_bytes']} B shared")
     # decode.fp8_config: 4-warp tilings, measured faster despite spilling (52-96 bytes on pages of >= 64 tokens,
-    # 100-180 on token tables, whose tile addresses are per-token loads)
-    spill_budget = (128 if page_size >= 64 else 192) if folded else 0
+    # 100-220 on token tables and index lists, whose tile addresses are per-token loads)
+    spill_budget = (128 if page_size >= 64 else 256) if folded else 0
     assert got["spill_bytes"] <= spill_budget, (got["registers"], got["spill_bytes"])
     assert got["shared_bytes"] <= 200 * 1024, got["shared_bytes"]
     assert "cvt" in got["ptx"] and "e4m3" in got["ptx"]  # the tile is converted from e4m3 in registers
