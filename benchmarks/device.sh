@@ -4,7 +4,7 @@
 #           wgmma (the Gluon many-head decode kernel, phase by phase)
 #           profile (HF step)  host (per-call host time)  fp8 (FP8 cache decode)  dcp  dsa  hf
 #           generate (HF generate() end to end)  gencrash (lab probe)  compile
-#           families (five HF MLA families at 32K)  fp8probe / topkprobe (lab probes)  report
+#           families (five HF MLA families at 32K)  topkprobe (lab probe)  report
 # Installs the wheels carried in .whl/ (tools/device_wheels.sh fetches them; run(carry=[".whl"])), records the environment, then runs each stage.
 #
 # $OUT stays flat and small (the device tool returns at most 8 files). A full run
@@ -86,8 +86,7 @@ stage_bench() { timeout "${T_BENCH:-400}" python3 benchmarks/bench_ops.py "$OUT/
 stage_multi() { timeout "${T_MULTI:-200}" python3 benchmarks/multi_token.py "$OUT/multi_token.json"; }
 # fp8 (issue 25): FP8 cache decode vs the bf16 cache, FlashMLA bf16 / FP8; FP8_ARGS="--sweep" adds other tilings
 stage_fp8() { timeout "${T_FP8:-300}" python3 benchmarks/fp8_decode.py "$OUT/fp8_decode.json" ${FP8_ARGS:-}; }
-# fp8probe: the lab probe of the FP8 kernel (benchmarks/lab/fp8_probe.py: fp16 MMAs, phases dropped)
-stage_fp8probe() { timeout "${T_FP8PROBE:-240}" python3 benchmarks/lab/fp8_probe.py "$OUT/fp8_probe.json"; }
+stage_fp8probe() { echo "fp8probe: the FP8 kernel's lab probe is retired (benchmarks/lab/README.md)"; }
 # topkprobe: the lab radix-select top-k vs torch.topk (benchmarks/lab/topk_probe.py: graph time, host time per call)
 stage_topkprobe() { timeout "${T_TOPKPROBE:-200}" python3 benchmarks/lab/topk_probe.py "$OUT/topk_probe.json"; }
 stage_host() { timeout "${T_HOST:-180}" python3 benchmarks/host_overhead.py "$OUT/host.json" ${HOST_ARGS:-}; }

@@ -217,7 +217,8 @@ def _tma_stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l,
 def _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, sparse: bool, seq_lens, sm_scale, o, l, s_on, s_ln,
                     ns, cfg: DecodeConfig, n_query: int = 1, ckv_scale=None):
     """(`_stage1_kernel`, or over an FP8 cache with bf16 / fp16 q `decode_fp8._stage1_fp8_kernel` (the same
-    arguments), bound to its grid and compile-time arguments, the numbers after its nine tensor arguments). Launch: `bound(q_nope, q_pe, ckv_cache, kpe_cache, table, table if sparse else seq_lens, o, l,
+    arguments), bound to its grid and compile-time arguments, the numbers after its nine tensor arguments).
+    Launch: `bound(q_nope, q_pe, ckv_cache, kpe_cache, table, table if sparse else seq_lens, o, l,
     ckv_scale if FP8 else o, *numbers)` (o: an unread placeholder pointer without FP8)."""
     B, H, R = q_nope.shape
     P = q_pe.shape[2]

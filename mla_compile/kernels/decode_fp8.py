@@ -43,13 +43,6 @@ def fits(R: int, dtype) -> bool:
 
 
 @triton.jit
-def _load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, g: tl.constexpr):
-    """Group g of q's latent part [BLOCK_H, 128], as stored."""
-    offs = g * 128 + tl.arange(0, 128)[None, :]
-    return tl.load(Qn + b * s_qnb + offs_h[:, None] * s_qnh + offs, mask=mask_h[:, None], other=0.0)
-
-
-@triton.jit
 def _group_scores(s, Ckv, Scale, rows, srow, valid, qg, g: tl.constexpr, DOT_PREC: tl.constexpr,
                   DOT_UPCAST: tl.constexpr):
     """(s + scale_g[n] * (q_g . k8_g[n]), scale_g as [1, BLOCK_N]) for group g of a tile (q_g fp16, prescaled).
@@ -93,8 +86,10 @@ def _q_prescale(Qn, b, offs_h, mask_h, s_qnb, s_qnh, G: tl.constexpr):
 
 
 @triton.jit
-def _prescaled(q, prescale):
-    """q [BLOCK_H, 128] times its rows' power-of-two prescale, as fp16."""
+def _q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, prescale, g: tl.constexpr):
+    """Group g of q's latent part [BLOCK_H, 128] times its rows' power-of-two prescale, as fp16."""
+    offs = g * 128 + tl.arange(0, 128)[None, :]
+    q = tl.load(Qn + b * s_qnb + offs_h[:, None] * s_qnh + offs, mask=mask_h[:, None], other=0.0)
     return (q.to(tl.float32) * prescale[:, None]).to(tl.float16)
 
 
@@ -123,16 +118,16 @@ def _stage1_fp8_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale,
     offs_p = tl.arange(0, BLOCK_P)[None, :]
     qp = tl.load(Qp + b * s_qpb + offs_h[:, None] * s_qph + offs_p, mask=mask_h[:, None] & (offs_p < P), other=0.0)
     unscale, prescale = _q_prescale(Qn, b, offs_h, mask_h, s_qnb, s_qnh, G)
-    q0 = _prescaled(_load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, 0), prescale)
+    q0 = _q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, prescale, 0)
     a0 = tl.zeros([BLOCK_H, 128], tl.float32)
     if G > 1:
-        q1 = _prescaled(_load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, 1), prescale)
+        q1 = _q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, prescale, 1)
         a1 = tl.zeros([BLOCK_H, 128], tl.float32)
     if G > 2:
-        q2 = _prescaled(_load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, 2), prescale)
+        q2 = _q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, prescale, 2)
         a2 = tl.zeros([BLOCK_H, 128], tl.float32)
     if G > 3:
-        q3 = _prescaled(_load_q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, 3), prescale)
+        q3 = _q_group(Qn, b, offs_h, mask_h, s_qnb, s_qnh, prescale, 3)
         a3 = tl.zeros([BLOCK_H, 128], tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, base-2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)

@@ -80,14 +80,18 @@ def _tiles(N: int, rows: int, R: int, sms: int) -> tuple[int, int, tuple[int, in
     block_r = min(next_power_of_2(max(R, 1)), 512)
     while block_r > 64 and rows * cdiv(R, block_r) < 2 * sms:
         block_r //= 2  # few rows (split-KV stage 2 at batch 1): more, narrower programs
-    block_n = min(next_power_of_2(N), max(_TILE // block_r, 1))
+    block_n = min(next_power_of_2(N), _parts_per_tile(block_r))
     return block_n, block_r, (rows, max(1, cdiv(R, block_r)))  # R == 0 still needs the lse
+
+
+def _parts_per_tile(block_r: int) -> int:
+    return max(_TILE // block_r, 1)
 
 
 def one_pass_parts(rows: int, R: int, sms: int) -> int:
     """The most parts `_merge_kernel` merges in one pass over `rows` rows of width R (more take a second pass, which
     a split count should avoid: kernels/decode.py `num_splits`)."""
-    return max(_TILE // _tiles(1, rows, R, sms)[1], 1)
+    return _parts_per_tile(_tiles(1, rows, R, sms)[1])
 
 
 def merge_launch(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
