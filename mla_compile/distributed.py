@@ -34,14 +34,24 @@ class DCPGroup:
     rank: int
     group_name: str
     device: torch.device
-    group: object = None  # the torch.distributed ProcessGroup (None for a single-process "group")
     # TP x DCP (`init_dcp(tp_size=...)`): attention heads split over tp_size * size ranks, this DCP group being one
     # TP rank's block of them; heads_sharded False: pure DCP (every rank computes every head)
     tp_size: int = 1
     tp_rank: int = 0
     heads_sharded: bool = False
     head_group_name: str = ""  # the tp_size * size ranks whose heads o_proj's partial sums add up
-    head_group: object = None
+
+    # The process groups are looked up by name, not held: a reference held here kept a destroyed group (and its
+    # gloo threads) alive until interpreter teardown, where destroying it could abort the process.
+    @property
+    def group(self):
+        """The DCP group's torch.distributed ProcessGroup (None for a single-process "group")."""
+        return _lookup(self.group_name)
+
+    @property
+    def head_group(self):
+        """TP x DCP: the head group's ProcessGroup (None without one)."""
+        return _lookup(self.head_group_name)
 
     @property
     def head_shards(self) -> int:
@@ -56,7 +66,15 @@ class DCPGroup:
     @classmethod
     def single(cls, device="cpu") -> "DCPGroup":
         """dcp_size 1: no process group at all (`dcp_decode` is then plain `decode`)."""
-        return cls(1, 0, "", torch.device(device), None)
+        return cls(1, 0, "", torch.device(device))
+
+
+def _lookup(group_name: str):
+    if not group_name:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)  # raises naming the group once it is destroyed
 
 
 def init_dcp(backend: str | None = None, timeout: datetime.timedelta | float | None = None,
@@ -120,7 +138,7 @@ def init_dcp(backend: str | None = None, timeout: datetime.timedelta | float | N
         group = dist.new_group(ranks=list(range(world)), timeout=timeout)
     else:
         group, _ = dist.new_subgroups(group_size=n, timeout=timeout or DEFAULT_TIMEOUT)
-    return DCPGroup(n, dist.get_rank(group), group.group_name, device, group)
+    return DCPGroup(n, dist.get_rank(group), group.group_name, device)
 
 
 def _default_device(device):
@@ -150,8 +168,8 @@ def _init_tp_dcp(world: int, tp_size, dcp_size, timeout, own_default: bool, devi
     head_group = sub(heads)
     group = sub(d)
     g = dist.get_rank(head_group)
-    return DCPGroup(d, dist.get_rank(group), group.group_name, device, group, tp_size=tp_size, tp_rank=g // d,
-                    heads_sharded=True, head_group_name=head_group.group_name, head_group=head_group)
+    return DCPGroup(d, dist.get_rank(group), group.group_name, device, tp_size=tp_size, tp_rank=g // d,
+                    heads_sharded=True, head_group_name=head_group.group_name)
 
 
 @dataclasses.dataclass

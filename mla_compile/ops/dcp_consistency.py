@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import struct
+import weakref
 
 import torch
 
@@ -252,7 +253,9 @@ def check_lens(lens: list[list[int]], group_name: str) -> None:
 # ------------------------------------------------------------------------------------------------ eager calls
 @dataclasses.dataclass
 class _Group:
-    pg: object
+    # weak: a strong reference here kept a destroyed group's gloo threads alive until interpreter teardown, where
+    # destroying them aborted the process ('terminate called without an active exception')
+    pg: weakref.ref
     agreed: Signature | None = None  # the signature the group's last agreed eager call had
 
 
@@ -269,9 +272,9 @@ def _eager(t: torch.Tensor) -> bool:
 class EagerCall:
     """One eager call's side of the protocol on its group (see the module docstring)."""
 
-    def __init__(self, group: _Group, group_name: str, device: torch.device):
+    def __init__(self, group: _Group, pg, group_name: str, device: torch.device):
         self.group, self.group_name, self.device = group, group_name, device
-        self.n = group.pg.size()
+        self.n = pg.size()
         self.pending = True  # this rank still owes its peers the call's next collective
         self.raises = C.data_checks_enabled(device)  # host verdicts where checks already read values
 
@@ -290,9 +293,9 @@ class EagerCall:
         except Exception:  # noqa: BLE001 - the checks raise the group_name error
             return None
         group = _GROUPS.get(group_name)
-        if group is None or group.pg is not pg:  # a new group under a reused name starts afresh
-            group = _GROUPS[group_name] = _Group(pg)
-        return cls(group, group_name, tensors[0].device)
+        if group is None or group.pg() is not pg:  # a new group under a reused name starts afresh
+            group = _GROUPS[group_name] = _Group(weakref.ref(pg))
+        return cls(group, pg, group_name, tensors[0].device)
 
     def _send(self, kind: int, fields: list[int], argcode: int = 0) -> list[list[int]]:
         """A first-collective message of this call sized like the agreed signature's; every rank's header."""

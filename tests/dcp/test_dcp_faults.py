@@ -204,7 +204,21 @@ def cmd_stall(ctx, bad: int, stall_s: float):
     return "survived"
 
 
-COMMANDS = {f.__name__[4:]: f for f in (cmd_lens, cmd_shapes, cmd_reject, cmd_skip, cmd_die, cmd_stall)}
+def cmd_teardown(ctx):
+    """Eager dcp_decode calls, then destroy_process_group while this rank still holds its DCPGroup: the gloo
+    threads left after it (a group kept alive past it is torn down with the interpreter, which can abort the
+    process: 'terminate called without an active exception')."""
+    import torch.distributed as dist
+
+    good = _good(ctx, 50) and _good(ctx, 51)
+    dist.destroy_process_group()
+    tasks = f"/proc/{os.getpid()}/task"
+    names = [open(f"{tasks}/{t}/comm").read().strip() for t in os.listdir(tasks)] if os.path.isdir(tasks) else None
+    return {"good": good, "threads": names}
+
+
+COMMANDS = {f.__name__[4:]: f for f in (cmd_lens, cmd_shapes, cmd_reject, cmd_skip, cmd_die, cmd_stall,
+                                        cmd_teardown)}
 
 
 # ============================================================================================ tests
@@ -289,3 +303,16 @@ def test_init_dcp_timeout_bounds_a_stalled_peer():
     for r in (0, 1):
         assert "dcp_decode" in errors[r] and "outer timeout" not in errors[r], errors[r]
     assert info.value.elapsed < 20, f"took {info.value.elapsed:.1f}s"
+
+
+def test_destroy_process_group_frees_the_group_while_a_dcp_group_is_held():
+    g = base.GlooGroup(2, commands=__name__)
+    try:
+        res = g.run("teardown")
+    finally:
+        g.close()
+    assert all(r["good"] for r in res)
+    if res[0]["threads"] is None:
+        pytest.skip("no /proc: thread names unavailable")
+    for r in res:
+        assert not [t for t in r["threads"] if "gloo" in t], r["threads"]

@@ -82,7 +82,8 @@ def _worker(rank: int, n: int, init_file: str, pg_timeout_s: float, conn, dcp_ti
             conn.send(("err", f"rank {rank}: {traceback.format_exc()}"))
             conn.close()
             os._exit(1)
-    dist.destroy_process_group()
+    if dist.is_initialized():  # a command may have destroyed it (cmd_teardown)
+        dist.destroy_process_group()
     conn.close()
 
 

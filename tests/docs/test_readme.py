@@ -85,7 +85,8 @@ def test_readme_dcp_snippet_runs_under_torchrun(tmp_path):
     script = tmp_path / "dcp_demo.py"
     script.write_text(BLOCKS["dcp-torchrun"])
     path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
+    # PYTHONFAULTHANDLER: a rank that aborts prints its Python stacks (on the agent's stderr, shown on failure)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", PYTHONPATH=os.pathsep.join(path))
     logs = tmp_path / "logs"  # each rank's stdout in a file of its own: on one pipe, two prints can interleave
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "--log-dir", str(logs), "--redirects", "1", str(script)], cwd=tmp_path, env=env,
