@@ -19,7 +19,6 @@ kept and reset instead (`reuse_cache`).
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import logging
@@ -89,6 +88,9 @@ def optimize_generate(model, mode: str | None = "reduce-overhead", *, masks_in_g
       Other models and devices keep HF's default.
     * Families that need a Dynamo setting for their decode step to stay one graph (`dynamo_config`: glm5_next
       captures data-dependent output shapes) get it for the duration of each generate() call.
+    * Dynamo's recompile limit is at least `RECOMPILE_LIMIT` during each generate() call: every batch size gets
+      a graph of its own (`dynamic=False`), a DSA model two (dense and sparse), and another cache class others,
+      so Dynamo's default of 8 ran a model's ninth such step shape eagerly (a warning, then the slow path).
     * `reuse_cache`: the static cache HF builds for a call is kept and reset (zeroed in place) for the next call of
       the same batch size, cache length, dtype and device, instead of a new one per call (transformers 5.24 builds
       a new StaticCache every generate()). Its tensors are static addresses of the CUDA graphs, so a new cache means
@@ -178,6 +180,11 @@ def dynamo_config(model) -> dict:
     return next((dict(_DYNAMO_CONFIG[t]) for t in types if t in _DYNAMO_CONFIG), {})
 
 
+# Graphs one compiled decode step may have (Dynamo's recompile_limit, default 8) during generate(): one per batch
+# size, cache class and, for DSA models, dense / sparse graph.
+RECOMPILE_LIMIT = 64
+
+
 # --------------------------------------------------------------------------- generate(), wrapped once
 _DEFERRING = contextvars.ContextVar("mla_compile_defer_stop_check", default=False)
 _RETURNS_CACHE = contextvars.ContextVar("mla_compile_generate_returns_cache", default=True)
@@ -186,15 +193,27 @@ _DEFERS = "_mla_compile_defers_stop_check"  # on our wrapper: whether it defers 
 _CACHE_KWARGS = ("cache", "past_key_values")
 
 
+def _beam_search(model, kwargs: dict) -> bool:
+    """Whether this generate() call asks for beam search (num_beams > 1), from the call or its generation config."""
+    config = kwargs.get("generation_config") or model.generation_config
+    return (kwargs.get("num_beams") or getattr(config, "num_beams", 1) or 1) > 1
+
+
 def _wrap_generate(model, generate, defer: bool, dynamo: dict | None = None):
     @functools.wraps(generate)
     def mla_generate(*args, **kwargs):
+        if _beam_search(model, kwargs):
+            # HF's beam search calls the model itself, never its auto-compiled step (and it reorders the cache by
+            # replacing its tensors, which CUDA graphs cannot follow): said, not skipped silently
+            log.warning("mla_compile: generate() with num_beams > 1 runs HF's beam search, which does not use "
+                        "its auto-compile: these steps decode with HF's own attention, not mla_dcp")
         if any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
             kwargs.setdefault("cache_implementation", None)  # the caller's cache replaces our "static" default
         token = _DEFERRING.set(defer)
         returns = _RETURNS_CACHE.set(_returns_cache(model, kwargs))
+        config = {"recompile_limit": max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT), **(dynamo or {})}
         try:
-            with torch._dynamo.config.patch(**dynamo) if dynamo else contextlib.nullcontext():
+            with torch._dynamo.config.patch(**config):
                 return generate(*args, **kwargs)
         finally:
             _RETURNS_CACHE.reset(returns)

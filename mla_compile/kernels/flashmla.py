@@ -16,7 +16,9 @@ What FlashMLA reads, and what that costs with our caches:
 - q: [B, 1, H, R + P], q_nope | q_pe concatenated (a copy of B * H * 576 elements: small).
 - P = 0 (rope-less MLA): FlashMLA's 512-wide head reads ckv alone, in place.
 - Results: out [B, 1, H, 512] in q's dtype, lse float32 [B, H, 1], natural log. A row with seq_len 0 gets
-  lse +inf (its output is no documented value); we overwrite both -> (0, -inf), our contract.
+  lse +inf (its output is no documented value); `_empty_rows_kernel` turns those rows into (0, -inf), our
+  contract, in place: one launch that reads the lses and writes only the empty rows (an eager `seq_lens == 0`
+  and two `torch.where` were three launches and a re-read and re-write of the whole output).
 - Block-table entries past a request's pages are never used as pages; an empty request's first entry may be
   handed to a TMA load, which clips an out-of-range page (zero fill) instead of reading it.
 
@@ -33,6 +35,11 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
+
+from ._launch import fast
+from ._util import cdiv, next_power_of_2
 
 LATENT = 512  # R: FlashMLA's value / latent width
 ROPE = 64  # P: the rope width of its 576-wide head (P = 0 uses its 512-wide head)
@@ -169,7 +176,30 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
     sched, _ = fm.get_mla_metadata()  # empty: the call below fills it on the device (see the module docstring)
     out, lse = fm.flash_mla_with_kvcache(q, kv, table.contiguous(), seq_lens.contiguous(), R, sched,
                                          softmax_scale=sm_scale, causal=False, use_legacy=True)
-    empty = (seq_lens == 0)[:, None]
-    out = torch.where(empty[..., None], 0.0, out.reshape(B, H, R))
-    lse = torch.where(empty, float("-inf"), lse.reshape(B, H))
+    out, lse = out.view(B, H, R), lse.view(B, H)
+    empty_rows_to_contract(out, lse)
     return out, lse
+
+
+@triton.jit
+def _empty_rows_kernel(Out, Lse, rows, R: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    lse = tl.load(Lse + offs, mask=offs < rows, other=0.0)
+    empty = (offs < rows) & (lse == float("inf"))  # NaN rows stay NaN: a fault, not an empty row
+    tl.store(Lse + offs, tl.full([BLOCK_ROWS], float("-inf"), tl.float32), mask=empty)
+    cols = tl.arange(0, BLOCK_R)
+    zero = tl.zeros([BLOCK_ROWS, BLOCK_R], Out.dtype.element_ty)
+    tl.store(Out + offs.to(tl.int64)[:, None] * R + cols[None, :], zero, mask=empty[:, None] & (cols < R)[None, :])
+
+
+_ROWS_PER_PROGRAM = 16
+
+
+def empty_rows_to_contract(out: torch.Tensor, lse: torch.Tensor) -> None:
+    """In place: rows whose lse is +inf (FlashMLA's empty rows) become out 0, lse -inf; every other row (NaN
+    included) is left as it is. out [B, H, R] and lse float32 [B, H], both contiguous."""
+    rows, R = lse.numel(), out.shape[-1]
+    assert out.is_contiguous() and lse.is_contiguous() and lse.dtype == torch.float32 and out.numel() == rows * R
+    if rows:
+        fast(_empty_rows_kernel)[(cdiv(rows, _ROWS_PER_PROGRAM),)](
+            out, lse, rows, R=R, BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_R=next_power_of_2(max(R, 1)), num_warps=4)

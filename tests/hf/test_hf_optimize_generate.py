@@ -44,6 +44,30 @@ def test_optimize_generate_matches_eager_and_rewrites(attn):
     assert COUNTERS["stats"]["unique_graphs"] == 1
 
 
+def test_beam_search_and_sampled_sequences_match_eager(caplog):
+    """Several returned sequences per prompt (the batch expanded to B * n): the same tokens as eager generate, every
+    decode layer rewritten. Beam search: HF never auto-compiles it (its loop calls the model itself): the same
+    tokens, nothing compiled, and a warning that says so."""
+    model = M.deepseek_v3(num_layers=2)
+    ids, mask = M.batch(B=2, T=6, L=6, pad=2)
+    beams = dict(do_sample=False, num_beams=3, num_return_sequences=2)
+    sampled = dict(do_sample=True, top_k=4, num_return_sequences=2)
+    torch.manual_seed(1)
+    refs = [_eager(model, ids, mask, 6, **beams), _eager(model, ids, mask, 6, **sampled)]
+    torch._dynamo.reset()
+    COUNTERS.clear()
+    optimize_generate(model)
+    torch.manual_seed(1)
+    with torch.no_grad(), caplog.at_level("WARNING", logger=G.__name__):
+        outs = [model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, pad_token_id=0, **kw)
+                for kw in (beams, sampled)]
+    assert outs[0].shape == (4, 12) and torch.equal(outs[0], refs[0])
+    assert outs[1].shape == (4, 12) and torch.equal(outs[1], refs[1])
+    assert sum("num_beams" in r.getMessage() for r in caplog.records) == 1  # the sampled call: no warning
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2  # the sampled call's decode graph
+    assert COUNTERS["mla_compile"].get("mla_attention_not_rewritten", 0) == 0
+
+
 def test_optimize_generate_wraps_generate_once_and_keeps_a_set_cache_implementation():
     model = M.deepseek_v3(num_layers=1)
     model.generation_config.cache_implementation = "paged"  # whatever the user set stays
@@ -117,6 +141,22 @@ def test_optimize_generate_applies_a_family_dynamo_config_only_inside_generate()
     optimize_generate(model)
     model.generate()
     assert seen == [True] and torch._dynamo.config.capture_dynamic_output_shape_ops == before
+
+
+def test_generate_raises_the_recompile_limit_only_inside_generate():
+    """A graph per batch size (dynamic=False), per DSA graph and per cache class: Dynamo's default limit (8) would
+    run a model's ninth decode-step shape eagerly. Inside generate() the limit is at least G.RECOMPILE_LIMIT (a
+    higher one set by the user stays); outside, unchanged."""
+    model = M.deepseek_v3(num_layers=1)
+    seen = []
+    model.generate = lambda *a, **k: seen.append(torch._dynamo.config.recompile_limit)
+    before = torch._dynamo.config.recompile_limit
+    optimize_generate(model)
+    model.generate()
+    with torch._dynamo.config.patch(recompile_limit=G.RECOMPILE_LIMIT * 2):
+        model.generate()
+    assert seen == [max(before, G.RECOMPILE_LIMIT), G.RECOMPILE_LIMIT * 2] and G.RECOMPILE_LIMIT > 8
+    assert torch._dynamo.config.recompile_limit == before
 
 
 

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, rea
               pytest.mark.xdist_group("test_triton_interpret")]
 
 CHECKS = ["decode", "decode_tma", "decode_strided_q", "decode_fp32_odd_dims", "decode_multi_token", "sparse_decode",
-          "merge_states", "cache_write", "indexer_topk", "k_only_indices", "fused_linear",
+          "merge_states", "flashmla_empty_rows", "cache_write", "indexer_topk", "k_only_indices", "fused_linear",
           "linear_partials", "per_head_linear"]
 
 
@@ -197,6 +197,28 @@ def check_sparse_decode():
         out, lse = K.sparse_decode(qn, qp, bt.ckv_cache, bt.kpe_cache, idx, scale,
                                    cfg=K.DecodeConfig(block_h=16, block_n=16), splits=ns)
         _check_attention(out, lse, *want, 1e-5)
+
+
+def check_flashmla_empty_rows():
+    """FlashMLA's empty rows (lse +inf) become (0, -inf) in place; every other row, NaN ones included, untouched."""
+    import torch
+
+    from mla_compile.kernels import flashmla as K
+
+    gen = torch.Generator().manual_seed(6)
+    for B, H, R, dtype in [(3, 16, 512, torch.bfloat16), (5, 7, 40, torch.float32), (1, 40, 512, torch.float16)]:
+        out = torch.randn(B, H, R, generator=gen).to(dtype)
+        lse = torch.randn(B, H, generator=gen)
+        lse.view(-1)[::3] = float("inf")  # rows across program boundaries (16 rows a program)
+        lse.view(-1)[1::5] = float("nan")
+        lse.view(-1)[2::7] = float("-inf")
+        out.view(-1, R)[::2] = float("nan")  # an empty row's output is not read, only overwritten
+        empty = lse == float("inf")
+        want_out = torch.where(empty[..., None], torch.zeros((), dtype=dtype), out)
+        want_lse = torch.where(empty, float("-inf"), lse)
+        K.empty_rows_to_contract(out, lse)
+        assert torch.equal(out.isnan(), want_out.isnan()) and torch.equal(out.nan_to_num(), want_out.nan_to_num())
+        assert torch.equal(lse.isnan(), want_lse.isnan()) and torch.equal(lse.nan_to_num(), want_lse.nan_to_num())
 
 
 def check_merge_states():
