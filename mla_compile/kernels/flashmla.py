@@ -176,7 +176,7 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
     sched, _ = fm.get_mla_metadata()  # empty: the call below fills it on the device (see the module docstring)
     out, lse = fm.flash_mla_with_kvcache(q, kv, table.contiguous(), seq_lens.contiguous(), R, sched,
                                          softmax_scale=sm_scale, causal=False, use_legacy=True)
-    out, lse = out.view(B, H, R), lse.view(B, H)
+    out, lse = out.reshape(B, H, R), lse.reshape(B, H)  # views of the contiguous results
     empty_rows_to_contract(out, lse)
     return out, lse
 
