@@ -254,6 +254,30 @@ if _BaseLayer is not None:
                 self.indexer_keys.zero_()
                 self.indexer_cumulative_length.zero_()
 
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            """Beam search: request b continues with request beam_idx[b]'s tokens. HF's static layers index_select
+            their [B, ...] buffers; ours are page pools (dim 0: pages), so the pages are copied through the block
+            table instead, in place (every buffer keeps its address: marked static, read by CUDA graphs). The
+            source pages are gathered before any is written: a beam kept twice is read, not overwritten. Under DCP
+            each rank copies its own shard (the same requests everywhere)."""
+            if not self.is_initialized:
+                return
+            beam_idx = beam_idx.to(self.device)
+            if beam_idx.shape != (self.batch_size,):
+                raise ValueError(f"beam_idx: expected one source request per request ({self.batch_size}), got "
+                                 f"shape {tuple(beam_idx.shape)}")
+            dst = self.block_table.reshape(-1).long()
+            src = self.block_table.index_select(0, beam_idx).reshape(-1).long()
+            pools = [self.keys] if self.keys is self.values else [self.keys, self.values]
+            if self.dcp_size > 1 and getattr(self, "is_indexer_initialized", False):
+                pools.append(self.indexer_keys)  # the DCP indexer keys live in the latent's pages
+            for pool in pools:
+                pool.index_copy_(0, dst, pool.index_select(0, src))
+            if self.dcp_size == 1 and getattr(self, "is_indexer_initialized", False):  # HF's [B, L, Di] buffer
+                self.indexer_keys.copy_(self.indexer_keys.index_select(0, beam_idx))
+            if getattr(self, "indexer_position_ids", None) is not None:
+                self.indexer_position_ids = self.indexer_position_ids.index_select(1, beam_idx)
+
     class MLAPagedCache(DSADenseMixin, Cache):
         """HF `Cache` keeping each layer's MLA latent in a paged (optionally DCP-sharded) cache.
 
