@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ._launch import fast
-from ._util import cdiv, next_power_of_2
+from ._util import _INTERPRETED, cdiv, next_power_of_2
 
 LATENT = 512  # R: FlashMLA's value / latent width
 ROPE = 64  # P: the rope width of its 576-wide head (P = 0 uses its 512-wide head)
@@ -200,6 +200,10 @@ def empty_rows_to_contract(out: torch.Tensor, lse: torch.Tensor) -> None:
     included) is left as it is. out [B, H, R] and lse float32 [B, H], both contiguous."""
     rows, R = lse.numel(), out.shape[-1]
     assert out.is_contiguous() and lse.is_contiguous() and lse.dtype == torch.float32 and out.numel() == rows * R
-    if rows:
+    if not (out.is_cuda or _INTERPRETED):  # a CPU stand-in for flash_mla (tests): the same fix-up in torch
+        empty = lse == float("inf")
+        out.masked_fill_(empty.unsqueeze(-1), 0)
+        lse.masked_fill_(empty, float("-inf"))
+    elif rows:
         fast(_empty_rows_kernel)[(cdiv(rows, _ROWS_PER_PROGRAM),)](
             out, lse, rows, R=R, BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_R=next_power_of_2(max(R, 1)), num_warps=4)
