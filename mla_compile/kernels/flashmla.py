@@ -17,8 +17,9 @@ What FlashMLA reads, and what that costs with our caches:
 - P = 0 (rope-less MLA): FlashMLA's 512-wide head reads ckv alone, in place.
 - Results: out [B, 1, H, 512] in q's dtype, lse float32 [B, H, 1], natural log. A row with seq_len 0 gets
   lse +inf (its output is no documented value); `_empty_rows_kernel` turns those rows into (0, -inf), our
-  contract, in place: one launch that reads the lses and writes only the empty rows (an eager `seq_lens == 0`
-  and two `torch.where` were three launches and a re-read and re-write of the whole output).
+  contract, in place: one launch that reads seq_lens and writes only the empty rows (an eager `seq_lens == 0`
+  and two `torch.where` were three launches and a re-read and re-write of the whole output). FlashMLA also
+  reports +inf for a row whose softmax sum is 0 or NaN (NaN in the cache): such a row is left as it is.
 - Block-table entries past a request's pages are never used as pages; an empty request's first entry may be
   handed to a TMA load, which clips an out-of-range page (zero fill) instead of reading it.
 
@@ -174,18 +175,20 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
     q = (torch.cat((q_nope, q_pe), dim=-1) if q_pe.shape[-1] else q_nope.contiguous()).unsqueeze(1)
     kv, table, _ = kv_cache(ckv_cache, kpe_cache, block_table)
     sched, _ = fm.get_mla_metadata()  # empty: the call below fills it on the device (see the module docstring)
-    out, lse = fm.flash_mla_with_kvcache(q, kv, table.contiguous(), seq_lens.contiguous(), R, sched,
-                                         softmax_scale=sm_scale, causal=False, use_legacy=True)
+    seq_lens = seq_lens.contiguous()
+    out, lse = fm.flash_mla_with_kvcache(q, kv, table.contiguous(), seq_lens, R, sched, softmax_scale=sm_scale,
+                                         causal=False, use_legacy=True)
     out, lse = out.reshape(B, H, R), lse.reshape(B, H)  # views of the contiguous results
-    empty_rows_to_contract(out, lse)
+    empty_rows_to_contract(out, lse, seq_lens)
     return out, lse
 
 
 @triton.jit
-def _empty_rows_kernel(Out, Lse, rows, R: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    lse = tl.load(Lse + offs, mask=offs < rows, other=0.0)
-    empty = (offs < rows) & (lse == float("inf"))  # NaN rows stay NaN: a fault, not an empty row
+def _empty_rows_kernel(Out, Lse, SeqLens, rows, H, R: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                       BLOCK_R: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # (b, h) rows
+    live = offs < rows
+    empty = live & (tl.load(SeqLens + offs // H, mask=live, other=1) == 0)
     tl.store(Lse + offs, tl.full([BLOCK_ROWS], float("-inf"), tl.float32), mask=empty)
     cols = tl.arange(0, BLOCK_R)
     zero = tl.zeros([BLOCK_ROWS, BLOCK_R], Out.dtype.element_ty)
@@ -195,15 +198,17 @@ def _empty_rows_kernel(Out, Lse, rows, R: tl.constexpr, BLOCK_ROWS: tl.constexpr
 _ROWS_PER_PROGRAM = 16
 
 
-def empty_rows_to_contract(out: torch.Tensor, lse: torch.Tensor) -> None:
-    """In place: rows whose lse is +inf (FlashMLA's empty rows) become out 0, lse -inf; every other row (NaN
-    included) is left as it is. out [B, H, R] and lse float32 [B, H], both contiguous."""
-    rows, R = lse.numel(), out.shape[-1]
-    assert out.is_contiguous() and lse.is_contiguous() and lse.dtype == torch.float32 and out.numel() == rows * R
+def empty_rows_to_contract(out: torch.Tensor, lse: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """In place: the rows of requests with seq_len 0 (FlashMLA: lse +inf, out undocumented) become out 0,
+    lse -inf; every other row is left as FlashMLA wrote it (a row it found NaN in keeps its +inf lse: a fault
+    stays visible). out [B, H, R] and lse float32 [B, H], both contiguous; seq_lens int32 [B]."""
+    B, H, R = out.shape
+    assert out.is_contiguous() and lse.is_contiguous() and lse.dtype == torch.float32 and lse.shape == (B, H)
     if not (out.is_cuda or _INTERPRETED):  # a CPU stand-in for flash_mla (tests): the same fix-up in torch
-        empty = lse == float("inf")
+        empty = (seq_lens == 0)[:, None]
         out.masked_fill_(empty.unsqueeze(-1), 0)
         lse.masked_fill_(empty, float("-inf"))
-    elif rows:
-        fast(_empty_rows_kernel)[(cdiv(rows, _ROWS_PER_PROGRAM),)](
-            out, lse, rows, R=R, BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_R=next_power_of_2(max(R, 1)), num_warps=4)
+    elif B * H:
+        fast(_empty_rows_kernel)[(cdiv(B * H, _ROWS_PER_PROGRAM),)](
+            out, lse, seq_lens, B * H, H, R=R, BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_R=next_power_of_2(max(R, 1)),
+            num_warps=4)

@@ -175,3 +175,15 @@ def test_fp32_pointer_kernel_fits_shared_memory_without_spills(H, page_size, P):
                            {k: "*fp32" for k in ("Qn", "Qp", "Ckv", "Kpe")}, cfg.num_warps, cfg.num_stages)
     assert got["shared_bytes"] <= 200 * 1024, got["shared_bytes"]
     assert got["spill_bytes"] == 0, got["registers"]
+
+
+def test_flashmla_empty_row_fixup_writes_16_byte_rows_without_spills():
+    """kernels/flashmla.py's fix-up (FlashMLA's empty rows -> (0, -inf)): the zero rows as 16-byte stores, no
+    spills, no shared memory; only seq_lens read (one 4-byte load per row)."""
+    from mla_compile.kernels import flashmla as F
+
+    out = aot.compile_sm90(F._empty_rows_kernel, dict(R=512, BLOCK_ROWS=16, BLOCK_R=512),
+                           {"Out": "*bf16", "Lse": "*fp32", "SeqLens": "*i32"}, 4, 1,
+                           divisible={"Out", "Lse", "SeqLens"}, gluon=True)  # gluon: no dot-mode constexprs
+    assert "st.global.v4.b32" in out["ptx"] and out["spill_bytes"] == 0 and out["shared_bytes"] == 0
+    assert set(re.findall(r"ld\.global[.a-z0-9]*", out["ptx"])) == {"ld.global.b32"}

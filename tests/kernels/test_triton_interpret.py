@@ -200,25 +200,27 @@ def check_sparse_decode():
 
 
 def check_flashmla_empty_rows():
-    """FlashMLA's empty rows (lse +inf) become (0, -inf) in place; every other row, NaN ones included, untouched."""
+    """The rows of requests with seq_len 0 become (0, -inf) in place; every other row untouched, a +inf lse of
+    a non-empty row (FlashMLA's NaN row) and NaN outs included."""
     import torch
 
     from mla_compile.kernels import flashmla as K
 
     gen = torch.Generator().manual_seed(6)
-    for B, H, R, dtype in [(3, 16, 512, torch.bfloat16), (5, 7, 40, torch.float32), (1, 40, 512, torch.float16)]:
+    for B, H, R, dtype in [(3, 16, 512, torch.bfloat16), (5, 7, 40, torch.float32), (9, 5, 512, torch.float16)]:
         out = torch.randn(B, H, R, generator=gen).to(dtype)
         lse = torch.randn(B, H, generator=gen)
-        lse.view(-1)[::3] = float("inf")  # rows across program boundaries (16 rows a program)
-        lse.view(-1)[1::5] = float("nan")
-        lse.view(-1)[2::7] = float("-inf")
-        out.view(-1, R)[::2] = float("nan")  # an empty row's output is not read, only overwritten
-        empty = lse == float("inf")
+        seq_lens = torch.randint(1, 50, (B,), generator=gen, dtype=torch.int32)
+        seq_lens[::2] = 0  # empty requests across program boundaries (16 rows a program)
+        lse[seq_lens == 0] = float("inf")
+        lse[1, 0], out[1, 0] = float("inf"), float("nan")  # a non-empty row FlashMLA found NaN in: stays
+        out[0, 1:3] = float("nan")  # an empty row's output is overwritten, never read
+        empty = (seq_lens == 0)[:, None].expand(B, H)
         want_out = torch.where(empty[..., None], torch.zeros((), dtype=dtype), out)
         want_lse = torch.where(empty, float("-inf"), lse)
-        K.empty_rows_to_contract(out, lse)
+        K.empty_rows_to_contract(out, lse, seq_lens)
         assert torch.equal(out.isnan(), want_out.isnan()) and torch.equal(out.nan_to_num(), want_out.nan_to_num())
-        assert torch.equal(lse.isnan(), want_lse.isnan()) and torch.equal(lse.nan_to_num(), want_lse.nan_to_num())
+        assert torch.equal(lse, want_lse)
 
 
 def check_merge_states():
