@@ -1,4 +1,4 @@
-"""Beam search with our paged cache: HF reorders the cache between steps (`Cache.reorder_cache(beam_idx)`: request
+"""Beam search and seeded sampling with our paged cache: HF reorders the cache between steps (`Cache.reorder_cache(beam_idx)`: request
 b continues beam beam_idx[b]); HF's static layers index_select their [B, ...] buffers, our layers are page pools,
 so they copy pages through the block table, in place. Token-exact against eager HF with its StaticCache, and the
 page copy against its definition for every layout (bf16, fused rows, FP8 token buffer, DCP shard with indexer
@@ -31,6 +31,22 @@ def test_beam_search_over_shuffled_pages_matches_hf_static_cache(fused_rows):
     ref = _generate(model, ids, mask)
     cache = MLAPagedCache(model.config, max_cache_len=16, page_size=4, shuffle_pages=True, fused_rows=fused_rows)
     out = _generate(model, ids, mask, cache)
+    assert out.shape == (4, 14) and torch.equal(out, ref)
+
+
+def test_seeded_sampling_over_shuffled_pages_matches_hf_static_cache():
+    """Several sampled sequences per prompt through a passed paged cache: the same tokens as HF's StaticCache
+    under the same seed (the page shuffle draws from a generator of its own, not the global one)."""
+    model = M.deepseek_v3(num_layers=2)
+    ids, mask = M.batch(B=2, T=6, L=6, pad=2)
+    kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, pad_token_id=0, disable_compile=True,
+              do_sample=True, top_k=4, num_return_sequences=2)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        ref = model.generate(ids, cache_implementation="static", **kw)
+        torch.manual_seed(3)
+        cache = MLAPagedCache(model.config, max_cache_len=16, page_size=4, shuffle_pages=True)
+        out = model.generate(ids, **kw, **cache_kwargs(model, cache))
     assert out.shape == (4, 14) and torch.equal(out, ref)
 
 
