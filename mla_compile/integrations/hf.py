@@ -169,9 +169,11 @@ if _BaseLayer is not None:
             cap = layout.local_capacity(self.max_cache_len, self.dcp_size)
             self.max_pages = -(-cap // self.page_size)
             num_pages = self.batch_size * self.max_pages
-            # a generator of its own: drawing from the global one would change a seeded generate()'s samples
-            order = (torch.randperm(num_pages, generator=torch.Generator().manual_seed(num_pages))
-                     if self.shuffle_pages else torch.arange(num_pages))
+            order = torch.arange(num_pages)
+            if self.shuffle_pages:
+                # scrambled by a multiplicative hash, not drawn: a draw from the global RNG would change a seeded
+                # generate()'s samples, and a Generator of its own cannot be made inside a compiled first step
+                order = torch.argsort((order * 2654435761) % (1 << 32))
             self.block_table = order.to(torch.int32).view(self.batch_size, self.max_pages).to(self.device)
             if self.fp8:
                 self.keys = self.values = fp8_cache.allocate(num_pages, self.page_size, self.k_head_dim,
