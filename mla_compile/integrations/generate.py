@@ -206,7 +206,8 @@ def _wrap_generate(model, generate, defer: bool, dynamo: dict | None = None):
             # HF's beam search calls the model itself, never its auto-compiled step (and it reorders the cache by
             # replacing its tensors, which CUDA graphs cannot follow): said, not skipped silently
             log.warning("mla_compile: generate() with num_beams > 1 runs HF's beam search, which does not use "
-                        "its auto-compile: these steps decode with HF's own attention, not mla_dcp")
+                        "generate()'s auto-compile: unless you compiled the model's forward yourself, these steps "
+                        "decode with HF's own attention, not mla_dcp")
         if any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
             kwargs.setdefault("cache_implementation", None)  # the caller's cache replaces our "static" default
         token = _DEFERRING.set(defer)
