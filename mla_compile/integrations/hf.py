@@ -203,6 +203,10 @@ if _BaseLayer is not None:
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             B, _, T, R = key_states.shape
+            if B != self.batch_size:  # the pages and block table were sized by the first write
+                raise ValueError(f"key_states: batch size {B}, but this cache was allocated for batch size "
+                                 f"{self.batch_size} by its first write (reset() keeps that size): use a cache per "
+                                 f"batch size")
             positions = torch.arange(T, device=self.device) + self.cumulative_length  # GLOBAL positions
             self.cumulative_length.add_(T)
             req = torch.arange(B, device=self.device).repeat_interleave(T)
