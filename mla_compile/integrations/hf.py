@@ -122,6 +122,12 @@ class DSADenseMixin:
         setattr(self, MAX_KV_LEN_ATTR, kv_len + 1)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if getattr(layer, "is_initialized", False) and key_states.shape[0] != layer.batch_size:
+            # the buffers (pages and block table) were sized by the first write
+            raise ValueError(f"key_states: batch size {key_states.shape[0]}, but this cache was allocated for batch "
+                             f"size {layer.batch_size} by its first write (reset() keeps that size): use a cache per "
+                             f"batch size")
         self._begin_step(layer_idx, key_states.shape[-2])
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -203,10 +209,6 @@ if _BaseLayer is not None:
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             B, _, T, R = key_states.shape
-            if B != self.batch_size:  # the pages and block table were sized by the first write
-                raise ValueError(f"key_states: batch size {B}, but this cache was allocated for batch size "
-                                 f"{self.batch_size} by its first write (reset() keeps that size): use a cache per "
-                                 f"batch size")
             positions = torch.arange(T, device=self.device) + self.cumulative_length  # GLOBAL positions
             self.cumulative_length.add_(T)
             req = torch.arange(B, device=self.device).repeat_interleave(T)

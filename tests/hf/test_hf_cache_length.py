@@ -1,7 +1,7 @@
 """Our caches' host-side token count (integrations/hf.py, DSADenseMixin): a step past `max_cache_len` raises
 (eagerly and compiled: never a token silently dropped), and the DSA dense / sparse choice moves with the count
 whichever layers have an indexer (a last layer without one, e.g. sliding-window or linear, must not freeze it).
-The paged cache's batch size, fixed by its first write, is checked by name too."""
+A cache's batch size, fixed by its first write, is checked by name too."""
 
 from __future__ import annotations
 
@@ -67,13 +67,18 @@ def test_dsa_count_moves_when_the_last_layer_has_no_indexer():
     assert M.rel_err(logits, ref_l) < 1e-4
 
 
+@pytest.mark.parametrize("kind", ["paged", "dsa_static"])
 @pytest.mark.parametrize("B", [1, 3])
-def test_paged_cache_refuses_another_batch_size_by_name(B):
+def test_cache_refuses_another_batch_size_by_name(B, kind):
     """The first write sizes the pages and block table for its batch; a later call with another batch size (after
     reset(), as HF's StaticCache would be reused) is a ValueError naming key_states and both sizes, not an index
     error or a shape mismatch deep in the attention."""
-    model = M.deepseek_v3(num_layers=1)
-    cache = MLAPagedCache(model.config, max_cache_len=16, page_size=4)
+    if kind == "paged":
+        model = M.deepseek_v3(num_layers=1)
+        cache = MLAPagedCache(model.config, max_cache_len=16, page_size=4)
+    else:
+        model = M.deepseek_v32(num_layers=1)
+        cache = DSAStaticCache(model.config, max_cache_len=16)
     kw = dict(max_new_tokens=2, pad_token_id=0, do_sample=False, disable_compile=True)
     with torch.no_grad():
         model.generate(*M.batch(B=2, T=5, L=5, pad=1)[:1], **kw, **cache_kwargs(model, cache))
