@@ -125,10 +125,7 @@ def init_dcp(backend: str | None = None, timeout: datetime.timedelta | float | N
     world = dist.get_world_size()
     if tp_size is not None:
         return _init_tp_dcp(world, tp_size, dcp_size, timeout, own_default, device)
-    if device is None:
-        be = dist.get_backend()
-        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(be) else torch.device("cpu")
-    device = torch.device(device)
+    device = _default_device(device)
     n = world if dcp_size is None else dcp_size
     if not (isinstance(n, int) and n >= 1 and world % n == 0):
         raise ValueError(f"dcp_size: must be a positive divisor of the world size {world}, got {dcp_size!r}")

@@ -279,12 +279,13 @@ if _BaseLayer is not None:
             dst = self.block_table.reshape(-1).long()
             src = self.block_table.index_select(0, beam_idx).reshape(-1).long()
             pools = [self.keys] if self.keys is self.values else [self.keys, self.values]
-            if self.dcp_size > 1 and getattr(self, "is_indexer_initialized", False):
+            indexed = getattr(self, "is_indexer_initialized", False)
+            if indexed and self.dcp_size > 1:
                 pools.append(self.indexer_keys)  # the DCP indexer keys live in the latent's pages
+            elif indexed:  # one rank: HF's [B, L, Di] buffer, one row per request
+                self.indexer_keys.copy_(self.indexer_keys.index_select(0, beam_idx))
             for pool in pools:
                 pool.index_copy_(0, dst, pool.index_select(0, src))
-            if self.dcp_size == 1 and getattr(self, "is_indexer_initialized", False):  # HF's [B, L, Di] buffer
-                self.indexer_keys.copy_(self.indexer_keys.index_select(0, beam_idx))
             if getattr(self, "indexer_position_ids", None) is not None:
                 self.indexer_position_ids = self.indexer_position_ids.index_select(1, beam_idx)
 
