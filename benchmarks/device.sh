@@ -4,7 +4,7 @@
 #           wgmma (the Gluon many-head decode kernel, phase by phase)
 #           profile (HF step)  host (per-call host time)  fp8 (FP8 cache decode)  dcp  dsa  hf
 #           generate (HF generate() end to end)  gencrash (lab probe)  compile
-#           families (five HF MLA families at 32K)  topkprobe (lab probe)  report
+#           families (five HF MLA families at 32K)  select (indexer top-k)  report
 # Installs the wheels carried in .whl/ (tools/device_wheels.sh fetches them; run(carry=[".whl"])), records the environment, then runs each stage.
 #
 # $OUT stays flat and small (the device tool returns at most 8 files). A full run
@@ -49,15 +49,16 @@ setup() {
 # the whole GPU suite (174 tests) takes ~290 s on an H200 (session 9 call 4): T_KERNELS defaults above that
 # KERNELS_K: a pytest -k expression (may hold spaces), KERNELS_ARGS: more pytest arguments, KERNELS_ENV: NAME=value
 # pairs for the tests only (e.g. MLA_COMPILE_PDL=1)
+# KERNELS_FILES: the test files to run (default every tests/gpu/test_*.py), e.g. to finish shards a limit cut
 # KERNELS_SHARDS=N: N pytest processes side by side on the one GPU, test files dealt round-robin (correctness tests
 # only: nothing in tests/gpu times itself), each shard's output in run.log after it ends
 stage_kernels() {
   local n=${KERNELS_SHARDS:-1}
   if [ "$n" -le 1 ]; then
-    env ${KERNELS_ENV:-} timeout "${T_KERNELS:-420}" python3 -m pytest -q -p no:cacheprovider tests/gpu ${KERNELS_K:+-k "$KERNELS_K"} ${KERNELS_ARGS:-}
+    env ${KERNELS_ENV:-} timeout "${T_KERNELS:-420}" python3 -m pytest -q -p no:cacheprovider ${KERNELS_FILES:-tests/gpu} ${KERNELS_K:+-k "$KERNELS_K"} ${KERNELS_ARGS:-}
     return
   fi
-  local files=(tests/gpu/test_*.py) i rc=0 pids=()
+  local files=(${KERNELS_FILES:-tests/gpu/test_*.py}) i rc=0 pids=()
   for ((i = 0; i < n; i++)); do
     local shard=()
     for ((j = i; j < ${#files[@]}; j += n)); do shard+=("${files[j]}"); done
@@ -87,8 +88,9 @@ stage_multi() { timeout "${T_MULTI:-200}" python3 benchmarks/multi_token.py "$OU
 # fp8 (issue 25): FP8 cache decode vs the bf16 cache, FlashMLA bf16 / FP8; FP8_ARGS="--sweep" adds other tilings
 stage_fp8() { timeout "${T_FP8:-300}" python3 benchmarks/fp8_decode.py "$OUT/fp8_decode.json" ${FP8_ARGS:-}; }
 stage_fp8probe() { echo "fp8probe: the FP8 kernel's lab probe is retired (benchmarks/lab/README.md)"; }
-# topkprobe: the lab radix-select top-k vs torch.topk (benchmarks/lab/topk_probe.py: graph time, host time per call)
-stage_topkprobe() { timeout "${T_TOPKPROBE:-200}" python3 benchmarks/lab/topk_probe.py "$OUT/topk_probe.json"; }
+# select: dsa.indexer_topk's radix select kernel vs torch.topk + slots (benchmarks/indexer_select.py: graph, host us)
+stage_select() { timeout "${T_SELECT:-200}" python3 benchmarks/indexer_select.py "$OUT/indexer_select.json"; }
+stage_topkprobe() { echo "topkprobe: the lab probe is retired: its kernel is kernels/dsa.py's (stage select)"; }
 stage_host() { timeout "${T_HOST:-180}" python3 benchmarks/host_overhead.py "$OUT/host.json" ${HOST_ARGS:-}; }
 
 # DCP (issue 4): torchrun n = 1, 2, 4 (those that fit the GPUs here), then one merged $OUT/dcp.json.

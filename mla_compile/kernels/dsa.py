@@ -6,12 +6,15 @@ request's length get `topk_order.NONE`, and picked keys become physical slots (N
 skip their logits and take the k-only identity slots (no mixed-batch cliff). No host sync, so CUDA graphs capture
 every launch.
 
-A call is three steps: the logits kernel writes each token's int64 order key (`topk_order`: score descending, ties
-to the lower token index; `_order_key` is the kernels' copy of that definition) instead of a float score, one
-`torch.topk` takes the largest topk keys of each row, and the slots kernel turns them into slots (or writes the
-identity rows). A block table of at most topk tokens leaves every row an identity row: the slots kernel alone.
+A call is two or three steps: the logits kernel writes each token's int64 order key (`topk_order`: score
+descending, ties to the lower token index; `_order_key` is the kernels' copy of that definition) instead of a float
+score; then, for key rows up to RADIX_MAX_TOKENS, one launch selects each row's topk largest keys (a radix select,
+one program per row, as peers' indexer top-k kernels do) and writes their slots; for longer rows `torch.topk`
+takes the largest keys and the slots kernel turns them into slots. Rows with seq_len <= topk get the identity slots
+either way. A block table of at most topk tokens leaves every row an identity row: the slots kernel alone.
 `indexer_topk_plan` builds the launches once per call signature (ops/_plans.py); its plan allocates and launches
-only (issue 29: float scores then ~12 aten ops to slots took ~450 us of host time per eager call on the H200).
+only (issue 29: float scores then ~12 aten ops to slots took ~450 us of host time per eager call on the H200;
+torch.topk alone ~18 us of the 42.8 left).
 """
 
 from __future__ import annotations
@@ -101,6 +104,72 @@ def _slots_kernel(Top, Table, Lens, Out, PS, capacity, topk, s_kb, s_tb, s_tp, s
     tl.store(Out + b * s_ob + offs, slot, mask=offs < topk)
 
 
+_SIGN = tl.constexpr(-(2**63))  # int64 sign bit: key ^ _SIGN orders as unsigned as the key does as signed
+# radix select + slots (one launch) for key rows of at most this many tokens; longer rows take torch.topk and the slots
+# kernel. H200 graph replay, k 2048 (the retired lab probe, benchmarks/lab/README.md): the one-program-per-row select
+# wins at T 1K (7.8 vs 36.1 us) and 8K (50.9 vs 69.5 us at B 8, 57.7 vs 106.0 at B 64), loses at 32K (134.6 vs 100.5)
+RADIX_MAX_TOKENS = 8192
+
+
+@triton.jit
+def _select_slots_kernel(Keys, Top, Table, Lens, Out, T, PS, topk, s_kb, s_top, s_tb, s_tp, s_lb, s_ob,
+                         BLOCK: tl.constexpr, KBLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """`_slots_kernel` over each row's topk largest keys of Keys[b, :seq_len], selected here (one program per row):
+    Out[b, j] int32 for j < topk, the slot of the j-th largest key's token (largest first) in rows with seq_len >
+    topk (which hold seq_len distinct real keys); identity slots in the other rows (their keys are not read).
+
+    The select is a radix select over the keys as unsigned 64-bit values, 8 bits a pass, most significant first:
+    each pass histograms the digit of the keys matching the prefix found so far and picks the digit holding the
+    topk-th largest, stopping once every key matching the prefix is needed. The topk keys >= the prefix are then
+    compacted into Top[b] (row order), read back, sorted descending and mapped to slots."""
+    pdl_enter(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    n = tl.load(Lens + b * s_lb)
+    ranked = n > topk
+    span = tl.where(ranked, tl.minimum(n, T), 0)  # keys past seq_len are NONE: not read; identity rows read none
+    keys_row = Keys + b * s_kb
+    offs = tl.arange(0, BLOCK)
+    digits = tl.arange(0, 256)
+    prefix = tl.zeros((), dtype=tl.uint64)
+    mask = tl.zeros((), dtype=tl.uint64)
+    need = topk  # keys still to take among those matching the prefix
+    shift = 56
+    done = span == 0
+    while (shift >= 0) & (not done):
+        hist = tl.zeros((256,), dtype=tl.int32)
+        for start in range(0, span, BLOCK):
+            idx = start + offs
+            u = (tl.load(keys_row + idx, mask=idx < span, other=_NONE) ^ _SIGN).to(tl.uint64, bitcast=True)
+            match = ((u & mask) == prefix) & (idx < span)
+            hist += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=match)
+        # at_least[d]: matching keys with digit >= d; the topk-th largest has the largest d with at_least[d] >= need
+        at_least = tl.sum(hist) - tl.cumsum(hist, 0) + hist
+        pick = tl.sum((at_least >= need).to(tl.int32)) - 1
+        above = tl.sum(tl.where(digits > pick, hist, 0))
+        equal = tl.sum(tl.where(digits == pick, hist, 0))
+        need -= above
+        prefix |= pick.to(tl.uint64) << shift
+        mask |= tl.full((), 255, tl.uint64) << shift
+        done = equal == need
+        shift -= 8
+    top_row = Top + b * s_top
+    base = 0
+    for start in range(0, span, BLOCK):  # exactly topk keys (distinct) have a masked value >= the prefix
+        idx = start + offs
+        key = tl.load(keys_row + idx, mask=idx < span, other=_NONE)
+        take = (((key ^ _SIGN).to(tl.uint64, bitcast=True) & mask) >= prefix) & (idx < span)
+        tl.store(top_row + base + tl.cumsum(take.to(tl.int32), 0) - 1, key, mask=take)
+        base += tl.sum(take.to(tl.int32))
+    tl.debug_barrier()  # every thread's compaction stores before any thread reads them back
+    ko = tl.arange(0, KBLOCK)
+    key = tl.sort(tl.load(top_row + ko, mask=(ko < topk) & ranked, other=_NONE), descending=True)
+    pos = tl.where(ranked, _LOW - (key & _LOW), ko.to(tl.int64))  # topk_order.key_index, or the identity
+    valid = tl.where(ranked, ko < topk, ko < tl.minimum(n, T))
+    page = tl.load(Table + b * s_tb + (pos // PS) * s_tp, mask=valid, other=0).to(tl.int64)
+    slot = tl.where(valid, page * PS + pos % PS, -1).to(tl.int32)
+    tl.store(Out + b * s_ob + ko, slot, mask=ko < topk)
+
+
 def _logits_launch(q, weights, k_cache, block_table, seq_lens, sm_scale, topk, keys: bool):
     """`launch(q, weights, k_cache, block_table, seq_lens, out)` writes out [B, T] (contiguous; int64 keys or float32
     scores) for inputs of this signature. q [B, Hi, Di], any strides."""
@@ -138,20 +207,42 @@ def _slots_plan(block_table, seq_lens, page_size: int, topk: int, keyed: bool):
     return plan
 
 
-def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk: int, sm_scale: float):
+def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk: int, sm_scale: float, select: str = "auto"):
     """`plan(q, weights, k_cache, block_table, seq_lens)` -> `dsa::indexer_topk` int32 [B, topk] for inputs of this
     signature (ops/_plans.py): q [B, Hi, Di], weights float32 [B, Hi], k_cache [NP, PS, Di], block_table int32
-    [B, MP], seq_lens int32 [B]. A plan call allocates keys [B, T] (T = MP * PS) and the output and launches the
-    logits kernel, torch.topk and the slots kernel; with T <= topk only the slots kernel (every row is an identity
-    row)."""
+    [B, MP], seq_lens int32 [B]. A plan call launches the logits kernel into scratch keys [B, T] (T = MP * PS),
+    then the top-k `select`: "radix" (one launch: `_select_slots_kernel`) or "torch" (torch.topk, then the slots
+    kernel); "auto" takes radix up to RADIX_MAX_TOKENS. With T <= topk only the slots kernel runs (every row is an
+    identity row)."""
     PS = k_cache.shape[1]
     T = block_table.shape[1] * PS
     B, device = q.shape[0], q.device
     if T <= topk or B == 0:  # seq_len <= T <= topk in every row (or no row): no key is ever read
         identity = k_only_plan(block_table, seq_lens, PS, topk)
         return lambda q, weights, k_cache, block_table, seq_lens: identity(block_table, seq_lens)
-    slots = _slots_plan(block_table, seq_lens, PS, topk, keyed=True)
     logits = _logits_launch(q, weights, k_cache, block_table, seq_lens, sm_scale, topk, keys=True)
+    if select == "auto":
+        select = "radix" if T <= RADIX_MAX_TOKENS else "torch"
+    if select == "radix":
+        kblock = next_power_of_2(topk)
+        # the keys and the compacted top keys are this call's intermediates: scratch where it is safe (scratch.py)
+        reused = Scratch([(B, 2 * T), (B, 2 * kblock)], device,
+                         lambda raw, top: (raw.view(torch.int64), top.view(torch.int64)))
+        blk, warps = (1024, 8) if T <= 2048 else (4096, 16)  # the probe's fastest per row length (RESULTS.md)
+        bound = bind(_select_slots_kernel, (B,), BLOCK=blk, KBLOCK=kblock, num_warps=warps, **pdl_launch(device))
+        numbers = (T, PS, topk, T, kblock, *block_table.stride(), seq_lens.stride(0), topk)
+
+        def plan(q, weights, k_cache, block_table, seq_lens):
+            keys, top = reused.get()
+            logits(q, weights, k_cache, block_table, seq_lens, keys)
+            out = torch.empty((B, topk), dtype=torch.int32, device=device)
+            bound(keys, top, block_table, seq_lens, out, *numbers)
+            return out
+
+        return plan
+    if select != "torch":
+        raise ValueError(f"select: expected 'auto', 'radix' or 'torch', got {select!r}")
+    slots = _slots_plan(block_table, seq_lens, PS, topk, keyed=True)
     # the keys are this call's intermediate (torch.topk reads them): scratch where it is safe (kernels/scratch.py)
     reused = Scratch([(B, 2 * T)], device, lambda raw: raw.view(torch.int64))
 
@@ -164,9 +255,9 @@ def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk: int, sm_
     return plan
 
 
-def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale) -> torch.Tensor:
+def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale, select: str = "auto") -> torch.Tensor:
     """int32 [B, topk]: `dsa::indexer_topk` for q [B, Hi, Di] (one call: a fresh `indexer_topk_plan`)."""
-    return indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)(
+    return indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk, sm_scale, select)(
         q, weights, k_cache, block_table, seq_lens)
 
 

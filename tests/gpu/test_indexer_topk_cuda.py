@@ -1,4 +1,5 @@
-"""`dsa.indexer_topk` on the GPU: the order keys kernel, torch.topk and the slots kernel (kernels/dsa.py), one plan
+"""`dsa.indexer_topk` on the GPU: the order keys kernel, the radix select kernel or torch.topk and the slots kernel
+(kernels/dsa.py), one plan
 per call signature (ops/_plans.py), against the op's CPU impl EXACTLY. Small-integer inputs make every score exact
 whatever the summation order (tests/kernels/test_indexer_kernels.py `tied_inputs`), so CPU and GPU compute the same
 keys and select the same slots, ties going to the lower token index. Also the key math as compiled for the GPU vs
@@ -84,6 +85,17 @@ def test_cuda_op_equals_cpu_op(topk, PS, dtype):
     assert got.shape == want.shape and got.dtype == torch.int32
     assert torch.equal(got.cpu(), want)
     assert torch.equal(torch.ops.dsa.indexer_topk(*strided(*dev), topk, SCALE).cpu(), want)
+
+
+@pytest.mark.parametrize("select", ["radix", "torch"])
+@pytest.mark.parametrize("tokens", [1000, 8192, 20000])
+def test_both_top_k_selects_equal_cpu_op(select, tokens):
+    """The radix select kernel and torch.topk + slots, each asked for, on rows of up to 20K tokens with many tied
+    scores (auto takes radix up to RADIX_MAX_TOKENS): the CPU op's slots exactly."""
+    topk, PS = 256 if tokens == 1000 else 2048, 64
+    args = tied_inputs(_lens(topk, tokens), PS, -(-tokens // PS), 8, 64, torch.bfloat16, seed=tokens)
+    got = K.indexer_topk(*_cuda(args), topk, SCALE, select)
+    assert torch.equal(got.cpu(), _cpu(args, topk))
 
 
 def test_narrow_table_and_empty_batch():

@@ -5,7 +5,8 @@ Under TRITON_INTERPRET=1 (one child process, tests/interpreter_child.py):
     equal that definition bit for bit on every float32 bit pattern class (NaN with any sign and payload, +-inf, -0.0,
     denormals, +-max, ties) and index, and the keys the logits kernel writes equal `order_keys` of the scores it
     computes, invalid positions (NONE) included;
-  * `indexer_topk`, a reused `indexer_topk_plan` and `k_only_indices` equal the ops' CPU impls exactly, fuzzed
+  * `indexer_topk` (both top-k selects: the radix select kernel and torch.topk + slots), a reused
+    `indexer_topk_plan` and `k_only_indices` equal the ops' CPU impls exactly, fuzzed
     (hypothesis): B 1-4, page sizes 1 / 16 / 64, lengths 0, < topk, == topk, > topk, block tables narrower and wider
     than topk, strided inputs, small-integer data (every score exact whatever the summation order, many ties).
 On sm_90a ahead of time (tools/aot.py, no GPU): the kernels compile without spills and, launched with PDL, wait for
@@ -134,12 +135,16 @@ def _build(kernel: str, pdl: bool) -> dict:
                                 dict(BLOCK_HI=64, BLOCK_D=128, BLOCK_T=K._BLOCK_T, KEYS=True, PDL=pdl, s_qd=1, s_wh=1,
                                      s_kd=1, **unit),
                                 ptrs, 4, 3, {"Q", "W", "K", "Table", "Lens", "Out", "s_qb", "s_qh", "s_kp", "s_ks"})
+    if kernel == "select slots":  # as launched for V3.2's indexer (topk 2048) over rows of up to 8K tokens
+        ptrs = {"Keys": "*i64", "Top": "*i64", "Table": "*i32", "Lens": "*i32", "Out": "*i32"}
+        return aot.compile_sm90(K._select_slots_kernel, dict(BLOCK=4096, KBLOCK=2048, PDL=pdl, **unit), ptrs, 16, 3,
+                                set(ptrs), gluon=True)
     ptrs = {"Top": "*i64", "Table": "*i32", "Lens": "*i32", "Out": "*i32"}
     return aot.compile_sm90(K._slots_kernel, dict(BLOCK=1024, KEYED=kernel == "slots", PDL=pdl, **unit), ptrs, 4, 3,
                             set(ptrs), gluon=True)  # gluon=True: no dot-mode constexprs (no tl.dot here)
 
 
-@pytest.mark.parametrize("kernel", ["logits", "slots", "identity slots"])
+@pytest.mark.parametrize("kernel", ["logits", "slots", "identity slots", "select slots"])
 def test_kernels_compile_for_sm90_and_wait_under_pdl(kernel):
     """Compiled as launched, no spills; with PDL `griddepcontrol.wait` precedes every global access (the slots kernel
     follows torch.topk, whose output it reads), without PDL neither griddepcontrol instruction."""
@@ -250,10 +255,11 @@ def check_indexer_topk_fuzz():
     @given(st.data(), st.integers(0, 2**16))
     def fuzz(data, seed):
         lens, PS, MP, Hi, Di, dtype, topk, is_strided = _case(data)
+        select = data.draw(st.sampled_from(["radix", "torch"]), "select")  # both top-k paths of the plan
         args = tied_inputs(lens, PS, MP, Hi, Di, dtype, seed)
         want = _cpu_topk(args, topk)
-        got = K.indexer_topk(*(strided(*args) if is_strided else args), topk, 0.5)
-        assert got.dtype == torch.int32 and torch.equal(got, want), (lens, topk, got, want)
+        got = K.indexer_topk(*(strided(*args) if is_strided else args), topk, 0.5, select)
+        assert got.dtype == torch.int32 and torch.equal(got, want), (lens, topk, select, got, want)
 
     fuzz()
 
@@ -263,12 +269,13 @@ def check_plan_replays_new_inputs():
     answer the CPU op's; a narrow table (T <= topk: the slots kernel alone) alike."""
     from mla_compile.kernels import dsa as K
 
-    for PS, MP, topk in ((16, 4, 20), (1, 48, 8), (64, 1, 64)):
-        plan = None
-        for seed, lens in enumerate(([50, 0, 20, 64], [3, 64, 64, 21], [0, 0, 0, 0], [64, 64, 64, 64])):
-            args = tied_inputs([min(n, MP * PS) for n in lens], PS, MP, 4, 16, torch.bfloat16, seed=seed)
-            plan = plan or K.indexer_topk_plan(*args, topk, 0.5)
-            assert torch.equal(plan(*args), _cpu_topk(args, topk)), (PS, MP, topk, lens)
+    for select in ("radix", "torch"):
+        for PS, MP, topk in ((16, 4, 20), (1, 48, 8), (64, 1, 64)):
+            plan = None
+            for seed, lens in enumerate(([50, 0, 20, 64], [3, 64, 64, 21], [0, 0, 0, 0], [64, 64, 64, 64])):
+                args = tied_inputs([min(n, MP * PS) for n in lens], PS, MP, 4, 16, torch.bfloat16, seed=seed)
+                plan = plan or K.indexer_topk_plan(*args, topk, 0.5, select)
+                assert torch.equal(plan(*args), _cpu_topk(args, topk)), (PS, MP, topk, lens, select)
 
 
 def check_empty_and_narrow():
