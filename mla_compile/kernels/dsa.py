@@ -106,9 +106,10 @@ def _slots_kernel(Top, Table, Lens, Out, PS, capacity, topk, s_kb, s_tb, s_tp, s
 
 _SIGN = tl.constexpr(-(2**63))  # int64 sign bit: key ^ _SIGN orders as unsigned as the key does as signed
 # radix select + slots (one launch) for key rows of at most this many tokens; longer rows take torch.topk and the slots
-# kernel. H200 graph replay, k 2048 (the retired lab probe, benchmarks/lab/README.md): the one-program-per-row select
-# wins at T 1K (7.8 vs 36.1 us) and 8K (50.9 vs 69.5 us at B 8, 57.7 vs 106.0 at B 64), loses at 32K (134.6 vs 100.5)
-RADIX_MAX_TOKENS = 8192
+# kernel. H200, the whole op as a CUDA-graph replay, V3.2's indexer (benchmarks/indexer_select.py, RESULTS.md
+# 2026-12-04): radix / torch 0.23 at B 1 T 1K (k 256); k 2048: 0.68 at B 8 4K, 0.75 / 0.62 at B 8 / 64 8K, 0.72 /
+# 0.84 at B 8 / 32 16K, 1.08 at B 8 32K (one program per row loses on long rows)
+RADIX_MAX_TOKENS = 16384
 
 
 @triton.jit
@@ -228,7 +229,7 @@ def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk: int, sm_
         # the keys and the compacted top keys are this call's intermediates: scratch where it is safe (scratch.py)
         reused = Scratch([(B, 2 * T), (B, 2 * kblock)], device,
                          lambda raw, top: (raw.view(torch.int64), top.view(torch.int64)))
-        blk, warps = (1024, 8) if T <= 2048 else (4096, 16)  # the probe's fastest per row length (RESULTS.md)
+        blk, warps = (1024, 8) if T <= 2048 else (4096, 16)  # the lab probe's fastest per row length (lab README)
         bound = bind(_select_slots_kernel, (B,), BLOCK=blk, KBLOCK=kblock, num_warps=warps, **pdl_launch(device))
         numbers = (T, PS, topk, T, kblock, *block_table.stride(), seq_lens.stride(0), topk)
 
