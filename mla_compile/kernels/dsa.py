@@ -110,6 +110,9 @@ _SIGN = tl.constexpr(-(2**63))  # int64 sign bit: key ^ _SIGN orders as unsigned
 # 2026-12-04): radix / torch 0.23 at B 1 T 1K (k 256); k 2048: 0.68 at B 8 4K, 0.75 / 0.62 at B 8 / 64 8K, 0.72 /
 # 0.84 at B 8 / 32 16K, 1.08 at B 8 32K (one program per row loses on long rows)
 RADIX_MAX_TOKENS = 16384
+# the radix select sorts its topk picks in registers: built for sm_90a without spills up to 8192 (16 warps), timed at
+# 2048 (V3.2's and GLM-DSA's index_topk); larger topk takes torch.topk
+RADIX_MAX_TOPK = 4096
 
 
 @triton.jit
@@ -212,9 +215,11 @@ def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk: int, sm_
     """`plan(q, weights, k_cache, block_table, seq_lens)` -> `dsa::indexer_topk` int32 [B, topk] for inputs of this
     signature (ops/_plans.py): q [B, Hi, Di], weights float32 [B, Hi], k_cache [NP, PS, Di], block_table int32
     [B, MP], seq_lens int32 [B]. A plan call launches the logits kernel into scratch keys [B, T] (T = MP * PS),
-    then the top-k `select`: "radix" (one launch: `_select_slots_kernel`) or "torch" (torch.topk, then the slots
-    kernel); "auto" takes radix up to RADIX_MAX_TOKENS. With T <= topk only the slots kernel runs (every row is an
-    identity row)."""
+    then the top-k `select`: "radix" (one launch: `_select_slots_kernel`; topk <= RADIX_MAX_TOPK) or "torch"
+    (torch.topk, then the slots kernel); "auto" takes radix up to RADIX_MAX_TOKENS and RADIX_MAX_TOPK. With
+    T <= topk only the slots kernel runs (every row is an identity row)."""
+    if select not in ("auto", "radix", "torch"):
+        raise ValueError(f"select: expected 'auto', 'radix' or 'torch', got {select!r}")
     PS = k_cache.shape[1]
     T = block_table.shape[1] * PS
     B, device = q.shape[0], q.device
@@ -223,8 +228,11 @@ def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk: int, sm_
         return lambda q, weights, k_cache, block_table, seq_lens: identity(block_table, seq_lens)
     logits = _logits_launch(q, weights, k_cache, block_table, seq_lens, sm_scale, topk, keys=True)
     if select == "auto":
-        select = "radix" if T <= RADIX_MAX_TOKENS else "torch"
+        select = "radix" if T <= RADIX_MAX_TOKENS and topk <= RADIX_MAX_TOPK else "torch"
     if select == "radix":
+        if topk > RADIX_MAX_TOPK:
+            raise ValueError(f"select: 'radix' takes topk <= {RADIX_MAX_TOPK} (its picks are sorted in registers), "
+                             f"got topk {topk}; use 'torch' or 'auto'")
         kblock = next_power_of_2(topk)
         # the keys and the compacted top keys are this call's intermediates: scratch where it is safe (scratch.py)
         reused = Scratch([(B, 2 * T), (B, 2 * kblock)], device,
@@ -241,8 +249,6 @@ def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk: int, sm_
             return out
 
         return plan
-    if select != "torch":
-        raise ValueError(f"select: expected 'auto', 'radix' or 'torch', got {select!r}")
     slots = _slots_plan(block_table, seq_lens, PS, topk, keyed=True)
     # the keys are this call's intermediate (torch.topk reads them): scratch where it is safe (kernels/scratch.py)
     reused = Scratch([(B, 2 * T)], device, lambda raw: raw.view(torch.int64))

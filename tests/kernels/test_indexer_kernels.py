@@ -158,6 +158,20 @@ def test_kernels_compile_for_sm90_and_wait_under_pdl(kernel):
     assert "griddepcontrol" not in _build(kernel, False)["ptx"]
 
 
+def test_select_is_checked():
+    """An unknown select, and radix past the topk its register sort takes, are ValueErrors naming `select` (raised
+    while the plan is made: no kernel runs)."""
+    from mla_compile.kernels import dsa as K
+
+    args = tied_inputs([20, 5], 4, 6, 4, 16)
+    with pytest.raises(ValueError, match="select: expected 'auto', 'radix' or 'torch', got 'heap'"):
+        K.indexer_topk_plan(*args, 8, 0.5, "heap")
+    big = K.RADIX_MAX_TOPK + 1
+    args = tied_inputs([big + 3, 5], 4, -(-(big + 8) // 4), 4, 16)
+    with pytest.raises(ValueError, match=f"select: 'radix' takes topk <= {K.RADIX_MAX_TOPK}"):
+        K.indexer_topk_plan(*args, big, 0.5, "radix")
+
+
 def test_keys_negative_zero_rule_is_an_integer_compare():
     """-0.0 -> +0.0 must survive compilation: done on the float's bits (an fadd of 0.0 may be folded away under
     no-signed-zeros), so the PTX holds the compare against 0x80000000 (-2147483648)."""
