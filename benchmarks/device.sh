@@ -90,6 +90,8 @@ stage_fp8() { timeout "${T_FP8:-300}" python3 benchmarks/fp8_decode.py "$OUT/fp8
 stage_fp8probe() { echo "fp8probe: the FP8 kernel's lab probe is retired (benchmarks/lab/README.md)"; }
 # select: dsa.indexer_topk's radix select kernel vs torch.topk + slots (benchmarks/indexer_select.py: graph, host us)
 stage_select() { timeout "${T_SELECT:-200}" python3 benchmarks/indexer_select.py "$OUT/indexer_select.json"; }
+# dcpindexer: the lab probe of dsa::dcp_indexer_topk's per-rank step vs the single-rank op (one GPU, no group)
+stage_dcpindexer() { timeout "${T_DCPINDEXER:-200}" python3 benchmarks/lab/dcp_indexer_probe.py "$OUT/dcp_indexer.json"; }
 stage_topkprobe() { echo "topkprobe: the lab probe is retired: its kernel is kernels/dsa.py's (stage select)"; }
 stage_host() { timeout "${T_HOST:-180}" python3 benchmarks/host_overhead.py "$OUT/host.json" ${HOST_ARGS:-}; }
 
