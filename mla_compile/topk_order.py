@@ -34,7 +34,10 @@ def order_keys(score: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) ->
     s = torch.nan_to_num(s, nan=-big, posinf=big, neginf=-big) + 0.0  # + 0.0: -0.0 becomes +0.0 (one tie class)
     bits = s.view(torch.int32)
     ordered = torch.where(bits >= 0, bits, bits ^ _FLIP).to(torch.int64)
-    key = ordered * (2**32) + (_LOW - index.to(torch.int64))
+    # index ^ _LOW is _LOW - index for index in [0, 2^32): written as a xor, Inductor keeps it an int64 op, while the
+    # subtraction of an arange-derived index folds into an int32 index expression whose 2^32 - 1 literal does not
+    # compile for CUDA ("Scalar 4294967295 is out of range for type int32", torch 2.11: dcp_indexer_topk compiled)
+    key = ordered * (2**32) + (index.to(torch.int64) ^ _LOW)
     return torch.where(valid, key, torch.full_like(key, NONE))
 
 

@@ -98,6 +98,19 @@ def test_both_top_k_selects_equal_cpu_op(select, tokens):
     assert torch.equal(got.cpu(), _cpu(args, topk))
 
 
+@pytest.mark.parametrize("dcp_size,dcp_rank", [(1, 0), (2, 1), (4, 3)])
+def test_dcp_local_candidates_compile_for_cuda(dcp_size, dcp_rank):
+    """`dsa::dcp_indexer_topk` decomposes under torch.compile; its per-rank step (order keys of an arange-derived
+    global index) compiled for CUDA gives the eager keys exactly (exact small-integer scores). It failed to compile
+    once: Inductor folded 2^32 - 1 - index into an int32 index expression."""
+    from mla_compile.ops.dcp_dsa import local_candidates
+
+    args = _cuda(tied_inputs([300, 40, 0], 16, 20, 8, 64, torch.bfloat16, seed=dcp_size))
+    want = local_candidates(*args, 32, SCALE, dcp_size, dcp_rank)
+    got = torch.compile(local_candidates, dynamic=False)(*args, 32, SCALE, dcp_size, dcp_rank)
+    assert torch.equal(got, want)
+
+
 def test_narrow_table_and_empty_batch():
     """A table of at most topk tokens (the slots kernel alone) and B = 0."""
     args = tied_inputs([0, 5, 64], 16, 4, 8, 64, seed=1)
