@@ -31,8 +31,9 @@ def order_keys(score: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) ->
     not valid. score: float (computed in float32), index: integer in [0, 2^32), valid: bool; all broadcastable."""
     s = score.float()
     big = torch.finfo(torch.float32).max
-    s = torch.nan_to_num(s, nan=-big, posinf=big, neginf=-big) + 0.0  # + 0.0: -0.0 becomes +0.0 (one tie class)
-    bits = s.view(torch.int32)
+    bits = torch.nan_to_num(s, nan=-big, posinf=big, neginf=-big).view(torch.int32)
+    # -0.0 -> +0.0 (one tie class) on the bits, as the kernels do: a compiler may fold `x + 0.0` away
+    bits = torch.where(bits == -(2**31), 0, bits)
     ordered = torch.where(bits >= 0, bits, bits ^ _FLIP).to(torch.int64)
     # index ^ _LOW is _LOW - index for index in [0, 2^32): written as a xor, Inductor keeps it an int64 op, while the
     # subtraction of an arange-derived index folds into an int32 index expression whose 2^32 - 1 literal does not
