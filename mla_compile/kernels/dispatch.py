@@ -352,6 +352,13 @@ def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk, sm_scale
     return _dsa.indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk, sm_scale), True
 
 
+def dcp_local_candidates_plan(q, weights, k_cache, block_table, local_lens, topk, sm_scale, dcp_size, dcp_rank):
+    """(plan, keep): `plan(q, weights, k_cache, block_table, local_lens)` -> `dsa::dcp_local_candidates` for inputs of
+    this signature (kernels/dsa.py: the keys kernel with the global index, then the radix select or torch.topk)."""
+    return _dsa.candidate_keys_plan(q, weights, k_cache, block_table, local_lens, topk, sm_scale, dcp_size,
+                                    dcp_rank), True
+
+
 def k_only_indices(block_table, seq_lens, page_size, topk):
     return _dsa.k_only_indices(block_table, seq_lens, page_size, topk)
 

@@ -48,13 +48,14 @@ def _order_key(score, index):
 
 
 @triton.jit
-def _indexer_logits_kernel(Q, W, K, Table, Lens, Out, scale, Hi, Di, PS, T, topk,
+def _indexer_logits_kernel(Q, W, K, Table, Lens, Out, scale, Hi, Di, PS, T, topk, idx_mul, idx_add,
                            s_qb, s_qh, s_qd, s_wb, s_wh, s_kp, s_ks, s_kd, s_tb, s_tp, s_lb, s_ob,
                            BLOCK_HI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
                            DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, KEYS: tl.constexpr,
                            PDL: tl.constexpr = False):
     """Out[b, t] for t < T: the order key of token t (KEYS) or its float32 score; NONE / -inf at t >= seq_len and in
-    rows with seq_len <= topk (their K reads are masked off: the caller gives them identity slots)."""
+    rows with seq_len <= topk (their K reads are masked off: the caller gives them identity slots; topk -1 skips
+    none). The key's index is t * idx_mul + idx_add (a DCP rank's global token index; t on a single rank)."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -74,7 +75,7 @@ def _indexer_logits_kernel(Q, W, K, Table, Lens, Out, scale, Hi, Di, PS, T, topk
     logits = tl.maximum(logits * scale, 0.0)
     score = tl.sum(logits * w[:, None], 0)
     if KEYS:
-        out = tl.where(mask_t, _order_key(score, offs_t), _NONE)
+        out = tl.where(mask_t, _order_key(score, offs_t.to(tl.int64) * idx_mul + idx_add), _NONE)
     else:
         out = tl.where(mask_t, score, float("-inf"))
     tl.store(Out + b * s_ob + offs_t, out, mask=offs_t < T)
@@ -117,7 +118,8 @@ RADIX_MAX_TOPK = 4096
 
 @triton.jit
 def _select_slots_kernel(Keys, Top, Table, Lens, Out, T, PS, topk, s_kb, s_top, s_tb, s_tp, s_lb, s_ob,
-                         BLOCK: tl.constexpr, KBLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK: tl.constexpr, KBLOCK: tl.constexpr, KEYS_OUT: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
     """`_slots_kernel` over each row's topk largest keys of Keys[b, :seq_len], selected here (one program per row):
     Out[b, j] int32 for j < topk, the slot of the j-th largest key's token (largest first) in rows with seq_len >
     topk (which hold seq_len distinct real keys); identity slots in the other rows (their keys are not read).
@@ -125,12 +127,19 @@ def _select_slots_kernel(Keys, Top, Table, Lens, Out, T, PS, topk, s_kb, s_top, 
     The select is a radix select over the keys as unsigned 64-bit values, 8 bits a pass, most significant first:
     each pass histograms the digit of the keys matching the prefix found so far and picks the digit holding the
     topk-th largest, stopping once every key matching the prefix is needed. The topk keys >= the prefix are then
-    compacted into Top[b] (row order), read back, sorted descending and mapped to slots."""
+    compacted into Top[b] (row order), read back, sorted descending and mapped to slots.
+
+    KEYS_OUT: Out[b] int64 [topk] gets the keys themselves, largest first, NONE-padded: every row's keys are read
+    (its seq_len real keys: a DCP rank's candidates), rows with seq_len <= topk give all of theirs (Table unused)."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     n = tl.load(Lens + b * s_lb)
-    ranked = n > topk
-    span = tl.where(ranked, tl.minimum(n, T), 0)  # keys past seq_len are NONE: not read; identity rows read none
+    if KEYS_OUT:
+        span = tl.minimum(n, T)  # keys past seq_len are NONE: not read
+        ranked = span > topk
+    else:
+        ranked = n > topk
+        span = tl.where(ranked, tl.minimum(n, T), 0)  # identity rows read no key
     keys_row = Keys + b * s_kb
     offs = tl.arange(0, BLOCK)
     digits = tl.arange(0, 256)
@@ -138,7 +147,7 @@ def _select_slots_kernel(Keys, Top, Table, Lens, Out, T, PS, topk, s_kb, s_top, 
     mask = tl.zeros((), dtype=tl.uint64)
     need = topk  # keys still to take among those matching the prefix
     shift = 56
-    done = span == 0
+    done = span <= topk  # no select: every key of the row is taken (none in an identity row)
     while (shift >= 0) & (not done):
         hist = tl.zeros((256,), dtype=tl.int32)
         for start in range(0, span, BLOCK):
@@ -166,23 +175,27 @@ def _select_slots_kernel(Keys, Top, Table, Lens, Out, T, PS, topk, s_kb, s_top, 
         base += tl.sum(take.to(tl.int32))
     tl.debug_barrier()  # every thread's compaction stores before any thread reads them back
     ko = tl.arange(0, KBLOCK)
-    key = tl.sort(tl.load(top_row + ko, mask=(ko < topk) & ranked, other=_NONE), descending=True)
-    pos = tl.where(ranked, _LOW - (key & _LOW), ko.to(tl.int64))  # topk_order.key_index, or the identity
-    valid = tl.where(ranked, ko < topk, ko < tl.minimum(n, T))
-    page = tl.load(Table + b * s_tb + (pos // PS) * s_tp, mask=valid, other=0).to(tl.int64)
-    slot = tl.where(valid, page * PS + pos % PS, -1).to(tl.int32)
-    tl.store(Out + b * s_ob + ko, slot, mask=ko < topk)
+    key = tl.sort(tl.load(top_row + ko, mask=ko < tl.minimum(span, topk), other=_NONE), descending=True)
+    if KEYS_OUT:
+        tl.store(Out + b * s_ob + ko, key, mask=ko < topk)
+    else:
+        pos = tl.where(ranked, _LOW - (key & _LOW), ko.to(tl.int64))  # topk_order.key_index, or the identity
+        valid = tl.where(ranked, ko < topk, ko < tl.minimum(n, T))
+        page = tl.load(Table + b * s_tb + (pos // PS) * s_tp, mask=valid, other=0).to(tl.int64)
+        slot = tl.where(valid, page * PS + pos % PS, -1).to(tl.int32)
+        tl.store(Out + b * s_ob + ko, slot, mask=ko < topk)
 
 
-def _logits_launch(q, weights, k_cache, block_table, seq_lens, sm_scale, topk, keys: bool):
+def _logits_launch(q, weights, k_cache, block_table, seq_lens, sm_scale, topk, keys: bool, index=(1, 0)):
     """`launch(q, weights, k_cache, block_table, seq_lens, out)` writes out [B, T] (contiguous; int64 keys or float32
-    scores) for inputs of this signature. q [B, Hi, Di], any strides."""
+    scores) for inputs of this signature. q [B, Hi, Di], any strides; topk -1: no row skips its logits; the keys'
+    index of table position t is t * index[0] + index[1]."""
     B, Hi, Di = q.shape
     PS = k_cache.shape[1]
     T = block_table.shape[1] * PS
     bound = bind(_indexer_logits_kernel, (B, cdiv(T, _BLOCK_T)), BLOCK_HI=block(Hi), BLOCK_D=block(Di),
                  BLOCK_T=_BLOCK_T, KEYS=keys, **dot_mode(q.dtype), num_warps=4, **pdl_launch(q.device))
-    numbers = (float(sm_scale), Hi, Di, PS, T, topk, *q.stride(), *weights.stride(), *k_cache.stride(),
+    numbers = (float(sm_scale), Hi, Di, PS, T, topk, *index, *q.stride(), *weights.stride(), *k_cache.stride(),
                *block_table.stride(), seq_lens.stride(0), T)
 
     def launch(q, weights, k_cache, block_table, seq_lens, out):
@@ -211,6 +224,33 @@ def _slots_plan(block_table, seq_lens, page_size: int, topk: int, keyed: bool):
     return plan
 
 
+def _select(select: str, T: int, topk: int) -> str:
+    """The top-k select for rows of T keys: "radix" or "torch" (`select` "auto" resolved; the others checked)."""
+    if select not in ("auto", "radix", "torch"):
+        raise ValueError(f"select: expected 'auto', 'radix' or 'torch', got {select!r}")
+    if select == "radix" and topk > RADIX_MAX_TOPK:
+        raise ValueError(f"select: 'radix' takes topk <= {RADIX_MAX_TOPK} (its picks are sorted in registers), "
+                         f"got topk {topk}; use 'torch' or 'auto'")
+    if select == "auto":
+        return "radix" if T <= RADIX_MAX_TOKENS and topk <= RADIX_MAX_TOPK else "torch"
+    return select
+
+
+def _radix_launch(block_table, seq_lens, page_size: int, topk: int, keys_out: bool):
+    """(scratch, bound, numbers) of `_select_slots_kernel` for tables and lengths of this signature: `scratch.get()`
+    -> (keys int64 [B, T] for the logits kernel, the compaction buffer), then
+    `bound(keys, top, block_table, seq_lens, out, *numbers)`."""
+    B, T, device = block_table.shape[0], block_table.shape[1] * page_size, block_table.device
+    kblock = next_power_of_2(topk)
+    # the keys and the compacted top keys are the call's intermediates: scratch where it is safe (scratch.py)
+    reused = Scratch([(B, 2 * T), (B, 2 * kblock)], device,
+                     lambda raw, top: (raw.view(torch.int64), top.view(torch.int64)))
+    blk, warps = (1024, 8) if T <= 2048 else (4096, 16)  # the lab probe's fastest per row length (lab README)
+    bound = bind(_select_slots_kernel, (B,), BLOCK=blk, KBLOCK=kblock, KEYS_OUT=keys_out, num_warps=warps,
+                 **pdl_launch(device))
+    return reused, bound, (T, page_size, topk, T, kblock, *block_table.stride(), seq_lens.stride(0), topk)
+
+
 def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk: int, sm_scale: float, select: str = "auto"):
     """`plan(q, weights, k_cache, block_table, seq_lens)` -> `dsa::indexer_topk` int32 [B, topk] for inputs of this
     signature (ops/_plans.py): q [B, Hi, Di], weights float32 [B, Hi], k_cache [NP, PS, Di], block_table int32
@@ -218,8 +258,7 @@ def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk: int, sm_
     then the top-k `select`: "radix" (one launch: `_select_slots_kernel`; topk <= RADIX_MAX_TOPK) or "torch"
     (torch.topk, then the slots kernel); "auto" takes radix up to RADIX_MAX_TOKENS and RADIX_MAX_TOPK. With
     T <= topk only the slots kernel runs (every row is an identity row)."""
-    if select not in ("auto", "radix", "torch"):
-        raise ValueError(f"select: expected 'auto', 'radix' or 'torch', got {select!r}")
+    _select(select, 0, topk)  # an unknown select fails even where no select runs
     PS = k_cache.shape[1]
     T = block_table.shape[1] * PS
     B, device = q.shape[0], q.device
@@ -227,19 +266,8 @@ def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk: int, sm_
         identity = k_only_plan(block_table, seq_lens, PS, topk)
         return lambda q, weights, k_cache, block_table, seq_lens: identity(block_table, seq_lens)
     logits = _logits_launch(q, weights, k_cache, block_table, seq_lens, sm_scale, topk, keys=True)
-    if select == "auto":
-        select = "radix" if T <= RADIX_MAX_TOKENS and topk <= RADIX_MAX_TOPK else "torch"
-    if select == "radix":
-        if topk > RADIX_MAX_TOPK:
-            raise ValueError(f"select: 'radix' takes topk <= {RADIX_MAX_TOPK} (its picks are sorted in registers), "
-                             f"got topk {topk}; use 'torch' or 'auto'")
-        kblock = next_power_of_2(topk)
-        # the keys and the compacted top keys are this call's intermediates: scratch where it is safe (scratch.py)
-        reused = Scratch([(B, 2 * T), (B, 2 * kblock)], device,
-                         lambda raw, top: (raw.view(torch.int64), top.view(torch.int64)))
-        blk, warps = (1024, 8) if T <= 2048 else (4096, 16)  # the lab probe's fastest per row length (lab README)
-        bound = bind(_select_slots_kernel, (B,), BLOCK=blk, KBLOCK=kblock, num_warps=warps, **pdl_launch(device))
-        numbers = (T, PS, topk, T, kblock, *block_table.stride(), seq_lens.stride(0), topk)
+    if _select(select, T, topk) == "radix":
+        reused, bound, numbers = _radix_launch(block_table, seq_lens, PS, topk, keys_out=False)
 
         def plan(q, weights, k_cache, block_table, seq_lens):
             keys, top = reused.get()
@@ -266,6 +294,42 @@ def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale, sel
     """int32 [B, topk]: `dsa::indexer_topk` for q [B, Hi, Di] (one call: a fresh `indexer_topk_plan`)."""
     return indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk, sm_scale, select)(
         q, weights, k_cache, block_table, seq_lens)
+
+
+def candidate_keys_plan(q, weights, k_cache, block_table, local_lens, topk: int, sm_scale: float, dcp_size: int,
+                        dcp_rank: int, select: str = "auto"):
+    """`plan(q, weights, k_cache, block_table, local_lens)` -> `dsa::dcp_local_candidates` int64 [B, topk] for inputs
+    of this signature: this DCP rank's top-k order keys over its shard (table position t carries global token
+    t * dcp_size + dcp_rank), largest first, NONE-padded. The logits kernel (no row skips its keys: a short shard
+    still offers its tokens), then the radix select writing keys, or torch.topk (`select` as `indexer_topk_plan`)."""
+    PS = k_cache.shape[1]
+    T = block_table.shape[1] * PS
+    B, device = q.shape[0], q.device
+    select = _select(select, T, topk)
+    if B == 0 or T == 0:
+        return lambda q, weights, k_cache, block_table, local_lens: torch.full(
+            (B, topk), topk_order.NONE, dtype=torch.int64, device=device)
+    logits = _logits_launch(q, weights, k_cache, block_table, local_lens, sm_scale, -1, keys=True,
+                            index=(dcp_size, dcp_rank))
+    if select == "radix":
+        reused, bound, numbers = _radix_launch(block_table, local_lens, PS, topk, keys_out=True)
+
+        def plan(q, weights, k_cache, block_table, local_lens):
+            keys, top = reused.get()
+            logits(q, weights, k_cache, block_table, local_lens, keys)
+            out = torch.empty((B, topk), dtype=torch.int64, device=device)
+            bound(keys, top, block_table, local_lens, out, *numbers)
+            return out
+
+        return plan
+    reused = Scratch([(B, 2 * T)], device, lambda raw: raw.view(torch.int64))
+
+    def plan(q, weights, k_cache, block_table, local_lens):
+        keys = reused.get()
+        logits(q, weights, k_cache, block_table, local_lens, keys)
+        return topk_order.top_keys(keys, topk)
+
+    return plan
 
 
 def _logits(q, weights, k_cache, block_table, seq_lens, sm_scale, topk, dtype) -> torch.Tensor:

@@ -5,8 +5,10 @@ t % n at local position t // n, `mla_compile.layout`), in pages addressed like i
 rank r:
 
     local    = layout.local_lens(seq_lens, n, r)                  GLOBAL lengths in, this shard's lengths
-    score    = dsa.slot_scores(q, weights, this shard)             [B, T_local]  (the single-rank formula)
-    cand     = top_keys(order_keys(score, i * n + r), topk)        int64 [B, topk]: this rank's best candidates
+    cand     = dsa::dcp_local_candidates(q, weights, this shard, local, topk, sm_scale, n, r)
+                                                                   int64 [B, topk]: this rank's best candidates,
+                                                                   top_keys(order_keys(score, i * n + r), topk)
+                                                                   (CUDA: the logits kernel + the radix select)
     gathered = all_gather(cand as int32 pairs + trailer)           [n, B, topk]  ONE collective, no key cache moved
     win      = top_keys(gathered as [B, n * topk], topk)           the global top-k, identical on every rank
     out      = this rank's physical slots of the winners it owns   int32 [B, topk], -1 after
@@ -19,8 +21,9 @@ tokens from local position 0 (every cache does). A caller that hands a compacted
 only the mask's valid tokens) gets ties broken by (table position, rank) instead.
 
 Registration: CompositeImplicitAutograd with `_c10d_functional` collectives (as `mla::dcp_decode`): one Dynamo
-node, decomposed by AOTAutograd into the scoring, top-k, `all_gather_into_tensor`, `wait_tensor` and selection
-ops; no host sync, so CUDA graphs can capture it. dcp_size 1 is `dsa::indexer_topk` (the same set).
+node, decomposed by AOTAutograd into `dsa::dcp_local_candidates` (an op of its own: kernels on CUDA),
+`all_gather_into_tensor`, `wait_tensor` and the selection ops; no host sync, so CUDA graphs can capture it.
+dcp_size 1 is `dsa::indexer_topk` (the same set).
 Cross-rank consistency as `mla::dcp_decode` (`dcp_consistency`, op 3): shapes, topk, sm_scale and (check_lens)
 seq_lens are compared on the call's gather: a ValueError on every rank where checks read values; elsewhere the
 rows of disagreeing requests select nothing (-1: their attention then gives (0, -inf)).
@@ -35,6 +38,8 @@ from . import _checks as C
 from . import dcp_consistency as agree
 from .attention import token_slots
 from .dcp import check_group_args
+from ._plans import Plans, dispatch_module
+from ._registry import define
 from .dsa import check_indexer_args, slot_scores
 
 torch.library.define(
@@ -59,9 +64,62 @@ def check_dcp_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_
                        sm_scale)
 
 
+@C.once_per_signature
+def check_local_candidates_args(q, weights, k_cache, block_table, local_lens, topk, sm_scale, dcp_size, dcp_rank):
+    """`dsa::indexer_topk`'s checks with this shard's lengths, q [B, Hi, Di], dcp_size / dcp_rank in range, and every
+    global token index of the table (position * dcp_size + dcp_rank) below 2^32 (the order key's index half)."""
+    C.check(isinstance(dcp_size, int) and not isinstance(dcp_size, bool) and dcp_size >= 1, "dcp_size",
+            f"must be an int >= 1, got {dcp_size!r}")
+    C.check(isinstance(dcp_rank, int) and not isinstance(dcp_rank, bool) and 0 <= dcp_rank < dcp_size, "dcp_rank",
+            f"must be an int in [0, dcp_size={dcp_size}), got {dcp_rank!r}")
+    C.check(isinstance(q, torch.Tensor) and q.dim() == 3, "q",
+            f"must be [B, Hi, Di] (one query token per request), got {getattr(q, 'shape', type(q).__name__)}")
+    check_indexer_args(q, weights, k_cache, block_table, local_lens, topk, sm_scale)
+    T = block_table.shape[1] * k_cache.shape[1]
+    C.check(T * dcp_size <= 2**32, "block_table", f"capacity {T} x dcp_size {dcp_size} tokens exceeds the order "
+            "key's 2^32 token indices")
+
+
+@define(
+    "dsa::dcp_local_candidates",
+    mutates_args=(),
+    device_types="cpu",
+    schema="(Tensor q, Tensor weights, Tensor k_cache, Tensor block_table, Tensor local_lens, int topk, "
+           "float sm_scale, int dcp_size, int dcp_rank) -> Tensor",
+)
+def dcp_local_candidates(q, weights, k_cache, block_table, local_lens, topk, sm_scale, dcp_size, dcp_rank):
+    """A DCP rank's indexer candidates: its shard's top-k (score, global token) pairs as order keys.
+
+    Shapes: q [B, Hi, Di], weights float32 [B, Hi], k_cache [NP, PS, Di] and block_table int32 [B, MP]: this rank's
+    shard of the indexer keys, local_lens int32 [B]: this shard's lengths (`layout.local_lens`). Table position i
+    holds global token i * dcp_size + dcp_rank. Returns int64 [B, topk]: the `topk_order` keys of the shard's
+    top-min(topk, local_len) tokens, largest first, then NONE. Every row is scored (a short shard still offers all
+    of its tokens to the global top-k); the score is `dsa::indexer_topk`'s."""
+    check_local_candidates_args(q, weights, k_cache, block_table, local_lens, topk, sm_scale, dcp_size, dcp_rank)
+    return local_candidates(q, weights, k_cache, block_table, local_lens, topk, sm_scale, dcp_size, dcp_rank)
+
+
+@dcp_local_candidates.register_fake
+def _(q, weights, k_cache, block_table, local_lens, topk, sm_scale, dcp_size, dcp_rank):
+    check_local_candidates_args(q, weights, k_cache, block_table, local_lens, topk, sm_scale, dcp_size, dcp_rank)
+    return q.new_empty((q.shape[0], topk), dtype=torch.int64)
+
+
+_CANDIDATE_PLANS = Plans()
+
+
+@dcp_local_candidates.register_kernel("cuda")
+def _(q, weights, k_cache, block_table, local_lens, topk, sm_scale, dcp_size, dcp_rank):
+    args = (q, weights, k_cache, block_table, local_lens)
+    numbers = (topk, sm_scale, dcp_size, dcp_rank)
+    return _CANDIDATE_PLANS.run(args, numbers, lambda: check_local_candidates_args(*args, *numbers),
+                                lambda: dispatch_module().dcp_local_candidates_plan(*args, *numbers))
+
+
 def local_candidates(q, weights, k_cache, block_table, local_lens, topk: int, sm_scale: float, dcp_size: int,
                      dcp_rank: int) -> torch.Tensor:
-    """int64 [B, topk]: this rank's top-k keys (`topk_order`), NONE-padded; table position i is token i * n + r."""
+    """int64 [B, topk]: this rank's top-k keys (`topk_order`), NONE-padded; table position i is token i * n + r.
+    The definition (plain torch): `dsa::dcp_local_candidates`'s CPU impl."""
     PS = k_cache.shape[1]
     T = block_table.shape[1] * PS  # static: the table's capacity (no host read of the lengths)
     cols = torch.arange(T, device=q.device)
@@ -108,7 +166,8 @@ def dcp_indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale,
         if call is not None:
             call.agree(sig)
         local = layout.local_lens(seq_lens, dcp_size, dcp_rank)
-        cand = local_candidates(q, weights, k_cache, block_table, local, topk, sm_scale, dcp_size, dcp_rank)
+        cand = torch.ops.dsa.dcp_local_candidates(q, weights, k_cache, block_table, local, topk, sm_scale, dcp_size,
+                                                  dcp_rank)
     header = agree.data_header(sig, seq_lens)
     payloads, trails = agree.gather_with_trailer(cand.view(torch.int32), agree.trailer(seq_lens, header), dcp_size,
                                                  group_name)

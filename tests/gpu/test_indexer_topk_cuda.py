@@ -111,6 +111,20 @@ def test_dcp_local_candidates_compile_for_cuda(dcp_size, dcp_rank):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("select", ["radix", "torch"])
+@pytest.mark.parametrize("dcp_size,dcp_rank", [(2, 1), (4, 0)])
+def test_dcp_local_candidates_cuda_equals_cpu_op(select, dcp_size, dcp_rank):
+    """`dsa::dcp_local_candidates` on CUDA (the logits kernel with the global index, then each select) against its
+    CPU impl exactly: shards shorter than topk (all their keys, NONE-padded), longer ones, an empty one."""
+    topk, PS = 2048, 64
+    args = tied_inputs([0, 100, topk, topk + 1, 6000], PS, -(-6000 // PS), 8, 64, torch.bfloat16, seed=dcp_size)
+    want = torch.ops.dsa.dcp_local_candidates(*args, topk, SCALE, dcp_size, dcp_rank)
+    got = K.candidate_keys_plan(*_cuda(args), topk, SCALE, dcp_size, dcp_rank, select)(*_cuda(args))
+    assert torch.equal(got.cpu(), want)
+    op = torch.ops.dsa.dcp_local_candidates(*_cuda(args), topk, SCALE, dcp_size, dcp_rank)
+    assert torch.equal(op.cpu(), want)
+
+
 def test_narrow_table_and_empty_batch():
     """A table of at most topk tokens (the slots kernel alone) and B = 0."""
     args = tied_inputs([0, 5, 64], 16, 4, 8, 64, seed=1)

@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, rea
               pytest.mark.xdist_group("test_indexer_kernels")]
 
 CHECKS = ["order_key_special_values", "order_key_fuzz", "logits_keys_are_order_keys", "indexer_topk_fuzz",
+          "dcp_local_candidates_fuzz",
           "plan_replays_new_inputs", "empty_and_narrow", "k_only_indices", "cuda_impl_on_cpu_tensors"]
 
 # float32 bit patterns of every class the order definition treats specially (and neighbours of its boundaries)
@@ -135,16 +136,17 @@ def _build(kernel: str, pdl: bool) -> dict:
                                 dict(BLOCK_HI=64, BLOCK_D=128, BLOCK_T=K._BLOCK_T, KEYS=True, PDL=pdl, s_qd=1, s_wh=1,
                                      s_kd=1, **unit),
                                 ptrs, 4, 3, {"Q", "W", "K", "Table", "Lens", "Out", "s_qb", "s_qh", "s_kp", "s_ks"})
-    if kernel == "select slots":  # as launched for V3.2's indexer (topk 2048) over rows of up to 8K tokens
-        ptrs = {"Keys": "*i64", "Top": "*i64", "Table": "*i32", "Lens": "*i32", "Out": "*i32"}
-        return aot.compile_sm90(K._select_slots_kernel, dict(BLOCK=4096, KBLOCK=2048, PDL=pdl, **unit), ptrs, 16, 3,
-                                set(ptrs), gluon=True)
+    if kernel in ("select slots", "select keys"):  # as launched for V3.2's indexer (topk 2048), rows of 4K-16K
+        keys_out = kernel == "select keys"  # a DCP rank's candidates
+        ptrs = {"Keys": "*i64", "Top": "*i64", "Table": "*i32", "Lens": "*i32", "Out": "*i64" if keys_out else "*i32"}
+        return aot.compile_sm90(K._select_slots_kernel, dict(BLOCK=4096, KBLOCK=2048, KEYS_OUT=keys_out, PDL=pdl,
+                                                             **unit), ptrs, 16, 3, set(ptrs), gluon=True)
     ptrs = {"Top": "*i64", "Table": "*i32", "Lens": "*i32", "Out": "*i32"}
     return aot.compile_sm90(K._slots_kernel, dict(BLOCK=1024, KEYED=kernel == "slots", PDL=pdl, **unit), ptrs, 4, 3,
                             set(ptrs), gluon=True)  # gluon=True: no dot-mode constexprs (no tl.dot here)
 
 
-@pytest.mark.parametrize("kernel", ["logits", "slots", "identity slots", "select slots"])
+@pytest.mark.parametrize("kernel", ["logits", "slots", "identity slots", "select slots", "select keys"])
 def test_kernels_compile_for_sm90_and_wait_under_pdl(kernel):
     """Compiled as launched, no spills; with PDL `griddepcontrol.wait` precedes every global access (the slots kernel
     follows torch.topk, whose output it reads), without PDL neither griddepcontrol instruction."""
@@ -274,6 +276,31 @@ def check_indexer_topk_fuzz():
         want = _cpu_topk(args, topk)
         got = K.indexer_topk(*(strided(*args) if is_strided else args), topk, 0.5, select)
         assert got.dtype == torch.int32 and torch.equal(got, want), (lens, topk, select, got, want)
+
+    fuzz()
+
+
+def check_dcp_local_candidates_fuzz():
+    """`dsa::dcp_local_candidates` on the kernels (the logits kernel with the global index t * n + r, no row skipped;
+    the radix select writing keys, or torch.topk) equals the op's CPU impl exactly: shards shorter than topk give
+    all their keys, NONE-padded; tables narrower than topk; both selects."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from mla_compile.kernels import dsa as K
+
+    @settings(max_examples=60, deadline=None, database=None)
+    @given(st.data(), st.integers(0, 2**16))
+    def fuzz(data, seed):
+        lens, PS, MP, Hi, Di, dtype, topk, is_strided = _case(data)
+        n = data.draw(st.integers(1, 4), "dcp_size")
+        r = data.draw(st.integers(0, n - 1), "dcp_rank")
+        select = data.draw(st.sampled_from(["radix", "torch"]), "select")
+        args = tied_inputs(lens, PS, MP, Hi, Di, dtype, seed)
+        want = torch.ops.dsa.dcp_local_candidates(*args, topk, 0.5, n, r)
+        call = strided(*args) if is_strided else args
+        got = K.candidate_keys_plan(*call, topk, 0.5, n, r, select)(*call)
+        assert got.dtype == torch.int64 and torch.equal(got, want), (lens, topk, n, r, select, got, want)
 
     fuzz()
 

@@ -34,6 +34,8 @@ def base():
         indexer_topk=dict(q=torch.randn(B, Hi, Di), weights=torch.randn(B, Hi), k_cache=ki, block_table=bt,
                           seq_lens=sl, topk=4, sm_scale=0.5),
         k_only_indices=dict(block_table=bt, seq_lens=sl, page_size=PS, topk=8),
+        dcp_local_candidates=dict(q=torch.randn(B, Hi, Di), weights=torch.randn(B, Hi), k_cache=ki, block_table=bt,
+                                  local_lens=sl, topk=4, sm_scale=0.5, dcp_size=2, dcp_rank=1),
         fused_linear=dict(x=torch.randn(B, 1, 16), weights=[torch.randn(8, 16), torch.randn(4, 16)]),
         linear_partials=dict(x=torch.randn(B, 16), weights=[torch.randn(8, 16), torch.randn(4, 16)], splits=2),
         per_head_linear=dict(x=torch.randn(B, H, 16), weight=torch.randn(H, 8, 16)),
@@ -43,6 +45,7 @@ def base():
 OPS = dict(decode=torch.ops.mla.decode, sparse_decode=torch.ops.mla.sparse_decode,
            merge_states=torch.ops.mla.merge_states, cache_write=torch.ops.mla.cache_write,
            indexer_topk=torch.ops.dsa.indexer_topk, k_only_indices=torch.ops.dsa.k_only_indices,
+           dcp_local_candidates=torch.ops.dsa.dcp_local_candidates,
            fused_linear=torch.ops.mla.fused_linear, linear_partials=torch.ops.mla.linear_partials,
            per_head_linear=torch.ops.mla.per_head_linear)
 
@@ -159,6 +162,14 @@ CASES = [
     ("indexer_topk", dict(weights=torch.randn(B, Hi, device=META)), "weights", True),
     ("indexer_topk", dict(sm_scale=float("-inf")), "sm_scale", True),
     ("indexer_topk", dict(block_table=BAD_BT_LO), "block_table", False),
+    # ---- dcp_local_candidates (indexer_topk's checks with this shard's lengths, and the group's ints)
+    ("dcp_local_candidates", dict(dcp_rank=2), "dcp_rank", True),
+    ("dcp_local_candidates", dict(dcp_rank=-1), "dcp_rank", True),
+    ("dcp_local_candidates", dict(dcp_size=0), "dcp_size", True),
+    ("dcp_local_candidates", dict(topk=0), "topk", True),
+    ("dcp_local_candidates", dict(q=torch.randn(B, 1, Hi, Di)), "q", True),
+    ("dcp_local_candidates", dict(weights=torch.randn(B, Hi + 1)), "weights", True),
+    ("dcp_local_candidates", dict(local_lens=torch.tensor([CAP + 1, 0], dtype=torch.int32)), "seq_lens", False),
     # ---- k_only_indices
     ("k_only_indices", dict(topk=0), "topk", True),
     ("k_only_indices", dict(topk=-1), "topk", True),

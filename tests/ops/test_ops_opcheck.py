@@ -132,6 +132,16 @@ def test_opcheck_indexer_topk(PS, Hi, Di, topk, lens):
     opcheck(torch.ops.dsa.indexer_topk.default, (q, w, kc, bt, sl, topk, Di ** -0.5))
 
 
+@pytest.mark.parametrize("PS,Hi,Di,topk,lens,n,r", [(1, 1, 16, 4, [9, 0], 2, 1), (64, 4, 8, 32, [70, 0, 3], 4, 3),
+                                                     (3, 2, 5, 1, [0, 0, 4], 1, 0)])
+def test_opcheck_dcp_local_candidates(PS, Hi, Di, topk, lens, n, r):
+    g = torch.Generator().manual_seed(PS + topk)
+    _, (kc,), bt, sl, _ = ref.build_paged(lens, PS, (Di,), generator=g, shuffle=True, extra_cols=1)
+    B = len(lens)
+    q, w = torch.randn(B, Hi, Di, generator=g), torch.randn(B, Hi, generator=g)
+    opcheck(torch.ops.dsa.dcp_local_candidates.default, (q, w, kc, bt, sl, topk, Di ** -0.5, n, r))
+
+
 @pytest.mark.parametrize("PS,topk,lens", [(1, 4, [4, 0]), (64, 2048, [100, 0, 2048]), (3, 9, [0, 0, 9]),
                                           (64, 1, [1])])
 def test_opcheck_k_only_indices(PS, topk, lens):
