@@ -167,7 +167,7 @@ def _select_slots_kernel(Keys, Top, Table, Lens, Out, T, PS, topk, s_kb, s_top, 
         shift -= 8
     top_row = Top + b * s_top
     base = 0
-    for start in range(0, span, BLOCK):  # exactly topk keys (distinct) have a masked value >= the prefix
+    for start in range(0, span, BLOCK):  # exactly min(span, topk) keys (distinct) have masked values >= the prefix
         idx = start + offs
         key = tl.load(keys_row + idx, mask=idx < span, other=_NONE)
         take = (((key ^ _SIGN).to(tl.uint64, bitcast=True) & mask) >= prefix) & (idx < span)
