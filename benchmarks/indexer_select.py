@@ -81,7 +81,8 @@ def main(argv) -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['B']} | {r['T']} | {r['topk']} | {r['radix_graph_us']:.1f} | {r['torch_graph_us']:.1f} | "
-              f"{r['radix_over_torch_graph']:.2f} | {r['radix_host_us']:.1f} | {r['torch_host_us']:.1f} | {r['same']} |")
+              f"{r['radix_over_torch_graph']:.2f} | {r['radix_host_us']:.1f} | {r['torch_host_us']:.1f} | "
+              f"{r['same']} |")
     doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                radix_max_tokens=K.RADIX_MAX_TOKENS, rows=rows)
     if argv:
