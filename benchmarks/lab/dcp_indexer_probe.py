@@ -8,6 +8,7 @@ collective is not timed), CUDA-graph replay medians (`do_bench_cudagraph`):
 
   local eager     local_candidates as the op runs it eagerly
   local compiled  the same under torch.compile (what a compiled model's dcp_indexer_topk decomposes to)
+  op              torch.ops.dsa.dcp_local_candidates: on CUDA the logits kernel + the radix select writing keys
   indexer_topk    torch.ops.dsa.indexer_topk over the same shard (a kernel path's cost at this per-rank length)
 
     python benchmarks/lab/dcp_indexer_probe.py OUT.json        (`bash benchmarks/device.sh dcpindexer`)
@@ -49,11 +50,14 @@ def main(argv) -> int:
         local = lambda: local_candidates(q, w, k_cache, table, lens, topk, 0.1, N, RANK)  # noqa: E731
         fused = lambda: compiled(q, w, k_cache, table, lens, topk, 0.1, N, RANK)  # noqa: E731
         single = lambda: torch.ops.dsa.indexer_topk(q, w, k_cache, table, lens, topk, 0.1)  # noqa: E731
+        op = lambda: torch.ops.dsa.dcp_local_candidates(q, w, k_cache, table, lens, topk, 0.1, N, RANK)  # noqa: E731
         # compiled scores may round differently (sum order): the share of picked tokens both agree on
         picked = [topk_order.key_index(keys).sort(dim=1).values for keys in (local(), fused())]
         agree = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(*picked)) / (B * topk)
         row = dict(B=B, T=T, topk=topk, compiled_agrees=agree)
-        for name, fn in (("local_eager_us", local), ("local_compiled_us", fused), ("indexer_topk_us", single)):
+        row["op_equals_plain"] = bool(torch.equal(op(), local()))  # kernel scores may round apart from float32 torch
+        for name, fn in (("local_eager_us", local), ("local_compiled_us", fused), ("op_us", op),
+                         ("indexer_topk_us", single)):
             row[name] = do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
         rows.append(row)
         print(json.dumps(row), flush=True)
