@@ -251,6 +251,33 @@ def _radix_launch(block_table, seq_lens, page_size: int, topk: int, keys_out: bo
     return reused, bound, (T, page_size, topk, T, kblock, *block_table.stride(), seq_lens.stride(0), topk)
 
 
+def _selected_plan(logits, block_table, lens, page_size: int, topk: int, out_dtype, after_topk):
+    """`plan(q, weights, k_cache, block_table, lens)`: the logits launch into scratch keys [B, T], then the top-k
+    select: `after_topk(keys, block_table, lens)` (torch.topk and what follows it), or where that is None the radix
+    select writing out_dtype [B, topk] (int32: slots, int64: the keys)."""
+    B, T, device = block_table.shape[0], block_table.shape[1] * page_size, block_table.device
+    if after_topk is None:
+        reused, bound, numbers = _radix_launch(block_table, lens, page_size, topk, keys_out=out_dtype == torch.int64)
+
+        def plan(q, weights, k_cache, block_table, lens):
+            keys, top = reused.get()
+            logits(q, weights, k_cache, block_table, lens, keys)
+            out = torch.empty((B, topk), dtype=out_dtype, device=device)
+            bound(keys, top, block_table, lens, out, *numbers)
+            return out
+
+        return plan
+    # the keys are the call's intermediate (torch.topk reads them): scratch where it is safe (kernels/scratch.py)
+    reused = Scratch([(B, 2 * T)], device, lambda raw: raw.view(torch.int64))
+
+    def plan(q, weights, k_cache, block_table, lens):
+        keys = reused.get()
+        logits(q, weights, k_cache, block_table, lens, keys)
+        return after_topk(keys, block_table, lens)
+
+    return plan
+
+
 def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk: int, sm_scale: float, select: str = "auto"):
     """`plan(q, weights, k_cache, block_table, seq_lens)` -> `dsa::indexer_topk` int32 [B, topk] for inputs of this
     signature (ops/_plans.py): q [B, Hi, Di], weights float32 [B, Hi], k_cache [NP, PS, Di], block_table int32
@@ -260,34 +287,18 @@ def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk: int, sm_
     T <= topk only the slots kernel runs (every row is an identity row)."""
     _select(select, 0, topk)  # an unknown select fails even where no select runs
     PS = k_cache.shape[1]
-    T = block_table.shape[1] * PS
-    B, device = q.shape[0], q.device
+    T, B = block_table.shape[1] * PS, q.shape[0]
     if T <= topk or B == 0:  # seq_len <= T <= topk in every row (or no row): no key is ever read
         identity = k_only_plan(block_table, seq_lens, PS, topk)
         return lambda q, weights, k_cache, block_table, seq_lens: identity(block_table, seq_lens)
     logits = _logits_launch(q, weights, k_cache, block_table, seq_lens, sm_scale, topk, keys=True)
     if _select(select, T, topk) == "radix":
-        reused, bound, numbers = _radix_launch(block_table, seq_lens, PS, topk, keys_out=False)
-
-        def plan(q, weights, k_cache, block_table, seq_lens):
-            keys, top = reused.get()
-            logits(q, weights, k_cache, block_table, seq_lens, keys)
-            out = torch.empty((B, topk), dtype=torch.int32, device=device)
-            bound(keys, top, block_table, seq_lens, out, *numbers)
-            return out
-
-        return plan
+        return _selected_plan(logits, block_table, seq_lens, PS, topk, torch.int32, None)
     slots = _slots_plan(block_table, seq_lens, PS, topk, keyed=True)
-    # the keys are this call's intermediate (torch.topk reads them): scratch where it is safe (kernels/scratch.py)
-    reused = Scratch([(B, 2 * T)], device, lambda raw: raw.view(torch.int64))
-
-    def plan(q, weights, k_cache, block_table, seq_lens):
-        keys = reused.get()
-        logits(q, weights, k_cache, block_table, seq_lens, keys)
-        # T > topk: every row yields topk keys, largest first (distinct for valid tokens, so the set is unique)
-        return slots(torch.topk(keys, topk, dim=1).values, block_table, seq_lens)
-
-    return plan
+    # T > topk: every row yields topk keys, largest first (distinct for valid tokens, so the set is unique)
+    return _selected_plan(logits, block_table, seq_lens, PS, topk, torch.int32,
+                          lambda keys, block_table, seq_lens: slots(torch.topk(keys, topk, dim=1).values, block_table,
+                                                                    seq_lens))
 
 
 def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale, select: str = "auto") -> torch.Tensor:
@@ -311,25 +322,8 @@ def candidate_keys_plan(q, weights, k_cache, block_table, local_lens, topk: int,
             (B, topk), topk_order.NONE, dtype=torch.int64, device=device)
     logits = _logits_launch(q, weights, k_cache, block_table, local_lens, sm_scale, -1, keys=True,
                             index=(dcp_size, dcp_rank))
-    if select == "radix":
-        reused, bound, numbers = _radix_launch(block_table, local_lens, PS, topk, keys_out=True)
-
-        def plan(q, weights, k_cache, block_table, local_lens):
-            keys, top = reused.get()
-            logits(q, weights, k_cache, block_table, local_lens, keys)
-            out = torch.empty((B, topk), dtype=torch.int64, device=device)
-            bound(keys, top, block_table, local_lens, out, *numbers)
-            return out
-
-        return plan
-    reused = Scratch([(B, 2 * T)], device, lambda raw: raw.view(torch.int64))
-
-    def plan(q, weights, k_cache, block_table, local_lens):
-        keys = reused.get()
-        logits(q, weights, k_cache, block_table, local_lens, keys)
-        return topk_order.top_keys(keys, topk)
-
-    return plan
+    return _selected_plan(logits, block_table, local_lens, PS, topk, torch.int64,
+                          None if select == "radix" else lambda keys, *_: topk_order.top_keys(keys, topk))
 
 
 def _logits(q, weights, k_cache, block_table, seq_lens, sm_scale, topk, dtype) -> torch.Tensor:
