@@ -74,7 +74,12 @@ def check_local_candidates_args(q, weights, k_cache, block_table, local_lens, to
             f"must be an int in [0, dcp_size={dcp_size}), got {dcp_rank!r}")
     C.check(isinstance(q, torch.Tensor) and q.dim() == 3, "q",
             f"must be [B, Hi, Di] (one query token per request), got {getattr(q, 'shape', type(q).__name__)}")
-    check_indexer_args(q, weights, k_cache, block_table, local_lens, topk, sm_scale)
+    try:
+        check_indexer_args(q, weights, k_cache, block_table, local_lens, topk, sm_scale)
+    except ValueError as e:  # the shared check names the lengths seq_lens: here they are local_lens
+        if str(e).startswith("seq_lens:"):
+            raise ValueError("local_lens" + str(e)[len("seq_lens"):]) from None
+        raise
     T = block_table.shape[1] * k_cache.shape[1]
     C.check(T * dcp_size <= 2**32, "block_table", f"capacity {T} x dcp_size {dcp_size} tokens exceeds the order "
             "key's 2^32 token indices")

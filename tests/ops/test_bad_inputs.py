@@ -169,7 +169,8 @@ CASES = [
     ("dcp_local_candidates", dict(topk=0), "topk", True),
     ("dcp_local_candidates", dict(q=torch.randn(B, 1, Hi, Di)), "q", True),
     ("dcp_local_candidates", dict(weights=torch.randn(B, Hi + 1)), "weights", True),
-    ("dcp_local_candidates", dict(local_lens=torch.tensor([CAP + 1, 0], dtype=torch.int32)), "seq_lens", False),
+    ("dcp_local_candidates", dict(local_lens=torch.tensor([CAP + 1, 0], dtype=torch.int32)), "local_lens", False),
+    ("dcp_local_candidates", dict(local_lens=SL[:1]), "local_lens", True),
     # ---- k_only_indices
     ("k_only_indices", dict(topk=0), "topk", True),
     ("k_only_indices", dict(topk=-1), "topk", True),
