@@ -7,7 +7,7 @@ usage:  python benchmarks/indexer_select.py OUT.json        (CUDA; `bash benchma
 
 Per shape (B requests, T tokens each in the block table, all rows ranked: seq_len = T > topk; V3.2's indexer:
 Hi 64, Di 128, bf16, page 64): CUDA-graph replay median of each select's plan (`do_bench_cudagraph`), the host us
-per eager call of each (a loop of calls without a sync, median of 5 loops, as host_overhead.py), and a check that
+per eager call of each (host_overhead.py's loops of calls without a sync, the two selects interleaved), and a check that
 both give the same slots (random scores: distinct keys, one right answer). `kernels/dsa.RADIX_MAX_TOKENS` is set
 from these rows: auto takes radix where it is not slower.
 """
@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.host_overhead import host_us_interleaved  # noqa: E402
 from mla_compile import paged  # noqa: E402
 from mla_compile.kernels import dsa as K  # noqa: E402
 
@@ -44,19 +44,6 @@ def check() -> bool:
     return torch.equal(K.indexer_topk(*args, 40, 0.1, "radix"), K.indexer_topk(*args, 40, 0.1, "torch"))
 
 
-def host_us(fn, calls: int = 200, repeats: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls // repeats):
-            fn()
-        runs.append((time.perf_counter() - t0) / (calls // repeats) * 1e6)
-        torch.cuda.synchronize()
-    return sorted(runs)[len(runs) // 2]
-
-
 def main(argv) -> int:
     if "--check" in argv:
         print("VERDICT", "ok" if check() else "differs")
@@ -70,10 +57,11 @@ def main(argv) -> int:
         plans = {s: K.indexer_topk_plan(*args, topk, 0.1, s) for s in ("radix", "torch")}
         outs = {s: plan(*args) for s, plan in plans.items()}
         row = dict(B=B, T=T, topk=topk, same=bool(torch.equal(outs["radix"], outs["torch"])),
-                   auto="radix" if T <= K.RADIX_MAX_TOKENS else "torch")
+                   auto=K._select("auto", T, topk))
         for s, plan in plans.items():
             row[f"{s}_graph_us"] = do_bench_cudagraph(lambda: plan(*args), rep=50, return_mode="median") * 1e3
-            row[f"{s}_host_us"] = host_us(lambda: plan(*args))
+        host = host_us_interleaved({s: (lambda plan=plan: plan(*args)) for s, plan in plans.items()}, 200)
+        row.update({f"{s}_host_us": us for s, us in host.items()})
         row["radix_over_torch_graph"] = row["radix_graph_us"] / row["torch_graph_us"]
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -285,14 +285,14 @@ def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk: int, sm_
     then the top-k `select`: "radix" (one launch: `_select_slots_kernel`; topk <= RADIX_MAX_TOPK) or "torch"
     (torch.topk, then the slots kernel); "auto" takes radix up to RADIX_MAX_TOKENS and RADIX_MAX_TOPK. With
     T <= topk only the slots kernel runs (every row is an identity row)."""
-    _select(select, 0, topk)  # an unknown select fails even where no select runs
     PS = k_cache.shape[1]
     T, B = block_table.shape[1] * PS, q.shape[0]
+    select = _select(select, T, topk)  # checked even where no select runs
     if T <= topk or B == 0:  # seq_len <= T <= topk in every row (or no row): no key is ever read
         identity = k_only_plan(block_table, seq_lens, PS, topk)
         return lambda q, weights, k_cache, block_table, seq_lens: identity(block_table, seq_lens)
     logits = _logits_launch(q, weights, k_cache, block_table, seq_lens, sm_scale, topk, keys=True)
-    if _select(select, T, topk) == "radix":
+    if select == "radix":
         return _selected_plan(logits, block_table, seq_lens, PS, topk, torch.int32, None)
     slots = _slots_plan(block_table, seq_lens, PS, topk, keyed=True)
     # T > topk: every row yields topk keys, largest first (distinct for valid tokens, so the set is unique)

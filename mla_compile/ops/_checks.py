@@ -154,15 +154,16 @@ def check_paged_cache(ckv_cache, kpe_cache, R: int, P: int, dtypes=FLOAT_DTYPES,
     return ckv_cache.shape[0], ckv_cache.shape[1]
 
 
-def check_block_table(block_table, seq_lens, B: int) -> None:
+def check_block_table(block_table, seq_lens, B: int, lens: str = "seq_lens") -> None:
+    """`lens`: the lengths argument's name in the errors."""
     check_tensor(block_table, "block_table", 2, torch.int32)
-    check_tensor(seq_lens, "seq_lens", 1, torch.int32)
+    check_tensor(seq_lens, lens, 1, torch.int32)
     check_dim(block_table, "block_table", 0, B, "the batch size")
-    check_dim(seq_lens, "seq_lens", 0, B, "the batch size")
+    check_dim(seq_lens, lens, 0, B, "the batch size")
 
 
 def check_block_table_data(block_table, seq_lens, num_pages: int | None, page_size: int,
-                           int32_slots: bool = False) -> None:
+                           int32_slots: bool = False, lens: str = "seq_lens") -> None:
     """Values: lengths in [0, capacity]; pages a request uses are >= 0 and index real pages (< num_pages,
     unless num_pages is None: an op without the cache cannot know how many there are). int32_slots: the op
     returns the slots as int32, so every used slot page * page_size + offset must fit (no silent wrap)."""
@@ -171,8 +172,8 @@ def check_block_table_data(block_table, seq_lens, num_pages: int | None, page_si
     capacity = block_table.shape[1] * page_size
     if seq_lens.numel():
         lo, hi = int(seq_lens.min()), int(seq_lens.max())
-        check(lo >= 0, "seq_lens", f"lengths must be >= 0, got {lo}")
-        check(hi <= capacity, "seq_lens",
+        check(lo >= 0, lens, f"lengths must be >= 0, got {lo}")
+        check(hi <= capacity, lens,
               f"length {hi} exceeds the block table's capacity {capacity} (= {block_table.shape[1]} pages x {page_size})")
     # tokens of each row on each of its pages (0 on pages past its length)
     first = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size

@@ -56,12 +56,17 @@ def _resolve_group(group_name: str):
                          f"(init torch.distributed and pass `group.group_name`): {e}") from None
 
 
-def check_group_args(dcp_size, dcp_rank, group_name) -> None:
-    """dcp_size / dcp_rank / group_name: ints in range, and (n > 1) a live group of that size and rank."""
+def check_rank_args(dcp_size, dcp_rank) -> None:
+    """dcp_size an int >= 1, dcp_rank an int in [0, dcp_size)."""
     C.check(isinstance(dcp_size, int) and not isinstance(dcp_size, bool) and dcp_size >= 1, "dcp_size",
             f"must be an int >= 1, got {dcp_size!r}")
     C.check(isinstance(dcp_rank, int) and not isinstance(dcp_rank, bool) and 0 <= dcp_rank < dcp_size, "dcp_rank",
             f"must be an int in [0, dcp_size={dcp_size}), got {dcp_rank!r}")
+
+
+def check_group_args(dcp_size, dcp_rank, group_name) -> None:
+    """dcp_size / dcp_rank / group_name: ints in range, and (n > 1) a live group of that size and rank."""
+    check_rank_args(dcp_size, dcp_rank)
     C.check(isinstance(group_name, str), "group_name", f"must be a str, got {type(group_name).__name__}")
     if dcp_size == 1:
         return  # no collective: the name is not used (may be "")

@@ -37,7 +37,7 @@ from .. import layout, topk_order
 from . import _checks as C
 from . import dcp_consistency as agree
 from .attention import token_slots
-from .dcp import check_group_args
+from .dcp import check_group_args, check_rank_args
 from ._plans import Plans, dispatch_module
 from ._registry import define
 from .dsa import check_indexer_args, slot_scores
@@ -68,18 +68,10 @@ def check_dcp_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_
 def check_local_candidates_args(q, weights, k_cache, block_table, local_lens, topk, sm_scale, dcp_size, dcp_rank):
     """`dsa::indexer_topk`'s checks with this shard's lengths, q [B, Hi, Di], dcp_size / dcp_rank in range, and every
     global token index of the table (position * dcp_size + dcp_rank) below 2^32 (the order key's index half)."""
-    C.check(isinstance(dcp_size, int) and not isinstance(dcp_size, bool) and dcp_size >= 1, "dcp_size",
-            f"must be an int >= 1, got {dcp_size!r}")
-    C.check(isinstance(dcp_rank, int) and not isinstance(dcp_rank, bool) and 0 <= dcp_rank < dcp_size, "dcp_rank",
-            f"must be an int in [0, dcp_size={dcp_size}), got {dcp_rank!r}")
+    check_rank_args(dcp_size, dcp_rank)
     C.check(isinstance(q, torch.Tensor) and q.dim() == 3, "q",
             f"must be [B, Hi, Di] (one query token per request), got {getattr(q, 'shape', type(q).__name__)}")
-    try:
-        check_indexer_args(q, weights, k_cache, block_table, local_lens, topk, sm_scale)
-    except ValueError as e:  # the shared check names the lengths seq_lens: here they are local_lens
-        if str(e).startswith("seq_lens:"):
-            raise ValueError("local_lens" + str(e)[len("seq_lens"):]) from None
-        raise
+    check_indexer_args(q, weights, k_cache, block_table, local_lens, topk, sm_scale, lens="local_lens")
     T = block_table.shape[1] * k_cache.shape[1]
     C.check(T * dcp_size <= 2**32, "block_table", f"capacity {T} x dcp_size {dcp_size} tokens exceeds the order "
             "key's 2^32 token indices")

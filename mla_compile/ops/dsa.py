@@ -19,7 +19,8 @@ def _check_topk(topk):
 
 
 @C.once_per_signature
-def check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
+def check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scale, lens="seq_lens"):
+    """`lens`: the lengths argument's name in the errors (a DCP rank's candidates take local_lens)."""
     C.check(isinstance(q, torch.Tensor), "q", f"expected a Tensor, got {type(q).__name__}")
     tokens = q.dim() == 4  # S query tokens per request: q [B, S, Hi, Di]
     C.check_tensor(q, "q", 4 if tokens else 3, C.FLOAT_DTYPES)
@@ -32,11 +33,11 @@ def check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scal
     C.check_dim(k_cache, "k_cache", 2, Di, "q.shape[-1] (index head dim Di)")
     C.check(k_cache.dtype == q.dtype, "k_cache", f"dtype {k_cache.dtype} differs from q's {q.dtype}")
     C.check(k_cache.shape[1] > 0, "k_cache", "page size must be positive")
-    C.check_block_table(block_table, seq_lens, B)
+    C.check_block_table(block_table, seq_lens, B, lens)
     _check_topk(topk)
     C.check_scale(sm_scale)
-    C.check_same_device(dict(q=q, weights=weights, k_cache=k_cache, block_table=block_table, seq_lens=seq_lens))
-    C.check_block_table_data(block_table, seq_lens, k_cache.shape[0], k_cache.shape[1], int32_slots=True)
+    C.check_same_device({"q": q, "weights": weights, "k_cache": k_cache, "block_table": block_table, lens: seq_lens})
+    C.check_block_table_data(block_table, seq_lens, k_cache.shape[0], k_cache.shape[1], int32_slots=True, lens=lens)
     check_query_lens(seq_lens, q.shape[1] if tokens else 1)
 
 
