@@ -336,27 +336,29 @@ class AttendPlan:
             # -> 28.9 us, H 128 B 32 1K 40.5 -> 58.8, H 128 B 8 1K 19.0 -> 25.7)
             self.partials = Scratch(self.partial_shapes, q_nope.device)
 
-    def __call__(self, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices=None, ckv_scale=None):
+    def __call__(self, q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens=None, ckv_scale=None):
+        """(out, lse) of this signature's call: `table` the block table (decode), or the index list of a sparse
+        plan (seq_lens None then); in the op's own argument order, so the op's impl calls the plan itself (no
+        adapter frame on the hot path)."""
         # out has q's shape, dtype and device: empty_like parses less than torch.empty (~0.6 us a call on one core)
         out = torch.empty_like(q_nope, memory_format=torch.contiguous_format)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         if self.empty:
             return out, lse
         if self.copies:
-            q_nope, q_pe, seq_lens, block_table, indices = map(_unit_inner_stride, (q_nope, q_pe, seq_lens,
-                                                                                     block_table, indices))
-        ns = self.ns
-        if ns == 1:
+            q_nope, q_pe, seq_lens, table = map(_unit_inner_stride, (q_nope, q_pe, seq_lens, table))
+        if self.ns == 1:
             o, l = out, lse
         else:  # the default stream's scratch where it is safe, else fresh buffers (kernels/scratch.py)
             o, l = self.partials.get()
-        if self.kind == "pointer":
-            table = indices if self.sparse else block_table
+        if self.kind == "pointer":  # a sparse call's indices stand in for the lengths too (unread there)
             self.stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, table if self.sparse else seq_lens, o, l,
-                        ckv_scale if ckv_scale is not None else o, *self.numbers)
+                        o if ckv_scale is None else ckv_scale, *self.numbers)
+        elif self.sparse:  # the Gluon gather kernel over an index list
+            _wgmma.run_stage1(self.stage1, q_nope, q_pe, ckv_cache, kpe_cache, None, None, o, l, table)
         else:  # the TMA kernels (Triton's, Gluon's) and the Gluon gather kernel
-            _wgmma.run_stage1(self.stage1, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, o, l, indices)
-        if ns > 1:
+            _wgmma.run_stage1(self.stage1, q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens, o, l)
+        if self.ns > 1:
             self.merge(o, l, out, lse)
         return out, lse
 
@@ -364,7 +366,7 @@ class AttendPlan:
 def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, *, cfg=None, splits=None,
                 n_query: int = 1, ckv_scale=None) -> AttendPlan:
     """`decode`'s plan for these tensors' signature: `plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table,
-    seq_lens, None, ckv_scale)` runs it on any tensors of that signature."""
+    seq_lens, ckv_scale)` runs it on any tensors of that signature."""
     capacity = block_table.shape[1] * ckv_cache.shape[1]  # the longest a request can be: shape-only
     return AttendPlan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, None, sm_scale, capacity, cfg, splits,
                       n_query, ckv_scale)
@@ -382,12 +384,12 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
     folded into the products), fp32 q the pointer kernel dequantizing its tiles in registers."""
     return decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, cfg=cfg, splits=splits,
                        n_query=n_query, ckv_scale=ckv_scale)(q_nope, q_pe, ckv_cache, kpe_cache, block_table,
-                                                             seq_lens, None, ckv_scale)
+                                                             seq_lens, ckv_scale)
 
 
 def sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, *, cfg=None, splits=None,
                        ckv_scale=None) -> AttendPlan:
-    """`sparse_decode`'s plan: `plan(q_nope, q_pe, ckv_cache, kpe_cache, None, None, indices, ckv_scale)`."""
+    """`sparse_decode`'s plan: `plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, None, ckv_scale)`."""
     return AttendPlan(q_nope, q_pe, ckv_cache, kpe_cache, None, None, indices, sm_scale, indices.shape[1], cfg, splits,
                       ckv_scale=ckv_scale)
 
@@ -395,7 +397,7 @@ def sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, *,
 def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, *, cfg=None, splits=None, ckv_scale=None):
     """`mla::sparse_decode`: attention over the physical slots in indices [B, K] (-1 ignored)."""
     return sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, cfg=cfg, splits=splits,
-                              ckv_scale=ckv_scale)(q_nope, q_pe, ckv_cache, kpe_cache, None, None, indices, ckv_scale)
+                              ckv_scale=ckv_scale)(q_nope, q_pe, ckv_cache, kpe_cache, indices, None, ckv_scale)
 
 
 def flops(batch: int, heads: int, kv_len: int, R: int, P: int) -> float:

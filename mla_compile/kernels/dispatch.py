@@ -257,7 +257,8 @@ def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
     """(plan, keep): `plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, ckv_scale)` decodes any call of
     these tensors' signature (shapes, strides, dtypes, device, alignment, sm_scale, n_query, the tuning and
     environment in effect) with the kernel chosen now; `keep`: whether the choice holds for every such call (not
-    FlashInfer's, which depends on whether a CUDA graph is being captured).
+    FlashInfer's, which depends on whether a CUDA graph is being captured). Our kernels' plan is kernels/decode.py's
+    `AttendPlan` itself (the op's argument order: no adapter on the hot path).
 
     n_query = S > 1: S query tokens per request folded into q's rows ([B, S*H, *], see kernels/decode.py
     `decode`): the Gluon TMA / gather kernel or the Triton pointer kernel, by rows (`select_decode_kernel`;
@@ -270,25 +271,24 @@ def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
     if name == "flashinfer":
         return (lambda qn, qp, ckv, kpe, table, lens, scale: _fi.decode(qn, qp, ckv, kpe, table, lens, sm_scale)), False
     if name in ("seesaw", "wgmma"):
-        plan = _decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
-                                   cfg=_config(q_nope, ckv_cache, False, name), n_query=n_query)
-    else:  # the Triton kernels; a rope-less call (see above) with a zero rope column
-        zero = rope_less(q_pe)
-        q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache) if zero else (q_pe, kpe_cache)
-        plan = _zero_rope_run(_decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
-                                                  n_query=n_query, ckv_scale=ckv_scale), zero)
-    return (lambda qn, qp, ckv, kpe, table, lens, scale: plan(qn, qp, ckv, kpe, table, lens, None, scale)), True
+        return _decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
+                                   cfg=_config(q_nope, ckv_cache, False, name), n_query=n_query), True
+    # the Triton kernels; a rope-less call (see above) with a zero rope column
+    zero = rope_less(q_pe)
+    q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache) if zero else (q_pe, kpe_cache)
+    return _zero_rope_run(_decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
+                                              n_query=n_query, ckv_scale=ckv_scale), zero), True
 
 
 def _zero_rope_run(plan, zero: bool):
-    """An AttendPlan's call as it is, or (rope-less calls) with a fresh zero rope column per call in place of the
+    """A plan as it is, or (rope-less calls) one that hands it a fresh zero rope column per call in place of the
     call's empty q_pe / kpe_cache."""
     if not zero:
         return plan
 
-    def with_zero_rope(qn, qp, ckv, kpe, table, lens, indices, scale):
+    def with_zero_rope(qn, qp, ckv, kpe, table, lens, scale):
         qp, kpe = _with_zero_rope(qn, ckv)
-        return plan(qn, qp, ckv, kpe, table, lens, indices, scale)
+        return plan(qn, qp, ckv, kpe, table, lens, scale)
 
     return with_zero_rope
 
@@ -300,22 +300,21 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
 
 
 def sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
-    """(plan, keep) as `decode_plan`: `plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, ckv_scale)`. An FP8 cache
-    (ckv_scale given): the Triton pointer kernel (`decode_kernel`)."""
+    """(plan, keep) as `decode_plan`: `plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, None, ckv_scale)` (the
+    lengths' place empty: an index list bounds itself). An FP8 cache (ckv_scale given): the Triton pointer kernel
+    (`decode_kernel`)."""
     if decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse=True).name == "wgmma":
-        plan = _decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
-                                          cfg=_config(q_nope, ckv_cache, True, "wgmma"))
-    else:
-        zero = rope_less(q_pe)
-        q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache) if zero else (q_pe, kpe_cache)
-        plan = _zero_rope_run(_decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
-                                                         ckv_scale=ckv_scale), zero)
-    return (lambda qn, qp, ckv, kpe, idx, scale: plan(qn, qp, ckv, kpe, None, None, idx, scale)), True
+        return _decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
+                                          cfg=_config(q_nope, ckv_cache, True, "wgmma")), True
+    zero = rope_less(q_pe)
+    q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache) if zero else (q_pe, kpe_cache)
+    return _zero_rope_run(_decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
+                                                     ckv_scale=ckv_scale), zero), True
 
 
 def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
     plan, _ = sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale)
-    return plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, ckv_scale)
+    return plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, None, ckv_scale)
 
 
 def merge_states_plan(outs, lses):
@@ -378,22 +377,22 @@ def fused_linear_plan(x, weights):
     x2 = x.reshape(-1, K)
     if not few_token_rows(x2.shape[0], x2.dtype):
         return (lambda x, *weights: [torch.nn.functional.linear(x, w) for w in weights]), True
+    if len(lead) == 1 and len(weights) <= 2:  # x [M, K] and one pair (the pass's case): the pair's plan is the op's
+        return _linear.small_m_plan(x2, weights), True
     pairs = [(i, _linear.small_m_plan(x2, weights[i:i + 2])) for i in range(0, len(weights), 2)]
-    flat = len(lead) == 1  # x [M, K]: the products are the outputs, no views to take
 
     def plan(x, *weights):
-        x2 = x if flat else x.reshape(-1, K)
+        x2 = x.reshape(-1, K)
         outs = []
         for i, pair in pairs:
-            outs += pair(x2, weights[i:i + 2])
-        return outs if flat else [y.view(*lead, y.shape[-1]) for y in outs]
+            outs += pair(x2, *weights[i:i + 2])
+        return [y.view(*lead, y.shape[-1]) for y in outs]
 
     return plan, True
 
 
 def linear_partials_plan(x, weights, splits):
-    plan = _linear.linear_partials_plan(x, weights, splits)
-    return (lambda x, *weights: plan(x, weights)), True
+    return _linear.linear_partials_plan(x, weights, splits), True
 
 
 def per_head_linear_plan(x, weight):

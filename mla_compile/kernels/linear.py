@@ -152,33 +152,38 @@ def _run_pairs(launches, x, weights, ys) -> None:
         bound(x, weights[i], weights[j], ys[i], ys[j], *numbers)
 
 
-def linear_partials_plan(x: torch.Tensor, weights: list[torch.Tensor], splits: int, cfg: LinearConfig | None = None,
-                         align: int = K_ALIGN, scratch: bool = False):
-    """`plan(x, weights)` -> `linear_partials(x, weights, splits)` for inputs of this signature: one allocation,
-    the column views of each weight's partials, the bound launches. `scratch`: the partials are the caller's
-    intermediate (a split-K product's, summed in the same call), taken from kernels/scratch.py where it is safe."""
+def _partial_launches(x: torch.Tensor, weights, splits: int, cfg: LinearConfig, align: int):
+    """(the pair launches writing fp32 partials [splits, M, sum N_i], the partials' Scratch: `get()` / `fresh()` ->
+    (the partials, each weight's column view)) for inputs of this signature (M, N, K > 0)."""
     M, K = x.shape
-    N = sum(w.shape[0] for w in weights)
-    shape, device = (splits, M, N), x.device
-    if M == 0 or N == 0 or K == 0:
-        return lambda x, weights: torch.zeros(shape, dtype=torch.float32, device=device)
-    cfg = cfg or default_linear_config(M, K, N)
+    shape = (splits, M, sum(w.shape[0] for w in weights))
     k_split = split_width(K, splits, align)
     if k_split % cfg.block_k:
         raise ValueError(f"cfg: block_k {cfg.block_k} must divide the split width {k_split}")
     cols = list(itertools.accumulate((w.shape[0] for w in weights), initial=0))
     ranges = tuple(zip(cols, cols[1:]))
-    part = torch.empty(shape, dtype=torch.float32, device=torch.device("meta"))
 
     def columns(part):
         return part, [part[:, :, lo:hi] for lo, hi in ranges]
 
+    part = torch.empty(shape, dtype=torch.float32, device=torch.device("meta"))
     launches = _pair_launches(x, weights, columns(part)[1], k_split, splits, cfg, part.stride(0))
+    return launches, Scratch([shape], x.device, columns)
 
-    buffers = Scratch([shape], device, columns)
 
-    def plan(x, weights):
-        part, cols = buffers.get() if scratch else buffers.fresh()
+def linear_partials_plan(x: torch.Tensor, weights: list[torch.Tensor], splits: int, cfg: LinearConfig | None = None,
+                         align: int = K_ALIGN):
+    """`plan(x, *weights)` -> `linear_partials(x, weights, splits)` for inputs of this signature: one allocation,
+    the column views of each weight's partials, the bound launches."""
+    M, K = x.shape
+    N = sum(w.shape[0] for w in weights)
+    shape, device = (splits, M, N), x.device
+    if M == 0 or N == 0 or K == 0:
+        return lambda x, *weights: torch.zeros(shape, dtype=torch.float32, device=device)
+    launches, buffers = _partial_launches(x, weights, splits, cfg or default_linear_config(M, K, N), align)
+
+    def plan(x, *weights):
+        part, cols = buffers.fresh()  # the op's output: a tensor of its own
         _run_pairs(launches, x, weights, cols)
         return part
 
@@ -190,42 +195,50 @@ def linear_partials(x: torch.Tensor, weights: list[torch.Tensor], splits: int, c
     """fp32 [splits, M, sum N_i]: partial s = x[:, r_s] @ [W_0 | W_1 | ...][:, r_s]^T over the K range
     r_s = [s * w, min((s + 1) * w, K)), w = `split_width(K, splits, align)` (empty ranges give zeros); their sum
     is x @ W^T. x [M, K] (M <= 16), weights [N_i, K] (any strides)."""
-    return linear_partials_plan(x, weights, splits, cfg, align)(x, weights)
+    return linear_partials_plan(x, weights, splits, cfg, align)(x, *weights)
 
 
 def small_m_plan(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig | None = None):
-    """`plan(x, weights, outs=None)` -> `linear_small_m(x, weights, outs=outs)` for inputs of this signature."""
+    """`plan(x, *weights, outs=None)` -> `linear_small_m(x, weights, outs=outs)` for inputs of this signature (one or
+    two weights). Called with the op's own arguments: `mla::fused_linear` of a flat x and one pair runs it as its
+    plan, one frame from the op to the launches."""
     M, K = x.shape
     shapes, dtype, device = [(M, w.shape[0]) for w in weights], x.dtype, x.device
     if cfg is None:
         cfg = default_linear_config(M, K, sum(w.shape[0] for w in weights))
     n0, n1 = weights[0].shape[0], (weights[-1].shape[0] if len(weights) == 2 else 0)
-
-    def allocate(outs):
-        return [torch.empty(s, dtype=dtype, device=device) for s in shapes] if outs is None else outs
+    s0, s1 = shapes[0], shapes[-1]
+    lone = len(weights) == 1
 
     if M == 0 or n0 + n1 == 0 or K == 0:  # nothing to launch (K == 0: the product is all zeros)
-        return lambda x, weights, outs=None: [o.zero_() for o in allocate(outs)]
+        return lambda x, *weights, outs=None: [o.zero_() for o in (outs or [torch.empty(s, dtype=dtype, device=device)
+                                                                          for s in shapes])]
     meta = [torch.empty(s, device=torch.device("meta")) for s in shapes]  # the outputs' (row-major) strides
     splits = cdiv(K, split_width(K, cfg.split_k, cfg.block_k))
     if splits == 1:
-        launches = _pair_launches(x, weights, meta, K, 1, cfg, 0)
+        ((bound, _, _, numbers),) = _pair_launches(x, weights, meta, K, 1, cfg, 0)
 
-        def one_pass(x, weights, outs=None):
-            outs = allocate(outs)
-            _run_pairs(launches, x, weights, outs)
+        def one_pass(x, *weights, outs=None):
+            if outs is None:
+                outs = [torch.empty(s0, dtype=dtype, device=device)] if lone else \
+                       [torch.empty(s0, dtype=dtype, device=device), torch.empty(s1, dtype=dtype, device=device)]
+            bound(x, weights[0], weights[-1], outs[0], outs[-1], *numbers)
             return outs
 
         return one_pass
-    partials = linear_partials_plan(x, weights, splits, cfg, align=cfg.block_k, scratch=True)
+    ((partial, _, _, partial_numbers),), buffers = _partial_launches(x, weights, splits, cfg, cfg.block_k)
     block = 512
     sum_splits = bind(_sum_splits_kernel, (M, cdiv(n0 + n1, block)), BLOCK=block, **pdl_launch(x.device))
     # the partials' split and row strides (contiguous [splits, M, n0 + n1]), the outputs' row strides
     numbers = (splits, n0, n1, M * (n0 + n1), n0 + n1, meta[0].stride(0), meta[-1].stride(0))
 
-    def split_k(x, weights, outs=None):
-        outs = allocate(outs)
-        sum_splits(partials(x, weights), outs[0], outs[-1], *numbers)
+    def split_k(x, *weights, outs=None):
+        if outs is None:
+            outs = [torch.empty(s0, dtype=dtype, device=device)] if lone else \
+                   [torch.empty(s0, dtype=dtype, device=device), torch.empty(s1, dtype=dtype, device=device)]
+        part, cols = buffers.get()  # this call's intermediate: scratch where it is safe (kernels/scratch.py)
+        partial(x, weights[0], weights[-1], cols[0], cols[-1], *partial_numbers)
+        sum_splits(part, outs[0], outs[-1], *numbers)
         return outs
 
     return split_k
@@ -235,7 +248,7 @@ def linear_small_m(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConf
                    outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """x [M, K] (M <= 16), weights: one or two [N_i, K] (nn.Linear layout, any strides) -> [x @ W_i^T]
     (`outs`: contiguous buffers to write instead of new ones)."""
-    return small_m_plan(x, weights, cfg)(x, weights, outs)
+    return small_m_plan(x, weights, cfg)(x, *weights, outs=outs)
 
 
 def per_head_plan(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None):

@@ -415,7 +415,8 @@ def _(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
 def _(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
     if q_nope.dim() == 3 and q_nope.dtype != torch.float64:  # as mla::decode's impl: a plan per signature
         args = (q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale)
-        return _SPARSE_PLANS.run((q_nope, q_pe, ckv_cache, kpe_cache, indices, ckv_scale), (sm_scale,),
+        # the plan's arguments (`dispatch.sparse_decode_plan`): the lengths' place empty
+        return _SPARSE_PLANS.run((q_nope, q_pe, ckv_cache, kpe_cache, indices, None, ckv_scale), (sm_scale,),
                                  lambda: check_sparse_args(*args), lambda: dispatch_module().sparse_decode_plan(*args))
     check_sparse_args(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale)
     if q_nope.dtype == torch.float64:  # no kernel computes in float64: the reference

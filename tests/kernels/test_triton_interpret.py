@@ -347,6 +347,20 @@ def check_fused_linear():
         wt = torch.randn(40, 24, generator=gen).to(dtype).T  # [24, 40]
         (y,) = linear_small_m(xt, [wt], LinearConfig(16, 16, 4, 2))
         assert _rel(y, xt.double() @ wt.double().T) < tol, "strided x / weight"
+    # the op's plans (kernels/dispatch.py): a flat x with one pair is the pair's plan itself; three weights (two
+    # launches); x [B, S, K] viewed back to its lead dims; a K long enough to split (default config)
+    from mla_compile.kernels import dispatch
+
+    for lead, K, Ns in (((2,), 64, [24, 40]), ((3,), 48, [8, 16, 24]), ((2, 2), 64, [16, 8]), ((1,), 2048, [96, 32])):
+        x = torch.randn(*lead, K, generator=gen).to(torch.bfloat16)
+        ws = [torch.randn(N, K, generator=gen).to(torch.bfloat16) for N in Ns]
+        plan, keep = dispatch.fused_linear_plan(x, ws)
+        for _ in range(2):  # a plan serves every call of its signature
+            ys = plan(x, *ws)
+            assert keep and len(ys) == len(ws)
+            for y, w in zip(ys, ws):
+                want = x.double() @ w.double().T
+                assert y.shape == want.shape and _rel(y, want) < 2e-2, f"lead {lead} K {K} N {w.shape[0]}"
 
 
 def check_linear_partials():

@@ -81,8 +81,8 @@ def test_dispatch_sends_rope_less_decode_to_triton_with_a_zero_rope_column(monke
     monkeypatch.setenv("MLA_COMPILE_DECODE_BACKEND", "flashinfer")  # asked for, but built for P = 64 only
     assert dispatch.decode(q, qp, c, k, bt, sl, 0.3) == ("out", "lse")
     assert not flashinfer.calls and len(triton.calls) == 1
-    qn2, qp2, c2, k2, bt2, sl2, idx2, ckv_scale = triton.calls[0]
-    assert qn2 is q and c2 is c and bt2 is bt and sl2 is sl and idx2 is None and ckv_scale is None
+    qn2, qp2, c2, k2, bt2, sl2, ckv_scale = triton.calls[0]
+    assert qn2 is q and c2 is c and bt2 is bt and sl2 is sl and ckv_scale is None
     assert triton.made[0][0][6] == 0.3  # sm_scale, fixed when the plan is made
     _assert_zero_rope(qp2, (B, H))
     _assert_zero_rope(k2, c.shape[:2])
@@ -103,8 +103,8 @@ def test_dispatch_sends_rope_less_sparse_decode_with_a_zero_rope_column(monkeypa
     triton = PlanRecorder(("out", "lse"))
     monkeypatch.setattr(dispatch._decode, "sparse_decode_plan", triton.make)
     dispatch.sparse_decode(q, qp, c, k, idx, 0.4)
-    qn2, qp2, c2, k2, bt2, sl2, idx2, _ = triton.calls[0]
-    assert qn2 is q and c2 is c and idx2 is idx and bt2 is None and sl2 is None
+    qn2, qp2, c2, k2, idx2, sl2, _ = triton.calls[0]
+    assert qn2 is q and c2 is c and idx2 is idx and sl2 is None
     assert triton.made[0][0][5] == 0.4
     _assert_zero_rope(qp2, (B, H))
     _assert_zero_rope(k2, c.shape[:2])
