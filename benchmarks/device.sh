@@ -5,6 +5,7 @@
 #           profile (HF step)  host (per-call host time)  fp8 (FP8 cache decode)  dcp  dsa  hf
 #           generate (HF generate() end to end)  gencrash (lab probe)  compile
 #           families (five HF MLA families at 32K)  select (indexer top-k)  report
+#           fp8swap (lab probe: a swap-AB Gluon kernel for the FP8 cache at few heads, beside mla.decode / FlashMLA)
 # Installs the wheels carried in .whl/ (tools/device_wheels.sh fetches them; run(carry=[".whl"])), records the environment, then runs each stage.
 #
 # $OUT stays flat and small (the device tool returns at most 8 files). A full run
@@ -92,6 +93,9 @@ stage_fp8probe() { echo "fp8probe: the FP8 kernel's lab probe is retired (benchm
 stage_select() { timeout "${T_SELECT:-200}" python3 benchmarks/indexer_select.py "$OUT/indexer_select.json"; }
 # dcpindexer: the lab probe of dsa::dcp_indexer_topk's per-rank step vs the single-rank op (one GPU, no group)
 stage_dcpindexer() { timeout "${T_DCPINDEXER:-200}" python3 benchmarks/lab/dcp_indexer_probe.py "$OUT/dcp_indexer.json"; }
+# fp8swap: the lab probe of a swap-AB Gluon stage 1 for the FP8 cache at H 16-64 (check, then times beside mla.decode FP8
+# / bf16 and FlashMLA); FP8SWAP_ARGS e.g. "--shapes 16:8:32768 --configs 16:8:3" or "--check-only"
+stage_fp8swap() { timeout "${T_FP8SWAP:-300}" python3 benchmarks/lab/fp8_swapab.py "$OUT/fp8_swapab.json" ${FP8SWAP_ARGS:-}; }
 stage_topkprobe() { echo "topkprobe: the lab probe is retired: its kernel is kernels/dsa.py's (stage select)"; }
 stage_host() { timeout "${T_HOST:-180}" python3 benchmarks/host_overhead.py "$OUT/host.json" ${HOST_ARGS:-}; }
 

@@ -11,10 +11,12 @@ decode call, what a captured decode step runs:
   - `flashmla_bf16_ms`: FlashMLA's dense bf16 decode on its fused [pages, 64, 576] layout (schedule made per call);
   - `flashmla_fp8_ms`: FlashMLA's dense FP8 decode (`is_fp8_kvcache=True`, one scale per tensor for q and for the
     cache: not our format, so its accuracy is reported, not compared; schedule made once, outside the timing);
-  - `fp8_ms`: `kernels.decode.decode` (what the op's CUDA impl runs) over the FP8 cache (decode_fp8.py: scales
-    folded into the products);
-  - `fp8_dequant_ms`: the pointer kernel that dequantizes its tiles in registers (what bf16 q took before
-    decode_fp8.py; fp16 / fp32 q still take it), over the same FP8 cache;
+  - `fp8_ms`: `torch.ops.mla.decode` over the FP8 cache: what auto runs (on an H200 at page 64 the swap-AB Gluon
+    kernel, kernels/decode_fp8_swapab.py);
+  - `fp8_triton_ms`: `kernels.decode.decode` over the FP8 cache: the Triton FP8 kernel (decode_fp8.py: scales folded
+    into the products; what token tables, fp16 q and index lists take);
+  - `fp8_dequant_ms`: the pointer kernel that dequantizes its tiles in registers (fp32 q takes it), over the same
+    FP8 cache;
   - `fp8_configs_ms`: decode_fp8.py's kernel at other tilings (`--sweep`).
 `--whole-page`: instead, the layout HF's FP8 `DSAStaticCache` hands the kernel (one page per request, max_len =
 kv + 640 tokens, a [B, 1] block table) at H 16 / 128, B 8, 32K: the default tiling and every SWEEP tiling, each
@@ -167,7 +169,10 @@ def main(argv):
         def bf16_call():
             return torch.ops.mla.decode(qn, qp, ckv, kpe, table, lens, SCALE)
 
-        def fp8_call(cfg=None):
+        def fp8_call():
+            return torch.ops.mla.decode(qn, qp, c8, k8, table, lens, SCALE, s8)
+
+        def fp8_triton_call(cfg=None):
             return K.decode(qn, qp, c8, k8, table, lens, SCALE, cfg=cfg, ckv_scale=s8)
 
         def fp8_rows(s):
@@ -180,10 +185,12 @@ def main(argv):
         row["fp8_vs_bf16_max_row_rel_err"] = float(((o8 - o16).norm(dim=-1) / o16.norm(dim=-1)).max())
         row["bf16_ms"] = ms(bf16_call)
         row["fp8_ms"] = ms(fp8_call)
+        row["fp8_triton_check"] = check_request0(*fp8_triton_call(), qn, qp, fp8_rows, k8, table)
+        row["fp8_triton_ms"] = ms(fp8_triton_call)
         with mock.patch.object(decode_fp8, "fits", lambda *a: False):  # the register-dequantizing kernel
             K.fp8_config.cache_clear()  # at its own tiling (the config is cached per shape)
-            row["fp8_dequant_check"] = check_request0(*fp8_call(), qn, qp, fp8_rows, k8, table)
-            row["fp8_dequant_ms"] = ms(fp8_call)
+            row["fp8_dequant_check"] = check_request0(*fp8_triton_call(), qn, qp, fp8_rows, k8, table)
+            row["fp8_dequant_ms"] = ms(fp8_triton_call)
         K.fp8_config.cache_clear()
         fm_bf16, fm_fp8 = flashmla_calls(qn, qp, ckv, kpe, table, lens)
         if fm_bf16 is not None:
@@ -201,13 +208,13 @@ def main(argv):
                 cfg = K.DecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=st, max_splits=256)
                 name = f"h{bh}n{bn}w{w}s{st}"
                 try:
-                    ok = check_request0(*fp8_call(cfg), qn, qp, fp8_rows, k8, table)
-                    row["fp8_configs_ms"][name] = ms(lambda: fp8_call(cfg)) if ok == "ok" else ok
+                    ok = check_request0(*fp8_triton_call(cfg), qn, qp, fp8_rows, k8, table)
+                    row["fp8_configs_ms"][name] = ms(lambda: fp8_triton_call(cfg)) if ok == "ok" else ok
                 except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: reported per config
                     row["fp8_configs_ms"][name] = repr(e)[:200]
         tokens = B * KV
         for key, per_token in (("bf16", 2 * (R + P)), ("fp8", fp8.token_bytes(R, P)),
-                               ("fp8_dequant", fp8.token_bytes(R, P)), ("flashmla_bf16", 2 * (R + P)),
+                               ("fp8_triton", fp8.token_bytes(R, P)), ("fp8_dequant", fp8.token_bytes(R, P)), ("flashmla_bf16", 2 * (R + P)),
                                ("flashmla_fp8", R + P)):
             if isinstance(row.get(f"{key}_ms"), float):
                 row[f"{key}_gbps"] = tokens * per_token / row[f"{key}_ms"] / 1e6

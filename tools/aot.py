@@ -146,3 +146,18 @@ def per_head_linear_sm90(transposed: bool, block_n: int = 16, K: int = 512, pdl:
     divisible = set(ptrs) | {"s_xm", "s_xh", "s_wh", "s_wn", "s_wk", "s_ym", "s_yh", "K", "N"} - set(unit)
     return compile_sm90(Lin._per_head_kernel, constexprs, ptrs, 4, 3, divisible)
 
+
+
+def fp8_swapab_sm90(tiling=None, H: int = 16, page_size: int = 64) -> dict:
+    """kernels/decode_fp8_swapab.py's stage-1 kernel for an FP8 cache at `tiling` (default: the one `H` heads get),
+    compiled for sm_90a (`compile_sm90`'s answer)."""
+    from mla_compile.kernels import decode_fp8_swapab as F
+
+    t = tiling or F.default_tiling(H)
+    e_l, s_l, r_l = F._layouts()
+    desc = {"EDesc": f"tensordesc<fp8e4nv[{F.BLOCK_T}, {F.E_BOX}],{e_l!r}>",
+            "SDesc": f"tensordesc<fp32[{F.BLOCK_T}, {F.GROUPS}],{s_l!r}>",
+            "RDesc": f"tensordesc<bf16[{F.BLOCK_T}, {F.P}],{r_l!r}>",
+            "Qn": "*bf16", "Qp": "*bf16"}
+    divisible = {"Qn", "Qp", "Table", "Lens", "O", "L", "s_qnb", "s_qnh", "s_qpb", "s_qph", "s_on", "s_ob", "s_oh"}
+    return compile_sm90(F._fp8_swapab_kernel, t.constexprs(page_size), desc, t.warps, 1, divisible, gluon=True)

@@ -25,6 +25,7 @@ from ._launch import bind, without_bases
 from .decode_stage1 import _stage1_kernel, _stage1_tma_kernel
 from ..fp8 import GROUP as FP8_GROUP
 from . import decode_fp8 as _fp8
+from . import decode_fp8_swapab as _fp8_swapab
 from . import decode_seesaw as _seesaw
 from . import decode_wgmma as _wgmma
 from .scratch import Scratch
@@ -46,8 +47,8 @@ class DecodeConfig:
     min_split_tokens: int = 64
     tma: bool = False  # full tiles by TMA boxes where the layout allows (see tma_eligible)
     # the stage-1 kernel: "triton" (this file's, `tma` choosing its tiles), "wgmma" (decode_wgmma.py) or "seesaw"
-    # (decode_seesaw.py), the Gluon many-head kernels. `dispatch.select_decode_kernel` chooses it for the call's
-    # shapes, device and layout; it is not re-checked here
+    # (decode_seesaw.py), the Gluon many-head kernels, or "fp8_swapab" (decode_fp8_swapab.py, an FP8 cache).
+    # `dispatch.select_decode_kernel` chooses it for the call's shapes, device and layout; it is not re-checked here
     kernel: str = "triton"
 
 
@@ -306,8 +307,8 @@ class AttendPlan:
         s_on, s_ln = (0, 0) if ns == 1 else (o.stride(0), l.stride(0))
         # several query tokens: the pointer kernel or a Gluon one (their rows carry per-token limits; the Triton TMA
         # kernel takes one limit per request)
-        if fp8:  # the pointer kernels' FP8 paths (`_pointer_stage1`); the TMA and Gluon kernels read fp16/bf16 caches
-            self.kind = "pointer"
+        if fp8:  # the FP8 Gluon kernel (decode_fp8_swapab.py) or the pointer kernels' FP8 paths (`_pointer_stage1`)
+            self.kind = "fp8_swapab" if cfg.kernel == "fp8_swapab" else "pointer"
         elif cfg.kernel in ("seesaw", "wgmma"):
             self.kind = cfg.kernel
         elif not multi and tma_eligible(ckv_cache, kpe_cache, self.sparse, cfg):
@@ -322,6 +323,9 @@ class AttendPlan:
             self.stage1, self.numbers = _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, self.sparse,
                                                         seq_lens, sm_scale, o, l, s_on, s_ln, ns, cfg, n_query,
                                                         ckv_scale)
+        elif self.kind == "fp8_swapab":
+            self.stage1 = _fp8_swapab.stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, block_table, sm_scale,
+                                                  o, l, s_on, s_ln, ns)
         elif self.kind == "seesaw":
             self.stage1 = _seesaw.stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o,
                                               l, s_on, s_ln, ns, n_query)
@@ -354,6 +358,8 @@ class AttendPlan:
         if self.kind == "pointer":  # a sparse call's indices stand in for the lengths too (unread there)
             self.stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, table if self.sparse else seq_lens, o, l,
                         o if ckv_scale is None else ckv_scale, *self.numbers)
+        elif self.kind == "fp8_swapab":
+            _fp8_swapab.run_stage1(self.stage1, q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, table, seq_lens, o, l)
         elif self.sparse:  # the Gluon gather kernel over an index list
             _wgmma.run_stage1(self.stage1, q_nope, q_pe, ckv_cache, kpe_cache, None, None, o, l, table)
         else:  # the TMA kernels (Triton's, Gluon's) and the Gluon gather kernel

@@ -24,6 +24,7 @@ from .. import tuning as _tuning
 from . import _gluon
 from . import cache as _cache
 from . import decode as _decode
+from . import decode_fp8_swapab as _fp8_swapab
 from . import decode_seesaw as _seesaw
 from . import decode_wgmma as _wgmma
 from . import dsa as _dsa
@@ -51,7 +52,7 @@ HALF = (torch.float16, torch.bfloat16)
 
 
 class Choice(NamedTuple):
-    name: str  # flashmla | seesaw | wgmma | triton | flashinfer | torch
+    name: str  # flashmla | seesaw | wgmma | fp8_swapab | triton | flashinfer | torch
     reason: str
 
 
@@ -59,7 +60,7 @@ class Choice(NamedTuple):
 def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, dtype: torch.dtype, capability,
                          n_query: int = 1, *, kernel: str = "auto", tma_layout: bool = True,
                          rows_aligned: bool = True, flashmla: bool = False, flashinfer: bool = False,
-                         tokens: int = FLASHMLA_MIN_TOKENS) -> Choice:
+                         tokens: int = FLASHMLA_MIN_TOKENS, fp8_cache: bool = False, fp8_boxes: bool = False) -> Choice:
     """The decode kernel for one call's shape class: Choice(name, reason).
 
     H heads (rows) per request, R latent and P rope width, `page_size` (1 for a sparse index list), `sparse`
@@ -69,8 +70,10 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     64-token tiles, `_gluon.tma_layout`), `rows_aligned` (16-byte aligned rows, `_gluon.rows_aligned`),
     `flashmla` (FlashMLA imports, takes these shapes and reads the caches in place), `flashinfer` (FlashInfer
     usable now: installed, R 512, not under CUDA-graph capture), `tokens`: the most tokens the call may read, batch x
-    the block table's capacity (shapes only: the lengths live on the device). `kernel`: "auto" or the one asked for
-    (mla_compile/tuning.py); one that cannot serve the call falls back to auto's choice, saying why.
+    the block table's capacity (shapes only: the lengths live on the device), `fp8_cache`: the latent cache is FP8
+    (mla_compile/fp8.py; `dtype` stays q's), `fp8_boxes`: its three views are runs of TMA rows in pages of whole
+    64-token tiles (`decode_fp8_swapab.eligible`) and that kernel is switched on (`decode_fp8_swapab.ENABLED`). `kernel`: "auto" or the one asked for (mla_compile/tuning.py);
+    one that cannot serve the call falls back to auto's choice, saying why.
 
     auto, first match (H200 measurements: issue 24's table and benchmarks/RESULTS.md, ops table and the seesaw /
     Gluon kernel sections; every kernel timed as a CUDA-graph replay):
@@ -78,6 +81,9 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     | shape class (first match)                                          | kernel   | why |
     |--------------------------------------------------------------------|----------|-----|
     | CPU tensors at the op                                              | torch    | the op's CPU impl (definition) |
+    | FP8 cache, sm_90, bf16 q, R 512 / P 64, 1 query token, dense,      | fp8_swapab | 2x Triton's FP8 (9) |
+    |   pages of whole 64-token tiles (fp8_boxes)                        |          |     |
+    | FP8 cache otherwise                                                | triton   | the only other FP8 reader (10) |
     | FlashMLA in place (1), sm_90, dense, 1 query token, H >= 64,       | flashmla | faster than ours there (2) |
     |   tokens >= FLASHMLA_MIN_TOKENS (256K)                             |          |     |
     | sm_90, fp16/bf16, Gluon rows (7), TMA layout (3), P 64 (8)         | seesaw   | 1-6% faster than wgmma (4) |
@@ -97,6 +103,12 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     (7) H >= 64 with one query token; with n_query > 1 (paged), H is the rows (n_query x heads) and from 32 of them
         the Gluon kernels take the call, each row with its own causal limit: MULTI_TOKEN_GLUON_ROWS says why.
     (8) several query tokens in one head block (<= 64 rows): wgmma, 12-16% faster there (MULTI_TOKEN_GLUON_ROWS).
+    (9) the Gluon kernel with the 64 tokens as the warpgroup MMA's M (kernels/decode_fp8_swapab.py), where switched on
+        (`fp8_boxes` is false while `decode_fp8_swapab.ENABLED` is off: its exact build has not run on a GPU). Its
+        bf16-rounding predecessor, H200 2026-12-04: H 16 B 8 32K 87.0 us against 171.1 for the Triton FP8 kernel and
+        89.6 for our bf16 cache; H 64 141 vs 450.
+    (10) kernels/decode_fp8.py (bf16 / fp16 q: scales folded into fp16 MMAs; fp32 q: the pointer kernel
+        dequantizing its tiles); FlashMLA, FlashInfer and the bf16 Gluon kernels read fp16/bf16 caches only.
 
     FlashInfer is never auto's: at H 128 it is faster than ours but slower than FlashMLA, and its cached
     workspace broke torch.compile's cudagraph-tree pool check (H200 2026-11-30); asked for, it serves eager calls.
@@ -124,6 +136,14 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     }
     if capability is None:
         return Choice("torch", "CPU tensors: the op's CPU impl (the plain-torch definition)")
+    if fp8_cache:
+        return _select_fp8_kernel(kernel, sm90 and one_dense and fp8_boxes and _fp8_swapab.fits(R, P, dtype))
+    if kernel == "fp8_swapab":
+        auto = select_decode_kernel(H, R, P, page_size, sparse, dtype, capability, n_query, tma_layout=tma_layout,
+                                    rows_aligned=rows_aligned, flashmla=flashmla, flashinfer=flashinfer,
+                                    tokens=tokens)
+        return Choice(auto.name, f"asked for fp8_swapab, which cannot serve this call (it reads FP8 caches only); "
+                                 f"auto: {auto.reason}")
     if kernel != "auto":
         if not cannot[kernel]:
             return Choice(kernel, "asked for")
@@ -146,6 +166,26 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
            else "few heads" if H < MANY_HEADS and n_query == 1 else "not an sm_90 GPU" if not sm90 else
            "not fp16/bf16" if dtype not in HALF else "a shape or layout the Gluon kernels do not take")
     return Choice("triton", f"{why}: the Triton split-KV kernels")
+
+
+FP8_SWAPAB_CANNOT = ("fp8_swapab: needs sm_90, Gluon, bf16 q, R 512 / P 64, one query token, a dense (paged) call, "
+                     "pages of whole 64-token tiles with the three views 16-byte aligned TMA rows")
+FP8_REASON = ("an FP8 latent cache: the Triton FP8 kernels (bf16 / fp16 q: scales folded into the products, "
+              "decode_fp8.py; fp32 q: the pointer kernel dequantizing its tiles in registers) (FlashMLA, "
+              "FlashInfer and the bf16 Gluon kernels take fp16/bf16 caches only)")
+
+
+def _select_fp8_kernel(kernel: str, swapab: bool) -> Choice:
+    """`select_decode_kernel` for an FP8 cache: the swap-AB Gluon kernel where it serves the call, else Triton's."""
+    auto = (Choice("fp8_swapab", "an FP8 cache on sm_90 with whole 64-token pages: the swap-AB Gluon kernel "
+                                 "(the tokens as the warpgroup MMA's M)") if swapab
+            else Choice("triton", FP8_REASON + ("" if kernel in ("auto", "triton") else f" ({FP8_SWAPAB_CANNOT})")))
+    if kernel == "auto" or kernel == auto.name:
+        return auto if kernel == "auto" else Choice(kernel, "asked for")
+    if kernel == "triton":
+        return Choice("triton", "asked for")
+    why = FP8_SWAPAB_CANNOT if kernel == "fp8_swapab" else f"an FP8 cache: {kernel} reads fp16/bf16 caches only"
+    return Choice(auto.name, f"asked for {kernel}, which cannot serve this call ({why}); auto: {auto.reason}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,22 +231,19 @@ def _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool, n_query: int, block
                  tokens=tokens))
 
 
-FP8_REASON = ("an FP8 latent cache: the Triton FP8 kernels (bf16 / fp16 q: scales folded into the products, "
-              "decode_fp8.py; fp32 q: the pointer kernel dequantizing its tiles in registers) (FlashMLA, "
-              "FlashInfer and the Gluon kernels take fp16/bf16 caches only)")
-
-
 def decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False, n_query: int = 1,
-                  kernel: str | None = None, block_table=None) -> Choice:
+                  kernel: str | None = None, block_table=None, ckv_scale=None) -> Choice:
     """The kernel `decode` / `sparse_decode` run for these tensors: `select_decode_kernel` on the call's facts.
     `kernel`: the one asked for (default: the tuning in effect, mla_compile/tuning.py); `block_table`: the call's
-    (its capacity bounds the tokens read; without it the whole cache does). An FP8 ckv_cache
-    (mla_compile/fp8.py) takes the Triton pointer kernel whatever was asked for."""
-    if fp8.is_fp8(ckv_cache):
-        return Choice("triton", FP8_REASON)
+    (its capacity bounds the tokens read; without it the whole cache does); `ckv_scale`: an FP8 ckv_cache's scales
+    (mla_compile/fp8.py), whose layout decides whether the FP8 Gluon kernel can read it."""
     kernel = _tuning.decode_kernel() if kernel is None else kernel
     args, facts = _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse, n_query, block_table)
     sm90, page_size = args[6] == (9, 0), args[3]
+    if fp8.is_fp8(ckv_cache):
+        return select_decode_kernel(*args, kernel=kernel, **facts, fp8_cache=True,
+                                    fp8_boxes=(sm90 and _fp8_swapab.ENABLED
+                                               and _fp8_swapab.eligible(ckv_cache, kpe_cache, ckv_scale)))
     return select_decode_kernel(
         *args, kernel=kernel, **facts,
         # (auto asks FlashMLA only where it may win: many heads; the in-place test reads storage pointers)
@@ -224,7 +261,12 @@ def own_decode_config(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False) 
 
 def _config(q_nope, ckv_cache, sparse: bool, name: str) -> _decode.DecodeConfig:
     """decode.py's config for the chosen kernel: its tiling and split policy, the stage-1 kernel set. The Gluon
-    kernels take the many-head split policy (64-row blocks, one program per SM) whatever the rows."""
+    kernels take the many-head split policy (64-row blocks, one program per SM) whatever the rows; the FP8 one its
+    own head blocks (16 / 32 / 64 heads), one program per SM (~190-225 KB of shared memory each)."""
+    if name == "fp8_swapab":
+        t = _fp8_swapab.default_tiling(q_nope.shape[1])
+        return _decode.DecodeConfig(block_h=t.N, block_n=_fp8_swapab.BLOCK_T, num_warps=t.warps,
+                                    num_stages=t.stages, ctas_per_sm=1, max_splits=256, kernel=name)
     rows = q_nope.shape[1] if name == "triton" else max(q_nope.shape[1], MANY_HEADS)
     cfg = _decode.default_config(rows, q_nope.shape[2], 1 if sparse else ckv_cache.shape[1], q_nope.dtype)
     return cfg if name == "triton" else dataclasses.replace(cfg, kernel=name)
@@ -263,8 +305,12 @@ def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
     n_query = S > 1: S query tokens per request folded into q's rows ([B, S*H, *], see kernels/decode.py
     `decode`): the Gluon TMA / gather kernel or the Triton pointer kernel, by rows (`select_decode_kernel`;
     FlashMLA, FlashInfer and the seesaw kernel take one token per request).
-    An FP8 cache (ckv_scale given, mla_compile/fp8.py): the Triton pointer kernel (`decode_kernel`)."""
-    name = decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, n_query=n_query, block_table=block_table).name
+    An FP8 cache (ckv_scale given, mla_compile/fp8.py): the FP8 Gluon kernel or the Triton ones (`decode_kernel`)."""
+    name = decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, n_query=n_query, block_table=block_table,
+                         ckv_scale=ckv_scale).name
+    if name == "fp8_swapab":
+        return _decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
+                                   cfg=_config(q_nope, ckv_cache, False, name), ckv_scale=ckv_scale), True
     if name == "flashmla":
         fm = _flashmla(q_nope.device)
         return (lambda qn, qp, ckv, kpe, table, lens, scale: fm.decode(qn, qp, ckv, kpe, table, lens, sm_scale)), True
@@ -303,7 +349,7 @@ def sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ck
     """(plan, keep) as `decode_plan`: `plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, None, ckv_scale)` (the
     lengths' place empty: an index list bounds itself). An FP8 cache (ckv_scale given): the Triton pointer kernel
     (`decode_kernel`)."""
-    if decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse=True).name == "wgmma":
+    if decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse=True, ckv_scale=ckv_scale).name == "wgmma":
         return _decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
                                           cfg=_config(q_nope, ckv_cache, True, "wgmma")), True
     zero = rope_less(q_pe)

@@ -24,7 +24,7 @@ def check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scal
     C.check(isinstance(q, torch.Tensor), "q", f"expected a Tensor, got {type(q).__name__}")
     tokens = q.dim() == 4  # S query tokens per request: q [B, S, Hi, Di]
     C.check_tensor(q, "q", 4 if tokens else 3, C.FLOAT_DTYPES)
-    B, Hi, Di = q.shape[0], q.shape[-2], q.shape[-1]
+    B, Di = q.shape[0], q.shape[-1]
     lead = tuple(q.shape[:-1])  # (B, Hi) or (B, S, Hi)
     C.check_tensor(weights, "weights", len(lead), torch.float32)
     C.check(tuple(weights.shape) == lead, "weights", f"shape {tuple(weights.shape)} must be "

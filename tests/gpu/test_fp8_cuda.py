@@ -1,6 +1,7 @@
 """The FP8 latent cache on the GPU (mla_compile/fp8.py): `mla::cache_write_fp8` quantizing on write (the Triton kernel,
-byte-identical to the CPU op), `mla::decode` / `mla::sparse_decode` over an FP8 cache (bf16 / fp16 q: decode_fp8.py,
-the scales folded into the products) against the float64 reference over the dequantized cache; H 16 and 128,
+byte-identical to the CPU op), `mla::decode` / `mla::sparse_decode` over an FP8 cache (bf16 q on pages of whole
+64-token tiles: the swap-AB Gluon kernel, decode_fp8_swapab.py; fp16 q, token tables, index lists: decode_fp8.py, the
+scales folded into the products) against the float64 reference over the dequantized cache; H 16 and 128,
 pages 1 and 64, ragged lengths with an empty request, S 1 and 2, one CUDA-graph capture replayed with new lengths;
 HF models over an FP8 cache (`kv_cache_dtype="fp8_e4m3"`) compiled with `mla_dcp` under "reduce-overhead" against
 eager HF over the same FP8 cache: V3 (paged), V3.2 (`DSAStaticCache`, dense then sparse graph), generate().
@@ -82,7 +83,7 @@ def test_cache_write_kernel_matches_cpu_op_bytes():
 @pytest.mark.parametrize("PS", [1, 64])
 @pytest.mark.parametrize("H", [16, 128])
 @pytest.mark.parametrize("S", [1, 2])
-def test_decode_matches_reference(S, H, PS):
+def test_decode_matches_reference(S, H, PS, fp8_kernels):
     lens = [n if n == 0 else max(n, S) for n in LENS]
     batch, qn, qp = build(lens, H, PS, seed=S * 10 + H + PS, S=None if S == 1 else S)
     out, lse = torch.ops.mla.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, batch.seq_lens,
@@ -93,7 +94,7 @@ def test_decode_matches_reference(S, H, PS):
 @pytest.mark.parametrize("PS", [1, 64])
 @pytest.mark.parametrize("H", [16, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_scores_are_not_rounded(dtype, H, PS):
+def test_scores_are_not_rounded(dtype, H, PS, fp8_kernels):
     """bf16 / fp16 q (decode_fp8.py): scores are q . stored e4m3 values times the scale in fp32, so lse matches
     float64 to fp32-accumulation precision (rounding value x scale to bf16 first, as the dequantizing kernel did,
     moves it by ~2e-2)."""
@@ -103,7 +104,7 @@ def test_scores_are_not_rounded(dtype, H, PS):
     check(out, lse, reference(batch, qn, qp), qn.shape, dtype, lse_tol=1e-3)
 
 
-def test_q_beyond_fp16_range():
+def test_q_beyond_fp16_range(fp8_kernels):
     """bf16 q whose values exceed fp16's range (2^16 times the usual): the kernel's fp16 MMAs take q times a
     power of two per row, so nothing overflows and the result is the float64 one (lse relative to its size)."""
     batch, qn, qp = build(LENS, 16, 64, seed=9)
@@ -136,7 +137,7 @@ def test_sparse_decode_matches_reference(H):
 
 
 @pytest.mark.parametrize("H", [16, 128])
-def test_cuda_graph_replay_with_new_lengths(H):
+def test_cuda_graph_replay_with_new_lengths(H, fp8_kernels):
     """One captured FP8 decode step (write the new token, then attend), replayed as the lengths grow."""
     lens = [0, 5, 500, 1500]
     batch, qn, qp = build([n + 4 for n in lens], H, 64, seed=H + 1)
@@ -161,24 +162,68 @@ def test_cuda_graph_replay_with_new_lengths(H):
         check(out, lse, want, qn.shape)
 
 
-def test_fp8_takes_the_pointer_kernel(monkeypatch):
-    """FlashMLA, FlashInfer and the Gluon kernels take fp16/bf16 caches only: an FP8 call never reaches them (the
-    dispatch sends it to the pointer kernel before choosing)."""
+def _switch_swapab(monkeypatch, on: bool):
+    """decode_fp8_swapab.ENABLED (off by default until the kernel has run on a GPU) set for one test; plans made under
+    the other setting dropped before and after."""
+    from mla_compile.kernels import decode_fp8_swapab
+    from mla_compile.ops import attention
+
+    monkeypatch.setattr(decode_fp8_swapab, "ENABLED", on)
+    attention._DECODE_PLANS.clear()
+
+
+@pytest.fixture
+def swapab_on(monkeypatch):
+    _switch_swapab(monkeypatch, True)
+    yield
+    _switch_swapab(monkeypatch, False)
+
+
+@pytest.fixture(params=[False, True], ids=["dispatch_default", "swapab_on"])
+def fp8_kernels(request, monkeypatch):
+    """Each paged FP8 test both ways: with the swap-AB kernel as dispatch has it now, and switched on (bf16 q, pages
+    of whole 64-token tiles then take it; other calls the Triton FP8 kernels either way)."""
+    _switch_swapab(monkeypatch, request.param)
+    yield request.param
+    _switch_swapab(monkeypatch, False)
+
+
+@pytest.mark.parametrize("PS,want", [(64, "fp8_swapab"), (1, "pointer")])
+def test_fp8_takes_an_fp8_kernel(PS, want, monkeypatch, swapab_on):
+    """FlashMLA, FlashInfer and the bf16 Gluon kernels take fp16/bf16 caches only: an FP8 call reaches the swap-AB
+    Gluon kernel (pages of whole 64-token tiles) or the Triton pointer kernel (a page-size-1 token table, what the HF
+    pass hands over), each made with the call's scales."""
     from mla_compile.kernels import decode as D
     from mla_compile.kernels import dispatch
 
-    batch, qn, qp = build([100, 3], 128, 64, seed=3)
+    batch, qn, qp = build([100, 3], 128, PS, seed=3)
     seen = []
-    original = D._pointer_stage1
+    original = D._fp8_swapab.stage1_plan if want == "fp8_swapab" else D._pointer_stage1
 
-    def spy(*args, **kwargs):  # the pointer kernel's plan is made with the call's scales
-        seen.append(args[-1] if len(args) > 15 else kwargs.get("ckv_scale"))
+    def spy(*args, **kwargs):
+        seen.append(args[4] if want == "fp8_swapab" else args[-1] if len(args) > 15 else kwargs.get("ckv_scale"))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(D, "_pointer_stage1", spy)
-    dispatch.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, batch.seq_lens, SCALE,
-                    ckv_scale=batch.ckv_scale)
+    monkeypatch.setattr(D._fp8_swapab if want == "fp8_swapab" else D,
+                        "stage1_plan" if want == "fp8_swapab" else "_pointer_stage1", spy)
+    out, lse = dispatch.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, batch.seq_lens, SCALE,
+                               ckv_scale=batch.ckv_scale)
     assert len(seen) == 1 and seen[0] is batch.ckv_scale
+    check(out, lse, reference(batch, qn, qp), qn.shape)
+
+
+@pytest.mark.parametrize("H,lens", [(24, [300, 2049, 0]), (80, [700, 65]), (16, [129] * 140), (32, [3000, 1, 70])])
+def test_fp8_swapab_head_blocks_and_split_counts(H, lens, swapab_on):
+    """The swap-AB kernel's head blocks (16 / 32 / 64 heads: partial blocks at H 24 and 80) and split counts (140
+    requests: one split, the final bf16 out written by stage 1 itself, no merge)."""
+    from mla_compile.kernels import dispatch
+
+    batch, qn, qp = build(lens, H, 64, seed=H + len(lens))
+    assert dispatch.decode_kernel(qn, qp, batch.ckv_cache, batch.kpe_cache, block_table=batch.block_table,
+                                  ckv_scale=batch.ckv_scale).name == "fp8_swapab"
+    out, lse = torch.ops.mla.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, batch.seq_lens,
+                                    SCALE, batch.ckv_scale)
+    check(out, lse, reference(batch, qn, qp), qn.shape, lse_tol=1e-3)
 
 
 # ------------------------------------------------------------------------------------ HF models, FP8 cache

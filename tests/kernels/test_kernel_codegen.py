@@ -187,3 +187,25 @@ def test_flashmla_empty_row_fixup_writes_16_byte_rows_without_spills():
                            divisible={"Out", "Lse", "SeqLens"}, gluon=True)  # gluon: no dot-mode constexprs
     assert "st.global.v4.b32" in out["ptx"] and out["spill_bytes"] == 0 and out["shared_bytes"] == 0
     assert set(re.findall(r"ld\.global[.a-z0-9]*", out["ptx"])) == {"ld.global.b32"}
+
+
+@pytest.mark.parametrize("H", [16, 32, 64])
+def test_fp8_swap_ab_kernel_reads_tma_tiles_into_warpgroup_mmas_without_spills(H):
+    """The FP8 cache's Gluon kernel (kernels/decode_fp8_swapab.py) at the tiling each head count gets: tiles arrive by
+    TMA, both products are warpgroup MMAs with the 64 tokens as M (m64nNk16, N the heads per program), nothing
+    spills, shared memory fits, and ptxas does not serialise the MMAs (C7514: a variant that waited for one P.V at a
+    time got it)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mla_compile.kernels import _gluon as G
+    from mla_compile.kernels import decode_fp8_swapab as F
+
+    t = F.default_tiling(H)
+    out = aot.fp8_swapab_sm90(t)
+    ptx = out["ptx"]
+    assert "cp.async.bulk.tensor" in ptx, "tiles are not TMA copies"
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
+    # the scores split the heads over the warpgroups, P.V the channels
+    assert shapes == {f"m64n{t.N // (t.warps // 4)}k16", f"m64n{t.N}k16"}, shapes
+    assert out["spill_bytes"] == 0, out["registers"]
+    assert out["shared_bytes"] <= G.SMEM_LIMIT
+    assert "C7514" not in out["advisories"] and "C7515" not in out["advisories"], out["advisories"]

@@ -161,6 +161,70 @@ def test_auto_is_the_fastest_measured_kernel_per_shape_class(case, want):
     assert select(**case) == want
 
 
+SWAPAB = "fp8_swapab" if GLUON else "triton"
+
+
+@pytest.mark.parametrize("case,want", [
+    # an FP8 cache: the swap-AB Gluon kernel where its layout, shapes and device allow, else the Triton FP8 kernels;
+    # never a kernel that reads fp16/bf16 caches (FlashMLA, FlashInfer, the bf16 Gluon kernels)
+    (dict(H=16, fp8_boxes=True), SWAPAB),
+    (dict(H=128, fp8_boxes=True, flashmla=True, flashinfer=True), SWAPAB),
+    (dict(H=16), "triton"),  # pages that are no whole tiles / views that are no TMA rows
+    (dict(H=16, fp8_boxes=True, dtype=torch.float16), "triton"),
+    (dict(H=16, fp8_boxes=True, dtype=torch.float32), "triton"),
+    (dict(H=16, fp8_boxes=True, n_query=2), "triton"),
+    (dict(H=16, fp8_boxes=True, sparse=True, PS=1), "triton"),
+    (dict(H=16, fp8_boxes=True, R=256), "triton"),
+    (dict(H=16, fp8_boxes=True, P=0), "triton"),
+    (dict(H=16, fp8_boxes=True, cap=A100), "triton"),
+    (dict(H=128, flashmla=True), "triton"),
+    (dict(H=16, fp8_boxes=True, cap=None), "torch"),
+])
+def test_fp8_cache_takes_the_fp8_kernels(case, want):
+    assert select(fp8_cache=True, **case) == want
+
+
+@pytest.mark.parametrize("asked,case,want", [
+    ("triton", dict(fp8_boxes=True), "triton"),
+    ("fp8_swapab", dict(fp8_boxes=True), SWAPAB),
+    ("fp8_swapab", dict(), "triton"),
+    ("seesaw", dict(fp8_boxes=True), SWAPAB),
+    ("flashmla", dict(fp8_boxes=True, flashmla=True), SWAPAB),
+])
+def test_fp8_an_asked_for_kernel_runs_where_it_can_else_auto_says_why(asked, case, want):
+    choice = D_.select_decode_kernel(*_args(H=16), kernel=asked, fp8_cache=True, **case)
+    assert choice.name == want
+    if want == asked:
+        assert choice.reason == "asked for"
+    else:
+        assert choice.reason.startswith(f"asked for {asked}, which cannot serve this call")
+
+
+def test_fp8_swapab_asked_for_a_bf16_cache_falls_back_saying_why():
+    choice = D_.select_decode_kernel(*_args(H=16), kernel="fp8_swapab")
+    assert choice.name == "triton" and choice.reason.startswith("asked for fp8_swapab, which cannot serve this call")
+
+
+def test_decode_kernel_reads_the_fp8_layout_from_the_three_views(monkeypatch):
+    """`decode_kernel` on an FP8 cache's tensors (fp8.allocate's views): the views of pages of whole 64-token tiles
+    are TMA rows (the swap-AB kernel), a page-size-1 token view of the same buffer is not."""
+    from mla_compile import fp8
+
+    from mla_compile.kernels import decode_fp8_swapab
+
+    monkeypatch.setattr(D_, "_capability", lambda device: H200)
+    monkeypatch.setattr(decode_fp8_swapab, "ENABLED", True)
+    _, ckv, scale, kpe = fp8.allocate(4, 64)
+    qn, qp = torch.zeros(2, 16, 512, dtype=BF16), torch.zeros(2, 16, 64, dtype=BF16)
+    table = torch.zeros(2, 2, dtype=torch.int32)
+    assert D_.decode_kernel(qn, qp, ckv, kpe, block_table=table, ckv_scale=scale).name == SWAPAB
+    tokens = [t.reshape(-1, 1, t.shape[-1]) for t in (ckv, scale, kpe)]  # the HF pass's page-size-1 view
+    assert D_.decode_kernel(qn, qp, tokens[0], tokens[2], block_table=table, ckv_scale=tokens[1]).name == "triton"
+    assert D_.decode_kernel(qn.half(), qp.half(), ckv, kpe, block_table=table, ckv_scale=scale).name == "triton"
+    monkeypatch.setattr(decode_fp8_swapab, "ENABLED", False)  # not yet run on a GPU: off by default
+    assert D_.decode_kernel(qn, qp, ckv, kpe, block_table=table, ckv_scale=scale).name == "triton"
+
+
 @pytest.mark.parametrize("asked,case,want", [
     ("triton", dict(flashmla=True), "triton"),
     ("wgmma", dict(), "wgmma" if GLUON else "triton"),
@@ -215,7 +279,7 @@ def test_the_table_in_architecture_md_names_every_choice():
     # the human-readable table lives in the function's docstring and in ARCHITECTURE.md's kernel section
     doc = D_.select_decode_kernel.__doc__
     arch = (Path(__file__).resolve().parents[2] / "ARCHITECTURE.md").read_text()
-    for name in ("flashmla", "seesaw", "wgmma", "triton", "torch"):
+    for name in ("flashmla", "seesaw", "wgmma", "fp8_swapab", "triton", "torch"):
         assert re.search(rf"\| {name} +\|", doc), name
         assert f"`{name}`" in arch, name
 

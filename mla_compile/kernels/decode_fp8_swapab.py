@@ -1,0 +1,354 @@
+"""FP8 latent cache decode, stage 1, in Gluon for few heads: the warpgroup MMA's operands swapped so that its M (64)
+is tokens, not heads (the format: mla_compile/fp8.py).
+
+Why: a Hopper warpgroup MMA has M = 64; with 16 heads a heads-by-tokens MMA pads the heads to 64 (4x the work), and
+the Triton FP8 kernel (kernels/decode_fp8.py, mma.sync) read the cache at ~0.25 of copy bandwidth (H200: H 16 B 8
+32K 171 us against 89.6 for our bf16 cache). Both products are computed transposed, tokens x heads:
+
+    S^T [64 tokens, N]  = sum_g diag(scale_g) K8_g [64, 128] . q_g^T [128, N]  +  Krope [64, 64] . q_rope^T [64, N]
+    O_g^T [128, N]     += K8_g^T [128, 64 tokens] . (diag(scale_g) P^T) [64 tokens, N]      (g: 4 scale groups)
+
+Exact, as kernels/decode_fp8.py (the scales folded into the products, no value x scale ever rounded): the tile holds
+the e4m3 values themselves in fp16 (exact; one cvt.rn.f16x2.e4m3x2 per two); q's latent part goes to fp16 times a
+power of two that puts the head block's largest |value| in [2^13, 2^14) (exact for bf16 values within fp16's range),
+the scores times its inverse; each group's score MMA has its own fp32 accumulator, combined with the scale per ROW
+(token) of S^T; each group's P.V takes its own P^T tile, P^T x scale_g / top_g in fp16 (top_g the tile's largest
+scale_g: in [0, 1], no underflow of small scales; 11 mantissa bits where bf16 has 8), its accumulator kept in units
+of top_g (the factor previous top / this top joins the softmax's rescale; times the last top at the end). The rope
+part stays bf16 (its own MMA, first in the chain). lse within ~2e-6 of float64 over the dequantized values in a CPU
+emulation (benchmarks/lab/fp8_swapab.py --emulate), where rounding value x scale to bf16 (EXACT=False, kept for
+comparison) is ~1e-2 off.
+
+A (the big operand) is the tile in shared memory: K-major for the scores, the same tile seen transposed (MN-major,
+16-bit) for P.V; B is q ([N, 576], K-major, loaded once) and P^T ([64, N]). The online softmax runs per head = per
+COLUMN of S^T (base 2); O^T is four [128, N] fp32 accumulators, one per scale group. N is 16 or 32 (BLOCK_HS): at
+N = 64 over two warpgroups O^T alone is 128 registers a thread, and with the exact scores it spills (255 registers,
+24-44 bytes, even folding each group's scores in before the next issues: `_tile` FOLD); more heads take blocks of 32.
+
+One program per (request, block of N heads, KV split), grid (B * ceil(H / N), n_splits). Per 64-token tile: TMA
+copies into one of STAGES staging slots on one mbarrier (the e4m3 bytes as [64, 256] boxes, the [64, 4] float32
+scales, the [64, 64] rope); each scale group converted in registers and stored into an NVMMA-swizzled 16-bit tile,
+fenced, its score MMA issued while the next group converts; the softmax; the four P^T into shared memory; the slot
+refilled;
+the four P.V MMAs left in flight into the next tile. A split's partial last tile is a second instance of the tile
+step (MASKED): rows past the end are zeroed before any MMA reads them (unused slots may hold NaN bytes) and score
+-inf. Each split writes the normalised partial out and natural-log lse (-inf for a split without tokens): the
+contract of every stage-1 kernel here, so kernels/merge.py combines the splits.
+
+Takes: sm_90, Gluon, bf16 q, R 512 / P 64, pages of whole 64-token tiles whose three views (fp8.views) are TMA
+boxes, one query token: `fits` / `eligible`; `dispatch.decode_kernel` decides. Found building it (sm_90a, Triton
+3.6, tools/aot.py): waiting for one P.V at a time made ptxas serialise every wgmma (C7514), so one wait retires a
+tile's; LLVM hoisted ~100 loop-invariant wgmma descriptors out of the loop (255 registers and spills at N = 16): an
+opaque zero in the group indices keeps them in the loop (187 registers; exact scores: 187 at N = 16, 177 at N = 32
+over two warpgroups). Measured (the bf16-rounding version): benchmarks/RESULTS.md ("FP8 decode, the swap-AB Gluon
+kernel").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+
+from .. import fp8
+from . import _gluon as G
+from ._launch import bind, rebased, without_bases
+from ._util import cdiv
+
+if G.gluon is not None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma_init,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ._fp8_swapab_tile import _issue_tile, _store_group, _tile
+
+# Whether dispatch sends FP8 calls here (`dispatch.decode_kernel`: the `fp8_boxes` fact). Off by default until this
+# build has run on a GPU: it compiles for sm_90a without spills (tests/kernels/test_kernel_codegen.py) and its
+# arithmetic matches float64 in a CPU emulation (benchmarks/lab/fp8_swapab.py --emulate), but only its bf16-rounding
+# predecessor ran on an H200 (the lab's checks passed; 2x the Triton FP8 kernel, RESULTS.md). MLA_COMPILE_FP8_SWAPAB=1
+# (read at import) turns it on; tests/gpu/test_fp8_cuda.py runs it either way.
+ENABLED = os.environ.get("MLA_COMPILE_FP8_SWAPAB", "0") == "1"
+R, P = 512, 64  # latent and rope widths the format and this kernel take
+GW = fp8.GROUP  # channels per scale group (128)
+GROUPS = R // GW  # 4
+W_TOKEN = fp8.token_bytes(R, P)  # 656 bytes a token
+BLOCK_T = 64  # tokens per tile: the MMA's M
+E_BOX = 256  # e4m3 columns per TMA box: two scale groups (a box side is at most 256 elements)
+BLOCK_HS = (16, 32)  # heads per program (the MMA's N): more heads, blocks of 32 (N = 64 spills with the exact scores)
+
+
+if G.gluon is not None:
+    _GW = gl.constexpr(GW)
+
+    @gluon.jit
+    def _fp8_swapab_kernel(Qn, Qp, EDesc, SDesc, RDesc, Table, Lens, O, L,
+                           scale_log2, H,
+                           s_qnb, s_qnh, s_qpb, s_qph, s_tb,
+                           s_on, s_ob, s_oh, s_ln, s_lb, s_lh, n_splits,
+                           PS: gl.constexpr, N: gl.constexpr, WG: gl.constexpr, STAGES: gl.constexpr, PRE: gl.constexpr,
+                           SLAB: gl.constexpr, P_ROPE: gl.constexpr, EXACT: gl.constexpr = True):
+        """Stage 1 over an FP8 token buffer (module docstring). Qn [B, H, 512] / Qp [B, H, 64] bf16; EDesc / SDesc /
+        RDesc: TMA descriptors over the buffer's slots [NP * PS, 656] seen as e4m3 ([64, 256] boxes), float32
+        ([64, 4]) and bf16 ([64, 64]); Table int32 [B, max_pages]; Lens int32 [B]; O fp32 [n_splits, B, H, 512]
+        and L fp32 [n_splits, B, H] (normalised partial out, natural-log lse). N heads per program, 4 * WG warps,
+        STAGES staging slots; PRE, SLAB, P_ROPE: `Tiling` / `_tile`. EXACT (the default; the module docstring): the
+        scores and P.V over the stored values exactly (e4m3 in fp16, the scales on fp32 products); False: the
+        comparison variant that rounds value x scale to a bf16 tile (lse ~1e-2 off, benchmarks/lab/fp8_swapab.py)."""
+        gl.static_assert(gl.num_warps() == 4 * WG, "WG warpgroups")
+        BT: gl.constexpr = EDesc.block_type.shape[0]  # tokens per tile (64)
+        GROUPS: gl.constexpr = SDesc.block_type.shape[1]  # scale groups (4)
+        GW: gl.constexpr = _GW  # channels per scale group (128)
+        NB: gl.constexpr = GROUPS * GW // EDesc.block_type.shape[1]  # e4m3 boxes a tile
+        P: gl.constexpr = RDesc.block_type.shape[1]
+        SC_COL: gl.constexpr = 0  # the scales' and the rope's descriptors are over their own views (column 0)
+        RP_COL: gl.constexpr = 0
+        gl.static_assert(PS % BT == 0, "a tile lies inside one page")
+        # scores [64 tokens, N]: one warpgroup's m64 over the tokens; with two warpgroups each takes half the heads
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                      instr_shape=[16, N // WG, 16])
+        # O^T group [128 channels, N]: warpgroups along the channels (m64 blocks), each with every head
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WG, 1],
+                                                      instr_shape=[16, N, 16])
+        # dequantization: 8 e4m3 bytes a thread, 16 lanes along a 128-byte row (a half warp reads one whole row:
+        # 8-byte loads conflict-free whatever the swizzle), each thread's 8 bf16 = one 16-byte chunk of the NVMMA
+        # tile (8 lanes store one 128-byte swizzle row: conflict-free)
+        CVT: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4 * WG, 1], [1, 0])
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4 * WG, 1], [1, 0])  # q: 16-byte global loads
+        dt: gl.constexpr = Qn.dtype.element_ty
+
+        pid = gl.program_id(0)  # request-major: a request's head blocks are neighbours (they share its tiles in L2)
+        n_hb = gl.cdiv(H, N)
+        b = (pid // n_hb).to(gl.int64)
+        hb = pid % n_hb
+        split = gl.program_id(1)
+        n = gl.load(Lens + b)
+        start, end, n_full = G.split_bounds(n, split, n_splits, BT)
+        n_tiles = gl.cdiv(gl.maximum(end - start, 0), BT)
+
+        # q of this head block, once, as the B operands: [N, 128] per scale group and [N, 64] rope (heads >= H: 0)
+        offs_h = hb * N + gl.arange(0, N, layout=gl.SliceLayout(1, LD))
+        mask_h = offs_h < H
+        qn_rows = b * s_qnb + offs_h * s_qnh
+        offs_c = gl.arange(0, GW, layout=gl.SliceLayout(0, LD))
+        offs_p = gl.arange(0, P, layout=gl.SliceLayout(0, LD))
+        if EXACT:
+            # fp16, times the power of two 2^-e that puts the head block's largest |value| in [2^13, 2^14), the
+            # scores times 2^e (uq, with scale_log2). Exact for bf16 values down to 2^-31 of that largest (fp16's
+            # subnormals hold 8 mantissa bits from 2^-17 on); below that a value is off by at most 2^-39 of the
+            # largest: the scores by < 1e-6 of |k| |q| at their largest. One power for the block, not one per head
+            # (kernels/decode_fp8.py's): a scalar, where a per-head one costs N / 4 registers a thread over the loop
+            # (N = 64: it spilled). From the float32 exponent field E of the largest |value|: 2^-e = 2^(140 - E)
+            # (field 267 - E), 2^e (field E - 13); E >= 14 (a zero block stays 0, NaN / inf stay NaN)
+            q0 = G.load_rows(Qn, qn_rows, offs_c, mask_h, GW).to(gl.float32)
+            q1 = G.load_rows(Qn + GW, qn_rows, offs_c, mask_h, GW).to(gl.float32)
+            q2 = G.load_rows(Qn + 2 * GW, qn_rows, offs_c, mask_h, GW).to(gl.float32)
+            q3 = G.load_rows(Qn + 3 * GW, qn_rows, offs_c, mask_h, GW).to(gl.float32)
+            gl.static_assert(GROUPS == 4, "q's four groups")
+            amax = gl.max(gl.maximum(gl.maximum(gl.max(gl.abs(q0), 1), gl.max(gl.abs(q1), 1)),
+                                     gl.maximum(gl.max(gl.abs(q2), 1), gl.max(gl.abs(q3), 1))), 0)
+            ex = gl.maximum((amax.to(gl.int32, bitcast=True) >> 23) & 255, 14)
+            pre = ((267 - ex) << 23).to(gl.float32, bitcast=True)
+            uq = ((ex - 13) << 23).to(gl.float32, bitcast=True) * scale_log2
+            q_s = gl.allocate_shared_memory(gl.float16, [GROUPS, N, GW],
+                                            gl.NVMMASharedLayout.get_default_for([N, GW], gl.float16))
+            q_s.index(0).store((q0 * pre).to(gl.float16))
+            q_s.index(1).store((q1 * pre).to(gl.float16))
+            q_s.index(2).store((q2 * pre).to(gl.float16))
+            q_s.index(3).store((q3 * pre).to(gl.float16))
+            tdt: gl.constexpr = gl.float16  # the tile's and P^T's dtype
+        else:
+            uq = scale_log2  # unused
+            q_s = gl.allocate_shared_memory(dt, [GROUPS, N, GW], gl.NVMMASharedLayout.get_default_for([N, GW], dt))
+            for g in gl.static_range(GROUPS):
+                q_s.index(g).store(G.load_rows(Qn + g * GW, qn_rows, offs_c, mask_h, GW))
+            tdt: gl.constexpr = dt
+        qp_s = gl.allocate_shared_memory(dt, [N, P], gl.NVMMASharedLayout.get_default_for([N, P], dt),
+                                         G.load_rows(Qp, b * s_qpb + offs_h * s_qph, offs_p, mask_h, P))
+
+        e_s = gl.allocate_shared_memory(EDesc.dtype, [STAGES * NB, BT, EDesc.block_type.shape[1]], EDesc.layout)
+        sc_s = gl.allocate_shared_memory(SDesc.dtype, [STAGES, BT, GROUPS], SDesc.layout)
+        r_s = gl.allocate_shared_memory(RDesc.dtype, [STAGES, BT, P], RDesc.layout)
+        # P^T [64 tokens, N]: the P.V MMA's B operand, N-contiguous (MN-major, allowed for 16-bit types); EXACT: one
+        # per group
+        PL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, N], tdt)
+        if EXACT:
+            if P_ROPE:  # the four P^T tiles go into each tile's e4m3 boxes once converted (`_tile`): their bytes
+                PPS: gl.constexpr = NB * BT * EDesc.block_type.shape[1] // (2 * BT * N)  # P^T tiles a slot holds
+                gl.static_assert(PPS >= GROUPS, "four P^T tiles in a slot's e4m3 boxes")
+                p_s = e_s._reinterpret(gl.float16, [STAGES * PPS, BT, N], PL)
+                p1_s, p2_s, p3_s = p_s, p_s, p_s  # unused
+            else:  # one allocation each ([1, 64, N]: indexed through the opaque 0 like the tile's groups)
+                p_s = gl.allocate_shared_memory(gl.float16, [1, BT, N], PL)
+                p1_s = gl.allocate_shared_memory(gl.float16, [1, BT, N], PL)
+                p2_s = gl.allocate_shared_memory(gl.float16, [1, BT, N], PL)
+                p3_s = gl.allocate_shared_memory(gl.float16, [1, BT, N], PL)
+        else:
+            if P_ROPE:  # P^T goes into each tile's rope slot (`_tile`); p_s only stands in for it in the arguments
+                p_s = r_s.index(0)
+            else:
+                p_s = gl.allocate_shared_memory(dt, [BT, N], PL)
+            p1_s, p2_s, p3_s = p_s, p_s, p_s  # unused
+        dq_s = gl.allocate_shared_memory(tdt, [GROUPS, BT, GW], gl.NVMMASharedLayout.get_default_for([BT, GW], tdt))
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(STAGES):
+            mbarrier.init(bars.index(j), count=1)
+        fence_async_shared()  # q's stores and the barrier inits before any async-proxy access
+        gl.thread_barrier()
+        for j in gl.static_range(STAGES):
+            if j < n_tiles:
+                _issue_tile(EDesc, SDesc, RDesc, bars.index(j), e_s, sc_s, r_s, j, Table, b, s_tb, start + j * BT,
+                            PS, GROUPS, GW, SC_COL, RP_COL)
+
+        m_i = gl.full([N], float("-inf"), gl.float32, layout=gl.SliceLayout(0, S_L))  # running max per head
+        l_i = gl.zeros([BT, N], gl.float32, layout=S_L)  # per-thread partial column sums (reduced once, at the end)
+        acc0 = warpgroup_mma_init(gl.zeros([GW, N], gl.float32, layout=O_L))
+        acc1 = warpgroup_mma_init(gl.zeros([GW, N], gl.float32, layout=O_L))
+        acc2 = warpgroup_mma_init(gl.zeros([GW, N], gl.float32, layout=O_L))
+        acc3 = warpgroup_mma_init(gl.zeros([GW, N], gl.float32, layout=O_L))
+        # EXACT: acc_g is in units of top_g, the last tile's largest scale_g (`_tile`); 1 before the first tile
+        top0 = gl.to_tensor(1.0)
+        top1 = gl.to_tensor(1.0)
+        top2 = gl.to_tensor(1.0)
+        top3 = gl.to_tensor(1.0)
+
+        # full tiles unmasked, then the split's partial last tile (if any) masked: two instances of one tile step, so
+        # the full tiles carry no masking (and no branch whose common code would keep a whole group in registers)
+        for i in range(n_full):
+            m_i, l_i, acc0, acc1, acc2, acc3, top0, top1, top2, top3 = _tile(
+                i, start, end, n_tiles, EDesc, SDesc, RDesc, bars, e_s, sc_s, r_s, dq_s, q_s, qp_s, p_s, p1_s, p2_s,
+                p3_s, Table, b,
+                s_tb, scale_log2, uq, m_i, l_i, acc0, acc1, acc2, acc3, top0, top1, top2, top3, PS, STAGES, SC_COL,
+                RP_COL, PRE, SLAB, P_ROPE, EXACT, S_L, O_L, CVT, False)
+        if n_full < n_tiles:
+            m_i, l_i, acc0, acc1, acc2, acc3, top0, top1, top2, top3 = _tile(
+                n_full, start, end, n_tiles, EDesc, SDesc, RDesc, bars, e_s, sc_s, r_s, dq_s, q_s, qp_s, p_s, p1_s,
+                p2_s, p3_s, Table, b,
+                s_tb, scale_log2, uq, m_i, l_i, acc0, acc1, acc2, acc3, top0, top1, top2, top3, PS, STAGES, SC_COL,
+                RP_COL, PRE, SLAB, P_ROPE, EXACT, S_L, O_L, CVT, True)
+        acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=(acc0, acc1, acc2, acc3))
+        for j in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(j))
+
+        # normalised partial out and natural-log lse of this split (-inf, out 0, when it saw no token)
+        l_tot = gl.sum(l_i, 0)
+        has = l_tot > 0
+        lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_tot, 1.0))) * 0.6931471805599453, float("-inf"))
+        inv = gl.convert_layout(1.0 / gl.where(has, l_tot, 1.0), gl.SliceLayout(0, O_L))
+        oh = hb * N + gl.arange(0, N, layout=gl.SliceLayout(0, O_L))
+        o_base = split.to(gl.int64) * s_on + b * s_ob + oh[None, :].to(gl.int64) * s_oh
+        # (EXACT: acc_g times its unit top_g; else the tops stay 1)
+        _store_group(O, acc0, inv * top0, o_base, oh, H, 0, GW, O_L)
+        _store_group(O, acc1, inv * top1, o_base, oh, H, 1, GW, O_L)
+        _store_group(O, acc2, inv * top2, o_base, oh, H, 2, GW, O_L)
+        _store_group(O, acc3, inv * top3, o_base, oh, H, 3, GW, O_L)
+        lh = hb * N + gl.arange(0, N, layout=gl.SliceLayout(0, S_L))
+        gl.store(L + split * s_ln + b * s_lb + lh * s_lh, lse, mask=lh < H)
+
+
+
+
+# ----------------------------------------------------------------------------------------------------------- host
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """One build of the kernel: N heads per program (the MMA's N), warps (4: one warpgroup; 8: two, the scores split
+    by heads, P.V by channels), staging slots, PRE rows of scale group 0 converted before waiting for the previous
+    P.V (0 or 64), SLAB rows per store into the 16-bit tile. P^T goes into the rope slot where shared memory needs
+    it (N = 64)."""
+    N: int
+    warps: int
+    stages: int
+    pre: int = 64
+    slab: int = 64
+    exact: bool = True  # the kernel's EXACT (False: the bf16-rounding comparison variant, benchmarks/lab only)
+
+    @property
+    def p_rope(self) -> bool:
+        return smem_bytes(self.N, self.stages, False, self.exact) > G.SMEM_LIMIT and self.N == P
+
+    def constexprs(self, page_size: int) -> dict:
+        return dict(PS=page_size, N=self.N, WG=self.warps // 4, STAGES=self.stages, PRE=self.pre, SLAB=self.slab,
+                    P_ROPE=self.p_rope, EXACT=self.exact)
+
+
+def smem_bytes(N: int, stages: int, p_rope: bool, exact: bool = True) -> int:
+    """What one program's shared memory holds (compiled sizes, tools/aot: these + 16 N bytes of scratch for the
+    softmax's cross-warp max): staging slots (e4m3 + scales + rope), the 16-bit tile, q, P^T (one per scale group
+    with the exact scores; none of its own in the rope slot), barriers."""
+    staging = BLOCK_T * (R + 4 * GROUPS + 2 * P)
+    p_tiles = 0 if p_rope else (GROUPS if exact else 1) * 2 * BLOCK_T * N
+    return stages * staging + 2 * BLOCK_T * R + 2 * N * (R + P) + p_tiles + 8 * stages + 16 * N
+
+
+@functools.lru_cache(maxsize=None)
+def default_tiling(H: int) -> Tiling:
+    """N: the smallest of BLOCK_HS covering H (more heads: blocks of 32); one warpgroup at N = 16, two at 32 (a
+    [512, N] fp32 accumulator is 128 registers a thread at N = 32 over one warpgroup: it spills); as many staging
+    slots as shared memory holds (3 at N = 16, 2 at 32). H200, the bf16-rounding build (RESULTS.md): 16:4:3 88.5 us
+    at H 16 B 8 32K against 100.2 at 8 warps."""
+    N = next((n for n in BLOCK_HS if n >= H), BLOCK_HS[-1])
+    stages = 3 if smem_bytes(N, 3, False) <= G.SMEM_LIMIT else 2
+    return Tiling(N, 4 if N == 16 else 8, stages)
+
+
+def fits(R_: int, P_: int, dtype: torch.dtype) -> bool:
+    """The shapes this kernel takes: Gluon present, bf16 q, R 512, P 64 (the tile, box and accumulator sizes)."""
+    return G.gluon is not None and dtype == torch.bfloat16 and R_ == R and P_ == P
+
+
+def _box_view(t: torch.Tensor):
+    """A cache view [NP, PS, X] as TMA slots [NP * PS, X] (row stride a multiple of 16 bytes, 16-byte aligned base,
+    unit inner stride), or None."""
+    NP, PS, X = t.shape
+    if t.stride(2) != 1 or t.stride(0) != PS * t.stride(1) or (t.stride(1) * t.element_size()) % 16 \
+            or t.data_ptr() % 16:
+        return None
+    return t.as_strided((NP * PS, X), (t.stride(1), 1))
+
+
+def eligible(ckv_cache, kpe_cache, ckv_scale) -> bool:
+    """The cache layout this kernel reads: pages of whole 64-token tiles, each of the three views (fp8.views: e4m3
+    values, float32 scales, rope) a run of TMA rows."""
+    return (ckv_scale is not None and ckv_cache.shape[1] % BLOCK_T == 0 and ckv_scale.shape[-1] == GROUPS
+            and all(_box_view(t) is not None for t in (ckv_cache, ckv_scale, kpe_cache)))
+
+
+@functools.lru_cache(maxsize=None)
+def _layouts():
+    # cached: get_default_for costs ~11 us a call on the host (kernels/_gluon.py _box_layouts)
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK_T, E_BOX], gl.float8e4nv),  # 256-byte rows: 128B swizzle
+            gl.NVMMASharedLayout.get_default_for([BLOCK_T, GROUPS], gl.float32),  # 16-byte rows: no swizzle
+            gl.NVMMASharedLayout.get_default_for([BLOCK_T, P], gl.bfloat16))  # 128-byte rows: 128B swizzle
+
+
+def descriptors(ckv_cache, ckv_scale, kpe_cache) -> list:
+    """TMA descriptors over the three views as slots: e4m3 boxes [64, 256] (two scale groups), float32 [64, 4], bf16
+    [64, 64]."""
+    e_l, s_l, r_l = _layouts()
+    return [TensorDescriptor.from_tensor(_box_view(ckv_cache), [BLOCK_T, E_BOX], e_l),
+            TensorDescriptor.from_tensor(_box_view(ckv_scale), [BLOCK_T, GROUPS], s_l),
+            TensorDescriptor.from_tensor(_box_view(kpe_cache), [BLOCK_T, P], r_l)]
+
+
+def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, block_table, sm_scale, o, l, s_on, s_ln, ns,
+                tiling: Tiling | None = None):
+    """What these tensors' signature fixes (o / l may be meta tensors: their strides are read): (the kernel bound to
+    its grid and compile-time arguments, its descriptor templates, the numbers after its tensor arguments);
+    `run_stage1` launches it on a call's tensors. o [ns, B, H, 512] / l [ns, B, H] (s_on = s_ln = 0: the final out /
+    lse with one split)."""
+    B, H, _ = q_nope.shape
+    t = tiling or default_tiling(H)
+    grid = (B * cdiv(H, t.N), ns)
+    bound = bind(_fp8_swapab_kernel, grid, **t.constexprs(ckv_cache.shape[1]), num_warps=t.warps)
+    numbers = (sm_scale * G.LOG2E, H, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+               block_table.stride(0), s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1), ns)
+    return bound, without_bases(descriptors(ckv_cache, ckv_scale, kpe_cache)), numbers
+
+
+def run_stage1(plan, q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, block_table, seq_lens, o, l):
+    bound, templates, numbers = plan
+    return bound(q_nope, q_pe, *rebased(templates, (ckv_cache, ckv_scale, kpe_cache)), block_table, seq_lens, o, l,
+                 *numbers)
