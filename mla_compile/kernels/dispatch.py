@@ -169,7 +169,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
 
 
 FP8_SWAPAB_CANNOT = ("fp8_swapab: needs sm_90, Gluon, bf16 q, R 512 / P 64, one query token, a dense (paged) call, "
-                     "pages of whole 64-token tiles with the three views 16-byte aligned TMA rows")
+                     "pages of whole 64-token tiles with the three views 16-byte aligned TMA rows, and the kernel "
+                     "switched on (decode_fp8_swapab.ENABLED, MLA_COMPILE_FP8_SWAPAB=1)")
 FP8_REASON = ("an FP8 latent cache: the Triton FP8 kernels (bf16 / fp16 q: scales folded into the products, "
               "decode_fp8.py; fp32 q: the pointer kernel dequantizing its tiles in registers) (FlashMLA, "
               "FlashInfer and the bf16 Gluon kernels take fp16/bf16 caches only)")
