@@ -354,12 +354,6 @@ def aot(configs=None) -> list[dict]:
 
     from tools import aot as A
 
-    e_l, s_l, r_l = K._layouts()
-    desc = {"EDesc": f"tensordesc<fp8e4nv[{BLOCK_T}, {K.E_BOX}],{e_l!r}>",
-            "SDesc": f"tensordesc<fp32[{BLOCK_T}, {GROUPS}],{s_l!r}>",
-            "RDesc": f"tensordesc<bf16[{BLOCK_T}, {P}],{r_l!r}>",
-            "Qn": "*bf16", "Qp": "*bf16"}
-    divisible = {"Qn", "Qp", "Table", "Lens", "O", "L", "s_qnb", "s_qnh", "s_qpb", "s_qph", "s_on", "s_ob", "s_oh"}
     builds = [default_build(h) for h in (16, 32, 64, 128)]
     builds = list({b.name: b for b in builds + [Build.parse(t) for t in configs or AOT_CONFIGS]}.values())
     rows = []
@@ -367,7 +361,7 @@ def aot(configs=None) -> list[dict]:
         t = bld.tiling
         row = dict(config=bld.name, p_rope=t.p_rope, smem_estimate=K.smem_bytes(t.N, t.stages, t.p_rope))
         try:
-            out = A.compile_sm90(K._fp8_swapab_kernel, bld.constexprs(64), desc, t.warps, 1, divisible, gluon=True)
+            out = A.fp8_swapab_sm90(t)
         except Exception as e:  # noqa: BLE001 - reported per build
             row["error"] = repr(e)[-2000:]
             rows.append(row)
