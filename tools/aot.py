@@ -148,16 +148,23 @@ def per_head_linear_sm90(transposed: bool, block_n: int = 16, K: int = 512, pdl:
 
 
 
-def fp8_swapab_sm90(tiling=None, H: int = 16, page_size: int = 64) -> dict:
+def fp8_swapab_sm90(tiling=None, H: int = 16, page_size: int = 64, gather: bool = False) -> dict:
     """kernels/decode_fp8_swapab.py's stage-1 kernel for an FP8 cache at `tiling` (default: the one `H` heads get),
-    compiled for sm_90a (`compile_sm90`'s answer)."""
+    compiled for sm_90a (`compile_sm90`'s answer); `gather`: its GATHER form (cp.async row copies through the table,
+    any page size: the three views as 16-byte aligned pointers, their strides in 16-byte units unspecialised, as
+    656-byte tokens give them)."""
     from mla_compile.kernels import decode_fp8_swapab as F
 
     t = tiling or F.default_tiling(H)
-    e_l, s_l, r_l = F._layouts()
-    desc = {"EDesc": f"tensordesc<fp8e4nv[{F.BLOCK_T}, {F.E_BOX}],{e_l!r}>",
-            "SDesc": f"tensordesc<fp32[{F.BLOCK_T}, {F.GROUPS}],{s_l!r}>",
-            "RDesc": f"tensordesc<bf16[{F.BLOCK_T}, {F.P}],{r_l!r}>",
-            "Qn": "*bf16", "Qp": "*bf16"}
     divisible = {"Qn", "Qp", "Table", "Lens", "O", "L", "s_qnb", "s_qnh", "s_qpb", "s_qph", "s_on", "s_ob", "s_oh"}
-    return compile_sm90(F._fp8_swapab_kernel, t.constexprs(page_size), desc, t.warps, 1, divisible, gluon=True)
+    if gather:
+        desc = {"EDesc": "*fp8e4nv", "SDesc": "*fp32", "RDesc": "*bf16", "Qn": "*bf16", "Qp": "*bf16"}
+        divisible |= {"EDesc", "SDesc", "RDesc"}
+    else:
+        e_l, s_l, r_l = F._layouts()
+        desc = {"EDesc": f"tensordesc<fp8e4nv[{F.BLOCK_T}, {F.E_BOX}],{e_l!r}>",
+                "SDesc": f"tensordesc<fp32[{F.BLOCK_T}, {F.GROUPS}],{s_l!r}>",
+                "RDesc": f"tensordesc<bf16[{F.BLOCK_T}, {F.P}],{r_l!r}>",
+                "Qn": "*bf16", "Qp": "*bf16"}
+    return compile_sm90(F._fp8_swapab_kernel, t.constexprs(page_size, gather), desc, t.warps, 1, divisible,
+                        gluon=True)

@@ -1,5 +1,6 @@
-"""The per-tile steps of kernels/decode_fp8_swapab.py's Gluon kernel (its module docstring has the design): the TMA
-copies of a tile, the e4m3 -> 16-bit conversion into shared memory, the scores' per-row scales, one tile's scores,
+"""The per-tile steps of kernels/decode_fp8_swapab.py's Gluon kernel (its module docstring has the design): the copies
+of a tile into a staging slot (TMA boxes, or GATHER: 16-byte cp.async row copies through the table, `_fill_slot`),
+the e4m3 -> 16-bit conversion into shared memory, the scores' per-row scales, one tile's scores,
 softmax and P.V (`_tile`, MASKED for a split's partial last tile), a scale group's store of the output."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from . import _gluon as G
 if G.gluon is not None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
@@ -28,6 +30,61 @@ if G.gluon is not None:
             tma.async_copy_global_to_shared(EDesc, [row, k * EB], bar, e_s.index(st * NB + k))
         tma.async_copy_global_to_shared(SDesc, [row, SC_COL], bar, sc_s.index(st))
         tma.async_copy_global_to_shared(RDesc, [row, RP_COL], bar, r_s.index(st))
+
+    @gluon.jit
+    def _rows16(Table, b, s_tb, t0, end, s_p, s_t, BT: gl.constexpr, PS: gl.constexpr, layout: gl.constexpr):
+        """Tokens [t0, t0 + BT) in `layout`: (their rows' offsets in 16-byte units, int64: page * s_p + (t % PS) *
+        s_t, page = table[b, t // PS]; valid: t < end). Tokens past the end read no table entry (it may be garbage):
+        offset 0."""
+        t = t0 + gl.arange(0, BT, layout=layout)
+        valid = t < end
+        page = gl.load(Table + b * s_tb + t // PS, mask=valid, other=0).to(gl.int64)
+        return page * s_p + (t % PS).to(gl.int64) * s_t, valid
+
+    @gluon.jit
+    def _gather_tile(src, bar, e_s, sc_s, r_s, st, Table, b, s_tb, t0, end, PS: gl.constexpr, GROUPS: gl.constexpr,
+                     GW: gl.constexpr):
+        """GATHER: the tile's token rows [t0, t0 + 64) (any page size) into staging slot `st` by 16-byte cp.async
+        copies through the table, each thread's copies then arriving on `bar` (cp.async.mbarrier.arrive.noinc: the
+        barrier counts every thread of the program), so `_tile` waits on it as on a TMA fill. src: (e4m3 view,
+        float32 scales view, bf16 rope view pointers, then each view's page and token strides in 16-byte units).
+        Tokens >= end: their rows zero-filled, nothing read (unused slots may hold NaN bytes)."""
+        BT: gl.constexpr = e_s.shape[1]
+        EB: gl.constexpr = e_s.shape[2]
+        NB: gl.constexpr = GROUPS * GW // EB  # e4m3 boxes a tile
+        P: gl.constexpr = r_s.shape[2]
+        NW: gl.constexpr = gl.num_warps()
+        # one 16-byte chunk a thread and copy: e4m3 [64, 256] 16 lanes a 256-byte row; the [64, 4] float32 scales
+        # one row a lane (the layout covers more rows than the tile: replicas copy the same bytes); rope [64, 64]
+        # bf16 8 lanes a 128-byte row
+        EL: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [NW, 1], [1, 0])
+        SL: gl.constexpr = gl.BlockedLayout([1, GROUPS], [32, 1], [NW, 1], [1, 0])
+        RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        er, ev = _rows16(Table, b, s_tb, t0, end, src[3], src[4], BT, PS, gl.SliceLayout(1, EL))
+        ec = gl.arange(0, EB, layout=gl.SliceLayout(0, EL))
+        for k in gl.static_range(NB):  # (16 e4m3 values, 4 scales, 8 rope values: 16 bytes)
+            async_copy.async_copy_global_to_shared(e_s.index(st * NB + k), src[0] + (er * 16 + k * EB)[:, None]
+                                                   + ec[None, :], mask=ev[:, None])
+        sr, sv = _rows16(Table, b, s_tb, t0, end, src[5], src[6], BT, PS, gl.SliceLayout(1, SL))
+        sg = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, SL))
+        async_copy.async_copy_global_to_shared(sc_s.index(st), src[1] + (sr * 4)[:, None] + sg[None, :],
+                                               mask=sv[:, None])
+        rr, rv = _rows16(Table, b, s_tb, t0, end, src[7], src[8], BT, PS, gl.SliceLayout(1, RL))
+        rc = gl.arange(0, P, layout=gl.SliceLayout(0, RL))
+        async_copy.async_copy_global_to_shared(r_s.index(st), src[2] + (rr * 8)[:, None] + rc[None, :],
+                                               mask=rv[:, None])
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+
+    @gluon.jit
+    def _fill_slot(src, bar, e_s, sc_s, r_s, st, Table, b, s_tb, t0, end, PS: gl.constexpr, GROUPS: gl.constexpr,
+                   GW: gl.constexpr, SC_COL: gl.constexpr, RP_COL: gl.constexpr, GATHER: gl.constexpr):
+        """Tile at token t0 into staging slot `st`, completing on `bar`: TMA (`_issue_tile`; src: the three
+        descriptors) or, GATHER, row copies (`_gather_tile`)."""
+        if GATHER:
+            _gather_tile(src, bar, e_s, sc_s, r_s, st, Table, b, s_tb, t0, end, PS, GROUPS, GW)
+        else:
+            _issue_tile(src[0], src[1], src[2], bar, e_s, sc_s, r_s, st, Table, b, s_tb, t0, PS, GROUPS, GW, SC_COL,
+                        RP_COL)
 
     @gluon.jit
     def _dequant(e_t, sc_t, g: gl.constexpr, row0, lim, CVT: gl.constexpr, MASKED: gl.constexpr,
@@ -86,15 +143,16 @@ if G.gluon is not None:
         return gl.max(gl.where(gl.arange(0, v.shape[0], layout=v.type.layout) == g, v, 0.0), 0)
 
     @gluon.jit
-    def _tile(i, start, end, n_tiles, EDesc, SDesc, RDesc, bars, e_s, sc_s, r_s, dq_s, q_s, qp_s, p_s, p1_s, p2_s, p3_s,
+    def _tile(i, start, end, n_tiles, src, bars, e_s, sc_s, r_s, dq_s, q_s, qp_s, p_s, p1_s, p2_s, p3_s,
               Table, b, s_tb,
               scale_log2, uq, m_i, l_i, acc0, acc1, acc2, acc3, top0, top1, top2, top3, PS: gl.constexpr,
               STAGES: gl.constexpr, SC_COL: gl.constexpr, RP_COL: gl.constexpr, PRE: gl.constexpr, SLAB: gl.constexpr,
               P_ROPE: gl.constexpr, EXACT: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr, CVT: gl.constexpr,
-              MASKED: gl.constexpr):
+              MASKED: gl.constexpr, GATHER: gl.constexpr):
         """Tile i of the split (tokens start + 64 i ...): its scores, the online softmax, its P.V issued (left in
         flight for the next tile). MASKED: the split's partial last tile (rows r >= end - t0 are no tokens of it:
-        zeroed / -inf, their scales 0). PRE: rows of scale group 0 converted in registers before waiting for the
+        zeroed / -inf, their scales 0). GATHER: the slots filled by `_gather_tile` (src its pointers and strides;
+        else src the three TMA descriptors). PRE: rows of scale group 0 converted in registers before waiting for the
         previous tile's P.V (overlapping them; more rows, more registers). P_ROPE: P^T goes into this tile's staging
         slot once it is dead (EXACT: the four P^T tiles in the e4m3 boxes, converted by then; else the one P^T in
         the rope slot, its scores done; p_s is then that view), so the slot is refilled only once this P.V is
@@ -128,7 +186,9 @@ if G.gluon is not None:
         sc_t = sc_s.index(st)
         mbarrier.wait(bars.index(st), (i // STAGES) & 1)
         r_t = r_s.index(st)
-        if MASKED:  # rope rows past the end may hold NaN: zero them before an MMA reads the tile
+        # rope rows past the end may hold NaN: zeroed before an MMA reads the tile (GATHER: the copies zero-filled
+        # them)
+        if MASKED and not GATHER:
             RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])  # 8 lanes a row
             rows_r = gl.arange(0, BT, layout=gl.SliceLayout(1, RL))
             r_t.store(gl.where((rows_r < lim)[:, None], r_t.load(RL), 0.0))
@@ -137,13 +197,15 @@ if G.gluon is not None:
             v0 = _dequant(e0.slice(0, PRE, dim=0), sc_t.slice(0, PRE, dim=0), 0, 0, lim, CVT, MASKED, EXACT)
         # the previous tile's P.V done (in every warp: the barrier) before its tiles and p_s are overwritten
         acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=(acc0, acc1, acc2, acc3))
-        if MASKED:
-            fence_async_shared()  # the zeroed rope rows, for the rope MMA
+        if MASKED or GATHER:
+            # the zeroed rope rows (GATHER: the row copies, generic-proxy writes like them) for the rope MMA: each
+            # thread fences after the barrier wait, every thread before any MMA (the barrier)
+            fence_async_shared()
         gl.thread_barrier()
         if P_ROPE:  # the previous tile's slot held its P^T until now: it takes tile i - 1 + STAGES
             if (i >= 1) & (i - 1 + STAGES < n_tiles):
-                _issue_tile(EDesc, SDesc, RDesc, bars.index((i - 1) % STAGES), e_s, sc_s, r_s, (i - 1) % STAGES, Table,
-                            b, s_tb, start + (i - 1 + STAGES) * BT, PS, GROUPS, q_s.shape[2], SC_COL, RP_COL)
+                _fill_slot(src, bars.index((i - 1) % STAGES), e_s, sc_s, r_s, (i - 1) % STAGES, Table, b, s_tb,
+                           start + (i - 1 + STAGES) * BT, end, PS, GROUPS, q_s.shape[2], SC_COL, RP_COL, GATHER)
         s = warpgroup_mma(r_t, qp_s.permute((1, 0)), gl.zeros([BT, N], gl.float32, layout=S_L), use_acc=False,
                           is_async=True)
         if PRE > 0:
@@ -258,8 +320,8 @@ if G.gluon is not None:
         # takes tile i + STAGES
         if not P_ROPE:
             if i + STAGES < n_tiles:
-                _issue_tile(EDesc, SDesc, RDesc, bars.index(st), e_s, sc_s, r_s, st, Table, b, s_tb,
-                            start + (i + STAGES) * BT, PS, GROUPS, q_s.shape[2], SC_COL, RP_COL)
+                _fill_slot(src, bars.index(st), e_s, sc_s, r_s, st, Table, b, s_tb, start + (i + STAGES) * BT, end,
+                           PS, GROUPS, q_s.shape[2], SC_COL, RP_COL, GATHER)
         if EXACT:  # acc_g in units of this tile's top_g: times alpha and (previous top) / (this top)
             acc0 = warpgroup_mma(dq_s.index(0 + z).permute((1, 0)), pt0, acc0 * (alpha_o * (top0 / u0)), is_async=True)
             acc1 = warpgroup_mma(dq_s.index(1 + z).permute((1, 0)), pt1, acc1 * (alpha_o * (top1 / u1)), is_async=True)

@@ -29,19 +29,25 @@ One program per (request, block of N heads, KV split), grid (B * ceil(H / N), n_
 copies into one of STAGES staging slots on one mbarrier (the e4m3 bytes as [64, 256] boxes, the [64, 4] float32
 scales, the [64, 64] rope); each scale group converted in registers and stored into an NVMMA-swizzled 16-bit tile,
 fenced, its score MMA issued while the next group converts; the softmax; the four P^T into shared memory; the slot
-refilled;
-the four P.V MMAs left in flight into the next tile. A split's partial last tile is a second instance of the tile
-step (MASKED): rows past the end are zeroed before any MMA reads them (unused slots may hold NaN bytes) and score
--inf. Each split writes the normalised partial out and natural-log lse (-inf for a split without tokens): the
-contract of every stage-1 kernel here, so kernels/merge.py combines the splits.
+refilled; the four P.V MMAs left in flight into the next tile. A split's partial last tile is a second instance of
+the tile step (MASKED): rows past the end are zeroed before any MMA reads them (unused slots may hold NaN bytes) and
+score -inf. Each split writes the normalised partial out and natural-log lse (-inf for a split without tokens):
+the contract of every stage-1 kernel here, so kernels/merge.py combines the splits.
 
-Takes: sm_90, Gluon, bf16 q, R 512 / P 64, pages of whole 64-token tiles whose three views (fp8.views) are TMA
-boxes, one query token: `fits` / `eligible`; `dispatch.decode_kernel` decides. Found building it (sm_90a, Triton
-3.6, tools/aot.py): waiting for one P.V at a time made ptxas serialise every wgmma (C7514), so one wait retires a
-tile's; LLVM hoisted ~100 loop-invariant wgmma descriptors out of the loop (255 registers and spills at N = 16): an
-opaque zero in the group indices keeps them in the loop (187 registers; exact scores: 187 at N = 16, 177 at N = 32
-over two warpgroups). Measured (the bf16-rounding version): benchmarks/RESULTS.md ("FP8 decode, the swap-AB Gluon
-kernel").
+GATHER form (pages that are no whole tiles: the page-size-1 token table the HF pass hands over, page 16): the same
+kernel with each tile's rows fetched by 16-byte cp.async copies through the table (slot = table[b, t // PS] * PS +
+t % PS; a 656-byte token is 41 chunks: 32 e4m3, 1 of scales, 8 rope) into the same staging slots, each thread's
+copies then arriving on the slot's mbarrier (cp.async.mbarrier.arrive.noinc, the barrier counting every thread), so
+everything after the copies is shared; rows past the end are zero-filled, their table entries never read.
+
+Takes: sm_90, Gluon, bf16 q, R 512 / P 64, one query token (`fits`), pages of whole 64-token tiles whose three views
+(fp8.views) are TMA boxes (`eligible`) or, GATHER, views of 16-byte aligned rows at any page size
+(`gather_eligible`); `dispatch.decode_kernel` decides. Found building it (sm_90a, Triton 3.6, tools/aot.py):
+waiting for one P.V at a time made ptxas serialise every wgmma (C7514), so one wait retires a tile's; LLVM hoisted
+~100 loop-invariant wgmma descriptors out of the loop (255 registers and spills at N = 16): an opaque zero in the
+group indices keeps them in the loop (187 registers; exact scores: 187 at N = 16, 177 at N = 32 over two
+warpgroups; GATHER, page 1: 192 and 194, page 16: 230 and 191, no spills). Measured (the bf16-rounding version):
+benchmarks/RESULTS.md ("FP8 decode, the swap-AB Gluon kernel").
 """
 
 from __future__ import annotations
@@ -64,9 +70,9 @@ if G.gluon is not None:
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ._fp8_swapab_tile import _issue_tile, _store_group, _tile
+    from ._fp8_swapab_tile import _fill_slot, _store_group, _tile
 
-# Whether dispatch sends FP8 calls here (`dispatch.decode_kernel`: the `fp8_boxes` fact). Off by default until this
+# Whether dispatch sends FP8 calls here (`dispatch.decode_kernel`: the `fp8_rows` fact). Off by default until this
 # build has run on a GPU: it compiles for sm_90a without spills (tests/kernels/test_kernel_codegen.py) and its
 # arithmetic matches float64 in a CPU emulation (benchmarks/lab/fp8_swapab.py --emulate), but only its bf16-rounding
 # predecessor ran on an H200 (the lab's checks passed; 2x the Triton FP8 kernel, RESULTS.md). MLA_COMPILE_FP8_SWAPAB=1
@@ -83,30 +89,58 @@ BLOCK_HS = (16, 32)  # heads per program (the MMA's N): more heads, blocks of 32
 
 if G.gluon is not None:
     _GW = gl.constexpr(GW)
+    _GROUPS, _BLOCK_T, _E_BOX, _P = gl.constexpr(GROUPS), gl.constexpr(BLOCK_T), gl.constexpr(E_BOX), gl.constexpr(P)
 
     @gluon.jit
     def _fp8_swapab_kernel(Qn, Qp, EDesc, SDesc, RDesc, Table, Lens, O, L,
                            scale_log2, H,
                            s_qnb, s_qnh, s_qpb, s_qph, s_tb,
-                           s_on, s_ob, s_oh, s_ln, s_lb, s_lh, n_splits,
+                           s_on, s_ob, s_oh, s_ln, s_lb, s_lh, n_splits, s_ep, s_et, s_sp, s_st, s_rp, s_rt,
                            PS: gl.constexpr, N: gl.constexpr, WG: gl.constexpr, STAGES: gl.constexpr, PRE: gl.constexpr,
-                           SLAB: gl.constexpr, P_ROPE: gl.constexpr, EXACT: gl.constexpr = True):
+                           SLAB: gl.constexpr, P_ROPE: gl.constexpr, EXACT: gl.constexpr = True,
+                           GATHER: gl.constexpr = False):
         """Stage 1 over an FP8 token buffer (module docstring). Qn [B, H, 512] / Qp [B, H, 64] bf16; EDesc / SDesc /
         RDesc: TMA descriptors over the buffer's slots [NP * PS, 656] seen as e4m3 ([64, 256] boxes), float32
         ([64, 4]) and bf16 ([64, 64]); Table int32 [B, max_pages]; Lens int32 [B]; O fp32 [n_splits, B, H, 512]
         and L fp32 [n_splits, B, H] (normalised partial out, natural-log lse). N heads per program, 4 * WG warps,
         STAGES staging slots; PRE, SLAB, P_ROPE: `Tiling` / `_tile`. EXACT (the default; the module docstring): the
         scores and P.V over the stored values exactly (e4m3 in fp16, the scales on fp32 products); False: the
-        comparison variant that rounds value x scale to a bf16 tile (lse ~1e-2 off, benchmarks/lab/fp8_swapab.py)."""
+        comparison variant that rounds value x scale to a bf16 tile (lse ~1e-2 off, benchmarks/lab/fp8_swapab.py).
+        GATHER: EDesc / SDesc / RDesc are instead pointers to the three views (16-byte aligned), s_ep .. s_rt their
+        page and token strides in 16-byte units (a size-1 dimension's: 0), any page size PS; each tile's rows come by
+        16-byte cp.async copies through the table into the same staging slots (`_fp8_swapab_tile._gather_tile`).
+        The TMA form ignores s_ep .. s_rt."""
         gl.static_assert(gl.num_warps() == 4 * WG, "WG warpgroups")
-        BT: gl.constexpr = EDesc.block_type.shape[0]  # tokens per tile (64)
-        GROUPS: gl.constexpr = SDesc.block_type.shape[1]  # scale groups (4)
         GW: gl.constexpr = _GW  # channels per scale group (128)
-        NB: gl.constexpr = GROUPS * GW // EDesc.block_type.shape[1]  # e4m3 boxes a tile
-        P: gl.constexpr = RDesc.block_type.shape[1]
         SC_COL: gl.constexpr = 0  # the scales' and the rope's descriptors are over their own views (column 0)
         RP_COL: gl.constexpr = 0
-        gl.static_assert(PS % BT == 0, "a tile lies inside one page")
+        if GATHER:
+            BT: gl.constexpr = _BLOCK_T  # tokens per tile (64)
+            GROUPS: gl.constexpr = _GROUPS  # scale groups (4)
+            EB: gl.constexpr = _E_BOX  # e4m3 columns per staging box
+            P: gl.constexpr = _P
+            e_dt: gl.constexpr = EDesc.dtype.element_ty
+            s_dt: gl.constexpr = SDesc.dtype.element_ty
+            r_dt: gl.constexpr = RDesc.dtype.element_ty
+            # the layouts the TMA form's descriptors carry (`_layouts`)
+            e_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, EB], e_dt)
+            s_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, GROUPS], s_dt)
+            r_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, P], r_dt)
+            src = (EDesc, SDesc, RDesc, s_ep, s_et, s_sp, s_st, s_rp, s_rt)
+        else:
+            BT: gl.constexpr = EDesc.block_type.shape[0]  # tokens per tile (64)
+            GROUPS: gl.constexpr = SDesc.block_type.shape[1]  # scale groups (4)
+            EB: gl.constexpr = EDesc.block_type.shape[1]
+            P: gl.constexpr = RDesc.block_type.shape[1]
+            e_dt: gl.constexpr = EDesc.dtype
+            s_dt: gl.constexpr = SDesc.dtype
+            r_dt: gl.constexpr = RDesc.dtype
+            e_l: gl.constexpr = EDesc.layout
+            s_l: gl.constexpr = SDesc.layout
+            r_l: gl.constexpr = RDesc.layout
+            gl.static_assert(PS % BT == 0, "a tile lies inside one page")
+            src = (EDesc, SDesc, RDesc)
+        NB: gl.constexpr = GROUPS * GW // EB  # e4m3 boxes a tile
         # scores [64 tokens, N]: one warpgroup's m64 over the tokens; with two warpgroups each takes half the heads
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
                                                       instr_shape=[16, N // WG, 16])
@@ -169,15 +203,15 @@ if G.gluon is not None:
         qp_s = gl.allocate_shared_memory(dt, [N, P], gl.NVMMASharedLayout.get_default_for([N, P], dt),
                                          G.load_rows(Qp, b * s_qpb + offs_h * s_qph, offs_p, mask_h, P))
 
-        e_s = gl.allocate_shared_memory(EDesc.dtype, [STAGES * NB, BT, EDesc.block_type.shape[1]], EDesc.layout)
-        sc_s = gl.allocate_shared_memory(SDesc.dtype, [STAGES, BT, GROUPS], SDesc.layout)
-        r_s = gl.allocate_shared_memory(RDesc.dtype, [STAGES, BT, P], RDesc.layout)
+        e_s = gl.allocate_shared_memory(e_dt, [STAGES * NB, BT, EB], e_l)
+        sc_s = gl.allocate_shared_memory(s_dt, [STAGES, BT, GROUPS], s_l)
+        r_s = gl.allocate_shared_memory(r_dt, [STAGES, BT, P], r_l)
         # P^T [64 tokens, N]: the P.V MMA's B operand, N-contiguous (MN-major, allowed for 16-bit types); EXACT: one
         # per group
         PL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, N], tdt)
         if EXACT:
             if P_ROPE:  # the four P^T tiles go into each tile's e4m3 boxes once converted (`_tile`): their bytes
-                PPS: gl.constexpr = NB * BT * EDesc.block_type.shape[1] // (2 * BT * N)  # P^T tiles a slot holds
+                PPS: gl.constexpr = NB * BT * EB // (2 * BT * N)  # P^T tiles a slot holds
                 gl.static_assert(PPS >= GROUPS, "four P^T tiles in a slot's e4m3 boxes")
                 p_s = e_s._reinterpret(gl.float16, [STAGES * PPS, BT, N], PL)
                 p1_s, p2_s, p3_s = p_s, p_s, p_s  # unused
@@ -194,14 +228,14 @@ if G.gluon is not None:
             p1_s, p2_s, p3_s = p_s, p_s, p_s  # unused
         dq_s = gl.allocate_shared_memory(tdt, [GROUPS, BT, GW], gl.NVMMASharedLayout.get_default_for([BT, GW], tdt))
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for j in gl.static_range(STAGES):
-            mbarrier.init(bars.index(j), count=1)
+        for j in gl.static_range(STAGES):  # GATHER: every thread's copies arrive
+            mbarrier.init(bars.index(j), count=32 * gl.num_warps() if GATHER else 1)
         fence_async_shared()  # q's stores and the barrier inits before any async-proxy access
         gl.thread_barrier()
         for j in gl.static_range(STAGES):
             if j < n_tiles:
-                _issue_tile(EDesc, SDesc, RDesc, bars.index(j), e_s, sc_s, r_s, j, Table, b, s_tb, start + j * BT,
-                            PS, GROUPS, GW, SC_COL, RP_COL)
+                _fill_slot(src, bars.index(j), e_s, sc_s, r_s, j, Table, b, s_tb, start + j * BT, end, PS, GROUPS, GW,
+                           SC_COL, RP_COL, GATHER)
 
         m_i = gl.full([N], float("-inf"), gl.float32, layout=gl.SliceLayout(0, S_L))  # running max per head
         l_i = gl.zeros([BT, N], gl.float32, layout=S_L)  # per-thread partial column sums (reduced once, at the end)
@@ -219,16 +253,16 @@ if G.gluon is not None:
         # the full tiles carry no masking (and no branch whose common code would keep a whole group in registers)
         for i in range(n_full):
             m_i, l_i, acc0, acc1, acc2, acc3, top0, top1, top2, top3 = _tile(
-                i, start, end, n_tiles, EDesc, SDesc, RDesc, bars, e_s, sc_s, r_s, dq_s, q_s, qp_s, p_s, p1_s, p2_s,
+                i, start, end, n_tiles, src, bars, e_s, sc_s, r_s, dq_s, q_s, qp_s, p_s, p1_s, p2_s,
                 p3_s, Table, b,
                 s_tb, scale_log2, uq, m_i, l_i, acc0, acc1, acc2, acc3, top0, top1, top2, top3, PS, STAGES, SC_COL,
-                RP_COL, PRE, SLAB, P_ROPE, EXACT, S_L, O_L, CVT, False)
+                RP_COL, PRE, SLAB, P_ROPE, EXACT, S_L, O_L, CVT, False, GATHER)
         if n_full < n_tiles:
             m_i, l_i, acc0, acc1, acc2, acc3, top0, top1, top2, top3 = _tile(
-                n_full, start, end, n_tiles, EDesc, SDesc, RDesc, bars, e_s, sc_s, r_s, dq_s, q_s, qp_s, p_s, p1_s,
+                n_full, start, end, n_tiles, src, bars, e_s, sc_s, r_s, dq_s, q_s, qp_s, p_s, p1_s,
                 p2_s, p3_s, Table, b,
                 s_tb, scale_log2, uq, m_i, l_i, acc0, acc1, acc2, acc3, top0, top1, top2, top3, PS, STAGES, SC_COL,
-                RP_COL, PRE, SLAB, P_ROPE, EXACT, S_L, O_L, CVT, True)
+                RP_COL, PRE, SLAB, P_ROPE, EXACT, S_L, O_L, CVT, True, GATHER)
         acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=(acc0, acc1, acc2, acc3))
         for j in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(j))
@@ -269,9 +303,9 @@ class Tiling:
     def p_rope(self) -> bool:
         return smem_bytes(self.N, self.stages, False, self.exact) > G.SMEM_LIMIT and self.N == P
 
-    def constexprs(self, page_size: int) -> dict:
+    def constexprs(self, page_size: int, gather: bool = False) -> dict:
         return dict(PS=page_size, N=self.N, WG=self.warps // 4, STAGES=self.stages, PRE=self.pre, SLAB=self.slab,
-                    P_ROPE=self.p_rope, EXACT=self.exact)
+                    P_ROPE=self.p_rope, EXACT=self.exact, GATHER=gather)
 
 
 def smem_bytes(N: int, stages: int, p_rope: bool, exact: bool = True) -> int:
@@ -316,6 +350,28 @@ def eligible(ckv_cache, kpe_cache, ckv_scale) -> bool:
             and all(_box_view(t) is not None for t in (ckv_cache, ckv_scale, kpe_cache)))
 
 
+def _strides16(t: torch.Tensor):
+    """A cache view [NP, PS, X] as rows of whole 16-byte chunks at 16-byte aligned addresses (unit inner stride, X
+    elements a multiple of 16 bytes, 16-byte aligned base, page and token strides multiples of 16 bytes; a size-1
+    dimension's stride is never used and counts 0): (page stride, token stride) in 16-byte units, or None."""
+    es = t.element_size()
+    if t.dim() != 3 or t.stride(2) != 1 or (t.shape[2] * es) % 16 or t.data_ptr() % 16:
+        return None
+    st = [0 if t.shape[d] == 1 else t.stride(d) * es for d in (0, 1)]
+    return None if any(x % 16 or x < 0 for x in st) else (st[0] // 16, st[1] // 16)
+
+
+def gather_eligible(ckv_cache, kpe_cache, ckv_scale) -> bool:
+    """The cache layout the GATHER form reads (any page size: a page-size-1 token table, what the HF pass hands
+    over): the three views (fp8.views: e4m3 values [.., 512], float32 scales [.., 4], bf16 rope [.., 64]) rows of
+    whole 16-byte chunks at 16-byte aligned addresses (`_strides16`; fp8.views of a 16-byte aligned buffer: 656-byte
+    tokens, 41 chunks)."""
+    return (ckv_scale is not None and ckv_cache.dtype == fp8.DTYPE and ckv_scale.dtype == torch.float32
+            and kpe_cache.dtype == torch.bfloat16 and ckv_cache.shape[-1] == R and ckv_scale.shape[-1] == GROUPS
+            and kpe_cache.shape[-1] == P and ckv_cache.shape[:2] == ckv_scale.shape[:2] == kpe_cache.shape[:2]
+            and all(_strides16(t) is not None for t in (ckv_cache, ckv_scale, kpe_cache)))
+
+
 @functools.lru_cache(maxsize=None)
 def _layouts():
     # cached: get_default_for costs ~11 us a call on the host (kernels/_gluon.py _box_layouts)
@@ -336,19 +392,27 @@ def descriptors(ckv_cache, ckv_scale, kpe_cache) -> list:
 def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, block_table, sm_scale, o, l, s_on, s_ln, ns,
                 tiling: Tiling | None = None):
     """What these tensors' signature fixes (o / l may be meta tensors: their strides are read): (the kernel bound to
-    its grid and compile-time arguments, its descriptor templates, the numbers after its tensor arguments);
-    `run_stage1` launches it on a call's tensors. o [ns, B, H, 512] / l [ns, B, H] (s_on = s_ln = 0: the final out /
-    lse with one split)."""
+    its grid and compile-time arguments, its descriptor templates or None for the GATHER form, the numbers after its
+    tensor arguments); `run_stage1` launches it on a call's tensors. o [ns, B, H, 512] / l [ns, B, H] (s_on = s_ln =
+    0: the final out / lse with one split). The TMA form where the layout is `eligible`, else the GATHER form
+    (`gather_eligible`)."""
     B, H, _ = q_nope.shape
     t = tiling or default_tiling(H)
     grid = (B * cdiv(H, t.N), ns)
-    bound = bind(_fp8_swapab_kernel, grid, **t.constexprs(ckv_cache.shape[1]), num_warps=t.warps)
+    views = (ckv_cache, ckv_scale, kpe_cache)
+    gather = not eligible(ckv_cache, kpe_cache, ckv_scale)
+    if gather and not gather_eligible(ckv_cache, kpe_cache, ckv_scale):
+        raise ValueError("decode_fp8_swapab: the cache views are neither TMA rows in pages of whole 64-token tiles "
+                         "nor 16-byte aligned rows (`eligible`, `gather_eligible`)")
+    bound = bind(_fp8_swapab_kernel, grid, **t.constexprs(ckv_cache.shape[1], gather), num_warps=t.warps)
     numbers = (sm_scale * G.LOG2E, H, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-               block_table.stride(0), s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1), ns)
-    return bound, without_bases(descriptors(ckv_cache, ckv_scale, kpe_cache)), numbers
+               block_table.stride(0), s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1), ns,
+               *(x for v in views for x in (_strides16(v) if gather else (0, 0))))
+    return bound, None if gather else without_bases(descriptors(ckv_cache, ckv_scale, kpe_cache)), numbers
 
 
 def run_stage1(plan, q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, block_table, seq_lens, o, l):
     bound, templates, numbers = plan
-    return bound(q_nope, q_pe, *rebased(templates, (ckv_cache, ckv_scale, kpe_cache)), block_table, seq_lens, o, l,
-                 *numbers)
+    views = (ckv_cache, ckv_scale, kpe_cache)  # GATHER (no templates): the views themselves, as pointers
+    return bound(q_nope, q_pe, *(views if templates is None else rebased(templates, views)), block_table, seq_lens,
+                 o, l, *numbers)

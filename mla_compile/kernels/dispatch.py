@@ -60,7 +60,7 @@ class Choice(NamedTuple):
 def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, dtype: torch.dtype, capability,
                          n_query: int = 1, *, kernel: str = "auto", tma_layout: bool = True,
                          rows_aligned: bool = True, flashmla: bool = False, flashinfer: bool = False,
-                         tokens: int = FLASHMLA_MIN_TOKENS, fp8_cache: bool = False, fp8_boxes: bool = False) -> Choice:
+                         tokens: int = FLASHMLA_MIN_TOKENS, fp8_cache: bool = False, fp8_rows: bool = False) -> Choice:
     """The decode kernel for one call's shape class: Choice(name, reason).
 
     H heads (rows) per request, R latent and P rope width, `page_size` (1 for a sparse index list), `sparse`
@@ -71,9 +71,12 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     `flashmla` (FlashMLA imports, takes these shapes and reads the caches in place), `flashinfer` (FlashInfer
     usable now: installed, R 512, not under CUDA-graph capture), `tokens`: the most tokens the call may read, batch x
     the block table's capacity (shapes only: the lengths live on the device), `fp8_cache`: the latent cache is FP8
-    (mla_compile/fp8.py; `dtype` stays q's), `fp8_boxes`: its three views are runs of TMA rows in pages of whole
-    64-token tiles (`decode_fp8_swapab.eligible`) and that kernel is switched on (`decode_fp8_swapab.ENABLED`). `kernel`: "auto" or the one asked for (mla_compile/tuning.py);
-    one that cannot serve the call falls back to auto's choice, saying why.
+    (mla_compile/fp8.py; `dtype` stays q's), `fp8_rows`: the swap-AB kernel can read its layout, the three views
+    runs of TMA rows in pages of whole 64-token tiles (`decode_fp8_swapab.eligible`: its TMA form) or rows of 16-byte
+    chunks at 16-byte aligned addresses at any page size (`decode_fp8_swapab.gather_eligible`: its GATHER form,
+    e.g. the HF pass's page-size-1 token table), and that kernel is switched on (`decode_fp8_swapab.ENABLED`).
+    `kernel`: "auto" or the one asked for (mla_compile/tuning.py); one that cannot serve the call falls back to
+    auto's choice, saying why.
 
     auto, first match (H200 measurements: issue 24's table and benchmarks/RESULTS.md, ops table and the seesaw /
     Gluon kernel sections; every kernel timed as a CUDA-graph replay):
@@ -82,7 +85,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     |--------------------------------------------------------------------|----------|-----|
     | CPU tensors at the op                                              | torch    | the op's CPU impl (definition) |
     | FP8 cache, sm_90, bf16 q, R 512 / P 64, 1 query token, dense,      | fp8_swapab | 2x Triton's FP8 (9) |
-    |   pages of whole 64-token tiles (fp8_boxes)                        |          |     |
+    |   views it reads: TMA tiles or 16-byte aligned rows (fp8_rows)     |          |     |
     | FP8 cache otherwise                                                | triton   | the only other FP8 reader (10) |
     | FlashMLA in place (1), sm_90, dense, 1 query token, H >= 64,       | flashmla | faster than ours there (2) |
     |   tokens >= FLASHMLA_MIN_TOKENS (256K)                             |          |     |
@@ -104,9 +107,10 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
         the Gluon kernels take the call, each row with its own causal limit: MULTI_TOKEN_GLUON_ROWS says why.
     (8) several query tokens in one head block (<= 64 rows): wgmma, 12-16% faster there (MULTI_TOKEN_GLUON_ROWS).
     (9) the Gluon kernel with the 64 tokens as the warpgroup MMA's M (kernels/decode_fp8_swapab.py), where switched on
-        (`fp8_boxes` is false while `decode_fp8_swapab.ENABLED` is off: its exact build has not run on a GPU). Its
-        bf16-rounding predecessor, H200 2026-12-04: H 16 B 8 32K 87.0 us against 171.1 for the Triton FP8 kernel and
-        89.6 for our bf16 cache; H 64 141 vs 450.
+        (`fp8_rows` is false while `decode_fp8_swapab.ENABLED` is off: its exact build has not run on a GPU); pages of
+        whole 64-token tiles take its TMA form, other page sizes (a token table) its GATHER form (cp.async row
+        copies through the table; not yet timed). Its bf16-rounding predecessor, H200 2026-12-04: H 16 B 8 32K 87.0
+        us against 171.1 for the Triton FP8 kernel and 89.6 for our bf16 cache; H 64 141 vs 450.
     (10) kernels/decode_fp8.py (bf16 / fp16 q: scales folded into fp16 MMAs; fp32 q: the pointer kernel
         dequantizing its tiles); FlashMLA, FlashInfer and the bf16 Gluon kernels read fp16/bf16 caches only.
 
@@ -137,7 +141,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     if capability is None:
         return Choice("torch", "CPU tensors: the op's CPU impl (the plain-torch definition)")
     if fp8_cache:
-        return _select_fp8_kernel(kernel, sm90 and one_dense and fp8_boxes and _fp8_swapab.fits(R, P, dtype))
+        return _select_fp8_kernel(kernel, sm90 and one_dense and fp8_rows and _fp8_swapab.fits(R, P, dtype))
     if kernel == "fp8_swapab":
         auto = select_decode_kernel(H, R, P, page_size, sparse, dtype, capability, n_query, tma_layout=tma_layout,
                                     rows_aligned=rows_aligned, flashmla=flashmla, flashinfer=flashinfer,
@@ -169,8 +173,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
 
 
 FP8_SWAPAB_CANNOT = ("fp8_swapab: needs sm_90, Gluon, bf16 q, R 512 / P 64, one query token, a dense (paged) call, "
-                     "pages of whole 64-token tiles with the three views 16-byte aligned TMA rows, and the kernel "
-                     "switched on (decode_fp8_swapab.ENABLED, MLA_COMPILE_FP8_SWAPAB=1)")
+                     "the three views TMA rows in pages of whole 64-token tiles or 16-byte aligned rows, and the "
+                     "kernel switched on (decode_fp8_swapab.ENABLED, MLA_COMPILE_FP8_SWAPAB=1)")
 FP8_REASON = ("an FP8 latent cache: the Triton FP8 kernels (bf16 / fp16 q: scales folded into the products, "
               "decode_fp8.py; fp32 q: the pointer kernel dequantizing its tiles in registers) (FlashMLA, "
               "FlashInfer and the bf16 Gluon kernels take fp16/bf16 caches only)")
@@ -178,8 +182,8 @@ FP8_REASON = ("an FP8 latent cache: the Triton FP8 kernels (bf16 / fp16 q: scale
 
 def _select_fp8_kernel(kernel: str, swapab: bool) -> Choice:
     """`select_decode_kernel` for an FP8 cache: the swap-AB Gluon kernel where it serves the call, else Triton's."""
-    auto = (Choice("fp8_swapab", "an FP8 cache on sm_90 with whole 64-token pages: the swap-AB Gluon kernel "
-                                 "(the tokens as the warpgroup MMA's M)") if swapab
+    auto = (Choice("fp8_swapab", "an FP8 cache on sm_90 in a layout it reads (TMA tiles or 16-byte aligned rows): "
+                                 "the swap-AB Gluon kernel (the tokens as the warpgroup MMA's M)") if swapab
             else Choice("triton", FP8_REASON + ("" if kernel in ("auto", "triton") else f" ({FP8_SWAPAB_CANNOT})")))
     if kernel == "auto" or kernel == auto.name:
         return auto if kernel == "auto" else Choice(kernel, "asked for")
@@ -243,8 +247,9 @@ def decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False, n_qu
     sm90, page_size = args[6] == (9, 0), args[3]
     if fp8.is_fp8(ckv_cache):
         return select_decode_kernel(*args, kernel=kernel, **facts, fp8_cache=True,
-                                    fp8_boxes=(sm90 and _fp8_swapab.ENABLED
-                                               and _fp8_swapab.eligible(ckv_cache, kpe_cache, ckv_scale)))
+                                    fp8_rows=(sm90 and _fp8_swapab.ENABLED
+                                              and (_fp8_swapab.eligible(ckv_cache, kpe_cache, ckv_scale)
+                                                   or _fp8_swapab.gather_eligible(ckv_cache, kpe_cache, ckv_scale))))
     return select_decode_kernel(
         *args, kernel=kernel, **facts,
         # (auto asks FlashMLA only where it may win: many heads; the in-place test reads storage pointers)
@@ -263,7 +268,7 @@ def own_decode_config(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False) 
 def _config(q_nope, ckv_cache, sparse: bool, name: str) -> _decode.DecodeConfig:
     """decode.py's config for the chosen kernel: its tiling and split policy, the stage-1 kernel set. The Gluon
     kernels take the many-head split policy (64-row blocks, one program per SM) whatever the rows; the FP8 one its
-    own head blocks (16 / 32 / 64 heads), one program per SM (~190-225 KB of shared memory each)."""
+    own head blocks (16 or 32 heads), one program per SM (~200-220 KB of shared memory each)."""
     if name == "fp8_swapab":
         t = _fp8_swapab.default_tiling(q_nope.shape[1])
         return _decode.DecodeConfig(block_h=t.N, block_n=_fp8_swapab.BLOCK_T, num_warps=t.warps,

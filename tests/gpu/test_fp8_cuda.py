@@ -1,8 +1,9 @@
 """The FP8 latent cache on the GPU (mla_compile/fp8.py): `mla::cache_write_fp8` quantizing on write (the Triton kernel,
-byte-identical to the CPU op), `mla::decode` / `mla::sparse_decode` over an FP8 cache (bf16 q on pages of whole
-64-token tiles: the swap-AB Gluon kernel, decode_fp8_swapab.py; fp16 q, token tables, index lists: decode_fp8.py, the
-scales folded into the products) against the float64 reference over the dequantized cache; H 16 and 128,
-pages 1 and 64, ragged lengths with an empty request, S 1 and 2, one CUDA-graph capture replayed with new lengths;
+byte-identical to the CPU op), `mla::decode` / `mla::sparse_decode` over an FP8 cache (bf16 q: the swap-AB Gluon
+kernel, decode_fp8_swapab.py, TMA tiles on pages of whole 64-token tiles, its GATHER form on token tables and page 16;
+fp16 q, index lists: decode_fp8.py, the scales folded into the products) against the float64 reference over the
+dequantized cache; H 16 and 128, pages 1 and 64, ragged lengths with an empty request, S 1 and 2, one CUDA-graph
+capture replayed with new lengths;
 HF models over an FP8 cache (`kv_cache_dtype="fp8_e4m3"`) compiled with `mla_dcp` under "reduce-overhead" against
 eager HF over the same FP8 cache: V3 (paged), V3.2 (`DSAStaticCache`, dense then sparse graph), generate().
 
@@ -188,15 +189,16 @@ def fp8_kernels(request, monkeypatch):
     _switch_swapab(monkeypatch, False)
 
 
-@pytest.mark.parametrize("PS,want", [(64, "fp8_swapab"), (1, "pointer")])
-def test_fp8_takes_an_fp8_kernel(PS, want, monkeypatch, swapab_on):
+@pytest.mark.parametrize("PS,dtype,want", [(64, torch.bfloat16, "fp8_swapab"), (1, torch.bfloat16, "fp8_swapab"),
+                                           (1, torch.float16, "pointer")])
+def test_fp8_takes_an_fp8_kernel(PS, dtype, want, monkeypatch, swapab_on):
     """FlashMLA, FlashInfer and the bf16 Gluon kernels take fp16/bf16 caches only: an FP8 call reaches the swap-AB
-    Gluon kernel (pages of whole 64-token tiles) or the Triton pointer kernel (a page-size-1 token table, what the HF
-    pass hands over), each made with the call's scales."""
+    Gluon kernel (bf16 q: TMA tiles on pages of whole 64-token tiles, its GATHER form on a page-size-1 token table,
+    what the HF pass hands over) or the Triton pointer kernel (fp16 q), each made with the call's scales."""
     from mla_compile.kernels import decode as D
     from mla_compile.kernels import dispatch
 
-    batch, qn, qp = build([100, 3], 128, PS, seed=3)
+    batch, qn, qp = build([100, 3], 128, PS, seed=3, dtype=dtype)
     seen = []
     original = D._fp8_swapab.stage1_plan if want == "fp8_swapab" else D._pointer_stage1
 
@@ -209,7 +211,7 @@ def test_fp8_takes_an_fp8_kernel(PS, want, monkeypatch, swapab_on):
     out, lse = dispatch.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, batch.seq_lens, SCALE,
                                ckv_scale=batch.ckv_scale)
     assert len(seen) == 1 and seen[0] is batch.ckv_scale
-    check(out, lse, reference(batch, qn, qp), qn.shape)
+    check(out, lse, reference(batch, qn, qp), qn.shape, dtype)
 
 
 @pytest.mark.parametrize("H,lens", [(24, [300, 2049, 0]), (80, [700, 65]), (16, [129] * 140), (32, [3000, 1, 70])])
@@ -223,6 +225,57 @@ def test_fp8_swapab_head_blocks_and_split_counts(H, lens, swapab_on):
                                   ckv_scale=batch.ckv_scale).name == "fp8_swapab"
     out, lse = torch.ops.mla.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, batch.seq_lens,
                                     SCALE, batch.ckv_scale)
+    check(out, lse, reference(batch, qn, qp), qn.shape, lse_tol=1e-3)
+
+
+def _token_table(batch, poison: bool = True):
+    """`batch` as the HF pass hands a cache to mla.decode: page-size-1 views [NP * PS, 1, *] of the same buffer and
+    a token table [B, MP * PS] of each request's slots. poison: the entries past each request's length (and, at
+    PS > 1 in `batch` itself, the pages past it) point at a slot of a spare page (NaN bytes), so a kernel that reads
+    through them shows NaN."""
+    PS = batch.page_size
+    used = set(batch.block_table.cpu().flatten().tolist())
+    spare = next(p for p in range(batch.ckv_cache.shape[0]) if p not in used)  # build's spare pages: every byte 0xFF
+    views = [t.reshape(-1, 1, t.shape[-1]) for t in (batch.ckv_cache, batch.ckv_scale, batch.kpe_cache)]
+    table = batch.block_table.cpu().long()
+    tokens = (table[:, :, None] * PS + torch.arange(PS)).reshape(table.shape[0], -1)
+    if poison:
+        for b, n in enumerate(batch.seq_lens.cpu().tolist()):
+            tokens[b, n:] = spare * PS + (b % PS)
+            table[b, -(-n // PS):] = spare
+    return (paged.PagedBatch(views[0], views[2], tokens.int().to(DEV), batch.seq_lens, views[1]),
+            paged.PagedBatch(batch.ckv_cache, batch.kpe_cache, table.int().to(DEV), batch.seq_lens, batch.ckv_scale))
+
+
+@pytest.mark.parametrize("layout", ["page1", "page16", "tokens_of_page64"])
+@pytest.mark.parametrize("H,lens", [(16, LENS), (32, [3000, 1, 70]), (24, [300, 2049, 0]), (16, [129] * 140)])
+def test_fp8_swapab_gather_form(H, lens, layout, monkeypatch, swapab_on):
+    """The swap-AB kernel's GATHER form (cp.async row copies through the table): pages of 1 and 16 tokens, and a
+    page-64 cache seen as the HF pass's page-size-1 token table; table entries past each request's length point at
+    NaN slots (never read). Dispatch takes "fp8_swapab", its plan the GATHER form (no TMA templates), and the result
+    matches float64 as the TMA form's does (lse within 1e-3); H 24: a partial head block; 140 requests: one split."""
+    from mla_compile.kernels import decode as D
+    from mla_compile.kernels import dispatch
+
+    PS = {"page1": 1, "page16": 16, "tokens_of_page64": 64}[layout]
+    batch, qn, qp = build(lens, H, PS, seed=H + PS + len(lens))
+    tokens, paged_poisoned = _token_table(batch)
+    batch = tokens if layout == "tokens_of_page64" else paged_poisoned
+    F = D._fp8_swapab
+    assert not F.eligible(batch.ckv_cache, batch.kpe_cache, batch.ckv_scale)
+    assert F.gather_eligible(batch.ckv_cache, batch.kpe_cache, batch.ckv_scale)
+    assert dispatch.decode_kernel(qn, qp, batch.ckv_cache, batch.kpe_cache, block_table=batch.block_table,
+                                  ckv_scale=batch.ckv_scale).name == "fp8_swapab"
+    plans, original = [], F.stage1_plan
+
+    def spy(*args, **kwargs):
+        plans.append(original(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(F, "stage1_plan", spy)
+    out, lse = torch.ops.mla.decode(qn, qp, batch.ckv_cache, batch.kpe_cache, batch.block_table, batch.seq_lens,
+                                    SCALE, batch.ckv_scale)
+    assert len(plans) == 1 and plans[0][1] is None, "not the GATHER form"
     check(out, lse, reference(batch, qn, qp), qn.shape, lse_tol=1e-3)
 
 

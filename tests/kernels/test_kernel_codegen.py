@@ -189,20 +189,28 @@ def test_flashmla_empty_row_fixup_writes_16_byte_rows_without_spills():
     assert set(re.findall(r"ld\.global[.a-z0-9]*", out["ptx"])) == {"ld.global.b32"}
 
 
-@pytest.mark.parametrize("H", [16, 32, 64])
-def test_fp8_swap_ab_kernel_reads_tma_tiles_into_warpgroup_mmas_without_spills(H):
+@pytest.mark.parametrize("H,gather,page_size", [(16, False, 64), (32, False, 64), (64, False, 64), (16, True, 1),
+                                                (32, True, 1), (16, True, 64), (32, True, 64)])
+def test_fp8_swap_ab_kernel_reads_tma_tiles_into_warpgroup_mmas_without_spills(H, gather, page_size):
     """The FP8 cache's Gluon kernel (kernels/decode_fp8_swapab.py) at the tiling each head count gets: tiles arrive by
-    TMA, both products are warpgroup MMAs with the 64 tokens as M (m64nNk16, N the heads per program), nothing
-    spills, shared memory fits, and ptxas does not serialise the MMAs (C7514: a variant that waited for one P.V at a
-    time got it)."""
+    TMA (GATHER form, any page size: 16-byte cp.async row copies through the table, arriving on the slots'
+    mbarriers), both products are warpgroup MMAs with the 64 tokens as M (m64nNk16, N the heads per program),
+    nothing spills, shared memory fits, and ptxas does not serialise the MMAs (C7514: a variant that waited for one
+    P.V at a time got it)."""
     pytest.importorskip("triton.experimental.gluon")
     from mla_compile.kernels import _gluon as G
     from mla_compile.kernels import decode_fp8_swapab as F
 
     t = F.default_tiling(H)
-    out = aot.fp8_swapab_sm90(t)
+    out = aot.fp8_swapab_sm90(t, page_size=page_size, gather=gather)
     ptx = out["ptx"]
-    assert "cp.async.bulk.tensor" in ptx, "tiles are not TMA copies"
+    if gather:
+        assert "cp.async.bulk" not in ptx
+        sizes = set(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], (\w+)", ptx))
+        assert sizes == {"0x10"}, f"row copies are not all 16-byte cp.async: {sizes}"
+        assert "cp.async.mbarrier.arrive.noinc.shared.b64" in ptx
+    else:
+        assert "cp.async.bulk.tensor" in ptx, "tiles are not TMA copies"
     shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
     # the scores split the heads over the warpgroups, P.V the channels
     assert shapes == {f"m64n{t.N // (t.warps // 4)}k16", f"m64n{t.N}k16"}, shapes

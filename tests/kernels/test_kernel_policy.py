@@ -167,29 +167,29 @@ SWAPAB = "fp8_swapab" if GLUON else "triton"
 @pytest.mark.parametrize("case,want", [
     # an FP8 cache: the swap-AB Gluon kernel where its layout, shapes and device allow, else the Triton FP8 kernels;
     # never a kernel that reads fp16/bf16 caches (FlashMLA, FlashInfer, the bf16 Gluon kernels)
-    (dict(H=16, fp8_boxes=True), SWAPAB),
-    (dict(H=128, fp8_boxes=True, flashmla=True, flashinfer=True), SWAPAB),
-    (dict(H=16), "triton"),  # pages that are no whole tiles / views that are no TMA rows
-    (dict(H=16, fp8_boxes=True, dtype=torch.float16), "triton"),
-    (dict(H=16, fp8_boxes=True, dtype=torch.float32), "triton"),
-    (dict(H=16, fp8_boxes=True, n_query=2), "triton"),
-    (dict(H=16, fp8_boxes=True, sparse=True, PS=1), "triton"),
-    (dict(H=16, fp8_boxes=True, R=256), "triton"),
-    (dict(H=16, fp8_boxes=True, P=0), "triton"),
-    (dict(H=16, fp8_boxes=True, cap=A100), "triton"),
+    (dict(H=16, fp8_rows=True), SWAPAB),
+    (dict(H=128, fp8_rows=True, flashmla=True, flashinfer=True), SWAPAB),
+    (dict(H=16), "triton"),  # views that are neither TMA rows in whole-tile pages nor 16-byte aligned rows
+    (dict(H=16, fp8_rows=True, dtype=torch.float16), "triton"),
+    (dict(H=16, fp8_rows=True, dtype=torch.float32), "triton"),
+    (dict(H=16, fp8_rows=True, n_query=2), "triton"),
+    (dict(H=16, fp8_rows=True, sparse=True, PS=1), "triton"),
+    (dict(H=16, fp8_rows=True, R=256), "triton"),
+    (dict(H=16, fp8_rows=True, P=0), "triton"),
+    (dict(H=16, fp8_rows=True, cap=A100), "triton"),
     (dict(H=128, flashmla=True), "triton"),
-    (dict(H=16, fp8_boxes=True, cap=None), "torch"),
+    (dict(H=16, fp8_rows=True, cap=None), "torch"),
 ])
 def test_fp8_cache_takes_the_fp8_kernels(case, want):
     assert select(fp8_cache=True, **case) == want
 
 
 @pytest.mark.parametrize("asked,case,want", [
-    ("triton", dict(fp8_boxes=True), "triton"),
-    ("fp8_swapab", dict(fp8_boxes=True), SWAPAB),
+    ("triton", dict(fp8_rows=True), "triton"),
+    ("fp8_swapab", dict(fp8_rows=True), SWAPAB),
     ("fp8_swapab", dict(), "triton"),
-    ("seesaw", dict(fp8_boxes=True), SWAPAB),
-    ("flashmla", dict(fp8_boxes=True, flashmla=True), SWAPAB),
+    ("seesaw", dict(fp8_rows=True), SWAPAB),
+    ("flashmla", dict(fp8_rows=True, flashmla=True), SWAPAB),
 ])
 def test_fp8_an_asked_for_kernel_runs_where_it_can_else_auto_says_why(asked, case, want):
     choice = D_.select_decode_kernel(*_args(H=16), kernel=asked, fp8_cache=True, **case)
@@ -207,7 +207,9 @@ def test_fp8_swapab_asked_for_a_bf16_cache_falls_back_saying_why():
 
 def test_decode_kernel_reads_the_fp8_layout_from_the_three_views(monkeypatch):
     """`decode_kernel` on an FP8 cache's tensors (fp8.allocate's views): the views of pages of whole 64-token tiles
-    are TMA rows (the swap-AB kernel), a page-size-1 token view of the same buffer is not."""
+    are TMA rows (the swap-AB kernel's TMA form), a page-size-1 token view of the same buffer (what the HF pass hands
+    over) and page 16 are 16-byte aligned rows (its GATHER form); a buffer 8 bytes off 16-byte alignment is
+    neither (the Triton FP8 kernels)."""
     from mla_compile import fp8
 
     from mla_compile.kernels import decode_fp8_swapab
@@ -217,12 +219,25 @@ def test_decode_kernel_reads_the_fp8_layout_from_the_three_views(monkeypatch):
     _, ckv, scale, kpe = fp8.allocate(4, 64)
     qn, qp = torch.zeros(2, 16, 512, dtype=BF16), torch.zeros(2, 16, 64, dtype=BF16)
     table = torch.zeros(2, 2, dtype=torch.int32)
+    assert decode_fp8_swapab.eligible(ckv, kpe, scale)
     assert D_.decode_kernel(qn, qp, ckv, kpe, block_table=table, ckv_scale=scale).name == SWAPAB
     tokens = [t.reshape(-1, 1, t.shape[-1]) for t in (ckv, scale, kpe)]  # the HF pass's page-size-1 view
-    assert D_.decode_kernel(qn, qp, tokens[0], tokens[2], block_table=table, ckv_scale=tokens[1]).name == "triton"
+    assert not decode_fp8_swapab.eligible(tokens[0], tokens[2], tokens[1])
+    assert decode_fp8_swapab.gather_eligible(tokens[0], tokens[2], tokens[1])
+    assert decode_fp8_swapab._strides16(tokens[1]) == (41, 0)  # 656-byte tokens: 41 chunks of 16 bytes
+    assert D_.decode_kernel(qn, qp, tokens[0], tokens[2], block_table=table, ckv_scale=tokens[1]).name == SWAPAB
+    _, c16, s16, k16 = fp8.allocate(16, 16)
+    assert decode_fp8_swapab._strides16(k16) == (16 * 41, 41)
+    assert D_.decode_kernel(qn, qp, c16, k16, block_table=table, ckv_scale=s16).name == SWAPAB
+    raw = torch.zeros(4 * 64 * fp8.token_bytes() + 16, dtype=torch.uint8)
+    off = (8 - raw.data_ptr()) % 16
+    bad = fp8.views(raw[off:off + 4 * 64 * fp8.token_bytes()].view(4, 64, -1))  # 8 bytes off 16-byte alignment
+    assert not decode_fp8_swapab.gather_eligible(bad[0], bad[2], bad[1])
+    assert D_.decode_kernel(qn, qp, bad[0], bad[2], block_table=table, ckv_scale=bad[1]).name == "triton"
     assert D_.decode_kernel(qn.half(), qp.half(), ckv, kpe, block_table=table, ckv_scale=scale).name == "triton"
     monkeypatch.setattr(decode_fp8_swapab, "ENABLED", False)  # not yet run on a GPU: off by default
     assert D_.decode_kernel(qn, qp, ckv, kpe, block_table=table, ckv_scale=scale).name == "triton"
+    assert D_.decode_kernel(qn, qp, tokens[0], tokens[2], block_table=table, ckv_scale=tokens[1]).name == "triton"
 
 
 @pytest.mark.parametrize("asked,case,want", [
