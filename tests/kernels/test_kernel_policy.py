@@ -235,6 +235,14 @@ def test_decode_kernel_reads_the_fp8_layout_from_the_three_views(monkeypatch):
     assert not decode_fp8_swapab.gather_eligible(bad[0], bad[2], bad[1])
     assert D_.decode_kernel(qn, qp, bad[0], bad[2], block_table=table, ckv_scale=bad[1]).name == "triton"
     assert D_.decode_kernel(qn.half(), qp.half(), ckv, kpe, block_table=table, ckv_scale=scale).name == "triton"
+    # what the compiled HF step hands mla.decode over DSAStaticCache's FP8 buffer [B, L, 656] (fp8.read_views, then
+    # the pass's page-size-1 reshape; benchmarks/lab/hf_call_args.py --kv-cache-dtype fp8_e4m3), q [B, H, R] with the
+    # absorbed product's head-major strides: the gather form
+    buf = torch.zeros(2, 896, fp8.token_bytes(), dtype=torch.uint8)
+    hf_c, hf_s, hf_k = (t.reshape(-1, 1, t.shape[-1]) for t in fp8.read_views(buf))
+    hf_q = torch.zeros(16, 2, 512, dtype=BF16).transpose(0, 1)
+    assert D_.decode_kernel(hf_q, qp, hf_c, hf_k, block_table=torch.zeros(2, 896, dtype=torch.int32),
+                            ckv_scale=hf_s).name == SWAPAB
     monkeypatch.setattr(decode_fp8_swapab, "ENABLED", False)  # not yet run on a GPU: off by default
     assert D_.decode_kernel(qn, qp, ckv, kpe, block_table=table, ckv_scale=scale).name == "triton"
     assert D_.decode_kernel(qn, qp, tokens[0], tokens[2], block_table=table, ckv_scale=tokens[1]).name == "triton"
