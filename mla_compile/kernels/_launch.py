@@ -82,7 +82,7 @@ def _hook_set(hook) -> bool:
 
 
 _RUNTIME = knobs.runtime  # Triton's one runtime-knobs object: hooks are installed on it, it is never replaced
-_CHAIN = type(_RUNTIME.launch_enter_hook)  # HookChain on Triton 3.6 (NoneType before: then the generic test)
+_CHAIN = getattr(knobs, "HookChain", None)  # Triton 3.6's hook container (older versions: the generic test)
 
 
 def _hooks_installed() -> bool:
@@ -90,7 +90,7 @@ def _hooks_installed() -> bool:
     hooks the launcher is given None for them (what an empty chain amounts to) and no metadata. Asked before every
     bound launch: the common answer (two empty chains) is read without a call (half the time of `_hook_set` twice)."""
     enter, exit_ = _RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook
-    if type(enter) is _CHAIN and type(exit_) is _CHAIN and _CHAIN is not type(None):
+    if _CHAIN is not None and type(enter) is _CHAIN and type(exit_) is _CHAIN:
         return bool(enter.calls or exit_.calls)
     return _hook_set(enter) or _hook_set(exit_)
 

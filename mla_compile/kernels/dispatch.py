@@ -432,13 +432,14 @@ def fused_linear_plan(x, weights):
     if len(lead) == 1 and len(weights) <= 2:  # x [M, K] and one pair (the pass's case): the pair's plan is the op's
         return _linear.small_m_plan(x2, weights), True
     pairs = [(i, _linear.small_m_plan(x2, weights[i:i + 2])) for i in range(0, len(weights), 2)]
+    flat = len(lead) == 1  # x [M, K]: the products are the outputs, no views to take
 
     def plan(x, *weights):
-        x2 = x.reshape(-1, K)
+        x2 = x if flat else x.reshape(-1, K)
         outs = []
         for i, pair in pairs:
             outs += pair(x2, *weights[i:i + 2])
-        return [y.view(*lead, y.shape[-1]) for y in outs]
+        return outs if flat else [y.view(*lead, y.shape[-1]) for y in outs]
 
     return plan, True
 

@@ -207,21 +207,19 @@ def small_m_plan(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig
     if cfg is None:
         cfg = default_linear_config(M, K, sum(w.shape[0] for w in weights))
     n0, n1 = weights[0].shape[0], (weights[-1].shape[0] if len(weights) == 2 else 0)
-    s0, s1 = shapes[0], shapes[-1]
-    lone = len(weights) == 1
+
+    def allocate(outs):
+        return [torch.empty(s, dtype=dtype, device=device) for s in shapes] if outs is None else outs
 
     if M == 0 or n0 + n1 == 0 or K == 0:  # nothing to launch (K == 0: the product is all zeros)
-        return lambda x, *weights, outs=None: [o.zero_() for o in (outs or [torch.empty(s, dtype=dtype, device=device)
-                                                                          for s in shapes])]
+        return lambda x, *weights, outs=None: [o.zero_() for o in allocate(outs)]
     meta = [torch.empty(s, device=torch.device("meta")) for s in shapes]  # the outputs' (row-major) strides
     splits = cdiv(K, split_width(K, cfg.split_k, cfg.block_k))
     if splits == 1:
         ((bound, _, _, numbers),) = _pair_launches(x, weights, meta, K, 1, cfg, 0)
 
         def one_pass(x, *weights, outs=None):
-            if outs is None:
-                outs = [torch.empty(s0, dtype=dtype, device=device)] if lone else \
-                       [torch.empty(s0, dtype=dtype, device=device), torch.empty(s1, dtype=dtype, device=device)]
+            outs = allocate(outs)
             bound(x, weights[0], weights[-1], outs[0], outs[-1], *numbers)
             return outs
 
@@ -233,9 +231,7 @@ def small_m_plan(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig
     numbers = (splits, n0, n1, M * (n0 + n1), n0 + n1, meta[0].stride(0), meta[-1].stride(0))
 
     def split_k(x, *weights, outs=None):
-        if outs is None:
-            outs = [torch.empty(s0, dtype=dtype, device=device)] if lone else \
-                   [torch.empty(s0, dtype=dtype, device=device), torch.empty(s1, dtype=dtype, device=device)]
+        outs = allocate(outs)
         part, cols = buffers.get()  # this call's intermediate: scratch where it is safe (kernels/scratch.py)
         partial(x, weights[0], weights[-1], cols[0], cols[-1], *partial_numbers)
         sum_splits(part, outs[0], outs[-1], *numbers)
