@@ -248,14 +248,19 @@ PROFILED = ("mla.decode", "mla.sparse_decode", "mla.merge_states", "mla.fused_li
 
 def profile_op(name: str, calls: int, top: int = 15) -> list[dict]:
     """cProfile of `calls` eager calls of one op (its plan made first): the functions by own time per call."""
-    call = op_calls(tensors("cuda"))[name]
+    rows = profile_call(op_calls(tensors("cuda"))[name], calls, top)
+    torch.cuda.synchronize()
+    return rows
+
+
+def profile_call(call, calls: int, top: int = 15) -> list[dict]:
+    """cProfile of `calls` calls of `call` (one call first): the functions by own time per call."""
     call()
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
         call()
     prof.disable()
-    torch.cuda.synchronize()
     stats = pstats.Stats(prof).sort_stats("tottime")
     rows = []
     for (file, line, fn), (_, ncalls, tottime, cumtime, _) in list(stats.stats.items()):

@@ -130,7 +130,7 @@ def linear_sm90(M: int, K: int, N: int, cfg=None, pdl: bool = False) -> dict:
     ptrs.update(Y0=out_ty, Y1=out_ty)
     constexprs = dict(BLOCK_M=Lin.MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
                       s_xk=1, s_w0k=1, s_w1k=1, s_y0n=1, s_y1n=1, PDL=pdl)
-    divisible = set(ptrs) | {"s_xm", "s_w0n", "s_w1n", "s_y0m", "s_y1m", "s_ys", "K", "k_split"}
+    divisible = set(ptrs) | {"s_xm", "s_w0n", "s_w1n", "s_y0m", "s_y1m", "s_ys", "K", "k_split", "y0_at", "y1_at"}
     return compile_sm90(Lin._linear_kernel, constexprs, ptrs, cfg.num_warps, cfg.num_stages, divisible)
 
 

@@ -29,7 +29,7 @@ from . import decode_fp8_swapab as _fp8_swapab
 from . import decode_seesaw as _seesaw
 from . import decode_wgmma as _wgmma
 from .scratch import Scratch
-from .merge import merge_into, merge_launch, one_pass_parts  # noqa: F401 (merge_into: benchmarks time the stages apart)
+from .merge import merge_bound, merge_into, one_pass_parts  # noqa: F401 (merge_into: benchmarks time the stages apart)
 
 _LOG2E = 1.4426950408889634
 
@@ -280,7 +280,10 @@ class AttendPlan:
         self.device, self.out_shape, self.lse_shape = q_nope.device, q_nope.shape, (B, H)
         self.sparse, self.n_query = indices is not None, n_query
         self.empty = B * H == 0
+        # the caller's q (before any copy below): whether its strides are row-major (`_runner`)
+        q_row_major = q_nope.stride() == torch.empty(q_nope.shape, device="meta").stride()
         if self.empty:
+            self.run = self._runner(q_row_major)
             return
         # q is read with any batch/head strides; the ops are flexible_layout, so Inductor may also hand over strided
         # lengths / tables. The kernels need unit inner strides only: copy just what lacks them
@@ -334,39 +337,75 @@ class AttendPlan:
                                              s_on, s_ln, ns, indices, n_query)
         if ns > 1:
             out = torch.empty(self.out_shape, device=meta)
-            self.merge = merge_launch(o, l, out, torch.empty(self.lse_shape, device=meta), q_nope.device)
+            self.merge = merge_bound(o, l, out, torch.empty(self.lse_shape, device=meta), q_nope.device)
             # float32 partial outs: q's half precision halves their bytes but was slower at short split shapes and
             # no faster elsewhere (H200 2026-12-03, two runs whose peers agreed within 2% there: H 16 B 32 1K 20.9
             # -> 28.9 us, H 128 B 32 1K 40.5 -> 58.8, H 128 B 8 1K 19.0 -> 25.7)
             self.partials = Scratch(self.partial_shapes, q_nope.device)
+        self.run = self._runner(q_row_major)
 
     def __call__(self, q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens=None, ckv_scale=None):
         """(out, lse) of this signature's call: `table` the block table (decode), or the index list of a sparse
-        plan (seq_lens None then); in the op's own argument order, so the op's impl calls the plan itself (no
-        adapter frame on the hot path)."""
-        # out has q's shape, dtype and device: empty_like parses less than torch.empty (~0.6 us a call on one core)
-        out = torch.empty_like(q_nope, memory_format=torch.contiguous_format)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-        if self.empty:
-            return out, lse
-        if self.copies:
-            q_nope, q_pe, seq_lens, table = map(_unit_inner_stride, (q_nope, q_pe, seq_lens, table))
-        if self.ns == 1:
-            o, l = out, lse
-        else:  # the default stream's scratch where it is safe, else fresh buffers (kernels/scratch.py)
-            o, l = self.partials.get()
+        plan (seq_lens None then); in the op's own argument order. `run` is the same call without this frame (what
+        the op's impl keeps as its plan: kernels/dispatch.py `decode_plan`)."""
+        return self.run(q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens, ckv_scale)
+
+    def _stage1_launch(self):
+        """`launch(q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens, ckv_scale, o, l)`: this plan's stage 1 into
+        o / l (the final out / lse with one split, else the partials)."""
+        stage1, sparse = self.stage1, self.sparse
         if self.kind == "pointer":  # a sparse call's indices stand in for the lengths too (unread there)
-            self.stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, table if self.sparse else seq_lens, o, l,
-                        o if ckv_scale is None else ckv_scale, *self.numbers)
-        elif self.kind == "fp8_swapab":
-            _fp8_swapab.run_stage1(self.stage1, q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, table, seq_lens, o, l)
-        elif self.sparse:  # the Gluon gather kernel over an index list
-            _wgmma.run_stage1(self.stage1, q_nope, q_pe, ckv_cache, kpe_cache, None, None, o, l, table)
-        else:  # the TMA kernels (Triton's, Gluon's) and the Gluon gather kernel
-            _wgmma.run_stage1(self.stage1, q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens, o, l)
-        if self.ns > 1:
-            self.merge(o, l, out, lse)
-        return out, lse
+            numbers = self.numbers
+            return lambda qn, qp, ckv, kpe, table, lens, scale, o, l: stage1(
+                qn, qp, ckv, kpe, table, table if sparse else lens, o, l, o if scale is None else scale, *numbers)
+        if self.kind == "fp8_swapab":
+            return lambda qn, qp, ckv, kpe, table, lens, scale, o, l: _fp8_swapab.run_stage1(
+                stage1, qn, qp, ckv, kpe, scale, table, lens, o, l)
+        if sparse:  # the Gluon gather kernel over an index list
+            return lambda qn, qp, ckv, kpe, table, lens, scale, o, l: _wgmma.run_stage1(
+                stage1, qn, qp, ckv, kpe, None, None, o, l, table)
+        # the TMA kernels (Triton's, Gluon's) and the Gluon gather kernel
+        return lambda qn, qp, ckv, kpe, table, lens, scale, o, l: _wgmma.run_stage1(
+            stage1, qn, qp, ckv, kpe, table, lens, o, l)
+
+    def _runner(self, q_row_major: bool):
+        """The call as one closure over what this plan fixed: two allocations, the scratch partials, the launches.
+        Every eager call pays this path, so it reads no attribute and takes no branch a signature decides (one
+        frame fewer per launch than a method reading the plan's fields: benchmarks/lab/host_cpu.py)."""
+        empty, empty_like, f32, lse_shape, device = torch.empty, torch.empty_like, torch.float32, self.lse_shape, \
+            self.device
+        # out has q's shape, dtype and device: empty_like parses less than torch.empty; a q of row-major strides
+        # (the signature fixes them; is_contiguous() ignores a size-1 dim's stride, empty_like keeps it) needs no
+        # memory format either
+        fmt = torch.preserve_format if q_row_major else torch.contiguous_format
+        if self.empty:
+            return lambda qn, qp, ckv, kpe, table, lens=None, scale=None: (
+                empty_like(qn, memory_format=fmt), empty(lse_shape, dtype=f32, device=device))
+        launch, copies = self._stage1_launch(), self.copies
+        if self.ns == 1:
+            def run(qn, qp, ckv, kpe, table, lens=None, scale=None):
+                out = empty_like(qn, memory_format=fmt)
+                lse = empty(lse_shape, dtype=f32, device=device)
+                if copies:
+                    qn, qp, lens, table = map(_unit_inner_stride, (qn, qp, lens, table))
+                launch(qn, qp, ckv, kpe, table, lens, scale, out, lse)
+                return out, lse
+
+            return run
+        # the default stream's scratch where it is safe, else fresh buffers (kernels/scratch.py)
+        partials, (merge, merge_numbers) = self.partials.get, self.merge
+
+        def run_split(qn, qp, ckv, kpe, table, lens=None, scale=None):
+            out = empty_like(qn, memory_format=fmt)
+            lse = empty(lse_shape, dtype=f32, device=device)
+            if copies:
+                qn, qp, lens, table = map(_unit_inner_stride, (qn, qp, lens, table))
+            o, l = partials()
+            launch(qn, qp, ckv, kpe, table, lens, scale, o, l)
+            merge(o, l, out, lse, *merge_numbers)
+            return out, lse
+
+        return run_split
 
 
 def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, *, cfg=None, splits=None,

@@ -306,7 +306,7 @@ def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
     these tensors' signature (shapes, strides, dtypes, device, alignment, sm_scale, n_query, the tuning and
     environment in effect) with the kernel chosen now; `keep`: whether the choice holds for every such call (not
     FlashInfer's, which depends on whether a CUDA graph is being captured). Our kernels' plan is kernels/decode.py's
-    `AttendPlan` itself (the op's argument order: no adapter on the hot path).
+    `AttendPlan`'s `run` (the op's argument order: no adapter on the hot path).
 
     n_query = S > 1: S query tokens per request folded into q's rows ([B, S*H, *], see kernels/decode.py
     `decode`): the Gluon TMA / gather kernel or the Triton pointer kernel, by rows (`select_decode_kernel`;
@@ -316,7 +316,7 @@ def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
                          ckv_scale=ckv_scale).name
     if name == "fp8_swapab":
         return _decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
-                                   cfg=_config(q_nope, ckv_cache, False, name), ckv_scale=ckv_scale), True
+                                   cfg=_config(q_nope, ckv_cache, False, name), ckv_scale=ckv_scale).run, True
     if name == "flashmla":
         fm = _flashmla(q_nope.device)
         return (lambda qn, qp, ckv, kpe, table, lens, scale: fm.decode(qn, qp, ckv, kpe, table, lens, sm_scale)), True
@@ -324,12 +324,12 @@ def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
         return (lambda qn, qp, ckv, kpe, table, lens, scale: _fi.decode(qn, qp, ckv, kpe, table, lens, sm_scale)), False
     if name in ("seesaw", "wgmma"):
         return _decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
-                                   cfg=_config(q_nope, ckv_cache, False, name), n_query=n_query), True
+                                   cfg=_config(q_nope, ckv_cache, False, name), n_query=n_query).run, True
     # the Triton kernels; a rope-less call (see above) with a zero rope column
     zero = rope_less(q_pe)
     q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache) if zero else (q_pe, kpe_cache)
     return _zero_rope_run(_decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
-                                              n_query=n_query, ckv_scale=ckv_scale), zero), True
+                                              n_query=n_query, ckv_scale=ckv_scale).run, zero), True
 
 
 def _zero_rope_run(plan, zero: bool):
@@ -357,11 +357,11 @@ def sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ck
     (`decode_kernel`)."""
     if decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse=True, ckv_scale=ckv_scale).name == "wgmma":
         return _decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
-                                          cfg=_config(q_nope, ckv_cache, True, "wgmma")), True
+                                          cfg=_config(q_nope, ckv_cache, True, "wgmma")).run, True
     zero = rope_less(q_pe)
     q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache) if zero else (q_pe, kpe_cache)
     return _zero_rope_run(_decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
-                                                     ckv_scale=ckv_scale), zero), True
+                                                     ckv_scale=ckv_scale).run, zero), True
 
 
 def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):

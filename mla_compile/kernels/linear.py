@@ -67,11 +67,12 @@ def _rows_times_x(X, W, Y, M, N, k_lo, k_hi, n0, s_xm, s_xk, s_wn, s_wk, s_ym, s
 
 @triton.jit
 def _linear_kernel(X, W0, W1, Y0, Y1, M, N0, N1, K, k_split,
-                   s_xm, s_xk, s_w0n, s_w0k, s_w1n, s_w1k, s_ys, s_y0m, s_y0n, s_y1m, s_y1n,
+                   s_xm, s_xk, s_w0n, s_w0k, s_w1n, s_w1k, s_ys, s_y0m, s_y0n, s_y1m, s_y1n, y0_at, y1_at,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                    DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     """Programs [0, cdiv(N0, BLOCK_N)) own rows of W0, the rest rows of W1 (N1 = 0: one weight); axis 1 splits
-    K in k_split-wide ranges, each writing its own partial at Y + split * s_ys (s_ys = 0: no split)."""
+    K in k_split-wide ranges, each writing its own partial at Y + split * s_ys (s_ys = 0: no split). Y0 / Y1
+    start y0_at / y1_at elements into their buffers (one buffer's column ranges: no view per call)."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -79,10 +80,10 @@ def _linear_kernel(X, W0, W1, Y0, Y1, M, N0, N1, K, k_split,
     k_hi = tl.minimum(k_lo + k_split, K)
     nb0 = tl.cdiv(N0, BLOCK_N)
     if pid < nb0:
-        _rows_times_x(X, W0, Y0 + split * s_ys, M, N0, k_lo, k_hi, pid * BLOCK_N, s_xm, s_xk, s_w0n, s_w0k,
+        _rows_times_x(X, W0, Y0 + y0_at + split * s_ys, M, N0, k_lo, k_hi, pid * BLOCK_N, s_xm, s_xk, s_w0n, s_w0k,
                       s_y0m, s_y0n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
     else:
-        _rows_times_x(X, W1, Y1 + split * s_ys, M, N1, k_lo, k_hi, (pid - nb0) * BLOCK_N, s_xm, s_xk, s_w1n,
+        _rows_times_x(X, W1, Y1 + y1_at + split * s_ys, M, N1, k_lo, k_hi, (pid - nb0) * BLOCK_N, s_xm, s_xk, s_w1n,
                       s_w1k, s_y1m, s_y1n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
 
 
@@ -125,11 +126,13 @@ def default_linear_config(M: int, K: int, N: int) -> LinearConfig:
     return LinearConfig(block_n=32, block_k=128, num_warps=4, num_stages=stages, split_k=split)
 
 
-def _pair_launches(x, weights, ys, k_split: int, splits: int, cfg: LinearConfig, s_ys: int) -> list:
+def _pair_launches(x, weights, ys, k_split: int, splits: int, cfg: LinearConfig, s_ys: int, at=None) -> list:
     """`_linear_kernel` bound once per pair of weights: [(bound, first, second, numbers)]; the pair's launch is
     `bound(x, weights[first], weights[second], ys[first], ys[second], *numbers)`, ys[i] receiving x @ weights[i]^T
-    ([M, N_i], or fp32 partials [splits, M, N_i] with split stride s_ys; s_ys = 0: no split)."""
+    ([M, N_i], or fp32 partials [splits, M, N_i] with split stride s_ys; s_ys = 0: no split) from element at[i] of
+    the tensor passed (default 0: ys[i] itself; one buffer for every weight, its column ranges as offsets)."""
     M, K = x.shape
+    at = at or (0,) * len(weights)
     launches = []
     for i in range(0, len(weights), 2):
         j = min(i + 1, len(weights) - 1)  # a lone weight: W1 is W0 again with no rows of its own (n1 = 0)
@@ -143,32 +146,30 @@ def _pair_launches(x, weights, ys, k_split: int, splits: int, cfg: LinearConfig,
                      num_stages=cfg.num_stages, **pdl_launch(x.device))
         launches.append((bound, i, j, (M, n0, n1, K, k_split, x.stride(0), x.stride(1), w0.stride(0), w0.stride(1),
                                        w1.stride(0), w1.stride(1), s_ys, y0.stride(-2), y0.stride(-1),
-                                       y1.stride(-2), y1.stride(-1))))
+                                       y1.stride(-2), y1.stride(-1), at[i], at[j])))
     return launches
 
 
-def _run_pairs(launches, x, weights, ys) -> None:
+def _run_pairs(launches, x, weights, part) -> None:
+    """The pair launches of `_partial_launches` into the partials `part`."""
     for bound, i, j, numbers in launches:
-        bound(x, weights[i], weights[j], ys[i], ys[j], *numbers)
+        bound(x, weights[i], weights[j], part, part, *numbers)
 
 
 def _partial_launches(x: torch.Tensor, weights, splits: int, cfg: LinearConfig, align: int):
     """(the pair launches writing fp32 partials [splits, M, sum N_i], the partials' Scratch: `get()` / `fresh()` ->
-    (the partials, each weight's column view)) for inputs of this signature (M, N, K > 0)."""
+    (the partials,)) for inputs of this signature (M, N, K > 0). Every launch is handed the whole partials tensor
+    for both its outputs; each weight's columns start at its offset (`_pair_launches`' at)."""
     M, K = x.shape
     shape = (splits, M, sum(w.shape[0] for w in weights))
     k_split = split_width(K, splits, align)
     if k_split % cfg.block_k:
         raise ValueError(f"cfg: block_k {cfg.block_k} must divide the split width {k_split}")
-    cols = list(itertools.accumulate((w.shape[0] for w in weights), initial=0))
-    ranges = tuple(zip(cols, cols[1:]))
-
-    def columns(part):
-        return part, [part[:, :, lo:hi] for lo, hi in ranges]
-
+    cols = tuple(itertools.accumulate((w.shape[0] for w in weights), initial=0))
     part = torch.empty(shape, dtype=torch.float32, device=torch.device("meta"))
-    launches = _pair_launches(x, weights, columns(part)[1], k_split, splits, cfg, part.stride(0))
-    return launches, Scratch([shape], x.device, columns)
+    views = [part[:, :, lo:hi] for lo, hi in zip(cols, cols[1:])]  # their strides (the offsets go as numbers)
+    launches = _pair_launches(x, weights, views, k_split, splits, cfg, part.stride(0), at=cols[:-1])
+    return launches, Scratch([shape], x.device)
 
 
 def linear_partials_plan(x: torch.Tensor, weights: list[torch.Tensor], splits: int, cfg: LinearConfig | None = None,
@@ -182,9 +183,20 @@ def linear_partials_plan(x: torch.Tensor, weights: list[torch.Tensor], splits: i
         return lambda x, *weights: torch.zeros(shape, dtype=torch.float32, device=device)
     launches, buffers = _partial_launches(x, weights, splits, cfg or default_linear_config(M, K, N), align)
 
+    if len(launches) == 1:  # one pair of weights (the MLA projections' case): one frame to the launch
+        ((bound, i, j, numbers),) = launches
+        fresh = torch.empty
+
+        def one_pair(x, *weights):
+            part = fresh(shape, dtype=torch.float32, device=device)  # the op's output: a tensor of its own
+            bound(x, weights[i], weights[j], part, part, *numbers)
+            return part
+
+        return one_pair
+
     def plan(x, *weights):
-        part, cols = buffers.fresh()  # the op's output: a tensor of its own
-        _run_pairs(launches, x, weights, cols)
+        (part,) = buffers.fresh()  # the op's output: a tensor of its own
+        _run_pairs(launches, x, weights, part)
         return part
 
     return plan
@@ -211,6 +223,9 @@ def small_m_plan(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig
     def allocate(outs):
         return [torch.empty(s, dtype=dtype, device=device) for s in shapes] if outs is None else outs
 
+    # the closures below allocate inline (x.new_empty: x's dtype and device, the fewest arguments to parse):
+    # 0.5 us a call less than through `allocate` on a laptop core (benchmarks/lab/host_cpu.py)
+    two, s0, s1 = len(shapes) == 2, shapes[0], shapes[-1]
     if M == 0 or n0 + n1 == 0 or K == 0:  # nothing to launch (K == 0: the product is all zeros)
         return lambda x, *weights, outs=None: [o.zero_() for o in allocate(outs)]
     meta = [torch.empty(s, device=torch.device("meta")) for s in shapes]  # the outputs' (row-major) strides
@@ -219,21 +234,24 @@ def small_m_plan(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig
         ((bound, _, _, numbers),) = _pair_launches(x, weights, meta, K, 1, cfg, 0)
 
         def one_pass(x, *weights, outs=None):
-            outs = allocate(outs)
+            if outs is None:
+                outs = [x.new_empty(s0), x.new_empty(s1)] if two else [x.new_empty(s0)]
             bound(x, weights[0], weights[-1], outs[0], outs[-1], *numbers)
             return outs
 
         return one_pass
     ((partial, _, _, partial_numbers),), buffers = _partial_launches(x, weights, splits, cfg, cfg.block_k)
+    get = buffers.get
     block = 512
     sum_splits = bind(_sum_splits_kernel, (M, cdiv(n0 + n1, block)), BLOCK=block, **pdl_launch(x.device))
     # the partials' split and row strides (contiguous [splits, M, n0 + n1]), the outputs' row strides
     numbers = (splits, n0, n1, M * (n0 + n1), n0 + n1, meta[0].stride(0), meta[-1].stride(0))
 
     def split_k(x, *weights, outs=None):
-        outs = allocate(outs)
-        part, cols = buffers.get()  # this call's intermediate: scratch where it is safe (kernels/scratch.py)
-        partial(x, weights[0], weights[-1], cols[0], cols[-1], *partial_numbers)
+        if outs is None:
+            outs = [x.new_empty(s0), x.new_empty(s1)] if two else [x.new_empty(s0)]
+        (part,) = get()  # this call's intermediate: scratch where it is safe (kernels/scratch.py)
+        partial(x, weights[0], weights[-1], part, part, *partial_numbers)
         sum_splits(part, outs[0], outs[-1], *numbers)
         return outs
 

@@ -94,14 +94,15 @@ def one_pass_parts(rows: int, R: int, sms: int) -> int:
     return _parts_per_tile(_tiles(1, rows, R, sms)[1])
 
 
-def merge_launch(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                 device: torch.device | None = None):
-    """`merge_into` bound to these tensors' shapes and strides: `launch(outs, lses, out, lse)` merges any tensors of
-    the same signature (kernels/decode.py's plans keep it); with nothing to merge (B * H == 0) it does nothing.
-    `device`: where the launches run (default outs'), for a plan that passes meta tensors for the strides."""
+def merge_bound(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                device: torch.device | None = None):
+    """(bound, numbers): `bound(outs, lses, out, lse, *numbers)` merges any tensors of these shapes and strides
+    (kernels/decode.py's plans launch it so, one frame from their own); None for bound where there is nothing to
+    merge (B * H == 0). `device`: where the launches run (default outs'), for a plan that passes meta tensors for
+    the strides."""
     N, B, H, R = outs.shape
     if B * H == 0:
-        return lambda *tensors: None
+        return None, ()
     assert outs.stride(-1) == 1 and out.stride(-1) == 1
     device = device or outs.device
     block_n, block_r, grid = _tiles(N, B * H, R, sm_count(device))
@@ -109,6 +110,15 @@ def merge_launch(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse:
                  **pdl_launch(device))
     numbers = (N, H, R, outs.stride(0), outs.stride(1), outs.stride(2), lses.stride(0), lses.stride(1),
                lses.stride(2), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
+    return bound, numbers
+
+
+def merge_launch(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 device: torch.device | None = None):
+    """`merge_bound` as one call: `launch(outs, lses, out, lse)` (nothing to merge: does nothing)."""
+    bound, numbers = merge_bound(outs, lses, out, lse, device)
+    if bound is None:
+        return lambda *tensors: None
     return lambda outs, lses, out, lse: bound(outs, lses, out, lse, *numbers)
 
 
@@ -122,17 +132,16 @@ def merge_states_plan(outs: torch.Tensor, lses: torch.Tensor):
     launch per call."""
     copy = outs.stride(-1) != 1
     outs = outs.contiguous() if copy else outs
-    out_shape, lse_shape, dtype, lse_dtype, device = outs.shape[1:], lses.shape[1:], outs.dtype, lses.dtype, outs.device
+    out_shape, lse_shape = outs.shape[1:], lses.shape[1:]
     meta = torch.device("meta")
-    launch = merge_launch(outs, lses, torch.empty(out_shape, device=meta), torch.empty(lse_shape, device=meta),
-                          device)
+    bound, numbers = merge_bound(outs, lses, torch.empty(out_shape, device=meta), torch.empty(lse_shape, device=meta),
+                                 outs.device)
 
     def plan(outs, lses):
-        if copy:
-            outs = outs.contiguous()
-        out = torch.empty(out_shape, dtype=dtype, device=device)
-        lse = torch.empty(lse_shape, dtype=lse_dtype, device=device)
-        launch(outs, lses, out, lse)
+        # new_empty: the inputs' dtypes and device, fewer arguments to parse than torch.empty's
+        out, lse = outs.new_empty(out_shape), lses.new_empty(lse_shape)
+        if bound is not None:
+            bound(outs.contiguous() if copy else outs, lses, out, lse, *numbers)
         return out, lse
 
     return plan

@@ -75,9 +75,13 @@ class Scratch:
         return tensors if self.derive is None else self.derive(*tensors)
 
     def get(self):
-        if self.index < 0 or _stream is None or _stream(self.index) != 0:
+        index = self.index
+        if index < 0 or _stream is None or _stream(index) != 0:
             return self.fresh()
-        buf = _buffer(self.index)
+        try:  # every split call asks: the thread's buffer without `_buffer`'s frame where it exists
+            buf = _local.buffers[index]
+        except (AttributeError, KeyError):
+            buf = _buffer(index)
         v = self.views
         if v is not None and v[0] is buf and v[1] == buf.generation:
             return v[2]

@@ -23,6 +23,7 @@ H200 host (benchmarks/host_overhead.py): see benchmarks/RESULTS.md "Host time pe
 
 from __future__ import annotations
 
+import operator
 import os
 
 import torch
@@ -41,7 +42,7 @@ if _TABLE is not None and _ENCODE is not None:
     _DATA_ON = os.environ.encodevalue("1")
 
     def _switches() -> tuple:
-        return tuple([_TABLE.get(k) for k in _KEYS])
+        return tuple(map(_TABLE.get, _KEYS))
 else:  # pragma: no cover - a Python without os.environ's encoded table
     _DATA_ON = "1"
 
@@ -52,13 +53,7 @@ else:  # pragma: no cover - a Python without os.environ's encoded table
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # model weights reach the linear ops as Parameters
 _LIMIT = 4096  # plans kept per op (a serving process sees a handful of signatures; a stream of new ones starts over)
 _RECENT = 8  # signatures checked before the key: a decoder layer calls each op with a few (the linears: one a weight)
-# an absent optional tensor in a guard, one per argument position (the check rejects one tensor passed twice, as
-# Dynamo's duplicate-input guard does): no call's tensor matches them
-_ABSENT = tuple(torch.empty((), device="meta") for _ in range(16))
-
-
-def _present(tensors: tuple) -> list:
-    return [a if t is None else t for t, a in zip(tensors, _ABSENT)]
+_MAX_GUARDED = 16  # tensors of a signature the recent check takes (more: the key alone)
 
 
 def _make_guard(tensors: list):
@@ -71,18 +66,18 @@ def _guards_work() -> bool:
     difference the key would see (a private API: checked once, at import, on CPU tensors)."""
     try:
         a = torch.zeros(2, 3)
-        guard = _make_guard(_present((a, None)))
-        same = guard.check(*_present((torch.ones(2, 3), None)))
+        guard = _make_guard([a])
+        same = guard.check(torch.ones(2, 3))
         different = (
-            (a.t().contiguous().t(), None),  # strides
-            (torch.zeros(3, 2), None),  # shape
-            (a.double(), None),  # dtype
-            (torch.nn.Parameter(a), None),  # type
-            (a.clone().requires_grad_(), None),  # requires_grad
-            (a, a.new_zeros(())),  # a tensor where the signature had none
-            (a.to("meta"), None),  # device
+            a.t().contiguous().t(),  # strides
+            torch.zeros(3, 2),  # shape
+            a.double(),  # dtype
+            torch.nn.Parameter(a),  # type
+            a.clone().requires_grad_(),  # requires_grad
+            a.to("meta"),  # device
+            None,  # no tensor where the signature had one
         )
-        return same and not any(guard.check(*_present(args)) for args in different)
+        return same and not any(guard.check(t) for t in different)
     except Exception:  # noqa: BLE001 - any failure of a private API: the key alone
         return False
 
@@ -99,13 +94,26 @@ def _state(env: tuple) -> tuple:
     return torch._C._cuda_getDevice(), tuning.current(), env
 
 
-class _Recent:
-    """A kept plan's signature as one C++ check reads it (`Plans.run`); all its tensors 16-byte aligned."""
+def _items(positions: tuple):
+    """A C-level getter of `positions` of a tuple, always returning a tuple (itemgetter of one returns the item)."""
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*positions) if positions else (lambda args: ())
 
-    __slots__ = ("guard", "n", "scalars", "types", "state", "plan")
+
+class _Recent:
+    """A kept plan's signature as one C++ check reads it (`Plans.run`): a guard over its tensors (the absent optional
+    ones, None, stand apart: `take` picks the present ones, `nones` the places that must hold None); all 16-byte
+    aligned."""
+
+    __slots__ = ("guard", "n", "take", "nones", "absent", "scalars", "types", "state", "plan")
 
     def __init__(self, tensors: tuple, scalars: tuple, state: tuple, plan):
-        self.guard, self.n = _make_guard(_present(tensors)), len(tensors)
+        present = tuple(i for i, t in enumerate(tensors) if t is not None)
+        absent = tuple(i for i, t in enumerate(tensors) if t is None)
+        self.take, self.nones, self.absent = _items(present), _items(absent), (None,) * len(absent)
+        self.guard, self.n = _make_guard(list(self.take(tensors))), len(tensors)
         self.scalars, self.types, self.state, self.plan = scalars, tuple(map(type, scalars)), state, plan
 
 
@@ -123,6 +131,11 @@ def dispatch_module():
     from ..kernels import dispatch as module
 
     return module
+
+
+def dispatch_plan(name: str):
+    """A plan maker for `Plans.run`: `make(*args)` -> kernels/dispatch.py's `name(*args)`, imported on the first miss."""
+    return lambda *args: getattr(dispatch_module(), name)(*args)
 
 
 class Plans:
@@ -151,17 +164,26 @@ class Plans:
         key = tuple(key)
         return key, self._plans.get(key)
 
-    def run(self, tensors: tuple, scalars: tuple, check, make):
-        """`plan(*tensors)` with this signature's plan; on a miss `check()` first, then `make()` -> (plan, keep)
-        (keep False: a plan for this call only)."""
-        if self._recent:
-            plan = self._recent_plan(tensors, scalars)
-            if plan is not None:
-                return plan(*tensors)
+    def run(self, tensors: tuple, scalars: tuple, check, make, args: tuple = ()):
+        """`plan(*tensors)` with this signature's plan; on a miss `check(*args)` first, then `make(*args)` ->
+        (plan, keep) (keep False: a plan for this call only). The recent signatures' check is written out here, not
+        called (`_recent_plan` is the same test): every eager call of every op pays this path."""
+        n = len(tensors)
+        state = None
+        for r in self._recent:
+            if r.n == n and r.scalars == scalars:
+                present = r.take(tensors)
+                if r.nones(tensors) == r.absent and r.guard.check(*present):
+                    bits = 0
+                    for t in present:
+                        bits |= t.data_ptr()
+                    state = state or _state(_switches())
+                    if bits & 15 == 0 and r.state == state and r.types == tuple(map(type, scalars)):
+                        return r.plan(*tensors)
         key, plan = self.lookup(tensors, scalars)
         if plan is None:
-            check()
-            plan, keep = make()
+            check(*args)
+            plan, keep = make(*args)
             if keep and key is not None:
                 self.keep(key, plan)
                 self._remember(tensors, scalars, plan)
@@ -173,19 +195,20 @@ class Plans:
 
     def _remember(self, tensors: tuple, scalars: tuple, plan) -> None:
         """This signature among the recent ones, in the oldest one's place when all are taken."""
-        if _GUARDS and len(tensors) <= len(_ABSENT) and _aligned(tensors):
+        if _GUARDS and len(tensors) <= _MAX_GUARDED and _aligned(tensors):
             self._recent = (*self._recent[1 - _RECENT:], _Recent(tensors, scalars, _state(_switches()), plan))
 
     def _recent_plan(self, tensors: tuple, scalars: tuple):
-        """The plan of a recent signature these arguments have (None: none has them). Equal to the key's answer:
-        the guard reads every tensor's type, dtype, device, shape and strides, each recent signature's tensors are
-        aligned as these must be, and the scalars (values and types) and the state must be equal."""
-        present, n = _present(tensors), len(tensors)
-        state = None
+        """The plan of a recent signature these arguments have (None: none has them); `run` inlines this test.
+        Equal to the key's answer: the guard reads every present tensor's type, dtype, device, shape and strides, the
+        absent ones must be absent, each recent signature's tensors are aligned as these must be, and the scalars
+        (values and types) and the state must be equal."""
+        n = len(tensors)
         for r in self._recent:
-            if r.n == n and r.scalars == scalars and r.guard.check(*present):
-                state = state or _state(_switches())
-                if r.state == state and _aligned(tensors) and r.types == tuple(map(type, scalars)):
+            if r.n == n and r.scalars == scalars:
+                present = r.take(tensors)
+                if (r.nones(tensors) == r.absent and r.guard.check(*present) and _aligned(present)
+                        and r.state == _state(_switches()) and r.types == tuple(map(type, scalars))):
                     return r.plan
         return None
 

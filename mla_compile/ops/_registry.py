@@ -20,6 +20,7 @@ import functools
 import torch
 
 _LIBRARIES: dict[str, torch.library.Library] = {}  # namespace -> its fragment (kept alive: dropping one unregisters)
+OPS: dict[str, "Op"] = {}  # qualname -> every op defined here (benchmarks/lab/host_cpu.py reroutes their impls)
 
 
 def _library(namespace: str) -> torch.library.Library:
@@ -50,6 +51,7 @@ class Op:
         if mutated:
             self._register_version_bump(schema_obj)
         functools.update_wrapper(self, impl)
+        OPS[qualname] = self
         self._kernels = {}  # DispatchKey -> our kernel registered for it (the no-grad shortcut's targets)
         self._below = {}  # a keyset's raw bits -> our kernel the shortcut takes for it, or None (kept per keyset)
         if device_types is None:  # one kernel for every device

@@ -12,7 +12,7 @@ import torch
 
 from .. import fp8
 from . import _checks as C
-from ._plans import Plans, dispatch_module
+from ._plans import Plans, dispatch_module, dispatch_plan
 from ._registry import define
 
 _NEG_INF = float("-inf")
@@ -306,16 +306,21 @@ def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_s
 
 _DECODE_PLANS = Plans()
 _SPARSE_PLANS = Plans()
+_make_sparse_plan = dispatch_plan("sparse_decode_plan")
+
+
+def _make_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale):
+    return dispatch_module().decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
+                                         ckv_scale=ckv_scale)
 
 
 @decode.register_kernel("cuda")
 def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale=None):
     # one token per request, a kernel's dtype: a plan per signature (ops/_plans.py), checked when it is made
     if q_nope.dim() == 3 and q_nope.dtype != torch.float64:
-        args = (q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale)
         return _DECODE_PLANS.run((q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, ckv_scale), (sm_scale,),
-                                 lambda: check_decode_args(*args),
-                                 lambda: dispatch_module().decode_plan(*args[:7], ckv_scale=ckv_scale))
+                                 check_decode_args, _make_decode_plan,
+                                 (q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale))
     check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale)
     if q_nope.dtype == torch.float64:  # no kernel computes in float64: the reference, at a static width
         slots, valid, seen = _decode_all_slots(q_nope, ckv_cache, block_table, seq_lens)
@@ -414,10 +419,10 @@ def _(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
 @sparse_decode.register_kernel("cuda")
 def _(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
     if q_nope.dim() == 3 and q_nope.dtype != torch.float64:  # as mla::decode's impl: a plan per signature
-        args = (q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale)
         # the plan's arguments (`dispatch.sparse_decode_plan`): the lengths' place empty
         return _SPARSE_PLANS.run((q_nope, q_pe, ckv_cache, kpe_cache, indices, None, ckv_scale), (sm_scale,),
-                                 lambda: check_sparse_args(*args), lambda: dispatch_module().sparse_decode_plan(*args))
+                                 check_sparse_args, _make_sparse_plan,
+                                 (q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale))
     check_sparse_args(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale)
     if q_nope.dtype == torch.float64:  # no kernel computes in float64: the reference
         return _sparse_reference(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale)

@@ -6,7 +6,7 @@ import torch
 
 from .. import fp8
 from . import _checks as C
-from ._plans import Plans, dispatch_module
+from ._plans import Plans, dispatch_plan
 from ._registry import define
 
 
@@ -100,12 +100,16 @@ def _(ckv_cache, kpe_cache, ckv, kpe, slots):
 
 @cache_write.register_kernel("cuda")
 def _(ckv_cache, kpe_cache, ckv, kpe, slots):
-    def check():
-        _check_not_fp8(ckv_cache)
-        check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots)
+    args = (ckv_cache, kpe_cache, ckv, kpe, slots)
+    _PLANS.run(args, (), _check_cache_write, _make_cache_write_plan, args)
 
-    _PLANS.run((ckv_cache, kpe_cache, ckv, kpe, slots), (), check,
-               lambda: dispatch_module().cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots))
+
+def _check_cache_write(ckv_cache, kpe_cache, ckv, kpe, slots):
+    _check_not_fp8(ckv_cache)
+    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots)
+
+
+_make_cache_write_plan = dispatch_plan("cache_write_plan")
 
 
 _PLANS = Plans()  # one plan per call signature (ops/_plans.py)

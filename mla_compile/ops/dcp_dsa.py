@@ -38,7 +38,7 @@ from . import _checks as C
 from . import dcp_consistency as agree
 from .attention import token_slots
 from .dcp import check_group_args, check_rank_args
-from ._plans import Plans, dispatch_module
+from ._plans import Plans, dispatch_plan
 from ._registry import define
 from .dsa import check_indexer_args, slot_scores
 
@@ -103,14 +103,14 @@ def _(q, weights, k_cache, block_table, local_lens, topk, sm_scale, dcp_size, dc
 
 
 _CANDIDATE_PLANS = Plans()
+_make_candidates_plan = dispatch_plan("dcp_local_candidates_plan")
 
 
 @dcp_local_candidates.register_kernel("cuda")
 def _(q, weights, k_cache, block_table, local_lens, topk, sm_scale, dcp_size, dcp_rank):
-    args = (q, weights, k_cache, block_table, local_lens)
-    numbers = (topk, sm_scale, dcp_size, dcp_rank)
-    return _CANDIDATE_PLANS.run(args, numbers, lambda: check_local_candidates_args(*args, *numbers),
-                                lambda: dispatch_module().dcp_local_candidates_plan(*args, *numbers))
+    return _CANDIDATE_PLANS.run((q, weights, k_cache, block_table, local_lens), (topk, sm_scale, dcp_size, dcp_rank),
+                                check_local_candidates_args, _make_candidates_plan,
+                                (q, weights, k_cache, block_table, local_lens, topk, sm_scale, dcp_size, dcp_rank))
 
 
 def local_candidates(q, weights, k_cache, block_table, local_lens, topk: int, sm_scale: float, dcp_size: int,

@@ -9,7 +9,7 @@ import torch
 
 from .. import topk_order
 from . import _checks as C
-from ._plans import Plans, dispatch_module
+from ._plans import Plans, dispatch_module, dispatch_plan
 from .attention import check_query_lens, query_limits, token_slots
 from ._registry import define
 
@@ -156,9 +156,12 @@ def _indexer_topk_cuda(q, weights, k_cache, block_table, seq_lens, topk, sm_scal
         out = dispatch.indexer_topk(q.reshape(B * S, *q.shape[2:]), weights.reshape(B * S, -1), k_cache, table, lens,
                                     topk, sm_scale)
         return out.view(B, S, topk)
-    args = (q, weights, k_cache, block_table, seq_lens)
-    return _PLANS.run(args, (topk, sm_scale), lambda: check_indexer_args(*args, topk, sm_scale),
-                      lambda: dispatch_module().indexer_topk_plan(*args, topk, sm_scale))
+    return _PLANS.run((q, weights, k_cache, block_table, seq_lens), (topk, sm_scale), check_indexer_args,
+                      _make_indexer_plan, (q, weights, k_cache, block_table, seq_lens, topk, sm_scale))
+
+
+_make_indexer_plan = dispatch_plan("indexer_topk_plan")
+_make_k_only_plan = dispatch_plan("k_only_indices_plan")
 
 
 _PLANS = Plans()  # q [B, Hi, Di]: one plan per call signature (ops/_plans.py)
@@ -206,9 +209,8 @@ def _(block_table, seq_lens, page_size, topk, n_query=1):
 @k_only_indices.register_kernel("cuda")
 def _(block_table, seq_lens, page_size, topk, n_query=1):
     if n_query == 1:  # a plan per signature (ops/_plans.py)
-        return _K_ONLY_PLANS.run((block_table, seq_lens), (page_size, topk),
-                                 lambda: check_k_only_args(block_table, seq_lens, page_size, topk, n_query),
-                                 lambda: dispatch_module().k_only_indices_plan(block_table, seq_lens, page_size, topk))
+        return _K_ONLY_PLANS.run((block_table, seq_lens), (page_size, topk), check_k_only_args, _make_k_only_plan,
+                                 (block_table, seq_lens, page_size, topk))
     dispatch = dispatch_module()
     check_k_only_args(block_table, seq_lens, page_size, topk, n_query)
     if n_query > 1:

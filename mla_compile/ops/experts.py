@@ -99,11 +99,12 @@ def _(x, weight, expert_ids):
 
 @expert_linear.register_kernel("cuda")
 def _(x, weight, expert_ids):
-    def check():
-        check_expert_linear_args(x, weight, expert_ids)
-        check_expert_ids_data(expert_ids, weight.shape[0])  # reads values only where data checks are on
+    return _PLANS.run((x, weight, expert_ids), (), _check, _plan, (x, weight, expert_ids))
 
-    return _PLANS.run((x, weight, expert_ids), (), check, lambda: _plan(x, weight, expert_ids))
+
+def _check(x, weight, expert_ids):
+    check_expert_linear_args(x, weight, expert_ids)
+    check_expert_ids_data(expert_ids, weight.shape[0])  # reads values only where data checks are on
 
 
 def _plan(x, weight, expert_ids):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..kernels.few_token import FEW_TOKEN_ROWS, K_ALIGN, few_token_rows, split_width  # noqa: F401 (re-exported)
 from . import _checks as C
-from ._plans import Plans, dispatch_module
+from ._plans import Plans, dispatch_plan
 from ._registry import define
 
 # one plan per call signature for each op's CUDA impl (ops/_plans.py)
@@ -64,8 +64,10 @@ def _(x, weights):
 
 @fused_linear.register_kernel("cuda")
 def _(x, weights):
-    return _FUSED_PLANS.run((x, *weights), (), lambda: check_fused_linear_args(x, weights),
-                            lambda: dispatch_module().fused_linear_plan(x, weights))
+    return _FUSED_PLANS.run((x, *weights), (), check_fused_linear_args, _make_fused_plan, (x, weights))
+
+
+_make_fused_plan = dispatch_plan("fused_linear_plan")
 
 
 def _setup_context(ctx, inputs, output):
@@ -143,8 +145,8 @@ def _(x, weights, splits):
 
 @linear_partials.register_kernel("cuda")
 def _(x, weights, splits):
-    return _PARTIALS_PLANS.run((x, *weights), (splits,), lambda: check_linear_partials_args(x, weights, splits),
-                               lambda: _partials_plan(x, weights, splits))
+    return _PARTIALS_PLANS.run((x, *weights), (splits,), check_linear_partials_args, _partials_plan,
+                               (x, weights, splits))
 
 
 def _partials_plan(x, weights, splits):
@@ -221,8 +223,7 @@ def _(x, weight):
 
 @per_head_linear.register_kernel("cuda")
 def _(x, weight):
-    return _PER_HEAD_PLANS.run((x, weight), (), lambda: check_per_head_linear_args(x, weight),
-                               lambda: _per_head_plan(x, weight))
+    return _PER_HEAD_PLANS.run((x, weight), (), check_per_head_linear_args, _per_head_plan, (x, weight))
 
 
 def _per_head_plan(x, weight):

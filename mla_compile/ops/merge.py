@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks as C
-from ._plans import Plans, dispatch_module
+from ._plans import Plans, dispatch_plan
 from ._registry import define
 
 
@@ -89,11 +89,11 @@ def _(outs, lses):
     if outs.dtype == torch.float64:  # no kernel computes in float64: the reference
         check_merge_args(outs, lses)
         return merge_states_reference(outs, lses)
-    return _PLANS.run((outs, lses), (), lambda: check_merge_args(outs, lses),
-                      lambda: dispatch_module().merge_states_plan(outs, lses))
+    return _PLANS.run((outs, lses), (), check_merge_args, _make_plan, (outs, lses))
 
 
 _PLANS = Plans()  # one plan per call signature (ops/_plans.py)
+_make_plan = dispatch_plan("merge_states_plan")
 
 
 def _merge_setup_context(ctx, inputs, output):

@@ -8,6 +8,7 @@ import dataclasses
 import re
 import unittest.mock as mock
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -371,7 +372,8 @@ def test_dispatch_decode_runs_the_selected_kernel(choice, monkeypatch):
     monkeypatch.setattr(D_, "_flashmla", lambda device: fake_fm)
     monkeypatch.setattr(D_._fi, "decode", lambda *a: ran.append("flashinfer"))
     monkeypatch.setattr(D_._decode, "decode_plan",
-                        lambda *a, cfg=None, **k: lambda *x: ran.append(cfg.kernel if cfg else "triton"))
+                        lambda *a, cfg=None, **k: SimpleNamespace(run=lambda *x: ran.append(cfg.kernel if cfg else
+                                                                                              "triton")))
     monkeypatch.setattr(D_, "decode_kernel", lambda *a, **k: D_.Choice(choice, "test"))
     q_nope, q_pe, ckv, kpe = _cpu_call()
     D_.decode(q_nope, q_pe, ckv, kpe, torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 0.1)

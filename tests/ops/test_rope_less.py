@@ -55,11 +55,12 @@ class Recorder:
 
 class PlanRecorder(Recorder):
     """Stands in for kernels/decode.py's `decode_plan` / `sparse_decode_plan`: records what each plan was made
-    with (`made`: args, keywords) and is the plan itself (its calls: the tensors each run is handed)."""
+    with (`made`: args, keywords) and is the plan and its `run` itself (its calls: the tensors each run is handed)."""
 
     def __init__(self, result=None):
         super().__init__(result)
         self.made = []
+        self.run = self
 
     def make(self, *args, **kwargs):
         self.made.append((args, kwargs))

@@ -1,0 +1,125 @@
+"""The ops' eager host path on a CPU: every op's CUDA impl run on CPU tensors, kernel launches stubbed.
+
+Question: how much Python does an eager call of each op pay between `torch.ops.<op>(...)` and its kernel launches
+(dispatcher, the autograd shortcut, the plan lookup, allocations, views, frames), measured on any machine, so a
+change to that path can be timed before and after in one run without a GPU. What it leaves out: the C launcher,
+the CUDA caching allocator and the device / stream queries (stubbed: torch._C's CUDA getters return 0, so the
+default-stream scratch path is taken as on the GPU). The H200 host ran this Python ~3-4x slower than a laptop core
+(benchmarks/RESULTS.md, host block), so the numbers are for comparing paths, not for the issue's goals.
+
+How: each op's registered CUDA kernel is also registered (in this process only) for the CPU dispatch key, plans
+accept CPU tensors as if on device 0, and `kernels._launch.Bound` launches nothing.
+
+    python benchmarks/lab/host_cpu.py [--calls 20000] [--json out.json] [--profile mla.decode ...]
+
+A/B against another commit: `git worktree add /tmp/base <rev>`, then run this file with HOST_CPU_ROOT=/tmp/base and
+without, alternating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # plans build their launches without a GPU
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if os.environ.get("HOST_CPU_ROOT"):  # A/B: another checkout's mla_compile, ahead of an editable install's finder
+    sys.path.insert(0, os.environ["HOST_CPU_ROOT"])
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__name__.lower()
+                        and "editable" not in getattr(f, "__name__", "").lower()]
+
+import torch  # noqa: E402
+
+import mla_compile.ops  # noqa: E402  (first: host_overhead puts this checkout ahead on sys.path)
+import host_overhead as HO  # noqa: E402
+
+
+def _cpu_as_cuda() -> None:
+    """Route the CPU dispatch key of our ops to their CUDA impls and let plans key CPU tensors."""
+    from mla_compile.kernels import _launch, scratch
+    from mla_compile.ops import _plans, _registry
+
+    torch._C._cuda_getDevice = lambda: 0
+    torch._C._cuda_getCurrentRawStream = lambda index: 0
+    scratch._stream = lambda index: 0
+    make_scratch = scratch.Scratch.__init__
+
+    def scratch_on_device_0(self, *args, **kwargs):  # the default-stream scratch path a CUDA call takes
+        make_scratch(self, *args, **kwargs)
+        self.index = 0
+
+    scratch.Scratch.__init__ = scratch_on_device_0
+    _launch.Bound.__call__ = lambda self, *args: None
+    cpu, cuda = torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA
+    for registered in _ops(_registry):
+        if cuda in registered._kernels:
+            with warnings.catch_warnings():  # replacing the CPU impl is the point here
+                warnings.simplefilter("ignore")
+                registered._lib.impl(registered.name, registered._kernels[cuda], "CPU")
+            registered._kernels[cpu] = registered._kernels[cuda]
+            registered._below.clear()
+    plain = _plans._PLAIN
+
+    def lookup(self, tensors, scalars):
+        key = []
+        for t in tensors:
+            if t is None:
+                key.append(None)
+            elif type(t) in plain:
+                key += (t.dtype, 0, t.shape, t.stride(), t.data_ptr() & 15)
+            else:
+                return None, None
+        env = _plans._switches()
+        for a in scalars:
+            key += (type(a), a)
+        key += (0, _plans.tuning.current(), env)
+        key = tuple(key)
+        return key, self._plans.get(key)
+
+    _plans.Plans.lookup = lookup
+
+
+def _ops(registry) -> list:
+    """Our registered ops (`_registry.OPS`; an older tree without it, for A/B runs: found among live objects)."""
+    if hasattr(registry, "OPS"):
+        return list(registry.OPS.values())
+    import gc
+
+    return [o for o in gc.get_objects() if isinstance(o, registry.Op)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=20000)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--profile", nargs="*", default=[], metavar="OP", help="cProfile these ops' calls (own us per call)")
+    a = ap.parse_args(argv)
+    _cpu_as_cuda()
+    t = HO.tensors("cpu")
+    fns = dict(HO.op_calls(t))
+    fns["floor: torch.add"] = lambda: torch.add(t["x"], 1)
+    fns["floor: 4x torch.empty"] = lambda: [torch.empty(16) for _ in range(4)]
+    print("mla_compile from", Path(mla_compile.ops.__file__).parents[1])
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        res = HO.host_us_interleaved(fns, a.calls)
+    for name, us in res.items():
+        print(f"{name:28s} {us:7.2f} us")
+    print(f"(wall {time.perf_counter() - t0:.1f} s)")
+    for name in a.profile:
+        with torch.no_grad():
+            for row in HO.profile_call(fns[name], a.calls):
+                print(f"{name}: {row['own_us_per_op']:6.2f} us own {row['cum_us_per_op']:6.2f} us cum  {row['function']}")
+    if a.json:
+        a.json.write_text(json.dumps({"provenance": "cpu, launches stubbed", "torch": torch.__version__,
+                                      "host_us": res}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
