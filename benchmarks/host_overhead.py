@@ -1,7 +1,10 @@
 """Host time per call of every op (issue 29): what an eager call or a default-mode compiled graph (no CUDA graphs)
 pays on the CPU before the GPU sees a kernel.
 
-usage:  python benchmarks/host_overhead.py OUT.json [--calls 300]
+usage:  python benchmarks/host_overhead.py OUT.json [--calls 300] [--ops-only]
+
+HOST_ROOT=<another checkout> times that checkout's mla_compile with this script (A/B runs of two commits on one
+host: `bash benchmarks/device.sh hostab`); `--ops-only` times the ops table alone.
 
 Parts, each in OUT.json and printed:
   ops          (CUDA) every op at a small shape (B 1, H 16, 1K tokens: a few microseconds of GPU work), called
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import sys
 import time
@@ -39,6 +43,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if os.environ.get("HOST_ROOT"):  # A/B: another checkout's mla_compile, ahead of this one and an editable install's
+    sys.path.insert(0, os.environ["HOST_ROOT"])
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__name__", type(f).__name__).lower()]
 import mla_compile.ops  # noqa: E402,F401  (registers the ops)
 from mla_compile.ops import _checks as C  # noqa: E402
 from mla_compile.ops import _registry, attention, cache, dsa, experts, linear, merge  # noqa: E402
@@ -273,11 +280,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--ops-only", action="store_true", help="the ops table alone (A/B runs)")
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     res = {"provenance": f"cuda: {torch.cuda.get_device_name()}" if cuda else "cpu", "torch": torch.__version__,
-           "registration": bench_registration(a.calls), "checks": bench_checks("cuda" if cuda else "meta", a.calls),
-           "glue": bench_glue("cuda" if cuda else "cpu", a.calls)}
+           "mla_compile": str(Path(mla_compile.ops.__file__).parents[1])}
+    if a.ops_only:
+        res["ops"] = bench_ops(a.calls) if cuda else {}
+        a.out.write_text(json.dumps(res, indent=1))
+        print(json.dumps(res, indent=1))
+        return 0
+    res.update(registration=bench_registration(a.calls), checks=bench_checks("cuda" if cuda else "meta", a.calls),
+               glue=bench_glue("cuda" if cuda else "cpu", a.calls))
     if cuda:
         res["ops"] = bench_ops(a.calls)
         res["layers"] = bench_layers(a.calls)

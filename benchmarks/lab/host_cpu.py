@@ -12,7 +12,7 @@ accept CPU tensors as if on device 0, and `kernels._launch.Bound` launches nothi
 
     python benchmarks/lab/host_cpu.py [--calls 20000] [--json out.json] [--profile mla.decode ...]
 
-A/B against another commit: `git worktree add /tmp/base <rev>`, then run this file with HOST_CPU_ROOT=/tmp/base and
+A/B against another commit: `git worktree add /tmp/base <rev>`, then run this file with HOST_ROOT=/tmp/base and
 without, alternating.
 """
 
@@ -28,19 +28,16 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # plans build their launches without a GPU
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-if os.environ.get("HOST_CPU_ROOT"):  # A/B: another checkout's mla_compile, ahead of an editable install's finder
-    sys.path.insert(0, os.environ["HOST_CPU_ROOT"])
-    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__name__.lower()
-                        and "editable" not in getattr(f, "__name__", "").lower()]
 
 import torch  # noqa: E402
 
-import mla_compile.ops  # noqa: E402  (first: host_overhead puts this checkout ahead on sys.path)
-import host_overhead as HO  # noqa: E402
+import host_overhead as HO  # noqa: E402  (HOST_ROOT=<checkout>: that checkout's mla_compile)
+import mla_compile.ops  # noqa: E402
 
 
-def _cpu_as_cuda() -> None:
-    """Route the CPU dispatch key of our ops to their CUDA impls and let plans key CPU tensors."""
+def _cpu_as_cuda(counts: dict | None = None) -> None:
+    """Route the CPU dispatch key of our ops to their CUDA impls and let plans key CPU tensors. `counts`: count each
+    op's CUDA-impl calls in it (by qualname; a wrapper, so not for timing)."""
     from mla_compile.kernels import _launch, scratch
     from mla_compile.ops import _plans, _registry
 
@@ -58,10 +55,13 @@ def _cpu_as_cuda() -> None:
     cpu, cuda = torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA
     for registered in _ops(_registry):
         if cuda in registered._kernels:
+            kernel = registered._kernels[cuda]
+            if counts is not None:
+                kernel = _counted(kernel, registered.qualname, counts)
             with warnings.catch_warnings():  # replacing the CPU impl is the point here
                 warnings.simplefilter("ignore")
-                registered._lib.impl(registered.name, registered._kernels[cuda], "CPU")
-            registered._kernels[cpu] = registered._kernels[cuda]
+                registered._lib.impl(registered.name, kernel, "CPU")
+            registered._kernels[cpu] = kernel
             registered._below.clear()
     plain = _plans._PLAIN
 
@@ -84,6 +84,23 @@ def _cpu_as_cuda() -> None:
     _plans.Plans.lookup = lookup
 
 
+def _counted(kernel, qualname: str, counts: dict):
+    def counting(*args, **kwargs):
+        counts[qualname] = counts.get(qualname, 0) + 1
+        return kernel(*args, **kwargs)
+
+    return counting
+
+
+def _kept_plans() -> int:
+    """Plans kept by every op's `Plans` (ops/_plans.py): the calls went the planned way."""
+    import gc
+
+    from mla_compile.ops._plans import Plans
+
+    return sum(len(p._plans) for p in gc.get_objects() if isinstance(p, Plans))
+
+
 def _ops(registry) -> list:
     """Our registered ops (`_registry.OPS`; an older tree without it, for A/B runs: found among live objects)."""
     if hasattr(registry, "OPS"):
@@ -97,9 +114,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=20000)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--plans", action="store_true",
+                    help="check the path instead of timing it alone: count each op's CUDA-impl calls and kept plans")
     ap.add_argument("--profile", nargs="*", default=[], metavar="OP", help="cProfile these ops' calls (own us per call)")
     a = ap.parse_args(argv)
-    _cpu_as_cuda()
+    counts = {} if a.plans else None
+    _cpu_as_cuda(counts)
     t = HO.tensors("cpu")
     fns = dict(HO.op_calls(t))
     fns["floor: torch.add"] = lambda: torch.add(t["x"], 1)
@@ -116,8 +136,12 @@ def main(argv=None) -> int:
             for row in HO.profile_call(fns[name], a.calls):
                 print(f"{name}: {row['own_us_per_op']:6.2f} us own {row['cum_us_per_op']:6.2f} us cum  {row['function']}")
     if a.json:
-        a.json.write_text(json.dumps({"provenance": "cpu, launches stubbed", "torch": torch.__version__,
-                                      "host_us": res}, indent=1))
+        d = {"provenance": "cpu, launches stubbed", "torch": torch.__version__,
+             "mla_compile": str(Path(mla_compile.ops.__file__).parents[1]), "ops": res}
+        if counts is not None:  # op row -> CUDA-impl calls
+            d["plans"] = {name: counts.get(name.replace(".", "::"), 0) for name in res if not name.startswith("floor")}
+            d["kept_plans"] = _kept_plans()
+        a.json.write_text(json.dumps(d, indent=1))
     return 0
 
 

@@ -111,6 +111,29 @@ def pdl_enter(PDL: tl.constexpr):
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it once too, when it is imported
 
 
+def patch_interpreter_for_numpy2() -> None:
+    """Triton 3.6's interpreter turns a scalar (stored as a 1-element array) into a loop bound with int(array),
+    which NumPy 2 rejects for 1-d arrays: every kernel with `range(start, end)` over runtime bounds (the decode
+    kernels' token loops) then fails on a CPU. Scalars index through .item() instead. Applied once, when this module
+    is imported under TRITON_INTERPRET=1 (our kernels' CPU runs: tests, lab probes, a laptop's interpreter run)."""
+    import triton.runtime.interpreter as interp
+
+    orig = getattr(interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_mla_numpy2", False):  # another Triton, or patched already
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._mla_numpy2 = True
+    interp._patch_lang_tensor = patched
+
+
+if _INTERPRETED:
+    patch_interpreter_for_numpy2()
+
+
 @functools.lru_cache(maxsize=None)
 def dot_mode(dtype: torch.dtype) -> dict:
     """Constexprs for `mma`: fp32 inputs use exact (ieee) products rather than tf32. Triton 3.6's CPU

@@ -89,9 +89,14 @@ except ImportError:  # pragma: no cover - a torch without Dynamo's C++ guards
 _GUARDS = _TensorGuards is not None and _guards_work()
 
 
-def _state(env: tuple) -> tuple:
+# the current CUDA device's index without torch.cuda's Python (a CPU-only torch has no CUDA device: -1)
+_device_index = getattr(torch._C, "_cuda_getDevice", None) or (lambda: -1)
+_current_tuning = tuning.current
+
+
+def _state() -> tuple:
     """What a plan's choices read besides the call's arguments: the current device, the tuning, the switches."""
-    return torch._C._cuda_getDevice(), tuning.current(), env
+    return _device_index(), _current_tuning(), _switches()
 
 
 def _items(positions: tuple):
@@ -160,7 +165,7 @@ class Plans:
             return None, None
         for a in scalars:
             key += (type(a), a)
-        key += (torch._C._cuda_getDevice(), tuning.current(), env)
+        key += (_device_index(), _current_tuning(), env)
         key = tuple(key)
         return key, self._plans.get(key)
 
@@ -177,7 +182,7 @@ class Plans:
                     bits = 0
                     for t in present:
                         bits |= t.data_ptr()
-                    state = state or _state(_switches())
+                    state = state or _state()
                     if bits & 15 == 0 and r.state == state and r.types == tuple(map(type, scalars)):
                         return r.plan(*tensors)
         key, plan = self.lookup(tensors, scalars)
@@ -196,7 +201,7 @@ class Plans:
     def _remember(self, tensors: tuple, scalars: tuple, plan) -> None:
         """This signature among the recent ones, in the oldest one's place when all are taken."""
         if _GUARDS and len(tensors) <= _MAX_GUARDED and _aligned(tensors):
-            self._recent = (*self._recent[1 - _RECENT:], _Recent(tensors, scalars, _state(_switches()), plan))
+            self._recent = (*self._recent[1 - _RECENT:], _Recent(tensors, scalars, _state(), plan))
 
     def _recent_plan(self, tensors: tuple, scalars: tuple):
         """The plan of a recent signature these arguments have (None: none has them); `run` inlines this test.
@@ -208,7 +213,7 @@ class Plans:
             if r.n == n and r.scalars == scalars:
                 present = r.take(tensors)
                 if (r.nones(tensors) == r.absent and r.guard.check(*present) and _aligned(present)
-                        and r.state == _state(_switches()) and r.types == tuple(map(type, scalars))):
+                        and r.state == _state() and r.types == tuple(map(type, scalars))):
                     return r.plan
         return None
 

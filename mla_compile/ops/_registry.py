@@ -92,19 +92,21 @@ class Op:
         # below autograd a functional op's dense tensors also carry ADInplaceOrView, a fallthrough for it
         backend_keys = below.remove(torch._C.DispatchKey.ADInplaceOrView)
         kernels, by_keyset = self._kernels, self._below
+        grad_enabled, any_requires_grad, unseen = torch._C.is_grad_enabled, torch._C._any_requires_grad, object()
 
         def kernel_below(keyset):
             kernel = by_keyset[keyset.raw_repr()] = kernels.get((keyset & backend_keys).highestPriorityTypeId())
             return kernel
 
         def autograd_kernel(keyset, *args, **kwargs):
-            if torch._C.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            if grad_enabled() and any_requires_grad(*args):
                 return with_grad(keyset, *args, **kwargs)
             # where nothing but a backend lies below (no mode, subclass, functionalization: their keys rank above
             # the backends), our kernel for it is what the redispatch would reach: called directly, it saves the
             # dispatcher's second pass (~5 us a call on the H200 host, benchmarks/host_overhead.py profile)
-            raw = keyset.raw_repr()
-            kernel = by_keyset[raw] if raw in by_keyset else kernel_below(keyset)
+            kernel = by_keyset.get(keyset.raw_repr(), unseen)
+            if kernel is unseen:
+                kernel = kernel_below(keyset)
             if kernel is not None:
                 return kernel(*args, **kwargs)
             with torch._C._AutoDispatchBelowAutograd():

@@ -411,17 +411,11 @@ def check_per_head_linear():
 
 
 def _patch_interpreter_for_numpy2():
-    """Triton 3.6's interpreter turns a scalar (stored as a 1-element array) into a loop bound with int(array),
-    which NumPy 2 rejects for 1-d arrays: `range(start, end)` with runtime bounds then fails. Use .item()."""
-    import triton.runtime.interpreter as interp
+    """mla_compile.kernels._util applies it on import under TRITON_INTERPRET=1; kept callable for the modules that
+    import triton's interpreter before ours."""
+    from mla_compile.kernels._util import patch_interpreter_for_numpy2
 
-    orig = interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patched
+    patch_interpreter_for_numpy2()
 
 
 def run_checks(namespace: dict, checks, tb_limit: int = 6) -> None:

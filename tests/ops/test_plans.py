@@ -120,11 +120,11 @@ def test_a_recent_signature_matches_exactly_when_the_key_would(a, b, sa, sb, sam
             t, torch.nn.Parameter) else t.clone().as_strided(t.shape, t.stride()) for t in a]
     a, b, sa, sb = tuple(a), tuple(b), tuple(sa), tuple(sb)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_plans, "_state", lambda env: ("device", "tuning", env))
+        mp.setattr(_plans, "_state", lambda: ("device", "tuning", _plans._switches()))
         plans = _plans.Plans()
         if not _plans._aligned(a):  # run keeps no recent entry for a misaligned call
             return
-        plans._recent = (_plans._Recent(a, sa, _plans._state(_plans._switches()), lambda *ts: "recent"),)
+        plans._recent = (_plans._Recent(a, sa, _plans._state(), lambda *ts: "recent"),)
         found = plans._recent_plan(b, sb)
         # run's own (written-out) copy of the test gives the same answer; a miss reaches the key
         mp.setattr(plans, "lookup", lambda tensors, scalars: (None, lambda *ts: "key"))
@@ -137,14 +137,14 @@ def test_a_recent_signature_needs_the_same_state(monkeypatch):
     """Another device, tuning or environment switch: not the recent plan (the key decides, and makes a new one)."""
     x = torch.zeros(4)
     states = iter([("dev0", "t", ("e",)), ("dev1", "t", ("e",))])
-    monkeypatch.setattr(_plans, "_state", lambda env: next(states))
+    monkeypatch.setattr(_plans, "_state", lambda: next(states))
     plans = _plans.Plans()
-    plans._recent = (_plans._Recent((x,), (), _plans._state(None), "plan"),)
+    plans._recent = (_plans._Recent((x,), (), _plans._state(), "plan"),)
     assert plans._recent_plan((torch.ones(4),), ()) is None
 
 
 def test_recent_signatures_are_kept_first_in_first_out_and_cleared(monkeypatch):
-    monkeypatch.setattr(_plans, "_state", lambda env: ("device", "tuning", env))
+    monkeypatch.setattr(_plans, "_state", lambda: ("device", "tuning", _plans._switches()))
     monkeypatch.setattr(_plans.Plans, "lookup", lambda self, tensors, scalars: (("key", tensors[0].shape), None))
     plans, made = _plans.Plans(), []
 
@@ -162,10 +162,10 @@ def test_recent_signatures_are_kept_first_in_first_out_and_cleared(monkeypatch):
 def test_one_tensor_passed_twice_takes_the_key(monkeypatch):
     """The C++ check rejects a tensor object passed in two places (Dynamo's duplicate-input rule): such a call misses
     the recent signature and takes the key, which finds the same plan (slower, never another plan)."""
-    monkeypatch.setattr(_plans, "_state", lambda env: ("device", "tuning", env))
+    monkeypatch.setattr(_plans, "_state", lambda: ("device", "tuning", _plans._switches()))
     x = torch.zeros(4)
     plans = _plans.Plans()
-    state = _plans._state(_plans._switches())
+    state = _plans._state()
     plans._recent = (_plans._Recent((torch.zeros(4), torch.zeros(4)), (), state, "plan"),)
     assert plans._recent_plan((x, x), ()) is None and plans._recent_plan((x, torch.zeros(4)), ()) == "plan"
 
@@ -173,7 +173,7 @@ def test_one_tensor_passed_twice_takes_the_key(monkeypatch):
 def test_a_plan_the_key_finds_returns_to_a_free_recent_place(monkeypatch):
     """After the recent signatures are dropped (or with places free), a plan the key finds is checked the fast way
     from its next call on; with every place taken, only new plans evict (no guard built per call)."""
-    monkeypatch.setattr(_plans, "_state", lambda env: ("device", "tuning", env))
+    monkeypatch.setattr(_plans, "_state", lambda: ("device", "tuning", _plans._switches()))
     keys = []
     plans = _plans.Plans()
     monkeypatch.setattr(plans, "lookup", lambda tensors, scalars: (keys.append(1) or ("k", tensors[0].shape),
@@ -196,7 +196,7 @@ def test_a_plan_the_key_finds_returns_to_a_free_recent_place(monkeypatch):
 def test_more_tensors_than_absent_places_take_the_key(monkeypatch):
     """A call of more tensors than the recent check takes (`_MAX_GUARDED`, e.g. a fused linear of many weights) keeps
     no recent signature: every call takes the key, none fails."""
-    monkeypatch.setattr(_plans, "_state", lambda env: ("device", "tuning", env))
+    monkeypatch.setattr(_plans, "_state", lambda: ("device", "tuning", _plans._switches()))
     n = _plans._MAX_GUARDED + 2
     monkeypatch.setattr(_plans.Plans, "lookup", lambda self, tensors, scalars: (("k", len(tensors)),
                                                                                self._plans.get(("k", len(tensors)))))

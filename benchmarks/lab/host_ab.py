@@ -1,0 +1,42 @@
+"""The host time per eager call of every op, one commit against another, from alternating runs on one host.
+
+    python benchmarks/lab/host_ab.py DIR
+
+DIR holds `hostab_base_<r>.json` and `hostab_new_<r>.json` (benchmarks/host_overhead.py --ops-only, or
+benchmarks/lab/host_cpu.py --json: its "ops"); each row is the median over the runs, with new / base and, where the
+loop timed FlashInfer's `run`, both as multiples of it (issue 29's goals: decode <= 1.74x, every other op <= 1.30x).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+PEER = "peer: flashinfer run"
+
+
+def medians(files) -> dict:
+    rows: dict = {}
+    for f in files:
+        for name, us in json.loads(Path(f).read_text()).get("ops", {}).items():
+            rows.setdefault(name, []).append(us)
+    return {name: statistics.median(v) for name, v in rows.items()}
+
+
+def table(directory: Path) -> list[str]:
+    base = medians(sorted(directory.glob("hostab_base_*.json")))
+    new = medians(sorted(directory.glob("hostab_new_*.json")))
+    lines = ["| call | base us | new us | new / base | base / FlashInfer | new / FlashInfer |", "|---|---|---|---|---|---|"]
+    for name in base:
+        if name not in new:
+            continue
+        b, n = base[name], new[name]
+        fi = (f"{b / base[PEER]:.2f} | {n / new[PEER]:.2f}" if PEER in base and PEER in new else "- | -")
+        lines.append(f"| {name} | {b:.1f} | {n:.1f} | {n / b:.2f} | {fi} |")
+    return lines
+
+
+if __name__ == "__main__":
+    print("\n".join(table(Path(sys.argv[1]))))
