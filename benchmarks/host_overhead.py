@@ -24,6 +24,9 @@ Parts, each in OUT.json and printed:
   glue         the Python of an unplanned Triton decode call between the op and the kernels (kernels.dispatch.decode
                with the Triton launches stubbed out: choice, plan made, plan run), on the device's tensors (CPU ones
                where no GPU is there).
+  compiled     (CUDA) the host us per call of a few ops inside a default-mode compiled graph: a compiled function of
+               one op call against one of the same graph inputs around torch.add (the graph's own cost), beside the
+               op's eager call in the same loop.
   profile      (CUDA) cProfile of `--calls` eager `mla.decode` calls: the top functions by own time.
 
 Where it ran is in `provenance` ("cuda: <GPU name>" or "cpu"); report.py's `host` block shows the CUDA runs.
@@ -177,6 +180,45 @@ def bench_ops(calls: int) -> dict:
     return host_us_interleaved(fns, calls)
 
 
+COMPILED = {  # op -> the tensors its call in `op_calls` reads (graph inputs of its compiled function)
+    "mla.decode": ("qn", "qp", "ckv", "kpe", "table", "lens"),
+    "mla.sparse_decode": ("qn", "qp", "ckv", "kpe", "idx"),
+    "mla.merge_states": ("outs", "lses"),
+    "mla.cache_write": ("ckv", "kpe", "ckv_new", "kpe_new", "slots"),
+    "dsa.indexer_topk": ("iq", "iw", "ik", "table", "lens"),
+}
+
+
+def _two_outputs_of(inputs):
+    """Two fresh one-element outputs reading every input (one fused kernel in a compiled graph)."""
+    first = sum(x.reshape(-1)[:1].float() for x in inputs)
+    return first, first * 2
+
+
+def _compiled(fn):
+    return torch.compile(fn, backend="inductor", fullgraph=True, dynamic=False)
+
+
+def bench_compiled(calls: int, device: str = "cuda") -> dict:
+    """Host us per call of each op inside a default-mode compiled graph (torch.compile, Inductor, no CUDA graphs):
+    a compiled function of that one op call, against a compiled function of the same graph inputs and two fresh
+    outputs made by one small fused kernel (the floor: Dynamo's guards, AOTAutograd's wrapper, Inductor's input
+    checks, one kernel launch). The difference is what the op costs inside a graph: `over_floor_us`, next to
+    `eager_us` (the op through the dispatcher, timed in the same loop)."""
+    t = tensors(device)
+    eager = op_calls(t)
+    fns = {}
+    for name, names in COMPILED.items():
+        inputs = tuple(t[n] for n in names)
+        fns[name] = _compiled(lambda call=eager[name]: call())
+        fns[name + " floor"] = _compiled(lambda inputs=inputs: _two_outputs_of(inputs))
+        fns[name + " eager"] = eager[name]
+    with torch.no_grad():
+        rows = host_us_interleaved(fns, calls)
+    return {name: {"us": rows[name], "floor_us": rows[name + " floor"], "over_floor_us": rows[name] -
+                   rows[name + " floor"], "eager_us": rows[name + " eager"]} for name in COMPILED}
+
+
 def bench_layers(calls: int) -> dict:
     from mla_compile.kernels import _launch, dispatch
 
@@ -294,6 +336,7 @@ def main(argv=None) -> int:
                glue=bench_glue("cuda" if cuda else "cpu", a.calls))
     if cuda:
         res["ops"] = bench_ops(a.calls)
+        res["compiled"] = bench_compiled(a.calls)
         res["layers"] = bench_layers(a.calls)
         res["profile"] = profile_op("mla.decode", a.calls)
         res["profiles"] = {name: profile_op(name, a.calls, top=8) for name in PROFILED[1:]}

@@ -93,12 +93,12 @@ def _counted(kernel, qualname: str, counts: dict):
 
 
 def _kept_plans() -> int:
-    """Plans kept by every op's `Plans` (ops/_plans.py): the calls went the planned way."""
-    import gc
-
+    """Plans kept by every op's `Plans` (ops/_plans.py; module attributes of mla_compile.ops.*): the calls went the
+    planned way."""
     from mla_compile.ops._plans import Plans
 
-    return sum(len(p._plans) for p in gc.get_objects() if isinstance(p, Plans))
+    modules = [m for name, m in list(sys.modules.items()) if name.startswith("mla_compile.ops.")]
+    return sum(len(v._plans) for m in modules for v in vars(m).values() if isinstance(v, Plans))
 
 
 def _ops(registry) -> list:
@@ -116,6 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plans", action="store_true",
                     help="check the path instead of timing it alone: count each op's CUDA-impl calls and kept plans")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also the ops inside default-mode compiled graphs (host_overhead.bench_compiled)")
     ap.add_argument("--profile", nargs="*", default=[], metavar="OP", help="cProfile these ops' calls (own us per call)")
     a = ap.parse_args(argv)
     counts = {} if a.plans else None
@@ -131,13 +133,18 @@ def main(argv=None) -> int:
     for name, us in res.items():
         print(f"{name:28s} {us:7.2f} us")
     print(f"(wall {time.perf_counter() - t0:.1f} s)")
+    compiled = HO.bench_compiled(a.calls, "cpu") if a.compiled else {}
+    if compiled:
+        for name, row in compiled.items():
+            print(f"compiled {name:20s} {row['over_floor_us']:6.2f} us over its floor ({row['us']:.2f} - "
+                  f"{row['floor_us']:.2f}); eager {row['eager_us']:.2f}")
     for name in a.profile:
         with torch.no_grad():
             for row in HO.profile_call(fns[name], a.calls):
                 print(f"{name}: {row['own_us_per_op']:6.2f} us own {row['cum_us_per_op']:6.2f} us cum  {row['function']}")
     if a.json:
         d = {"provenance": "cpu, launches stubbed", "torch": torch.__version__,
-             "mla_compile": str(Path(mla_compile.ops.__file__).parents[1]), "ops": res}
+             "mla_compile": str(Path(mla_compile.ops.__file__).parents[1]), "ops": res, "compiled": compiled}
         if counts is not None:  # op row -> CUDA-impl calls
             d["plans"] = {name: counts.get(name.replace(".", "::"), 0) for name in res if not name.startswith("floor")}
             d["kept_plans"] = _kept_plans()

@@ -376,18 +376,22 @@ def test_host_rows_are_timed_round_robin(monkeypatch):
 def test_host_cpu_probe_times_every_op_through_its_cuda_impl(tmp_path):
     """benchmarks/lab/host_cpu.py (a subprocess: it rewires torch._C's CUDA getters and our ops' CPU impls): every op
     of host_overhead's table is timed, each through its CUDA impl's plan (so the probe times the GPU path's Python,
-    not the CPU reference), and host_ab.py tables two such runs against each other."""
+    not the CPU reference), also inside compiled graphs, and host_ab.py tables two such runs against each other."""
     import subprocess
 
     out = tmp_path / "hostab_new_1.json"
     proc = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "benchmarks/lab/host_cpu.py"), "--calls", "20",
-                           "--json", str(out), "--plans"], capture_output=True, text=True, timeout=300)
+                           "--json", str(out), "--plans", "--compiled"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads(out.read_text())
     ops = {k: v for k, v in d["ops"].items() if not k.startswith("floor")}
     assert len(ops) == 10 and all(v > 0 for v in ops.values())
     assert set(d["plans"]) == set(ops) and all(n >= 20 for n in d["plans"].values()), d["plans"]
     assert d["kept_plans"] >= len(ops)
+    # inside default-mode compiled graphs (host_overhead.bench_compiled, as the GPU host runs it): every op's row
+    assert set(d["compiled"]) == {"mla.decode", "mla.sparse_decode", "mla.merge_states", "mla.cache_write",
+                                  "dsa.indexer_topk"}
+    assert all(r["us"] > 0 and r["floor_us"] > 0 and r["eager_us"] > 0 for r in d["compiled"].values())
     d["ops"] = {k: 2 * v for k, v in d["ops"].items()}
     (tmp_path / "hostab_base_1.json").write_text(json.dumps(d))
     sys.path.insert(0, str(ROOT / "benchmarks/lab"))
