@@ -25,8 +25,7 @@ Parts, each in OUT.json and printed:
                with the Triton launches stubbed out: choice, plan made, plan run), on the device's tensors (CPU ones
                where no GPU is there).
   compiled     (CUDA) the host us per call of a few ops inside a default-mode compiled graph: a compiled function of
-               one op call against one of the same graph inputs around torch.add (the graph's own cost), beside the
-               op's eager call in the same loop.
+               two calls of the op less one of one call, beside the op's eager call in the same loop.
   profile      (CUDA) cProfile of `--calls` eager `mla.decode` calls: the top functions by own time.
 
 Where it ran is in `provenance` ("cuda: <GPU name>" or "cpu"); report.py's `host` block shows the CUDA runs.
@@ -180,19 +179,7 @@ def bench_ops(calls: int) -> dict:
     return host_us_interleaved(fns, calls)
 
 
-COMPILED = {  # op -> the tensors its call in `op_calls` reads (graph inputs of its compiled function)
-    "mla.decode": ("qn", "qp", "ckv", "kpe", "table", "lens"),
-    "mla.sparse_decode": ("qn", "qp", "ckv", "kpe", "idx"),
-    "mla.merge_states": ("outs", "lses"),
-    "mla.cache_write": ("ckv", "kpe", "ckv_new", "kpe_new", "slots"),
-    "dsa.indexer_topk": ("iq", "iw", "ik", "table", "lens"),
-}
-
-
-def _two_outputs_of(inputs):
-    """Two fresh one-element outputs reading every input (one fused kernel in a compiled graph)."""
-    first = sum(x.reshape(-1)[:1].float() for x in inputs)
-    return first, first * 2
+COMPILED = ("mla.decode", "mla.sparse_decode", "mla.merge_states", "mla.cache_write", "dsa.indexer_topk")
 
 
 def _compiled(fn):
@@ -201,22 +188,20 @@ def _compiled(fn):
 
 def bench_compiled(calls: int, device: str = "cuda") -> dict:
     """Host us per call of each op inside a default-mode compiled graph (torch.compile, Inductor, no CUDA graphs):
-    a compiled function of that one op call, against a compiled function of the same graph inputs and two fresh
-    outputs made by one small fused kernel (the floor: Dynamo's guards, AOTAutograd's wrapper, Inductor's input
-    checks, one kernel launch). The difference is what the op costs inside a graph: `over_floor_us`, next to
-    `eager_us` (the op through the dispatcher, timed in the same loop)."""
-    t = tensors(device)
-    eager = op_calls(t)
+    a compiled function of two calls of the op less one of one call (Inductor keeps both: no CSE of our ops), so
+    the graph's own cost (guards, AOTAutograd's wrapper, input checks) cancels; `graph_us` is the one-call
+    function's whole time, `eager_us` the op's eager call, timed in the same loop."""
+    calls_by_name = op_calls(tensors(device))
     fns = {}
-    for name, names in COMPILED.items():
-        inputs = tuple(t[n] for n in names)
-        fns[name] = _compiled(lambda call=eager[name]: call())
-        fns[name + " floor"] = _compiled(lambda inputs=inputs: _two_outputs_of(inputs))
-        fns[name + " eager"] = eager[name]
+    for name in COMPILED:
+        call = calls_by_name[name]
+        fns[name + " x1"] = _compiled(lambda call=call: call())
+        fns[name + " x2"] = _compiled(lambda call=call: (call(), call()))
+        fns[name + " eager"] = call
     with torch.no_grad():
         rows = host_us_interleaved(fns, calls)
-    return {name: {"us": rows[name], "floor_us": rows[name + " floor"], "over_floor_us": rows[name] -
-                   rows[name + " floor"], "eager_us": rows[name + " eager"]} for name in COMPILED}
+    return {name: {"us": rows[name + " x2"] - rows[name + " x1"], "graph_us": rows[name + " x1"],
+                   "eager_us": rows[name + " eager"]} for name in COMPILED}
 
 
 def bench_layers(calls: int) -> dict:
