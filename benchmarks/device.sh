@@ -103,14 +103,15 @@ stage_topkprobe() { echo "topkprobe: the lab probe is retired: its kernel is ker
 stage_host() { timeout "${T_HOST:-180}" python3 benchmarks/host_overhead.py "$OUT/host.json" ${HOST_ARGS:-}; }
 # hostab (issue 29): the ops table of this tree against another commit's mla_compile, alternating runs on this host
 # (HOSTAB_ROUNDS, default 3). Carry the other one: `rm -rf .base && mkdir .base && git archive REV mla_compile |
-# tar -x -C .base`, run(carry=[".whl", ".base"]); the table: python benchmarks/lab/host_ab.py OUT_DIR
+# tar -x -C .base`, run(carry=[".whl", ".base"]). One file: $OUT/hostab.json (the table and every run)
 stage_hostab() {
     [ -d .base/mla_compile ] || { echo "hostab: no .base/mla_compile (carry it)"; return 1; }
+    local runs; runs=$(mktemp -d)
     for r in $(seq "${HOSTAB_ROUNDS:-3}"); do
-        HOST_ROOT="$PWD/.base" timeout "${T_HOSTAB:-60}" python3 benchmarks/host_overhead.py "$OUT/hostab_base_$r.json" --ops-only
-        timeout "${T_HOSTAB:-60}" python3 benchmarks/host_overhead.py "$OUT/hostab_new_$r.json" --ops-only
+        HOST_ROOT="$PWD/.base" timeout "${T_HOSTAB:-60}" python3 benchmarks/host_overhead.py "$runs/hostab_base_$r.json" --ops-only
+        timeout "${T_HOSTAB:-60}" python3 benchmarks/host_overhead.py "$runs/hostab_new_$r.json" --ops-only
     done
-    python3 benchmarks/lab/host_ab.py "$OUT"
+    python3 benchmarks/lab/host_ab.py "$runs" --json "$OUT/hostab.json"
 }
 
 # DCP (issue 4): torchrun n = 1, 2, 4 (those that fit the GPUs here), then one merged $OUT/dcp.json.

@@ -1,6 +1,6 @@
 """The host time per eager call of every op, one commit against another, from alternating runs on one host.
 
-    python benchmarks/lab/host_ab.py DIR
+    python benchmarks/lab/host_ab.py DIR [--json OUT.json]    (OUT.json: the table's rows and every run)
 
 DIR holds `hostab_base_<r>.json` and `hostab_new_<r>.json` (benchmarks/host_overhead.py --ops-only, or
 benchmarks/lab/host_cpu.py --json: its "ops"); each row is the median over the runs, with new / base and, where the
@@ -9,6 +9,7 @@ loop timed FlashInfer's `run`, both as multiples of it (issue 29's goals: decode
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -38,5 +39,18 @@ def table(directory: Path) -> list[str]:
     return lines
 
 
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    lines = table(a.dir)
+    print("\n".join(lines))
+    if a.json:
+        runs = {f.name: json.loads(f.read_text()) for f in sorted(a.dir.glob("hostab_*.json"))}
+        a.json.write_text(json.dumps({"table": lines, "runs": runs}, indent=1))
+    return 0
+
+
 if __name__ == "__main__":
-    print("\n".join(table(Path(sys.argv[1]))))
+    sys.exit(main())
