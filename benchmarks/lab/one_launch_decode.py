@@ -6,7 +6,7 @@ its host time); a single launch would cut one, but the merge then runs in one pr
 instead of across many, after the last split of that block arrives. Does the GPU time stay within noise (graph
 replay), at the split count the policy picks and at fewer splits, and how much host time does the launch save?
 
-The kernel: the product's pointer stage 1 (kernels/decode_stage1.py's helpers: paged, bf16, one query token), then
+The kernel: the product's pointer stage 1 (kernels/decode_stage1.py's `_attend_range`: paged, bf16, one query token), then
 a barrier, one acq_rel atomic increment of the block's arrival counter (int32, zero between calls: the last arrival
 resets it), and in the last arrival an online merge over the splits' partials (read with .cg loads: L2, never a
 stale L1 line). Partials are float32 as in the product.
@@ -39,8 +39,7 @@ sys.path.insert(0, str(ROOT))
 from mla_compile.kernels import decode as D  # noqa: E402
 from mla_compile.kernels._launch import bind  # noqa: E402
 from mla_compile.kernels._util import cdiv, dot_mode  # noqa: E402
-from mla_compile.kernels.decode_stage1 import (_load_q, _load_tile, _program_tokens, _store_split, _tile_mask,  # noqa: E402
-                                               _tile_slots, _tile_update)
+from mla_compile.kernels.decode_stage1 import _attend_range, _program_tokens, _store_split  # noqa: E402
 
 R, P, PS = 512, 64, 64
 SCALE = 192 ** -0.5
@@ -57,19 +56,9 @@ def _one_launch_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Out, Lse, Count,
                        DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
     b, offs_h, mask_h, split, limit, start, end = _program_tokens(Lens, H, 0, 1, H, 0, 0, 0, n_splits, False, False,
                                                                   BLOCK_H, BLOCK_N)
-    qn0, qn1, qp = _load_q(Qn, Qp, b, offs_h, mask_h, s_qnb, s_qnh, s_qpb, s_qph, R, P, RH, BLOCK_P)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, RH], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, RH], tl.float32)
-    for t0 in range(start, end, BLOCK_N):
-        offs_t = t0 + tl.arange(0, BLOCK_N)
-        page, off, valid = _tile_slots(Table, b, s_tb, offs_t, end, False, PS)
-        page, off = page[:, None], off[:, None]
-        c0, c1, k = _load_tile(Ckv, Kpe, page, off, valid, s_cp, s_cs, s_kp, s_ks, R, P, RH, BLOCK_P)
-        mask = _tile_mask(valid, offs_t, limit, False)
-        m_i, l_i, acc0, acc1 = _tile_update(qn0, qn1, qp, c0, c1, k, mask, m_i, l_i, acc0, acc1, scale_log2,
-                                            True, DOT_PREC, DOT_UPCAST)
+    m_i, l_i, acc0, acc1 = _attend_range(Qn, Qp, Ckv, Kpe, Table, Lens, scale_log2, b, offs_h, mask_h, limit, start,
+                                         end, s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb, 0, 0, False,
+                                         PS, R, P, BLOCK_H, BLOCK_N, RH, BLOCK_P, DOT_PREC, DOT_UPCAST, False, False)
     _store_split(O, L, split, b, offs_h, mask_h, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, R, m_i, l_i, acc0, acc1, RH)
     # every thread's partial stores issued before the arrival is published (the release is cumulative over them)
     tl.debug_barrier()

@@ -189,6 +189,22 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale,
     b, offs_h, mask_h, split, limit, start, end = _program_tokens(Lens, H, n_sparse, n_query, heads_per_query, s_lenb,
                                                                   s_lenq, causal, n_splits, SPARSE, MULTI, BLOCK_H,
                                                                   BLOCK_N)
+    m_i, l_i, acc0, acc1 = _attend_range(Qn, Qp, Ckv, Kpe, Table, Scale, scale_log2, b, offs_h, mask_h, limit, start,
+                                         end, s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb, s_sp, s_ss,
+                                         SPARSE, PS, R, P, BLOCK_H, BLOCK_N, RH, BLOCK_P, DOT_PREC, DOT_UPCAST, MULTI,
+                                         FP8)
+    _store_split(O, L, split, b, offs_h, mask_h, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, R, m_i, l_i, acc0, acc1,
+                 RH)
+
+
+@triton.jit
+def _attend_range(Qn, Qp, Ckv, Kpe, Table, Scale, scale_log2, b, offs_h, mask_h, limit, start, end,
+                  s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb, s_sp, s_ss,
+                  SPARSE: tl.constexpr, PS: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_N: tl.constexpr, RH: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
+                  DOT_UPCAST: tl.constexpr, MULTI: tl.constexpr, FP8: tl.constexpr):
+    """`_stage1_kernel`'s attention of its rows over tokens [start, end): (running max m (base 2), sum l, the two
+    latent halves' accumulators), unnormalised (`_store_split` normalises)."""
     qn0, qn1, qp = _load_q(Qn, Qp, b, offs_h, mask_h, s_qnb, s_qnh, s_qpb, s_qph, R, P, RH, BLOCK_P)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, base-2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -206,8 +222,7 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale,
         mask = _tile_mask(valid, offs_t, limit, MULTI)
         m_i, l_i, acc0, acc1 = _tile_update(qn0, qn1, qp, c0, c1, k, mask, m_i, l_i, acc0, acc1, scale_log2,
                                             True, DOT_PREC, DOT_UPCAST)
-    _store_split(O, L, split, b, offs_h, mask_h, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, R, m_i, l_i, acc0, acc1,
-                 RH)
+    return m_i, l_i, acc0, acc1
 
 
 @triton.jit
