@@ -28,7 +28,7 @@ from . import decode_fp8 as _fp8
 from . import decode_fp8_swapab as _fp8_swapab
 from . import decode_seesaw as _seesaw
 from . import decode_wgmma as _wgmma
-from .scratch import Scratch
+from .scratch import Scratch, empty_maker
 from .merge import merge_bound, merge_into, one_pass_parts  # noqa: F401 (merge_into: benchmarks time the stages apart)
 
 _LOG2E = 1.4426950408889634
@@ -280,10 +280,11 @@ class AttendPlan:
         self.device, self.out_shape, self.lse_shape = q_nope.device, q_nope.shape, (B, H)
         self.sparse, self.n_query = indices is not None, n_query
         self.empty = B * H == 0
-        # the caller's q (before any copy below): whether its strides are row-major (`_runner`)
-        q_row_major = q_nope.stride() == torch.empty(q_nope.shape, device="meta").stride()
+        # the outputs: contiguous out in q's dtype, float32 lse (`scratch.empty_maker`: a template's empty_like)
+        self.fresh_out = empty_maker(q_nope.shape, q_nope.dtype, q_nope.device)
+        self.fresh_lse = empty_maker((B, H), torch.float32, q_nope.device)
         if self.empty:
-            self.run = self._runner(q_row_major)
+            self.run = self._runner()
             return
         # q is read with any batch/head strides; the ops are flexible_layout, so Inductor may also hand over strided
         # lengths / tables. The kernels need unit inner strides only: copy just what lacks them
@@ -342,7 +343,7 @@ class AttendPlan:
             # no faster elsewhere (H200 2026-12-03, two runs whose peers agreed within 2% there: H 16 B 32 1K 20.9
             # -> 28.9 us, H 128 B 32 1K 40.5 -> 58.8, H 128 B 8 1K 19.0 -> 25.7)
             self.partials = Scratch(self.partial_shapes, q_nope.device)
-        self.run = self._runner(q_row_major)
+        self.run = self._runner()
 
     def __call__(self, q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens=None, ckv_scale=None):
         """(out, lse) of this signature's call: `table` the block table (decode), or the index list of a sparse
@@ -368,24 +369,17 @@ class AttendPlan:
         return lambda qn, qp, ckv, kpe, table, lens, scale, o, l: _wgmma.run_stage1(
             stage1, qn, qp, ckv, kpe, table, lens, o, l)
 
-    def _runner(self, q_row_major: bool):
+    def _runner(self):
         """The call as one closure over what this plan fixed: two allocations, the scratch partials, the launches.
         Every eager call pays this path, so it reads no attribute and takes no branch a signature decides (one
         frame fewer per launch than a method reading the plan's fields: benchmarks/lab/host_cpu.py)."""
-        empty, empty_like, f32, lse_shape, device = torch.empty, torch.empty_like, torch.float32, self.lse_shape, \
-            self.device
-        # out has q's shape, dtype and device: empty_like parses less than torch.empty; a q of row-major strides
-        # (the signature fixes them; is_contiguous() ignores a size-1 dim's stride, empty_like keeps it) needs no
-        # memory format either
-        fmt = torch.preserve_format if q_row_major else torch.contiguous_format
+        fresh_out, fresh_lse = self.fresh_out, self.fresh_lse
         if self.empty:
-            return lambda qn, qp, ckv, kpe, table, lens=None, scale=None: (
-                empty_like(qn, memory_format=fmt), empty(lse_shape, dtype=f32, device=device))
+            return lambda qn, qp, ckv, kpe, table, lens=None, scale=None: (fresh_out(), fresh_lse())
         launch, copies = self._stage1_launch(), self.copies
         if self.ns == 1:
             def run(qn, qp, ckv, kpe, table, lens=None, scale=None):
-                out = empty_like(qn, memory_format=fmt)
-                lse = empty(lse_shape, dtype=f32, device=device)
+                out, lse = fresh_out(), fresh_lse()
                 if copies:
                     qn, qp, lens, table = map(_unit_inner_stride, (qn, qp, lens, table))
                 launch(qn, qp, ckv, kpe, table, lens, scale, out, lse)
@@ -396,8 +390,7 @@ class AttendPlan:
         partials, (merge, merge_numbers) = self.partials.get, self.merge
 
         def run_split(qn, qp, ckv, kpe, table, lens=None, scale=None):
-            out = empty_like(qn, memory_format=fmt)
-            lse = empty(lse_shape, dtype=f32, device=device)
+            out, lse = fresh_out(), fresh_lse()
             if copies:
                 qn, qp, lens, table = map(_unit_inner_stride, (qn, qp, lens, table))
             o, l = partials()

@@ -26,7 +26,7 @@ import triton.language as tl
 from .. import topk_order
 from ._util import block, cdiv, dot_mode, mma, next_power_of_2, pdl_enter, pdl_launch
 from ._launch import bind
-from .scratch import Scratch
+from .scratch import Scratch, empty_maker
 
 _NONE = tl.constexpr(topk_order.NONE)
 _LOW = tl.constexpr(2**32 - 1)  # the key's index half (topk_order._LOW)
@@ -216,8 +216,10 @@ def _slots_plan(block_table, seq_lens, page_size: int, topk: int, keyed: bool):
     numbers = (page_size, block_table.shape[1] * page_size, topk)
     strides = (*block_table.stride(), seq_lens.stride(0), topk)  # the output's row stride last
 
+    fresh = empty_maker(shape, torch.int32, device)
+
     def plan(top, block_table, seq_lens):
-        out = torch.empty(shape, dtype=torch.int32, device=device)
+        out = fresh()
         bound(top, block_table, seq_lens, out, *numbers, 0 if top is None else top.stride(0), *strides)
         return out
 
@@ -258,11 +260,12 @@ def _selected_plan(logits, block_table, lens, page_size: int, topk: int, out_dty
     B, T, device = block_table.shape[0], block_table.shape[1] * page_size, block_table.device
     if after_topk is None:
         reused, bound, numbers = _radix_launch(block_table, lens, page_size, topk, keys_out=out_dtype == torch.int64)
+        fresh = empty_maker((B, topk), out_dtype, device)
 
         def plan(q, weights, k_cache, block_table, lens):
             keys, top = reused.get()
             logits(q, weights, k_cache, block_table, lens, keys)
-            out = torch.empty((B, topk), dtype=out_dtype, device=device)
+            out = fresh()
             bound(keys, top, block_table, lens, out, *numbers)
             return out
 

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from ._util import cdiv, pdl_enter, pdl_launch
 from ._launch import bind
+from .scratch import empty_maker
 
 BLOCK_O = 64
 BLOCK_I = 128
@@ -70,8 +71,10 @@ def expert_linear_plan(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.
                  EVEN_I=I % block_i == 0, num_warps=4, num_stages=3, **pdl_launch(x.device))
     numbers = (O, I, E, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), O, 1)
 
+    fresh = empty_maker(shape, dtype, device)
+
     def plan(x, weight, expert_ids):
-        y = torch.empty(shape, dtype=dtype, device=device)
+        y = fresh()
         bound(x, weight, expert_ids, y, *numbers)
         return y
 

@@ -22,7 +22,7 @@ import triton.language as tl
 from .few_token import FEW_TOKEN_ROWS, K_ALIGN, split_width
 from ._util import cdiv, dot_mode, mma, next_power_of_2, pdl_enter, pdl_launch, sm_count
 from ._launch import bind
-from .scratch import Scratch
+from .scratch import Scratch, empty_maker
 
 MAX_M = FEW_TOKEN_ROWS  # the MMA's N side (rows of x padded to it)
 
@@ -185,10 +185,10 @@ def linear_partials_plan(x: torch.Tensor, weights: list[torch.Tensor], splits: i
 
     if len(launches) == 1:  # one pair of weights (the MLA projections' case): one frame to the launch
         ((bound, i, j, numbers),) = launches
-        fresh = torch.empty
+        fresh = empty_maker(shape, torch.float32, device)
 
         def one_pair(x, *weights):
-            part = fresh(shape, dtype=torch.float32, device=device)  # the op's output: a tensor of its own
+            part = fresh()  # the op's output: a tensor of its own
             bound(x, weights[i], weights[j], part, part, *numbers)
             return part
 
@@ -223,9 +223,10 @@ def small_m_plan(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig
     def allocate(outs):
         return [torch.empty(s, dtype=dtype, device=device) for s in shapes] if outs is None else outs
 
-    # the closures below allocate inline (x.new_empty: x's dtype and device, the fewest arguments to parse):
-    # 0.5 us a call less than through `allocate` on a laptop core (benchmarks/lab/host_cpu.py)
-    two, s0, s1 = len(shapes) == 2, shapes[0], shapes[-1]
+    # the closures below allocate inline (`empty_maker`: a template's empty_like), 0.5 us a call less than through
+    # `allocate` on a laptop core (benchmarks/lab/host_cpu.py)
+    two, fresh0, fresh1 = len(shapes) == 2, empty_maker(shapes[0], dtype, device), empty_maker(shapes[-1], dtype,
+                                                                                             device)
     if M == 0 or n0 + n1 == 0 or K == 0:  # nothing to launch (K == 0: the product is all zeros)
         return lambda x, *weights, outs=None: [o.zero_() for o in allocate(outs)]
     meta = [torch.empty(s, device=torch.device("meta")) for s in shapes]  # the outputs' (row-major) strides
@@ -235,7 +236,7 @@ def small_m_plan(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig
 
         def one_pass(x, *weights, outs=None):
             if outs is None:
-                outs = [x.new_empty(s0), x.new_empty(s1)] if two else [x.new_empty(s0)]
+                outs = [fresh0(), fresh1()] if two else [fresh0()]
             bound(x, weights[0], weights[-1], outs[0], outs[-1], *numbers)
             return outs
 
@@ -249,7 +250,7 @@ def small_m_plan(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig
 
     def split_k(x, *weights, outs=None):
         if outs is None:
-            outs = [x.new_empty(s0), x.new_empty(s1)] if two else [x.new_empty(s0)]
+            outs = [fresh0(), fresh1()] if two else [fresh0()]
         (part,) = get()  # this call's intermediate: scratch where it is safe (kernels/scratch.py)
         partial(x, weights[0], weights[-1], part, part, *partial_numbers)
         sum_splits(part, outs[0], outs[-1], *numbers)
@@ -281,8 +282,10 @@ def per_head_plan(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = N
     numbers = (M, N, K, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1), weight.stride(2),
                y.stride(0), y.stride(1), y.stride(2))
 
+    fresh = empty_maker(shape, dtype, device)
+
     def plan(x, weight):
-        y = torch.empty(shape, dtype=dtype, device=device)
+        y = fresh()
         bound(x, weight, y, *numbers)
         return y
 

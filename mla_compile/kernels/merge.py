@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ._util import cdiv, next_power_of_2, pdl_enter, pdl_launch, sm_count
 from ._launch import bind
+from .scratch import empty_maker
 
 
 @triton.jit
@@ -133,13 +134,14 @@ def merge_states_plan(outs: torch.Tensor, lses: torch.Tensor):
     copy = outs.stride(-1) != 1
     outs = outs.contiguous() if copy else outs
     out_shape, lse_shape = outs.shape[1:], lses.shape[1:]
+    fresh_out, fresh_lse = empty_maker(out_shape, outs.dtype, outs.device), empty_maker(lse_shape, lses.dtype,
+                                                                                        lses.device)
     meta = torch.device("meta")
     bound, numbers = merge_bound(outs, lses, torch.empty(out_shape, device=meta), torch.empty(lse_shape, device=meta),
                                  outs.device)
 
     def plan(outs, lses):
-        # new_empty: the inputs' dtypes and device, fewer arguments to parse than torch.empty's
-        out, lse = outs.new_empty(out_shape), lses.new_empty(lse_shape)
+        out, lse = fresh_out(), fresh_lse()
         if bound is not None:
             bound(outs.contiguous() if copy else outs, lses, out, lse, *numbers)
         return out, lse

@@ -19,6 +19,7 @@ alive until it next runs (the views carry the buffer's generation), so at most t
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -26,6 +27,28 @@ import torch
 _local = threading.local()
 _stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _ALIGN = 128  # float32 elements (512 bytes): every view starts aligned as a fresh allocation (Triton keys on it)
+
+
+_SCALARS: dict = {}  # (dtype, device) -> one element made on the legacy default stream: `empty_maker`'s templates
+
+
+def empty_maker(shape, dtype: torch.dtype, device: torch.device):
+    """`fresh()` -> a new uninitialised contiguous tensor of (shape, dtype, device), for a plan's outputs. Where it
+    is safe, `torch.empty_like` of a one-element template expanded to the shape (an expanded tensor is not dense, so
+    empty_like allocates row-major): half of torch.empty's host time (it parses no size / dtype / device; 0.6 vs 1.3
+    us on a laptop core, benchmarks/lab/host_cpu.py). Safe: the template was made outside any CUDA-graph pool, i.e.
+    on the legacy default stream (as `Scratch`'s buffer; cudagraph trees warm up and record on a stream of their
+    own, whose allocations their pool accounts for), or on the CPU. Elsewhere `torch.empty` each call."""
+    device, shape = torch.device(device), tuple(shape)
+    key = (dtype, device)
+    scalar = _SCALARS.get(key)
+    if scalar is None and (device.type != "cuda" or (_stream is not None and _stream(
+            device.index if device.index is not None else torch.cuda.current_device()) == 0)):
+        scalar = _SCALARS[key] = torch.empty((), dtype=dtype, device=device)
+    # (an empty shape too: empty_like would give it zero strides, torch.empty row-major ones, as fake impls do)
+    if scalar is None or 0 in shape:
+        return functools.partial(torch.empty, shape, dtype=dtype, device=device)
+    return functools.partial(torch.empty_like, scalar.expand(shape))
 
 
 class _Buffer:

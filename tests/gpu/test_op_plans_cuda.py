@@ -222,3 +222,20 @@ def test_split_partials_reuse_the_default_stream_scratch_and_not_a_side_stream(m
     torch.cuda.current_stream().wait_stream(side)
     assert_attention(out, lse, *ref_of(b, qn, qp, 0.1), DT)
     assert buffer.generation == 1
+
+
+def test_output_templates_are_made_on_the_default_stream_only(monkeypatch):
+    """`scratch.empty_maker` makes its one-element template outside any CUDA-graph pool: on the legacy default stream.
+    On a side stream (where cudagraph trees warm up and record) it allocates with torch.empty instead and keeps no
+    tensor; either way the outputs are fresh, row-major and on the device."""
+    from mla_compile.kernels import scratch
+
+    monkeypatch.setattr(scratch, "_SCALARS", {})
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        fresh = scratch.empty_maker((4, 16), torch.float16, torch.device("cuda"))
+        out = fresh()
+    assert scratch._SCALARS == {} and out.shape == (4, 16) and out.is_cuda and out.is_contiguous()
+    fresh = scratch.empty_maker((4, 16), torch.float16, torch.device("cuda"))
+    a, b = fresh(), fresh()
+    assert len(scratch._SCALARS) == 1 and a.data_ptr() != b.data_ptr() and a.stride() == (16, 1) and a.is_cuda

@@ -100,3 +100,18 @@ def test_fresh_tensors_are_derived_too():
     p = S.Scratch([(2, 3, 10)], torch.device("cpu"), lambda part: (part, part[:, :, :4]))
     part, left = p.fresh()
     assert part.shape == (2, 3, 10) and left.data_ptr() == part.data_ptr() and p.fresh()[0].data_ptr() != part.data_ptr()
+
+
+@pytest.mark.parametrize("shape", [(3, 16, 512), (1, 16), (2, 1, 7), (0, 16), (), (2, 3, 4, 5), (2, 1, 4, 5, 6)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int32])
+def test_empty_maker_gives_fresh_row_major_tensors(shape, dtype):
+    """A plan's output maker (`empty_maker`: empty_like of an expanded one-element template on the CPU): every call a
+    new tensor of its own storage, the shape, dtype and device asked for, row-major strides even for size-1 dims."""
+    fresh = S.empty_maker(shape, dtype, torch.device("cpu"))
+    a, b = fresh(), fresh()
+    want = torch.empty(shape, dtype=dtype)
+    for t in (a, b):
+        assert t.shape == want.shape and t.dtype == dtype and t.device.type == "cpu" and t.stride() == want.stride()
+    if a.numel():
+        assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+        assert a.untyped_storage().nbytes() == a.numel() * a.element_size()  # not a view of the template
