@@ -89,14 +89,22 @@ except ImportError:  # pragma: no cover - a torch without Dynamo's C++ guards
 _GUARDS = _TensorGuards is not None and _guards_work()
 
 
-# the current CUDA device's index without torch.cuda's Python (a CPU-only torch has no CUDA device: -1)
+# the current CUDA device's index without torch.cuda's Python (a CPU-only torch has no CUDA device: -1), and the
+# tuning in effect as `tuning.current` reads it, without its frame
 _device_index = getattr(torch._C, "_cuda_getDevice", None) or (lambda: -1)
-_current_tuning = tuning.current
+_current_tuning = tuning._current.get
 
+if _TABLE is not None and _ENCODE is not None:
+    _table_get = _TABLE.get
 
-def _state() -> tuple:
-    """What a plan's choices read besides the call's arguments: the current device, the tuning, the switches."""
-    return _device_index(), _current_tuning(), _switches()
+    def _state() -> tuple:
+        """What a plan's choices read besides the call's arguments: the current device, the tuning, the switches
+        (`_switches` written out: every planned call asks)."""
+        return _device_index(), _current_tuning(), tuple(map(_table_get, _KEYS))
+else:  # pragma: no cover - a Python without os.environ's encoded table
+    def _state() -> tuple:
+        """What a plan's choices read besides the call's arguments: the current device, the tuning, the switches."""
+        return _device_index(), _current_tuning(), _switches()
 
 
 def _items(positions: tuple):
