@@ -71,7 +71,8 @@ def tensors(device) -> dict:
     rnd = (lambda *s, dtype=DT: torch.randn(*s, dtype=dtype, device=device)) if real else \
           (lambda *s, dtype=DT: torch.empty(*s, dtype=dtype, device=device))
     pages = L // PS + 1
-    t = dict(qn=rnd(B, H, R), qp=rnd(B, H, P), ckv=rnd(pages, PS, R), kpe=rnd(pages, PS, P),
+    t = dict(qn=rnd(B, H, R), qp=rnd(B, H, P), qn2=rnd(B, 2, H, R), qp2=rnd(B, 2, H, P), ckv=rnd(pages, PS, R),
+             kpe=rnd(pages, PS, P),
              table=torch.arange(L // PS, dtype=torch.int32, **g)[None] if real else torch.empty(1, L // PS,
                                                                                               dtype=torch.int32, **g),
              lens=torch.full((B,), L, dtype=torch.int32, **g) if real else torch.empty(B, dtype=torch.int32, **g),
@@ -91,6 +92,8 @@ def op_calls(t: dict) -> dict:
     ops = torch.ops
     return {
         "mla.decode": lambda: ops.mla.decode(t["qn"], t["qp"], t["ckv"], t["kpe"], t["table"], t["lens"], 0.1),
+        # two query tokens per request (MTP / speculative verification: q [B, S, H, *])
+        "mla.decode S=2": lambda: ops.mla.decode(t["qn2"], t["qp2"], t["ckv"], t["kpe"], t["table"], t["lens"], 0.1),
         "mla.sparse_decode": lambda: ops.mla.sparse_decode(t["qn"], t["qp"], t["ckv"], t["kpe"], t["idx"], 0.1),
         "mla.merge_states": lambda: ops.mla.merge_states(t["outs"], t["lses"]),
         "mla.cache_write": lambda: ops.mla.cache_write(t["ckv"], t["kpe"], t["ckv_new"], t["kpe_new"], t["slots"]),

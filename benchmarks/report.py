@@ -444,7 +444,7 @@ FLASHINFER_ROW = "peer: flashinfer run"
 def _host_goal(name: str, ops: dict) -> tuple[float, str]:
     """(the host us a call may take in this loop, how the goal reads): the absolute goal, or its multiple of
     FlashInfer's run where the loop timed it."""
-    goal = HOST_GOAL_US.get(name, HOST_GOAL_OTHER_US)
+    goal = HOST_GOAL_US.get(name.split(" ")[0], HOST_GOAL_OTHER_US)  # "mla.decode S=2": decode's goal
     fi = ops.get(FLASHINFER_ROW)
     if isinstance(fi, (int, float)) and fi > 0:
         x = goal / HOST_GOAL_FLASHINFER_US

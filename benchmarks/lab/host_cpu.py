@@ -35,9 +35,10 @@ import host_overhead as HO  # noqa: E402  (HOST_ROOT=<checkout>: that checkout's
 import mla_compile.ops  # noqa: E402
 
 
-def _cpu_as_cuda(counts: dict | None = None) -> None:
+def _cpu_as_cuda(counts: dict | None = None, stub_launches: bool = True) -> None:
     """Route the CPU dispatch key of our ops to their CUDA impls and let plans key CPU tensors. `counts`: count each
-    op's CUDA-impl calls in it (by qualname; a wrapper, so not for timing)."""
+    op's CUDA-impl calls in it (by qualname; a wrapper, so not for timing). stub_launches False: the kernels run
+    (under TRITON_INTERPRET=1, `check`)."""
     from mla_compile.kernels import _launch, scratch
     from mla_compile.ops import _plans, _registry
 
@@ -51,7 +52,8 @@ def _cpu_as_cuda(counts: dict | None = None) -> None:
         self.index = 0
 
     scratch.Scratch.__init__ = scratch_on_device_0
-    _launch.Bound.__call__ = lambda self, *args: None
+    if stub_launches:
+        _launch.Bound.__call__ = lambda self, *args: None
     cpu, cuda = torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA
     for registered in _ops(_registry):
         if cuda in registered._kernels:
@@ -110,6 +112,59 @@ def _ops(registry) -> list:
     return [o for o in gc.get_objects() if isinstance(o, registry.Op)]
 
 
+def _check_cases():
+    """name -> (a call of the op on small CPU tensors): one and S query tokens, [B] and [B, S] limits, index lists of
+    one and S tokens; shuffled pages whose unused slots hold NaN."""
+    from mla_compile import paged
+
+    g = torch.Generator().manual_seed(3)
+    R, P, PS, H, dt = 32, 16, 16, 4, torch.bfloat16
+    lens = [37, 5]
+    batch = paged.fill_paged([torch.randn(n, R, generator=g).to(dt) for n in lens],
+                             [torch.randn(n, P, generator=g).to(dt) for n in lens], PS, generator=g, spare_pages=1)
+    c, k, bt, sl = batch.ckv_cache, batch.kpe_cache, batch.block_table, batch.seq_lens
+
+    def q(*lead):
+        return torch.randn(*lead, R, generator=g).to(dt), torch.randn(*lead, P, generator=g).to(dt)
+
+    (q3, p3), (q4, p4), (q1, p1) = q(2, H), q(2, 2, H), q(2, 1, H)
+    limits = torch.tensor([[30, 37], [4, 5]], dtype=torch.int32)
+    tokens = torch.tensor([[3, 17, -1, 36], [4, 0, 2, -1]])  # positions < each length, -1: none
+    idx3 = torch.where(tokens >= 0, bt.long().gather(1, tokens.clamp_min(0) // PS) * PS + tokens.clamp_min(0) % PS,
+                       -1).int()  # their physical slots
+    idx4 = torch.stack([idx3, idx3.flip(1)], 1)  # [B, S, K]
+    d, sd = torch.ops.mla.decode, torch.ops.mla.sparse_decode
+    return {
+        "decode": lambda: d(q3, p3, c, k, bt, sl, 0.2),
+        "decode S=2": lambda: d(q4, p4, c, k, bt, sl, 0.2),
+        "decode S=2 limits": lambda: d(q4, p4, c, k, bt, limits, 0.2),
+        "decode S=1 limits": lambda: d(q1, p1, c, k, bt, limits[:, 1:].contiguous(), 0.2),
+        "sparse_decode": lambda: sd(q3, p3, c, k, idx3, 0.2),
+        "sparse_decode S=2": lambda: sd(q4, p4, c, k, idx4, 0.2),
+    }
+
+
+def check() -> dict:
+    """The CUDA impls, rerouted to CPU tensors with their kernels interpreted (TRITON_INTERPRET=1), against the CPU
+    impls on the same calls: each call twice (a plan made, then found as a recent signature). Returns name ->
+    (max |out - ref| / max |ref|, max |lse - ref| over finite lses, same empty rows)."""
+    cases = _check_cases()
+    with torch.no_grad():
+        want = {name: call() for name, call in cases.items()}
+        _cpu_as_cuda(stub_launches=False)
+        res = {}
+        for name, call in cases.items():
+            for _ in range(2):
+                out, lse = call()
+            w_out, w_lse = want[name]
+            finite = torch.isfinite(w_lse)
+            e_out = float((out.float() - w_out.float()).abs().max() / w_out.float().abs().max())
+            e_lse = float((lse[finite] - w_lse[finite]).abs().max()) if finite.any() else 0.0
+            res[name] = (e_out, e_lse, bool(torch.equal(torch.isfinite(lse), finite)), tuple(out.shape) ==
+                         tuple(w_out.shape))
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=20000)
@@ -119,7 +174,19 @@ def main(argv=None) -> int:
     ap.add_argument("--compiled", action="store_true",
                     help="also the ops inside default-mode compiled graphs (host_overhead.bench_compiled)")
     ap.add_argument("--profile", nargs="*", default=[], metavar="OP", help="cProfile these ops' calls (own us per call)")
+    ap.add_argument("--check", action="store_true",
+                    help="instead: the CUDA impls' results (kernels interpreted) against the CPU impls'")
     a = ap.parse_args(argv)
+    if a.check:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--check interprets the kernels: run with TRITON_INTERPRET=1 set before Python starts")
+        res = check()
+        ok = all(eo < 2e-2 and el < 1e-2 and empty and shape for eo, el, empty, shape in res.values())
+        for name, row in res.items():
+            print(f"check {name:20s} out {row[0]:.1e} lse {row[1]:.1e} empty rows {row[2]} shape {row[3]}")
+        if a.json:
+            a.json.write_text(json.dumps({"check": res, "ok": ok}, indent=1))
+        return 0 if ok else 1
     counts = {} if a.plans else None
     _cpu_as_cuda(counts)
     t = HO.tensors("cpu")
@@ -146,7 +213,8 @@ def main(argv=None) -> int:
         d = {"provenance": "cpu, launches stubbed", "torch": torch.__version__,
              "mla_compile": str(Path(mla_compile.ops.__file__).parents[1]), "ops": res, "compiled": compiled}
         if counts is not None:  # op row -> CUDA-impl calls
-            d["plans"] = {name: counts.get(name.replace(".", "::"), 0) for name in res if not name.startswith("floor")}
+            d["plans"] = {name: counts.get(name.split(" ")[0].replace(".", "::"), 0) for name in res
+                          if not name.startswith("floor")}
             d["kept_plans"] = _kept_plans()
         a.json.write_text(json.dumps(d, indent=1))
     return 0

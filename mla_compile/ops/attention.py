@@ -12,7 +12,7 @@ import torch
 
 from .. import fp8
 from . import _checks as C
-from ._plans import Plans, dispatch_module, dispatch_plan
+from ._plans import Plans, dispatch_module
 from ._registry import define
 
 _NEG_INF = float("-inf")
@@ -306,44 +306,48 @@ def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_s
 
 _DECODE_PLANS = Plans()
 _SPARSE_PLANS = Plans()
-_make_sparse_plan = dispatch_plan("sparse_decode_plan")
 
 
 def _make_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale):
+    """(plan, keep) for `Plans.run`: q [B, H, *] -> kernels/dispatch.py's plan; q [B, S, H, *] -> `_folded_plan`."""
+    if q_nope.dim() == 4:
+        return _folded_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale)
     return dispatch_module().decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
                                          ckv_scale=ckv_scale)
 
 
 @decode.register_kernel("cuda")
 def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale=None):
-    # one token per request, a kernel's dtype: a plan per signature (ops/_plans.py), checked when it is made
-    if q_nope.dim() == 3 and q_nope.dtype != torch.float64:
+    # a kernel's dtype (one or S query tokens): a plan per signature (ops/_plans.py), checked when it is made
+    if q_nope.dtype != torch.float64:
         return _DECODE_PLANS.run((q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, ckv_scale), (sm_scale,),
                                  check_decode_args, _make_decode_plan,
                                  (q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale))
+    # no kernel computes in float64: the reference, at a static width
     check_decode_args(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale)
-    if q_nope.dtype == torch.float64:  # no kernel computes in float64: the reference, at a static width
-        slots, valid, seen = _decode_all_slots(q_nope, ckv_cache, block_table, seq_lens)
-        return attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale, seen, ckv_scale)
-    from ..kernels import dispatch
-
-    return _decode_folded(dispatch.decode, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
-                          ckv_scale)
+    slots, valid, seen = _decode_all_slots(q_nope, ckv_cache, block_table, seq_lens)
+    return attend_slots(q_nope, q_pe, ckv_cache, kpe_cache, slots, valid, sm_scale, seen, ckv_scale)
 
 
-def _decode_folded(kernel, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale=None):
-    """q [B, S, H, *] through a kernel entry that takes rows: S folded into them ([B, S*H, *], row j*H + h; a view
-    where q's strides allow), n_query = S. S = 1 is the one-token call (its limits column as the lengths)."""
+def _folded_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale=None):
+    """(plan, keep): q [B, S, H, *] through the kernels' plan for rows: S folded into them ([B, S*H, *], row j*H + h;
+    a view where q's strides allow), n_query = S; S = 1 is the one-token call (its limits column as the lengths).
+    Made once per signature like the one-token plan (a plan made per call cost ~20x the planned call's host time:
+    benchmarks/lab/host_cpu.py), its outputs viewed back as [B, S, H, R] / [B, S, H]."""
     B, S, H, R = q_nope.shape
-    rows = (B, S * H)
-    qn, qp = q_nope.reshape(*rows, R), q_pe.reshape(*rows, q_pe.shape[-1])
-    if S == 1:
-        out, lse = kernel(qn, qp, ckv_cache, kpe_cache, block_table,
-                          seq_lens[:, 0] if seq_lens.dim() == 2 else seq_lens, sm_scale, ckv_scale=ckv_scale)
-    else:
-        out, lse = kernel(qn, qp, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=S,
-                          ckv_scale=ckv_scale)
-    return out.view(B, S, H, R), lse.view(B, S, H)
+    P = q_pe.shape[-1]
+    rows, out_shape, lse_shape = (B, S * H), (B, S, H, R), (B, S, H)
+    first_limit = S == 1 and seq_lens.dim() == 2  # one query token's [B, 1] limits: the lengths themselves
+    inner, keep = dispatch_module().decode_plan(q_nope.reshape(*rows, R), q_pe.reshape(*rows, P), ckv_cache,
+                                                kpe_cache, block_table, seq_lens[:, 0] if first_limit else seq_lens,
+                                                sm_scale, n_query=S, ckv_scale=ckv_scale)
+
+    def plan(qn, qp, ckv, kpe, table, lens, scale=None):
+        out, lse = inner(qn.reshape(*rows, R), qp.reshape(*rows, P), ckv, kpe, table, lens[:, 0] if first_limit else
+                         lens, scale)
+        return out.view(out_shape), lse.view(lse_shape)
+
+    return plan, keep
 
 
 def _decode_setup_context(ctx, inputs, output):
@@ -418,18 +422,32 @@ def _(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
 
 @sparse_decode.register_kernel("cuda")
 def _(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
-    if q_nope.dim() == 3 and q_nope.dtype != torch.float64:  # as mla::decode's impl: a plan per signature
+    if q_nope.dtype != torch.float64:  # as mla::decode's impl: a plan per signature (one or S query tokens)
         # the plan's arguments (`dispatch.sparse_decode_plan`): the lengths' place empty
         return _SPARSE_PLANS.run((q_nope, q_pe, ckv_cache, kpe_cache, indices, None, ckv_scale), (sm_scale,),
                                  check_sparse_args, _make_sparse_plan,
                                  (q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale))
+    # no kernel computes in float64: the reference
     check_sparse_args(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale)
-    if q_nope.dtype == torch.float64:  # no kernel computes in float64: the reference
-        return _sparse_reference(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale)
-    from ..kernels import dispatch
+    return _sparse_reference(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale)
 
+
+def _make_sparse_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale):
+    """(plan, keep) for `Plans.run`: q [B, H, *] -> kernels/dispatch.py's plan; q [B, S, H, *] with [B, S, K] index
+    lists -> the same over [B*S, H, *] (`_tokens_as_batch`), its outputs viewed back."""
+    dispatch = dispatch_module()
+    if q_nope.dim() == 3:
+        return dispatch.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale)
     qn, qp, idx = _tokens_as_batch(q_nope, q_pe, indices)
-    return _unfold(q_nope, *dispatch.sparse_decode(qn, qp, ckv_cache, kpe_cache, idx, sm_scale, ckv_scale=ckv_scale))
+    inner, keep = dispatch.sparse_decode_plan(qn, qp, ckv_cache, kpe_cache, idx, sm_scale, ckv_scale)
+    out_shape, lse_shape = q_nope.shape, q_nope.shape[:-1]
+
+    def plan(qn, qp, ckv, kpe, idx, lens=None, scale=None):
+        qn, qp, idx = _tokens_as_batch(qn, qp, idx)
+        out, lse = inner(qn, qp, ckv, kpe, idx, None, scale)
+        return out.view(out_shape), lse.view(lse_shape)
+
+    return plan, keep
 
 
 def _sparse_setup_context(ctx, inputs, output):

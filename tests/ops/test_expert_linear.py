@@ -101,7 +101,11 @@ def test_fuzz_against_float64(S, E, O, I, dtype, transposed, id_dtype, seed):
     assert y.shape == (S, O) and y.dtype == dtype
     want = expert_linear_ref(x, w, ids)
     if want.numel() and want.norm() > 0:
-        assert rel(y, want) < TOL[dtype], f"rel err {rel(y, want):.2e}"
+        # each output against the size of its products (|x| . |w|): a dot product's rounding scales with its terms,
+        # not with a result that cancels (S=1 O=1 I=19 fp32 came out 1.02e-5 off relative to the result)
+        scale = expert_linear_ref(x.double().abs(), w.double().abs(), ids).clamp_min(1e-30)
+        err = float(((y.double() - want.double()).abs() / scale).max())
+        assert err < TOL[dtype], f"err {err:.2e} of |x| . |w|"
     else:
         assert not y.any()
 
