@@ -83,7 +83,8 @@ def tensors(device) -> dict:
              x=rnd(1, 2048), w_a=rnd(1536, 2048), w_b=rnd(576, 2048), xh=rnd(B, H, 128), wh=rnd(H, R, 128),
              xe=rnd(2, 2048), we=rnd(8, 1024, 2048), eid=(torch.tensor([1, 6], **g) if real else
                                                           torch.empty(2, dtype=torch.int64, **g)),
-             iq=rnd(B, 64, 128), iw=rnd(B, 64, dtype=torch.float32), ik=rnd(pages, PS, 128))
+             iq=rnd(B, 64, 128), iw=rnd(B, 64, dtype=torch.float32), ik=rnd(pages, PS, 128),
+             iq2=rnd(B, 2, 64, 128), iw2=rnd(B, 2, 64, dtype=torch.float32))
     return t
 
 
@@ -102,6 +103,8 @@ def op_calls(t: dict) -> dict:
         "mla.per_head_linear": lambda: ops.mla.per_head_linear(t["xh"], t["wh"]),
         "mla.expert_linear": lambda: ops.mla.expert_linear(t["xe"], t["we"], t["eid"]),
         "dsa.indexer_topk": lambda: ops.dsa.indexer_topk(t["iq"], t["iw"], t["ik"], t["table"], t["lens"], 256, 0.1),
+        "dsa.indexer_topk S=2": lambda: ops.dsa.indexer_topk(t["iq2"], t["iw2"], t["ik"], t["table"], t["lens"], 256,
+                                                             0.1),
         "dsa.k_only_indices": lambda: ops.dsa.k_only_indices(t["table"], t["lens"], PS, 2048),
     }
 

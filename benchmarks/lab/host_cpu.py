@@ -113,8 +113,9 @@ def _ops(registry) -> list:
 
 
 def _check_cases():
-    """name -> (a call of the op on small CPU tensors): one and S query tokens, [B] and [B, S] limits, index lists of
-    one and S tokens; shuffled pages whose unused slots hold NaN."""
+    """name -> (a call of the op on small CPU tensors): decode of one and S query tokens, [B] and [B, S] limits,
+    index lists of one and S tokens, the DSA indexer and k-only indices of one and S tokens; shuffled pages whose
+    unused slots hold NaN."""
     from mla_compile import paged
 
     g = torch.Generator().manual_seed(3)
@@ -134,7 +135,21 @@ def _check_cases():
                        -1).int()  # their physical slots
     idx4 = torch.stack([idx3, idx3.flip(1)], 1)  # [B, S, K]
     d, sd = torch.ops.mla.decode, torch.ops.mla.sparse_decode
+    # the DSA indexer on small integers (every score exact: the kernel and the CPU impl rank alike, ties included),
+    # keys on pages of 16, top 8 of up to 37 tokens (lengths 37 and 5: one row ranked, one the k-only identity)
+    Di, Hi, k_cache = 16, 4, torch.randint(-3, 4, (batch.ckv_cache.shape[0], PS, 16), generator=g).to(dt)
+
+    def iq(*lead):
+        return (torch.randint(-3, 4, (*lead, Hi, Di), generator=g).to(dt),
+                torch.randint(0, 3, (*lead, Hi), generator=g).float())
+
+    (iq3, iw3), (iq4, iw4) = iq(2), iq(2, 2)
+    it, ko = torch.ops.dsa.indexer_topk, torch.ops.dsa.k_only_indices
     return {
+        "indexer_topk": lambda: it(iq3, iw3, k_cache, bt, sl, 8, 1.0),
+        "indexer_topk S=2": lambda: it(iq4, iw4, k_cache, bt, sl, 8, 1.0),
+        "k_only_indices": lambda: ko(bt, sl, PS, 64),
+        "k_only_indices S=2": lambda: ko(bt, sl, PS, 64, 2),
         "decode": lambda: d(q3, p3, c, k, bt, sl, 0.2),
         "decode S=2": lambda: d(q4, p4, c, k, bt, sl, 0.2),
         "decode S=2 limits": lambda: d(q4, p4, c, k, bt, limits, 0.2),
@@ -155,7 +170,12 @@ def check() -> dict:
         res = {}
         for name, call in cases.items():
             for _ in range(2):
-                out, lse = call()
+                got = call()
+            if isinstance(got, torch.Tensor):  # slot lists: exactly the CPU impl's
+                res[name] = (0.0 if torch.equal(got, want[name]) else float("inf"), 0.0, True,
+                             got.shape == want[name].shape)
+                continue
+            out, lse = got
             w_out, w_lse = want[name]
             finite = torch.isfinite(w_lse)
             e_out = float((out.float() - w_out.float()).abs().max() / w_out.float().abs().max())

@@ -148,19 +148,28 @@ def _(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
 
 @indexer_topk.register_kernel("cuda")
 def _indexer_topk_cuda(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
-    if q.dim() == 4:  # S query tokens: one row per token, through a plan made for this call
-        dispatch = dispatch_module()
-        check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)
-        B, S = q.shape[:2]
-        table, lens = per_query_token(block_table, seq_lens, S)
-        out = dispatch.indexer_topk(q.reshape(B * S, *q.shape[2:]), weights.reshape(B * S, -1), k_cache, table, lens,
-                                    topk, sm_scale)
-        return out.view(B, S, topk)
     return _PLANS.run((q, weights, k_cache, block_table, seq_lens), (topk, sm_scale), check_indexer_args,
                       _make_indexer_plan, (q, weights, k_cache, block_table, seq_lens, topk, sm_scale))
 
 
-_make_indexer_plan = dispatch_plan("indexer_topk_plan")
+def _make_indexer_plan(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
+    """(plan, keep) for `Plans.run`: q [B, Hi, Di] -> kernels/dispatch.py's plan; q [B, S, Hi, Di] (S query tokens)
+    -> the same over B*S rows of their own (`per_query_token`, device ops each call), made once per signature."""
+    dispatch = dispatch_module()
+    if q.dim() == 3:
+        return dispatch.indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)
+    B, S = q.shape[:2]
+    rows_q, rows_w = (B * S, *q.shape[2:]), (B * S, weights.shape[-1])
+    inner, keep = dispatch.indexer_topk_plan(q.reshape(rows_q), weights.reshape(rows_w), k_cache,
+                                             *per_query_token(block_table, seq_lens, S), topk, sm_scale)
+
+    def plan(q, weights, k_cache, block_table, seq_lens):
+        out = inner(q.reshape(rows_q), weights.reshape(rows_w), k_cache, *per_query_token(block_table, seq_lens, S))
+        return out.view(B, S, topk)
+
+    return plan, keep
+
+
 _make_k_only_plan = dispatch_plan("k_only_indices_plan")
 
 
@@ -211,9 +220,18 @@ def _(block_table, seq_lens, page_size, topk, n_query=1):
     if n_query == 1:  # a plan per signature (ops/_plans.py)
         return _K_ONLY_PLANS.run((block_table, seq_lens), (page_size, topk), check_k_only_args, _make_k_only_plan,
                                  (block_table, seq_lens, page_size, topk))
-    dispatch = dispatch_module()
-    check_k_only_args(block_table, seq_lens, page_size, topk, n_query)
-    if n_query > 1:
-        table, lens = per_query_token(block_table, seq_lens, n_query)
-        return dispatch.k_only_indices(table, lens, page_size, topk).view(block_table.shape[0], n_query, topk)
-    return dispatch.k_only_indices(block_table, seq_lens, page_size, topk)
+    # S query tokens: B*S rows of their own (`per_query_token`), a plan per signature too
+    return _K_ONLY_PLANS.run((block_table, seq_lens), (page_size, topk, n_query), check_k_only_args,
+                             _make_k_only_tokens_plan, (block_table, seq_lens, page_size, topk, n_query))
+
+
+def _make_k_only_tokens_plan(block_table, seq_lens, page_size, topk, n_query):
+    """(plan, keep): `dsa::k_only_indices` of n_query > 1 query tokens per request, its [B*S] rows viewed back."""
+    inner, keep = dispatch_module().k_only_indices_plan(*per_query_token(block_table, seq_lens, n_query), page_size,
+                                                        topk)
+    shape = (block_table.shape[0], n_query, topk)
+
+    def plan(block_table, seq_lens):
+        return inner(*per_query_token(block_table, seq_lens, n_query)).view(shape)
+
+    return plan, keep

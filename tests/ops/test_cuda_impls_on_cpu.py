@@ -1,4 +1,5 @@
-"""The ops' CUDA impls (plans, folded multi-token plans, index-list batches, output makers) without a GPU:
+"""The ops' CUDA impls (plans, folded multi-token plans, index-list and query-token batches, output makers) without a
+GPU:
 benchmarks/lab/host_cpu.py --check reroutes them to CPU tensors with their Triton kernels interpreted and compares
 every result with the CPU impl's on the same call, each call made twice (the plan made, then found as a recent
 signature). A subprocess: TRITON_INTERPRET must be set before triton is imported, and the probe rewires torch._C's
@@ -27,7 +28,8 @@ def test_cuda_impls_match_the_cpu_impls_under_the_interpreter(tmp_path):
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     d = json.loads(out.read_text())
     assert set(d["check"]) == {"decode", "decode S=2", "decode S=2 limits", "decode S=1 limits", "sparse_decode",
-                               "sparse_decode S=2"}
+                               "sparse_decode S=2", "indexer_topk", "indexer_topk S=2", "k_only_indices",
+                               "k_only_indices S=2"}
     for name, (e_out, e_lse, same_empty, same_shape) in d["check"].items():
         assert same_shape and same_empty and e_out < 2e-2 and e_lse < 1e-2, (name, e_out, e_lse)
     assert d["ok"]
