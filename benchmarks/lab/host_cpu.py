@@ -114,8 +114,8 @@ def _ops(registry) -> list:
 
 def _check_cases():
     """name -> (a call of the op on small CPU tensors): decode of one and S query tokens, [B] and [B, S] limits,
-    index lists of one and S tokens, the DSA indexer and k-only indices of one and S tokens; shuffled pages whose
-    unused slots hold NaN."""
+    index lists of one and S tokens, the DSA indexer and k-only indices of one and S tokens, FP8 cache writes;
+    shuffled pages whose unused slots hold NaN."""
     from mla_compile import paged
 
     g = torch.Generator().manual_seed(3)
@@ -145,7 +145,26 @@ def _check_cases():
 
     (iq3, iw3), (iq4, iw4) = iq(2), iq(2, 2)
     it, ko = torch.ops.dsa.indexer_topk, torch.ops.dsa.k_only_indices
+    # FP8 cache writes (R 128, P 16 bf16 rope: one scale group), into a fresh buffer each call (the result compared)
+    from mla_compile import fp8
+
+    new_c, new_k = torch.randn(3, 128, generator=g).to(dt), torch.randn(3, 16, generator=g).to(dt)
+    slots = torch.tensor([5, -1, 40])
+
+    def write_tokens():
+        buf = fp8.allocate(4, PS, 128, 16, torch.device("cpu"), dt)[0].zero_()
+        torch.ops.mla.cache_write_fp8_tokens(buf, new_c, new_k, slots)
+        return buf
+
+    def write_views():
+        buf = fp8.allocate(4, PS, 128, 16, torch.device("cpu"), dt)[0].zero_()
+        c8, sc, kp = fp8.views(buf, 128, dt)
+        torch.ops.mla.cache_write_fp8(c8, kp, sc, new_c, new_k, slots)
+        return buf
+
     return {
+        "cache_write_fp8_tokens": write_tokens,
+        "cache_write_fp8": write_views,
         "indexer_topk": lambda: it(iq3, iw3, k_cache, bt, sl, 8, 1.0),
         "indexer_topk S=2": lambda: it(iq4, iw4, k_cache, bt, sl, 8, 1.0),
         "k_only_indices": lambda: ko(bt, sl, PS, 64),
@@ -171,7 +190,7 @@ def check() -> dict:
         for name, call in cases.items():
             for _ in range(2):
                 got = call()
-            if isinstance(got, torch.Tensor):  # slot lists: exactly the CPU impl's
+            if isinstance(got, torch.Tensor):  # slot lists, written cache bytes: exactly the CPU impl's
                 res[name] = (0.0 if torch.equal(got, want[name]) else float("inf"), 0.0, True,
                              got.shape == want[name].shape)
                 continue

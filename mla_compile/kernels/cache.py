@@ -65,6 +65,23 @@ def cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots):
     return plan
 
 
+def cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
+    """`plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots)` writes any FP8 call of this signature (ops/_plans.py):
+    `fp8.quantize` (device ops) and one bound launch."""
+    if ckv.shape[0] == 0:
+        return lambda *tensors: None
+    copy_k = kpe.stride(-1) != 1
+    q, scales = fp8.quantize(ckv)  # this signature's quantized rows: their strides
+    bound, numbers = _write_launch(ckv_cache, kpe_cache, q, kpe.contiguous() if copy_k else kpe, ckv_scale, scales,
+                                   True)
+
+    def plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
+        q, scales = fp8.quantize(ckv)
+        bound(ckv_cache, kpe_cache, q, kpe.contiguous() if copy_k else kpe, slots, ckv_scale, scales, *numbers)
+
+    return plan
+
+
 def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None) -> None:
     """ckv_scale given: an FP8 cache; ckv is quantized here by `fp8.quantize` (device ops, no host sync) and the
     kernel scatters values and scales."""

@@ -380,6 +380,13 @@ def cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots):
     return _cache.cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots), True
 
 
+def cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
+    """(plan, keep): `plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots)` for an FP8 cache (quantized on write)."""
+    if rope_less(kpe):
+        return (lambda c, k, s, ckv, kpe, slots: cache_write(c, k, ckv, kpe, slots, s)), True
+    return _cache.cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots), True
+
+
 def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None):
     """ckv_scale given: an FP8 cache, ckv quantized on the way in (kernels/cache.py)."""
     if rope_less(kpe):

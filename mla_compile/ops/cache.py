@@ -6,7 +6,7 @@ import torch
 
 from .. import fp8
 from . import _checks as C
-from ._plans import Plans, dispatch_plan
+from ._plans import Plans, dispatch_module, dispatch_plan
 from ._registry import define
 
 
@@ -143,10 +143,16 @@ def _(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
 
 @cache_write_fp8.register_kernel("cuda")
 def _(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
-    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
-    from ..kernels import dispatch
+    args = (ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots)
+    _FP8_PLANS.run(args, (), _check_fp8_write, _make_fp8_write_plan, args)
 
-    dispatch.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
+
+def _check_fp8_write(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
+    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
+
+
+_FP8_PLANS = Plans()  # mla::cache_write_fp8 and, through its views, mla::cache_write_fp8_tokens (ops/_plans.py)
+_make_fp8_write_plan = dispatch_plan("cache_write_fp8_plan")
 
 
 # The buffer-level write that compiled code uses: the graph then mutates its input (the token buffer) directly. Through
@@ -197,7 +203,22 @@ def _(token_buf, ckv, kpe, slots):
 
 @cache_write_fp8_tokens.register_kernel("cuda")
 def _(token_buf, ckv, kpe, slots):
-    ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale = _token_views(token_buf, ckv, kpe, slots)
-    from ..kernels import dispatch
+    _TOKEN_PLANS.run((token_buf, ckv, kpe, slots), (), _token_views, _make_token_write_plan, (token_buf, ckv, kpe,
+                                                                                             slots))
 
-    dispatch.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
+
+_TOKEN_PLANS = Plans()  # mla::cache_write_fp8_tokens (ops/_plans.py)
+
+
+def _make_token_write_plan(token_buf, ckv, kpe, slots):
+    """(plan, keep): the buffer's three views per call (`fp8.views`), then `mla::cache_write_fp8`'s plan on them."""
+    R, rope_dtype = ckv.shape[1], kpe.dtype
+    ckv_cache, ckv_scale, kpe_cache = fp8.views(token_buf, R, rope_dtype)
+    inner, keep = dispatch_module().cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots)
+    views = fp8.views
+
+    def plan(token_buf, ckv, kpe, slots):
+        ckv_cache, ckv_scale, kpe_cache = views(token_buf, R, rope_dtype)
+        inner(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots)
+
+    return plan, keep
