@@ -49,6 +49,7 @@ if os.environ.get("HOST_ROOT"):  # A/B: another checkout's mla_compile, ahead of
     sys.path.insert(0, os.environ["HOST_ROOT"])
     sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__name__", type(f).__name__).lower()]
 import mla_compile.ops  # noqa: E402,F401  (registers the ops)
+from mla_compile import fp8  # noqa: E402
 from mla_compile.ops import _checks as C  # noqa: E402
 from mla_compile.ops import _registry, attention, cache, dsa, experts, linear, merge  # noqa: E402
 
@@ -84,7 +85,9 @@ def tensors(device) -> dict:
              xe=rnd(2, 2048), we=rnd(8, 1024, 2048), eid=(torch.tensor([1, 6], **g) if real else
                                                           torch.empty(2, dtype=torch.int64, **g)),
              iq=rnd(B, 64, 128), iw=rnd(B, 64, dtype=torch.float32), ik=rnd(pages, PS, 128),
-             iq2=rnd(B, 2, 64, 128), iw2=rnd(B, 2, 64, dtype=torch.float32))
+             iq2=rnd(B, 2, 64, 128), iw2=rnd(B, 2, 64, dtype=torch.float32),
+             fp8_buf=torch.zeros(pages, PS, fp8.token_bytes(R, P, DT), dtype=torch.uint8, **g) if real else
+             torch.empty(pages, PS, fp8.token_bytes(R, P, DT), dtype=torch.uint8, **g))
     return t
 
 
@@ -98,6 +101,8 @@ def op_calls(t: dict) -> dict:
         "mla.sparse_decode": lambda: ops.mla.sparse_decode(t["qn"], t["qp"], t["ckv"], t["kpe"], t["idx"], 0.1),
         "mla.merge_states": lambda: ops.mla.merge_states(t["outs"], t["lses"]),
         "mla.cache_write": lambda: ops.mla.cache_write(t["ckv"], t["kpe"], t["ckv_new"], t["kpe_new"], t["slots"]),
+        "mla.cache_write_fp8_tokens": lambda: ops.mla.cache_write_fp8_tokens(t["fp8_buf"], t["ckv_new"], t["kpe_new"],
+                                                                             t["slots"]),
         "mla.fused_linear": lambda: ops.mla.fused_linear(t["x"], [t["w_a"], t["w_b"]]),
         "mla.linear_partials": lambda: ops.mla.linear_partials(t["x"], [t["w_a"], t["w_b"]], 4),
         "mla.per_head_linear": lambda: ops.mla.per_head_linear(t["xh"], t["wh"]),
