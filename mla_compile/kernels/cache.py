@@ -14,9 +14,11 @@ from ._launch import bind
 def _cache_write_kernel(Ckv, Kpe, SrcC, SrcK, Slots, Scale, SrcS, R, P, PS, G,
                         s_cp, s_cs, s_kp, s_ks, s_sc, s_sk, s_gp, s_gs, s_ss,
                         BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr,
-                        FP8: tl.constexpr = False, PDL: tl.constexpr = False):
+                        FP8: tl.constexpr = False, QUANTIZE: tl.constexpr = False, PDL: tl.constexpr = False):
     """FP8: SrcC holds the already quantized e4m3 values and SrcS their G float32 scales per token
-    (`fp8.quantize`, the format's one definition), scattered beside them into Scale."""
+    (`fp8.quantize`, the format's one definition), scattered beside them into Scale. FP8 and QUANTIZE: SrcC holds
+    the rows themselves, quantized here exactly as `fp8.quantize` does (`_quantize_row`; SrcS unread, R a multiple
+    of 128 and BLOCK_G = BLOCK_R / 128): one launch instead of quantize's device ops and the scatter."""
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t)
@@ -25,14 +27,64 @@ def _cache_write_kernel(Ckv, Kpe, SrcC, SrcK, Slots, Scale, SrcS, R, P, PS, G,
         off = slot % PS
         offs_r = tl.arange(0, BLOCK_R)
         offs_p = tl.arange(0, BLOCK_P)
-        c = tl.load(SrcC + t * s_sc + offs_r, mask=offs_r < R)
+        offs_g = tl.arange(0, BLOCK_G)
+        if QUANTIZE:
+            q, s = _quantize_row(SrcC, t, s_sc, R, BLOCK_R, BLOCK_G)
+            c = q.to(Ckv.dtype.element_ty, bitcast=True)
+        else:
+            c = tl.load(SrcC + t * s_sc + offs_r, mask=offs_r < R)
+            if FP8:
+                s = tl.load(SrcS + t * s_ss + offs_g, mask=offs_g < G)
         tl.store(Ckv + page * s_cp + off * s_cs + offs_r, c, mask=offs_r < R)
         k = tl.load(SrcK + t * s_sk + offs_p, mask=offs_p < P)
         tl.store(Kpe + page * s_kp + off * s_ks + offs_p, k, mask=offs_p < P)
         if FP8:
-            offs_g = tl.arange(0, BLOCK_G)
-            s = tl.load(SrcS + t * s_ss + offs_g, mask=offs_g < G)
             tl.store(Scale + page * s_gp + off * s_gs + offs_g, s, mask=offs_g < G)
+
+
+@triton.jit
+def _e4m3_bits(x):
+    """float32 x (|x| <= 448 or NaN) -> its float8_e4m3fn byte (uint32 0..255) rounded to nearest even, in integer
+    operations only: the same bytes on a GPU and under the interpreter (whose float8 cast does not round to even),
+    equal to torch's `.to(torch.float8_e4m3fn)` (tests/kernels/test_triton_interpret.py `check_fp8_write`)."""
+    b = x.to(tl.uint32, bitcast=True)
+    sign = (b >> 31) << 7
+    a = b & 0x7FFFFFFF
+    # normal e4m3 (|x| >= 2^-6): keep 3 of float32's 23 mantissa bits, ties to even; a carry moves the exponent
+    r = a + 0x7FFFF + ((a >> 20) & 1)
+    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    # subnormal e4m3 (|x| < 2^-6): k = |x| / 2^-9 rounded to even, 0..8 (8 is the smallest normal's byte, 0x08);
+    # |x| * 2^9 = mant * 2^(E - 141) for the 24-bit mantissa mant and float32 exponent E <= 120
+    E = (a >> 23).to(tl.int32)
+    mant = (a & 0x7FFFFF) | 0x800000
+    s = tl.minimum(141 - E, 25).to(tl.uint32)  # shifts past 25 leave nothing (mant < 2^24): clamped, defined
+    k = mant >> s
+    rem = mant & ((1 << s) - 1)
+    half = 1 << (s - 1)
+    k = k + ((rem > half) | ((rem == half) & ((k & 1) == 1))).to(tl.uint32)
+    k = tl.where(E == 0, 0, k)  # float32 zeros and subnormals: 0
+    mag = tl.where(a >= 0x3C800000, normal, k)
+    return sign | tl.where(a > 0x7F800000, 0x7F, mag)
+
+
+@triton.jit
+def _quantize_row(SrcC, t, s_sc, R, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Token t's latent row as `fp8.quantize` defines it: (e4m3 bytes [BLOCK_R] as uint8, float32 scales [BLOCK_G]):
+    per 128 channels, scale = amax / 448 (1 where amax is 0; NaN propagates), value = clamp(x / scale, +-448),
+    both divisions correctly rounded."""
+    offs = tl.arange(0, BLOCK_R)
+    x = tl.load(SrcC + t * s_sc + offs, mask=offs < R, other=0.0).to(tl.float32)
+    xg = tl.reshape(x, (BLOCK_G, 128))
+    amax = tl.reduce(tl.abs(xg), 1, _max_nan)
+    scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+    q = tl.math.div_rn(xg, tl.broadcast_to(scale[:, None], xg.shape))
+    q = tl.where(q != q, q, tl.minimum(tl.maximum(q, -448.0), 448.0))  # clamp, NaN kept
+    return tl.reshape(_e4m3_bits(q), (BLOCK_R,)).to(tl.uint8), scale
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 def _write_launch(ckv_cache, kpe_cache, ckv, kpe, dst_s, scales, fp8: bool):
@@ -67,17 +119,23 @@ def cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots):
 
 def cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
     """`plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots)` writes any FP8 call of this signature (ops/_plans.py):
-    `fp8.quantize` (device ops) and one bound launch."""
+    one launch that quantizes each row as `fp8.quantize` defines (`_quantize_row`, bit-exact) and scatters it."""
     if ckv.shape[0] == 0:
         return lambda *tensors: None
-    copy_k = kpe.stride(-1) != 1
-    q, scales = fp8.quantize(ckv)  # this signature's quantized rows: their strides
-    bound, numbers = _write_launch(ckv_cache, kpe_cache, q, kpe.contiguous() if copy_k else kpe, ckv_scale, scales,
-                                   True)
+    copy_c, copy_k = ckv.stride(-1) != 1, kpe.stride(-1) != 1
+    ckv = ckv.contiguous() if copy_c else ckv
+    kpe = kpe.contiguous() if copy_k else kpe
+    R, P, G = ckv.shape[1], kpe.shape[1], fp8.groups(ckv.shape[1])
+    block_r = next_power_of_2(R)
+    bound = bind(_cache_write_kernel, (ckv.shape[0],), BLOCK_R=block_r, BLOCK_P=next_power_of_2(max(P, 1)),
+                 BLOCK_G=block_r // fp8.GROUP, FP8=True, QUANTIZE=True, num_warps=4, **pdl_launch(ckv.device))
+    numbers = (R, P, ckv_cache.shape[1], G, ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0),
+               kpe_cache.stride(1), ckv.stride(0), kpe.stride(0), ckv_scale.stride(0), ckv_scale.stride(1), 0)
 
     def plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
-        q, scales = fp8.quantize(ckv)
-        bound(ckv_cache, kpe_cache, q, kpe.contiguous() if copy_k else kpe, slots, ckv_scale, scales, *numbers)
+        ckv = ckv.contiguous() if copy_c else ckv
+        # (the scales' source is unread with QUANTIZE: the cache's scales stand in)
+        bound(ckv_cache, kpe_cache, ckv, kpe.contiguous() if copy_k else kpe, slots, ckv_scale, ckv_scale, *numbers)
 
     return plan
 

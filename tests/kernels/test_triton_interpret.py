@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, rea
               pytest.mark.xdist_group("test_triton_interpret")]
 
 CHECKS = ["decode", "decode_tma", "decode_strided_q", "decode_fp32_odd_dims", "decode_multi_token", "sparse_decode",
-          "merge_states", "flashmla_empty_rows", "cache_write", "indexer_topk", "k_only_indices", "fused_linear",
+          "merge_states", "flashmla_empty_rows", "cache_write", "fp8_write", "indexer_topk", "k_only_indices", "fused_linear",
           "linear_partials", "per_head_linear"]
 
 
@@ -267,6 +267,60 @@ def check_cache_write():
             want_k.view(-1, 6)[s] = kpe[t]
     K.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots)
     assert torch.equal(ckv_cache, want_c) and torch.equal(kpe_cache, want_k)
+
+
+def check_fp8_write():
+    """The FP8 cache write's in-kernel quantization (kernels/cache.py `_e4m3_bits`, `_quantize_row`): the e4m3 byte of
+    every e4m3 value, of every midpoint between neighbours and of the floats either side of it (ties to even),
+    zeros, NaN and random values, as torch's cast gives it; then whole writes (R 128 and 384: a masked fourth group;
+    rows of zeros, of subnormal-range values, strided rows, skipped slots) byte for byte as `fp8.quantize` + scatter."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    from mla_compile import fp8
+    from mla_compile.kernels import cache as K
+
+    globals()["_e4m3_bits"] = K._e4m3_bits  # a jit function resolves the names it calls among its module's globals
+
+    @triton.jit
+    def encode(X, Y, N, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(Y + offs, _e4m3_bits(tl.load(X + offs, mask=offs < N, other=0.0)).to(tl.int32), mask=offs < N)  # noqa: F821
+
+    gen = torch.Generator().manual_seed(11)
+    e = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    e = e[torch.isfinite(e)].sort().values
+    mid = (e[1:] + e[:-1]) / 2
+    x = torch.cat([e, mid, torch.nextafter(mid, torch.full_like(mid, 1e9)), torch.nextafter(mid, -torch.full_like(
+        mid, 1e9)), torch.tensor([0.0, -0.0, float("nan"), -float("nan"), 1e-30, -2.0 ** -149]),
+        (torch.rand(20000, generator=gen) * 2 - 1) * 448,
+        torch.randn(20000, generator=gen) * 2.0 ** torch.randint(-20, 8, (20000,), generator=gen).float()])
+    x = torch.where(torch.isnan(x), x, x.clamp(-448, 448))
+    y = torch.empty(x.shape, dtype=torch.int32)
+    encode[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096)
+    want = x.to(torch.float8_e4m3fn).view(torch.uint8).int()
+    assert torch.equal(y, want), f"{int((y != want).sum())} of {x.numel()} bytes differ"
+
+    for R, P in ((128, 16), (384, 64)):
+        rows = torch.randn(6, R, generator=gen) * 3
+        rows[1] = 0  # amax 0: scale 1
+        rows[2] *= 1e-4  # values in e4m3's subnormal range after scaling by a larger group's amax
+        rows[2, :5] = 7.0
+        ckv = rows.to(torch.bfloat16).t().contiguous().t()  # a strided [T, R] (column-major): the copy path
+        kpe = torch.randn(6, P, generator=gen).to(torch.bfloat16)
+        slots = torch.tensor([3, -1, 20, 9, -1, 0])
+        buf = fp8.allocate(4, 8, R, P, torch.device("cpu"), torch.bfloat16)[0]
+        got, ref = buf.zero_().clone(), buf.zero_().clone()
+        c8, sc, kp = fp8.views(got, R, torch.bfloat16)
+        plan = K.cache_write_fp8_plan(c8, kp, sc, ckv, kpe, slots)
+        plan(c8, kp, sc, ckv, kpe, slots)
+        rc, rs, rk = fp8.views(ref, R, torch.bfloat16)
+        q, scales = fp8.quantize(ckv)
+        for t, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                rc.view(-1, R)[slot], rs.view(-1, R // 128)[slot], rk.view(-1, P)[slot] = q[t], scales[t], kpe[t]
+        assert torch.equal(got, ref), f"R {R}: {int((got != ref).sum())} bytes differ"
 
 
 def check_indexer_topk():
