@@ -37,7 +37,6 @@ from triton.testing import do_bench, do_bench_cudagraph
 import mla_compile  # noqa: F401  (registers the ops)
 from mla_compile.kernels import decode as D
 from mla_compile.kernels import dispatch
-from mla_compile.kernels import dsa as DSA
 from mla_compile.kernels import flashinfer_mla as FI
 from mla_compile.kernels import flashmla as FMLA
 from mla_compile.kernels import merge as M
