@@ -11,14 +11,13 @@ from ._launch import bind
 
 
 @triton.jit
-def _cache_write_kernel(Ckv, Kpe, SrcC, SrcK, Slots, Scale, SrcS, R, P, PS, G,
-                        s_cp, s_cs, s_kp, s_ks, s_sc, s_sk, s_gp, s_gs, s_ss,
+def _cache_write_kernel(Ckv, Kpe, SrcC, SrcK, Slots, Scale, R, P, PS, G,
+                        s_cp, s_cs, s_kp, s_ks, s_sc, s_sk, s_gp, s_gs,
                         BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr,
-                        FP8: tl.constexpr = False, QUANTIZE: tl.constexpr = False, PDL: tl.constexpr = False):
-    """FP8: SrcC holds the already quantized e4m3 values and SrcS their G float32 scales per token
-    (`fp8.quantize`, the format's one definition), scattered beside them into Scale. FP8 and QUANTIZE: SrcC holds
-    the rows themselves, quantized here exactly as `fp8.quantize` does (`_quantize_row`; SrcS unread, R a multiple
-    of 128 and BLOCK_G = BLOCK_R / 128): one launch instead of quantize's device ops and the scatter."""
+                        FP8: tl.constexpr = False, PDL: tl.constexpr = False):
+    """FP8: each row of SrcC quantized here exactly as `fp8.quantize` (the format's one definition) does
+    (`_quantize_row`; R a multiple of 128, BLOCK_G = BLOCK_R / 128), its e4m3 values into Ckv and its G float32
+    scales into Scale: one launch, no quantize ops before it. Otherwise Scale is an unread placeholder."""
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t)
@@ -27,18 +26,16 @@ def _cache_write_kernel(Ckv, Kpe, SrcC, SrcK, Slots, Scale, SrcS, R, P, PS, G,
         off = slot % PS
         offs_r = tl.arange(0, BLOCK_R)
         offs_p = tl.arange(0, BLOCK_P)
-        offs_g = tl.arange(0, BLOCK_G)
-        if QUANTIZE:
+        if FP8:
             q, s = _quantize_row(SrcC, t, s_sc, R, BLOCK_R, BLOCK_G)
             c = q.to(Ckv.dtype.element_ty, bitcast=True)
         else:
             c = tl.load(SrcC + t * s_sc + offs_r, mask=offs_r < R)
-            if FP8:
-                s = tl.load(SrcS + t * s_ss + offs_g, mask=offs_g < G)
         tl.store(Ckv + page * s_cp + off * s_cs + offs_r, c, mask=offs_r < R)
         k = tl.load(SrcK + t * s_sk + offs_p, mask=offs_p < P)
         tl.store(Kpe + page * s_kp + off * s_ks + offs_p, k, mask=offs_p < P)
         if FP8:
+            offs_g = tl.arange(0, BLOCK_G)
             tl.store(Scale + page * s_gp + off * s_gs + offs_g, s, mask=offs_g < G)
 
 
@@ -87,18 +84,19 @@ def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
-def _write_launch(ckv_cache, kpe_cache, ckv, kpe, dst_s, scales, fp8: bool):
-    """(`_cache_write_kernel` bound for these tensors' signature, the numbers after its seven tensor arguments):
-    `bound(ckv_cache, kpe_cache, ckv, kpe, slots, dst_s, scales, *numbers)`; without FP8, dst_s and scales are
-    unread placeholders (the cache and ckv)."""
+def _write_launch(ckv_cache, kpe_cache, ckv, kpe, ckv_scale=None):
+    """(`_cache_write_kernel` bound for these tensors' signature, the numbers after its six tensor arguments):
+    `bound(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale or ckv_cache, *numbers)`; ckv_scale given: an FP8 cache,
+    the rows quantized in the kernel."""
     R, P = ckv.shape[1], kpe.shape[1]
-    G = scales.shape[1] if fp8 else 1
-    bound = bind(_cache_write_kernel, (ckv.shape[0],), BLOCK_R=next_power_of_2(max(R, 1)),
-                 BLOCK_P=next_power_of_2(max(P, 1)), BLOCK_G=next_power_of_2(G), FP8=fp8, num_warps=4,
-                 **pdl_launch(ckv.device))
-    return bound, (R, P, ckv_cache.shape[1], G, ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0),
-                   kpe_cache.stride(1), ckv.stride(0), kpe.stride(0), dst_s.stride(0), dst_s.stride(1),
-                   scales.stride(0))
+    fp8_cache = ckv_scale is not None
+    block_r = next_power_of_2(max(R, 1))
+    bound = bind(_cache_write_kernel, (ckv.shape[0],), BLOCK_R=block_r, BLOCK_P=next_power_of_2(max(P, 1)),
+                 BLOCK_G=block_r // fp8.GROUP if fp8_cache else 1, FP8=fp8_cache, num_warps=4, **pdl_launch(ckv.device))
+    scale_strides = (ckv_scale.stride(0), ckv_scale.stride(1)) if fp8_cache else (0, 0)
+    return bound, (R, P, ckv_cache.shape[1], fp8.groups(R) if fp8_cache else 1, ckv_cache.stride(0),
+                   ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1), ckv.stride(0), kpe.stride(0),
+                   *scale_strides)
 
 
 def cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots):
@@ -108,11 +106,11 @@ def cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots):
         return lambda *tensors: None
     copy_c, copy_k = ckv.stride(-1) != 1, kpe.stride(-1) != 1
     bound, numbers = _write_launch(ckv_cache, kpe_cache, ckv.contiguous() if copy_c else ckv,
-                                   kpe.contiguous() if copy_k else kpe, ckv_cache, ckv, False)
+                                   kpe.contiguous() if copy_k else kpe)
 
     def plan(ckv_cache, kpe_cache, ckv, kpe, slots):
         ckv = ckv.contiguous() if copy_c else ckv
-        bound(ckv_cache, kpe_cache, ckv, kpe.contiguous() if copy_k else kpe, slots, ckv_cache, ckv, *numbers)
+        bound(ckv_cache, kpe_cache, ckv, kpe.contiguous() if copy_k else kpe, slots, ckv_cache, *numbers)
 
     return plan
 
@@ -123,31 +121,20 @@ def cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
     if ckv.shape[0] == 0:
         return lambda *tensors: None
     copy_c, copy_k = ckv.stride(-1) != 1, kpe.stride(-1) != 1
-    ckv = ckv.contiguous() if copy_c else ckv
-    kpe = kpe.contiguous() if copy_k else kpe
-    R, P, G = ckv.shape[1], kpe.shape[1], fp8.groups(ckv.shape[1])
-    block_r = next_power_of_2(R)
-    bound = bind(_cache_write_kernel, (ckv.shape[0],), BLOCK_R=block_r, BLOCK_P=next_power_of_2(max(P, 1)),
-                 BLOCK_G=block_r // fp8.GROUP, FP8=True, QUANTIZE=True, num_warps=4, **pdl_launch(ckv.device))
-    numbers = (R, P, ckv_cache.shape[1], G, ckv_cache.stride(0), ckv_cache.stride(1), kpe_cache.stride(0),
-               kpe_cache.stride(1), ckv.stride(0), kpe.stride(0), ckv_scale.stride(0), ckv_scale.stride(1), 0)
+    bound, numbers = _write_launch(ckv_cache, kpe_cache, ckv.contiguous() if copy_c else ckv,
+                                   kpe.contiguous() if copy_k else kpe, ckv_scale)
 
     def plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
         ckv = ckv.contiguous() if copy_c else ckv
-        # (the scales' source is unread with QUANTIZE: the cache's scales stand in)
-        bound(ckv_cache, kpe_cache, ckv, kpe.contiguous() if copy_k else kpe, slots, ckv_scale, ckv_scale, *numbers)
+        bound(ckv_cache, kpe_cache, ckv, kpe.contiguous() if copy_k else kpe, slots, ckv_scale, *numbers)
 
     return plan
 
 
 def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None) -> None:
-    """ckv_scale given: an FP8 cache; ckv is quantized here by `fp8.quantize` (device ops, no host sync) and the
-    kernel scatters values and scales."""
+    """One call: its plan made and run (ckv_scale given: an FP8 cache, the rows quantized in the kernel)."""
     if ckv_scale is None:
-        return cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots)(ckv_cache, kpe_cache, ckv, kpe, slots)
-    if ckv.shape[0] == 0:
-        return
-    ckv, scales = fp8.quantize(ckv)
-    kpe = kpe if kpe.stride(-1) == 1 else kpe.contiguous()
-    bound, numbers = _write_launch(ckv_cache, kpe_cache, ckv, kpe, ckv_scale, scales, True)
-    bound(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale, scales, *numbers)
+        cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots)(ckv_cache, kpe_cache, ckv, kpe, slots)
+    else:
+        cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots)(ckv_cache, kpe_cache, ckv_scale, ckv,
+                                                                              kpe, slots)

@@ -314,17 +314,15 @@ def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
     An FP8 cache (ckv_scale given, mla_compile/fp8.py): the FP8 Gluon kernel or the Triton ones (`decode_kernel`)."""
     name = decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, n_query=n_query, block_table=block_table,
                          ckv_scale=ckv_scale).name
-    if name == "fp8_swapab":
-        return _decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
-                                   cfg=_config(q_nope, ckv_cache, False, name), ckv_scale=ckv_scale).run, True
     if name == "flashmla":
         fm = _flashmla(q_nope.device)
         return (lambda qn, qp, ckv, kpe, table, lens, scale: fm.decode(qn, qp, ckv, kpe, table, lens, sm_scale)), True
     if name == "flashinfer":
         return (lambda qn, qp, ckv, kpe, table, lens, scale: _fi.decode(qn, qp, ckv, kpe, table, lens, sm_scale)), False
-    if name in ("seesaw", "wgmma"):
+    if name in ("seesaw", "wgmma", "fp8_swapab"):  # the Gluon kernels (fp8_swapab: an FP8 cache, one query token)
         return _decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
-                                   cfg=_config(q_nope, ckv_cache, False, name), n_query=n_query).run, True
+                                   cfg=_config(q_nope, ckv_cache, False, name), n_query=n_query,
+                                   ckv_scale=ckv_scale).run, True
     # the Triton kernels; a rope-less call (see above) with a zero rope column
     zero = rope_less(q_pe)
     q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache) if zero else (q_pe, kpe_cache)

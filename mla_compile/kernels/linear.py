@@ -181,21 +181,21 @@ def linear_partials_plan(x: torch.Tensor, weights: list[torch.Tensor], splits: i
     shape, device = (splits, M, N), x.device
     if M == 0 or N == 0 or K == 0:
         return lambda x, *weights: torch.zeros(shape, dtype=torch.float32, device=device)
-    launches, buffers = _partial_launches(x, weights, splits, cfg or default_linear_config(M, K, N), align)
+    launches, _ = _partial_launches(x, weights, splits, cfg or default_linear_config(M, K, N), align)
+    fresh = empty_maker(shape, torch.float32, device)  # the op's output: a tensor of its own each call
 
     if len(launches) == 1:  # one pair of weights (the MLA projections' case): one frame to the launch
         ((bound, i, j, numbers),) = launches
-        fresh = empty_maker(shape, torch.float32, device)
 
         def one_pair(x, *weights):
-            part = fresh()  # the op's output: a tensor of its own
+            part = fresh()
             bound(x, weights[i], weights[j], part, part, *numbers)
             return part
 
         return one_pair
 
     def plan(x, *weights):
-        (part,) = buffers.fresh()  # the op's output: a tensor of its own
+        part = fresh()
         _run_pairs(launches, x, weights, part)
         return part
 
@@ -220,15 +220,12 @@ def small_m_plan(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig
         cfg = default_linear_config(M, K, sum(w.shape[0] for w in weights))
     n0, n1 = weights[0].shape[0], (weights[-1].shape[0] if len(weights) == 2 else 0)
 
-    def allocate(outs):
-        return [torch.empty(s, dtype=dtype, device=device) for s in shapes] if outs is None else outs
-
-    # the closures below allocate inline (`empty_maker`: a template's empty_like), 0.5 us a call less than through
-    # `allocate` on a laptop core (benchmarks/lab/host_cpu.py)
+    # the outputs, allocated inline in each closure (`empty_maker`: a template's empty_like; no helper frame)
     two, fresh0, fresh1 = len(shapes) == 2, empty_maker(shapes[0], dtype, device), empty_maker(shapes[-1], dtype,
                                                                                              device)
     if M == 0 or n0 + n1 == 0 or K == 0:  # nothing to launch (K == 0: the product is all zeros)
-        return lambda x, *weights, outs=None: [o.zero_() for o in allocate(outs)]
+        return lambda x, *weights, outs=None: [o.zero_() for o in (
+            outs if outs is not None else [fresh0(), fresh1()] if two else [fresh0()])]
     meta = [torch.empty(s, device=torch.device("meta")) for s in shapes]  # the outputs' (row-major) strides
     splits = cdiv(K, split_width(K, cfg.split_k, cfg.block_k))
     if splits == 1:

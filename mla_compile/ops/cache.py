@@ -151,7 +151,7 @@ def _check_fp8_write(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
     check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
 
 
-_FP8_PLANS = Plans()  # mla::cache_write_fp8 and, through its views, mla::cache_write_fp8_tokens (ops/_plans.py)
+_FP8_PLANS = Plans()  # mla::cache_write_fp8 (ops/_plans.py)
 _make_fp8_write_plan = dispatch_plan("cache_write_fp8_plan")
 
 
