@@ -169,6 +169,7 @@ CHECKS = [  # (H, lens, page size, n_splits (None: auto), build (None: default_b
     (16, LENS, 64, 5, "16:4:3:64:16"),
     (16, LENS, 64, 7, "16:4:3:bf16"),  # the bf16-dequantizing comparison variant
     (24, [300, 2049, 0], 64, None, None),  # heads past H inside the block
+    (40, [300, 2049, 0], 64, None, None),  # heads past H inside a block of 64
     (32, LENS, 64, None, None),
     (32, [3000, 70], 64, 3, "32:4:2"),
     (64, LENS, 64, None, None),

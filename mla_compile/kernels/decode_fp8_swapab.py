@@ -72,12 +72,11 @@ if G.gluon is not None:
 
     from ._fp8_swapab_tile import _fill_slot, _store_group, _tile
 
-# Whether dispatch sends FP8 calls here (`dispatch.decode_kernel`: the `fp8_rows` fact). Off by default until this
-# build has run on a GPU: it compiles for sm_90a without spills (tests/kernels/test_kernel_codegen.py) and its
-# arithmetic matches float64 in a CPU emulation (benchmarks/lab/fp8_swapab.py --emulate), but only its bf16-rounding
-# predecessor ran on an H200 (the lab's checks passed; 2x the Triton FP8 kernel, RESULTS.md). MLA_COMPILE_FP8_SWAPAB=1
-# (read at import) turns it on; tests/gpu/test_fp8_cuda.py runs it either way.
-ENABLED = os.environ.get("MLA_COMPILE_FP8_SWAPAB", "0") == "1"
+# Whether dispatch sends FP8 calls here (`dispatch.decode_kernel`: the `fp8_rows` fact). On by default: on the H200
+# it matches float64 (benchmarks/lab/fp8_swapab.py's checks, tests/gpu/test_fp8_cuda.py) and takes about half the time
+# of the Triton FP8 kernel (RESULTS.md, 2026-12-05). MLA_COMPILE_FP8_SWAPAB=0 (read at import) sends FP8 calls to the
+# Triton kernel instead; tests/gpu/test_fp8_cuda.py runs both.
+ENABLED = os.environ.get("MLA_COMPILE_FP8_SWAPAB", "1") != "0"
 R, P = 512, 64  # latent and rope widths the format and this kernel take
 GW = fp8.GROUP  # channels per scale group (128)
 GROUPS = R // GW  # 4

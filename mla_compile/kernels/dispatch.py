@@ -106,11 +106,11 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     (7) H >= 64 with one query token; with n_query > 1 (paged), H is the rows (n_query x heads) and from 32 of them
         the Gluon kernels take the call, each row with its own causal limit: MULTI_TOKEN_GLUON_ROWS says why.
     (8) several query tokens in one head block (<= 64 rows): wgmma, 12-16% faster there (MULTI_TOKEN_GLUON_ROWS).
-    (9) the Gluon kernel with the 64 tokens as the warpgroup MMA's M (kernels/decode_fp8_swapab.py), where switched on
-        (`fp8_rows` is false while `decode_fp8_swapab.ENABLED` is off: its exact build has not run on a GPU); pages of
+    (9) the Gluon kernel with the 64 tokens as the warpgroup MMA's M (kernels/decode_fp8_swapab.py) unless switched
+        off (`fp8_rows` is false while `decode_fp8_swapab.ENABLED` is off, MLA_COMPILE_FP8_SWAPAB=0); pages of
         whole 64-token tiles take its TMA form, other page sizes (a token table) its GATHER form (cp.async row
-        copies through the table; not yet timed). Its bf16-rounding predecessor, H200 2026-12-04: H 16 B 8 32K 87.0
-        us against 171.1 for the Triton FP8 kernel and 89.6 for our bf16 cache; H 64 141 vs 450.
+        copies through the table; not yet timed). H200 2026-12-05: H 16 B 8 32K 82.7 us against 171.2 for the
+        Triton FP8 kernel and 89.8 for our bf16 cache; H 64 224.1 vs 450.4.
     (10) kernels/decode_fp8.py (bf16 / fp16 q: scales folded into fp16 MMAs; fp32 q: the pointer kernel
         dequantizing its tiles); FlashMLA, FlashInfer and the bf16 Gluon kernels read fp16/bf16 caches only.
 
@@ -174,7 +174,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
 
 FP8_SWAPAB_CANNOT = ("fp8_swapab: needs sm_90, Gluon, bf16 q, R 512 / P 64, one query token, a dense (paged) call, "
                      "the three views TMA rows in pages of whole 64-token tiles or 16-byte aligned rows, and the "
-                     "kernel switched on (decode_fp8_swapab.ENABLED, MLA_COMPILE_FP8_SWAPAB=1)")
+                     "kernel not switched off (decode_fp8_swapab.ENABLED, MLA_COMPILE_FP8_SWAPAB=0)")
 FP8_REASON = ("an FP8 latent cache: the Triton FP8 kernels (bf16 / fp16 q: scales folded into the products, "
               "decode_fp8.py; fp32 q: the pointer kernel dequantizing its tiles in registers) (FlashMLA, "
               "FlashInfer and the bf16 Gluon kernels take fp16/bf16 caches only)")

@@ -164,8 +164,8 @@ def test_cuda_graph_replay_with_new_lengths(H, fp8_kernels):
 
 
 def _switch_swapab(monkeypatch, on: bool):
-    """decode_fp8_swapab.ENABLED (off by default until the kernel has run on a GPU) set for one test; plans made under
-    the other setting dropped before and after."""
+    """decode_fp8_swapab.ENABLED (on by default, MLA_COMPILE_FP8_SWAPAB=0 turns it off) set for one test; plans made
+    under the other setting dropped before and after."""
     from mla_compile.kernels import decode_fp8_swapab
     from mla_compile.ops import attention
 
@@ -173,20 +173,27 @@ def _switch_swapab(monkeypatch, on: bool):
     attention._DECODE_PLANS.clear()
 
 
+def _drop_plans():
+    """After a test that switched the kernel: its plans go (monkeypatch then restores the default setting)."""
+    from mla_compile.ops import attention
+
+    attention._DECODE_PLANS.clear()
+
+
 @pytest.fixture
 def swapab_on(monkeypatch):
     _switch_swapab(monkeypatch, True)
     yield
-    _switch_swapab(monkeypatch, False)
+    _drop_plans()
 
 
-@pytest.fixture(params=[False, True], ids=["dispatch_default", "swapab_on"])
+@pytest.fixture(params=[False, True], ids=["swapab_off", "swapab_on"])
 def fp8_kernels(request, monkeypatch):
-    """Each paged FP8 test both ways: with the swap-AB kernel as dispatch has it now, and switched on (bf16 q, pages
-    of whole 64-token tiles then take it; other calls the Triton FP8 kernels either way)."""
+    """Each paged FP8 test both ways: with the swap-AB kernel switched off (the Triton FP8 kernels) and on, as by
+    default (bf16 q, pages of whole 64-token tiles then take it; other calls the Triton FP8 kernels either way)."""
     _switch_swapab(monkeypatch, request.param)
     yield request.param
-    _switch_swapab(monkeypatch, False)
+    _drop_plans()
 
 
 @pytest.mark.parametrize("PS,dtype,want", [(64, torch.bfloat16, "fp8_swapab"), (1, torch.bfloat16, "fp8_swapab"),

@@ -244,7 +244,7 @@ def test_decode_kernel_reads_the_fp8_layout_from_the_three_views(monkeypatch):
     hf_q = torch.zeros(16, 2, 512, dtype=BF16).transpose(0, 1)
     assert D_.decode_kernel(hf_q, qp, hf_c, hf_k, block_table=torch.zeros(2, 896, dtype=torch.int32),
                             ckv_scale=hf_s).name == SWAPAB
-    monkeypatch.setattr(decode_fp8_swapab, "ENABLED", False)  # not yet run on a GPU: off by default
+    monkeypatch.setattr(decode_fp8_swapab, "ENABLED", False)  # switched off (MLA_COMPILE_FP8_SWAPAB=0)
     assert D_.decode_kernel(qn, qp, ckv, kpe, block_table=table, ckv_scale=scale).name == "triton"
     assert D_.decode_kernel(qn, qp, tokens[0], tokens[2], block_table=table, ckv_scale=tokens[1]).name == "triton"
 
