@@ -96,9 +96,7 @@ stage_dcpindexer() { timeout "${T_DCPINDEXER:-200}" python3 benchmarks/lab/dcp_i
 # fp8swap: the lab probe of a swap-AB Gluon stage 1 for the FP8 cache at H 16-64 (check, then times beside mla.decode FP8
 # / bf16 and FlashMLA); FP8SWAP_ARGS e.g. "--shapes 16:8:32768 --configs 16:8:3" or "--check-only"
 stage_fp8swap() { timeout "${T_FP8SWAP:-300}" python3 benchmarks/lab/fp8_swapab.py "$OUT/fp8_swapab.json" ${FP8SWAP_ARGS:-}; }
-# onelaunch (issue 29): the lab probe of split-KV decode in one launch (the last split merges) vs stage 1 + merge:
-# check vs float64, graph replay and host us per call (ONELAUNCH_ARGS e.g. "--shapes 1:1024 8:8192 --heads 16")
-stage_onelaunch() { timeout "${T_ONELAUNCH:-240}" python3 benchmarks/lab/one_launch_decode.py "$OUT/one_launch.json" ${ONELAUNCH_ARGS:-}; }
+stage_onelaunch() { echo "onelaunch: the lab probe is retired (benchmarks/lab/README.md)"; }
 stage_topkprobe() { echo "topkprobe: the lab probe is retired: its kernel is kernels/dsa.py's (stage select)"; }
 stage_host() { timeout "${T_HOST:-180}" python3 benchmarks/host_overhead.py "$OUT/host.json" ${HOST_ARGS:-}; }
 # hostab (issue 29): the ops table of this tree against another commit's mla_compile, alternating runs on this host

@@ -21,9 +21,11 @@ comparison) is ~1e-2 off.
 
 A (the big operand) is the tile in shared memory: K-major for the scores, the same tile seen transposed (MN-major,
 16-bit) for P.V; B is q ([N, 576], K-major, loaded once) and P^T ([64, N]). The online softmax runs per head = per
-COLUMN of S^T (base 2); O^T is four [128, N] fp32 accumulators, one per scale group. N is 16 or 32 (BLOCK_HS): at
-N = 64 over two warpgroups O^T alone is 128 registers a thread, and with the exact scores it spills (255 registers,
-24-44 bytes, even folding each group's scores in before the next issues: `_tile` FOLD); more heads take blocks of 32.
+COLUMN of S^T (base 2); O^T is four [128, N] fp32 accumulators, one per scale group. N is 16, 32 or 64 (BLOCK_HS):
+at N = 64 over two warpgroups O^T alone is 128 registers a thread, and with the exact scores it spills (255
+registers, 24-44 bytes, even folding each group's scores in before the next issues: `_tile` FOLD), yet it reads the
+cache once for 64 heads where blocks of 32 read it twice: 151.5 against 224.1 us at H 64 B 8 32K (H200, RESULTS.md
+2026-12-05). More heads take blocks of 64.
 
 One program per (request, block of N heads, KV split), grid (B * ceil(H / N), n_splits). Per 64-token tile: TMA
 copies into one of STAGES staging slots on one mbarrier (the e4m3 bytes as [64, 256] boxes, the [64, 4] float32
@@ -83,7 +85,7 @@ GROUPS = R // GW  # 4
 W_TOKEN = fp8.token_bytes(R, P)  # 656 bytes a token
 BLOCK_T = 64  # tokens per tile: the MMA's M
 E_BOX = 256  # e4m3 columns per TMA box: two scale groups (a box side is at most 256 elements)
-BLOCK_HS = (16, 32)  # heads per program (the MMA's N): more heads, blocks of 32 (N = 64 spills with the exact scores)
+BLOCK_HS = (16, 32, 64)  # heads per program (the MMA's N): more heads, blocks of 64 (a few spilled bytes, see above)
 
 
 if G.gluon is not None:
@@ -318,10 +320,10 @@ def smem_bytes(N: int, stages: int, p_rope: bool, exact: bool = True) -> int:
 
 @functools.lru_cache(maxsize=None)
 def default_tiling(H: int) -> Tiling:
-    """N: the smallest of BLOCK_HS covering H (more heads: blocks of 32); one warpgroup at N = 16, two at 32 (a
-    [512, N] fp32 accumulator is 128 registers a thread at N = 32 over one warpgroup: it spills); as many staging
-    slots as shared memory holds (3 at N = 16, 2 at 32). H200, the bf16-rounding build (RESULTS.md): 16:4:3 88.5 us
-    at H 16 B 8 32K against 100.2 at 8 warps."""
+    """N: the smallest of BLOCK_HS covering H (more heads: blocks of 64); one warpgroup at N = 16, two at 32 and 64
+    (a [512, N] fp32 accumulator is 128 registers a thread at N = 32 over one warpgroup: it spills); as many staging
+    slots as shared memory holds (3 at N = 16, 2 at 32 and 64). H200, the bf16-rounding build (RESULTS.md): 16:4:3
+    88.5 us at H 16 B 8 32K against 100.2 at 8 warps."""
     N = next((n for n in BLOCK_HS if n >= H), BLOCK_HS[-1])
     stages = 3 if smem_bytes(N, 3, False) <= G.SMEM_LIMIT else 2
     return Tiling(N, 4 if N == 16 else 8, stages)

@@ -110,7 +110,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
         off (`fp8_rows` is false while `decode_fp8_swapab.ENABLED` is off, MLA_COMPILE_FP8_SWAPAB=0); pages of
         whole 64-token tiles take its TMA form, other page sizes (a token table) its GATHER form (cp.async row
         copies through the table; not yet timed). H200 2026-12-05: H 16 B 8 32K 82.7 us against 171.2 for the
-        Triton FP8 kernel and 89.8 for our bf16 cache; H 64 224.1 vs 450.4.
+        Triton FP8 kernel and 89.8 for our bf16 cache; H 64 151.5 vs 450.4 (blocks of 64 heads).
     (10) kernels/decode_fp8.py (bf16 / fp16 q: scales folded into fp16 MMAs; fp32 q: the pointer kernel
         dequantizing its tiles); FlashMLA, FlashInfer and the bf16 Gluon kernels read fp16/bf16 caches only.
 
@@ -268,7 +268,7 @@ def own_decode_config(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False) 
 def _config(q_nope, ckv_cache, sparse: bool, name: str) -> _decode.DecodeConfig:
     """decode.py's config for the chosen kernel: its tiling and split policy, the stage-1 kernel set. The Gluon
     kernels take the many-head split policy (64-row blocks, one program per SM) whatever the rows; the FP8 one its
-    own head blocks (16 or 32 heads), one program per SM (~200-220 KB of shared memory each)."""
+    own head blocks (16, 32 or 64 heads), one program per SM (~200-220 KB of shared memory each)."""
     if name == "fp8_swapab":
         t = _fp8_swapab.default_tiling(q_nope.shape[1])
         return _decode.DecodeConfig(block_h=t.N, block_n=_fp8_swapab.BLOCK_T, num_warps=t.warps,

@@ -190,13 +190,13 @@ def test_flashmla_empty_row_fixup_writes_16_byte_rows_without_spills():
 
 
 @pytest.mark.parametrize("H,gather,page_size", [(16, False, 64), (32, False, 64), (64, False, 64), (16, True, 1),
-                                                (32, True, 1), (16, True, 64), (32, True, 64)])
+                                                (32, True, 1), (64, True, 1), (16, True, 64), (32, True, 64)])
 def test_fp8_swap_ab_kernel_reads_tma_tiles_into_warpgroup_mmas_without_spills(H, gather, page_size):
     """The FP8 cache's Gluon kernel (kernels/decode_fp8_swapab.py) at the tiling each head count gets: tiles arrive by
     TMA (GATHER form, any page size: 16-byte cp.async row copies through the table, arriving on the slots'
     mbarriers), both products are warpgroup MMAs with the 64 tokens as M (m64nNk16, N the heads per program),
-    nothing spills, shared memory fits, and ptxas does not serialise the MMAs (C7514: a variant that waited for one
-    P.V at a time got it)."""
+    nothing spills (a few bytes at 64 heads), shared memory fits, and ptxas does not serialise the MMAs (C7514: a
+    variant that waited for one P.V at a time got it)."""
     pytest.importorskip("triton.experimental.gluon")
     from mla_compile.kernels import _gluon as G
     from mla_compile.kernels import decode_fp8_swapab as F
@@ -214,6 +214,8 @@ def test_fp8_swap_ab_kernel_reads_tma_tiles_into_warpgroup_mmas_without_spills(H
     shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
     # the scores split the heads over the warpgroups, P.V the channels
     assert shapes == {f"m64n{t.N // (t.warps // 4)}k16", f"m64n{t.N}k16"}, shapes
-    assert out["spill_bytes"] == 0, out["registers"]
+    # blocks of 64 heads spill a few bytes (the exact scores beside a 128-register O^T) and are still 1.5x faster
+    # than two blocks of 32 (decode_fp8_swapab.py's docstring); anything more is a regression
+    assert out["spill_bytes"] <= (0 if t.N <= 32 else 64), out["registers"]
     assert out["shared_bytes"] <= G.SMEM_LIMIT
     assert "C7514" not in out["advisories"] and "C7515" not in out["advisories"], out["advisories"]
