@@ -129,6 +129,11 @@ def _check_cases():
         return torch.randn(*lead, R, generator=g).to(dt), torch.randn(*lead, P, generator=g).to(dt)
 
     (q3, p3), (q4, p4), (q1, p1) = q(2, H), q(2, 2, H), q(2, 1, H)
+    # S query tokens in other layouts: rows padded (the fold [B, S*H] still a view of q: the plan reads q as it is),
+    # heads before tokens and tokens before requests (no view folds them: the plan reshapes each call)
+    q4_pad, p4_pad = (torch.randn(2, 2, H, w + 8, generator=g).to(dt)[..., :w] for w in (R, P))
+    q4_ht, p4_ht = (t.transpose(1, 2) for t in q(2, H, 2))
+    q4_sb, p4_sb = (t.transpose(0, 1) for t in q(2, 2, H))
     limits = torch.tensor([[30, 37], [4, 5]], dtype=torch.int32)
     tokens = torch.tensor([[3, 17, -1, 36], [4, 0, 2, -1]])  # positions < each length, -1: none
     idx3 = torch.where(tokens >= 0, bt.long().gather(1, tokens.clamp_min(0) // PS) * PS + tokens.clamp_min(0) % PS,
@@ -175,6 +180,11 @@ def _check_cases():
         "decode S=1 limits": lambda: d(q1, p1, c, k, bt, limits[:, 1:].contiguous(), 0.2),
         "sparse_decode": lambda: sd(q3, p3, c, k, idx3, 0.2),
         "sparse_decode S=2": lambda: sd(q4, p4, c, k, idx4, 0.2),
+        "decode S=2 padded rows": lambda: d(q4_pad, p4_pad, c, k, bt, sl, 0.2),
+        "decode S=2 heads first": lambda: d(q4_ht, p4_ht, c, k, bt, limits, 0.2),
+        "sparse_decode S=2 padded": lambda: sd(q4_pad, p4_pad, c, k, idx4, 0.2),
+        "sparse_decode S=2 tokens first": lambda: sd(q4_sb, p4_sb, c, k, idx4.transpose(0, 1).contiguous()
+                                                     .transpose(0, 1), 0.2),
     }
 
 

@@ -178,8 +178,8 @@ def tma_constexprs(cfg: DecodeConfig, R: int, P: int, dtype: torch.dtype) -> dic
 @functools.lru_cache(maxsize=1024)  # per call on the host: cached (frozen results, shared)
 def pointer_constexprs(cfg: DecodeConfig, R: int, P: int, page_size: int, sparse: bool, dtype: torch.dtype,
                        multi: bool = False, fp8: bool = False) -> dict:
-    """The compile-time arguments of `_stage1_kernel` (shared with tests/kernels/test_kernel_codegen.py); `multi`: several
-    query tokens per request, each row with its own causal limit; `fp8`: an FP8 latent cache (q in `dtype`)."""
+    """The compile-time arguments of `_stage1_kernel` (shared with tests/kernels/test_kernel_codegen.py); `multi`:
+    several query tokens per request, each row with its own causal limit; `fp8`: an FP8 latent cache (q in `dtype`)."""
     return dict(SPARSE=sparse, PS=page_size, R=R, P=P, BLOCK_H=cfg.block_h,
                 BLOCK_N=cfg.block_n, RH=max(16, block(R) // 2), BLOCK_P=block(P), MULTI=multi, FP8=fp8,
                 **dot_mode(dtype))
@@ -275,14 +275,16 @@ class AttendPlan:
     ops/attention.py; any other caller builds a plan per call, which costs what the unplanned path did)."""
 
     def __init__(self, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, capacity,
-                 cfg: DecodeConfig | None, splits: int | None, n_query: int = 1, ckv_scale=None):
+                 cfg: DecodeConfig | None, splits: int | None, n_query: int = 1, ckv_scale=None, outer=None):
         B, H, R = q_nope.shape  # H: rows per request (n_query * heads)
         self.device, self.out_shape, self.lse_shape = q_nope.device, q_nope.shape, (B, H)
         self.sparse, self.n_query = indices is not None, n_query
         self.empty = B * H == 0
-        # the outputs: contiguous out in q's dtype, float32 lse (`scratch.empty_maker`: a template's empty_like)
-        self.fresh_out = empty_maker(q_nope.shape, q_nope.dtype, q_nope.device)
-        self.fresh_lse = empty_maker((B, H), torch.float32, q_nope.device)
+        # the outputs: contiguous out in q's dtype, float32 lse (`scratch.empty_maker`: a template's empty_like), in
+        # the caller's shape where q is a row-folded view (`outer`, [B, S, heads, R]: the same bytes, no view a call)
+        out_shape = q_nope.shape if outer is None else outer
+        self.fresh_out = empty_maker(out_shape, q_nope.dtype, q_nope.device)
+        self.fresh_lse = empty_maker(out_shape[:-1], torch.float32, q_nope.device)
         if self.empty:
             self.run = self._runner()
             return
@@ -402,12 +404,14 @@ class AttendPlan:
 
 
 def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, *, cfg=None, splits=None,
-                n_query: int = 1, ckv_scale=None) -> AttendPlan:
+                n_query: int = 1, ckv_scale=None, outer=None) -> AttendPlan:
     """`decode`'s plan for these tensors' signature: `plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table,
-    seq_lens, ckv_scale)` runs it on any tensors of that signature."""
+    seq_lens, ckv_scale)` runs it on any tensors of that signature. `outer`: q's own shape [B, S, heads, R] where
+    q_nope / q_pe here are row-folded views of it; the plan then takes q in that shape (the kernels read q by data
+    pointer and the strides fixed here) and returns out [B, S, heads, R] / lse [B, S, heads]."""
     capacity = block_table.shape[1] * ckv_cache.shape[1]  # the longest a request can be: shape-only
     return AttendPlan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, None, sm_scale, capacity, cfg, splits,
-                      n_query, ckv_scale)
+                      n_query, ckv_scale, outer)
 
 
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, *, cfg=None, splits=None,
@@ -426,10 +430,11 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
 
 
 def sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, *, cfg=None, splits=None,
-                       ckv_scale=None) -> AttendPlan:
-    """`sparse_decode`'s plan: `plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, None, ckv_scale)`."""
+                       ckv_scale=None, outer=None) -> AttendPlan:
+    """`sparse_decode`'s plan: `plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, None, ckv_scale)`; `outer` as in
+    `decode_plan` (q [B, S, H, R] and indices [B, S, K] folded to B*S requests by views)."""
     return AttendPlan(q_nope, q_pe, ckv_cache, kpe_cache, None, None, indices, sm_scale, indices.shape[1], cfg, splits,
-                      ckv_scale=ckv_scale)
+                      ckv_scale=ckv_scale, outer=outer)
 
 
 def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, *, cfg=None, splits=None, ckv_scale=None):

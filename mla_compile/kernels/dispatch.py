@@ -296,12 +296,29 @@ def zero_rope_column(zero: torch.Tensor, *lead: int) -> torch.Tensor:
 
 
 def _with_zero_rope(q_nope, ckv_cache):
-    """(q_pe [B, H, 1], kpe_cache [NP, PS, 1]) of zeros, both views of one fresh zero element."""
+    """(q_pe [B, H, 1], kpe_cache [NP, PS, 1]) of zeros, both views of one fresh zero element (all strides 0: the
+    kernels read it by pointer, so q [B, S, H, R] handed to an `outer` plan gives a [B, S, 1] view of it, as good)."""
     zero = q_nope.new_zeros(1)
     return zero_rope_column(zero, *q_nope.shape[:2]), zero_rope_column(zero, *ckv_cache.shape[:2])
 
 
-def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=1, ckv_scale=None):
+def unfolded(plan, outer: tuple, first_limit: bool = False):
+    """A plan over rows ([B, S*H, *] q, out / lse) as one taking q [B, S, H, *] (`outer`) and giving out [B, S, H, R]
+    / lse [B, S, H]: views (or, where q's strides allow none, copies) each call. `first_limit`: one query token with a
+    [B, 1] limits table, handed over as its column."""
+    B, S, H, R = outer
+    rows, lse_shape = (B, S * H), outer[:-1]
+
+    def run(qn, qp, ckv, kpe, table, lens, scale=None):
+        out, lse = plan(qn.reshape(*rows, R), qp.reshape(*rows, qp.shape[-1]), ckv, kpe, table,
+                        lens[:, 0] if first_limit else lens, scale)
+        return out.view(outer), lse.view(lse_shape)
+
+    return run
+
+
+def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=1, ckv_scale=None,
+                outer=None):
     """(plan, keep): `plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, ckv_scale)` decodes any call of
     these tensors' signature (shapes, strides, dtypes, device, alignment, sm_scale, n_query, the tuning and
     environment in effect) with the kernel chosen now; `keep`: whether the choice holds for every such call (not
@@ -311,23 +328,28 @@ def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
     n_query = S > 1: S query tokens per request folded into q's rows ([B, S*H, *], see kernels/decode.py
     `decode`): the Gluon TMA / gather kernel or the Triton pointer kernel, by rows (`select_decode_kernel`;
     FlashMLA, FlashInfer and the seesaw kernel take one token per request).
-    An FP8 cache (ckv_scale given, mla_compile/fp8.py): the FP8 Gluon kernel or the Triton ones (`decode_kernel`)."""
+    An FP8 cache (ckv_scale given, mla_compile/fp8.py): the FP8 Gluon kernel or the Triton ones (`decode_kernel`).
+    `outer`: q's own shape [B, S, H, R] where q_nope / q_pe are row-folded VIEWS of it (ops/attention.py); the plan
+    then takes q and gives out / lse in that shape: free for our kernels' plans (kernels/decode.py `decode_plan`:
+    they read q by pointer and the strides fixed here), views each call for the peers' (`unfolded`)."""
     name = decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, n_query=n_query, block_table=block_table,
                          ckv_scale=ckv_scale).name
     if name == "flashmla":
         fm = _flashmla(q_nope.device)
-        return (lambda qn, qp, ckv, kpe, table, lens, scale: fm.decode(qn, qp, ckv, kpe, table, lens, sm_scale)), True
+        plan = lambda qn, qp, ckv, kpe, table, lens, scale: fm.decode(qn, qp, ckv, kpe, table, lens, sm_scale)  # noqa: E731
+        return (plan if outer is None else unfolded(plan, outer)), True
     if name == "flashinfer":
-        return (lambda qn, qp, ckv, kpe, table, lens, scale: _fi.decode(qn, qp, ckv, kpe, table, lens, sm_scale)), False
+        plan = lambda qn, qp, ckv, kpe, table, lens, scale: _fi.decode(qn, qp, ckv, kpe, table, lens, sm_scale)  # noqa: E731
+        return (plan if outer is None else unfolded(plan, outer)), False
     if name in ("seesaw", "wgmma", "fp8_swapab"):  # the Gluon kernels (fp8_swapab: an FP8 cache, one query token)
         return _decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
                                    cfg=_config(q_nope, ckv_cache, False, name), n_query=n_query,
-                                   ckv_scale=ckv_scale).run, True
+                                   ckv_scale=ckv_scale, outer=outer).run, True
     # the Triton kernels; a rope-less call (see above) with a zero rope column
     zero = rope_less(q_pe)
     q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache) if zero else (q_pe, kpe_cache)
     return _zero_rope_run(_decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
-                                              n_query=n_query, ckv_scale=ckv_scale).run, zero), True
+                                              n_query=n_query, ckv_scale=ckv_scale, outer=outer).run, zero), True
 
 
 def _zero_rope_run(plan, zero: bool):
@@ -349,17 +371,18 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
     return plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, ckv_scale)
 
 
-def sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
+def sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None, outer=None):
     """(plan, keep) as `decode_plan`: `plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, None, ckv_scale)` (the
     lengths' place empty: an index list bounds itself). An FP8 cache (ckv_scale given): the Triton pointer kernel
-    (`decode_kernel`)."""
+    (`decode_kernel`). `outer`: q's own shape [B, S, H, R] where q_nope / q_pe / indices are views of [B, S, ...]
+    folded to B*S requests; the plan then takes them unfolded and gives out / lse in q's shape."""
     if decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse=True, ckv_scale=ckv_scale).name == "wgmma":
         return _decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
-                                          cfg=_config(q_nope, ckv_cache, True, "wgmma")).run, True
+                                          cfg=_config(q_nope, ckv_cache, True, "wgmma"), outer=outer).run, True
     zero = rope_less(q_pe)
     q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache) if zero else (q_pe, kpe_cache)
     return _zero_rope_run(_decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
-                                                     ckv_scale=ckv_scale).run, zero), True
+                                                     ckv_scale=ckv_scale, outer=outer).run, zero), True
 
 
 def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):

@@ -48,7 +48,8 @@ def _check_cache_dtype(q_nope, ckv_cache, kpe_cache, ckv_scale):
     C.check_ckv_scale(ckv_cache, ckv_scale)
     C.check(fp8.is_fp8(ckv_cache) or ckv_cache.dtype == q_nope.dtype, "ckv_cache",
             f"dtype {ckv_cache.dtype} differs from q_nope's {q_nope.dtype}")
-    C.check(kpe_cache.dtype == q_nope.dtype, "kpe_cache", f"dtype {kpe_cache.dtype} differs from q_nope's {q_nope.dtype}")
+    C.check(kpe_cache.dtype == q_nope.dtype, "kpe_cache",
+            f"dtype {kpe_cache.dtype} differs from q_nope's {q_nope.dtype}")
 
 
 def _check_lens(block_table, seq_lens, B: int, S: int) -> None:
@@ -330,24 +331,23 @@ def _(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_s
 
 
 def _folded_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, ckv_scale=None):
-    """(plan, keep): q [B, S, H, *] through the kernels' plan for rows: S folded into them ([B, S*H, *], row j*H + h;
-    a view where q's strides allow), n_query = S; S = 1 is the one-token call (its limits column as the lengths).
-    Made once per signature like the one-token plan (a plan made per call cost ~20x the planned call's host time:
-    benchmarks/lab/host_cpu.py), its outputs viewed back as [B, S, H, R] / [B, S, H]."""
+    """(plan, keep): q [B, S, H, *] through the kernels' plan for rows: S folded into them ([B, S*H, *], row j*H + h),
+    n_query = S; S = 1 is the one-token call (its limits column as the lengths). Made once per signature like the
+    one-token plan (a plan made per call cost ~20x the planned call's host time: benchmarks/lab/host_cpu.py). Where
+    the fold is a view of q (its strides allow) our kernels' plans take q as it is and allocate the outputs as
+    [B, S, H, R] / [B, S, H]: four view ops a call less, 13.6 -> 8.8 us at S = 2 on the CPU proxy
+    (benchmarks/lab/host_cpu.py), what one query token costs; else the plan reshapes q and views the outputs back
+    each call (kernels/dispatch.py `unfolded`)."""
     B, S, H, R = q_nope.shape
-    P = q_pe.shape[-1]
-    rows, out_shape, lse_shape = (B, S * H), (B, S, H, R), (B, S, H)
+    rows, outer = (B, S * H), (B, S, H, R)
     first_limit = S == 1 and seq_lens.dim() == 2  # one query token's [B, 1] limits: the lengths themselves
-    inner, keep = dispatch_module().decode_plan(q_nope.reshape(*rows, R), q_pe.reshape(*rows, P), ckv_cache,
-                                                kpe_cache, block_table, seq_lens[:, 0] if first_limit else seq_lens,
-                                                sm_scale, n_query=S, ckv_scale=ckv_scale)
-
-    def plan(qn, qp, ckv, kpe, table, lens, scale=None):
-        out, lse = inner(qn.reshape(*rows, R), qp.reshape(*rows, P), ckv, kpe, table, lens[:, 0] if first_limit else
-                         lens, scale)
-        return out.view(out_shape), lse.view(lse_shape)
-
-    return plan, keep
+    dispatch = dispatch_module()
+    folds = all(S == 1 or H == 1 or q.stride(1) == H * q.stride(2) for q in (q_nope, q_pe))
+    inner, keep = dispatch.decode_plan(q_nope.reshape(*rows, R), q_pe.reshape(*rows, q_pe.shape[-1]), ckv_cache,
+                                       kpe_cache, block_table, seq_lens[:, 0] if first_limit else seq_lens, sm_scale,
+                                       n_query=S, ckv_scale=ckv_scale,
+                                       outer=outer if folds and not first_limit else None)
+    return (inner if folds and not first_limit else dispatch.unfolded(inner, outer, first_limit)), keep
 
 
 def _decode_setup_context(ctx, inputs, output):
@@ -434,11 +434,17 @@ def _(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale=None):
 
 def _make_sparse_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale):
     """(plan, keep) for `Plans.run`: q [B, H, *] -> kernels/dispatch.py's plan; q [B, S, H, *] with [B, S, K] index
-    lists -> the same over [B*S, H, *] (`_tokens_as_batch`), its outputs viewed back."""
+    lists -> the same over [B*S, H, *] (`_tokens_as_batch`): where that fold is a view of each (their strides allow),
+    the plan takes them as they are and gives out / lse in q's shape (no view a call, as `_folded_plan`); else its
+    inputs reshaped and outputs viewed back each call."""
     dispatch = dispatch_module()
     if q_nope.dim() == 3:
         return dispatch.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale)
     qn, qp, idx = _tokens_as_batch(q_nope, q_pe, indices)
+    B, S = q_nope.shape[:2]
+    if all(B == 1 or S == 1 or t.stride(0) == S * t.stride(1) for t in (q_nope, q_pe, indices)):
+        return dispatch.sparse_decode_plan(qn, qp, ckv_cache, kpe_cache, idx, sm_scale, ckv_scale,
+                                           outer=tuple(q_nope.shape))
     inner, keep = dispatch.sparse_decode_plan(qn, qp, ckv_cache, kpe_cache, idx, sm_scale, ckv_scale)
     out_shape, lse_shape = q_nope.shape, q_nope.shape[:-1]
 
