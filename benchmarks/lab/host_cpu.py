@@ -149,6 +149,7 @@ def _check_cases():
                 torch.randint(0, 3, (*lead, Hi), generator=g).float())
 
     (iq3, iw3), (iq4, iw4) = iq(2), iq(2, 2)
+    iq4_sb, iw4_sb = (t.transpose(0, 1) for t in iq(2, 2))  # tokens before requests: no view folds them
     it, ko = torch.ops.dsa.indexer_topk, torch.ops.dsa.k_only_indices
     # FP8 cache writes (R 128, P 16 bf16 rope: one scale group), into a fresh buffer each call (the result compared)
     from mla_compile import fp8
@@ -172,6 +173,7 @@ def _check_cases():
         "cache_write_fp8": write_views,
         "indexer_topk": lambda: it(iq3, iw3, k_cache, bt, sl, 8, 1.0),
         "indexer_topk S=2": lambda: it(iq4, iw4, k_cache, bt, sl, 8, 1.0),
+        "indexer_topk S=2 tokens first": lambda: it(iq4_sb, iw4_sb, k_cache, bt, sl, 8, 1.0),
         "k_only_indices": lambda: ko(bt, sl, PS, 64),
         "k_only_indices S=2": lambda: ko(bt, sl, PS, 64, 2),
         "decode": lambda: d(q3, p3, c, k, bt, sl, 0.2),

@@ -425,10 +425,12 @@ def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
     return _dsa.indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)
 
 
-def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
+def indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk, sm_scale, n_query=1, out_shape=None):
     """(plan, keep): `plan(q, weights, k_cache, block_table, seq_lens)` -> `dsa::indexer_topk` for q [B, Hi, Di] of
-    this signature (kernels/dsa.py: the keys kernel, torch.topk, the slots kernel)."""
-    return _dsa.indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk, sm_scale), True
+    this signature (kernels/dsa.py: the keys kernel, then the radix select or torch.topk and the slots kernel);
+    n_query = S query tokens per request as B*S rows of q (kernels/dsa.py `indexer_topk_plan`)."""
+    return _dsa.indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk, sm_scale, n_query=n_query,
+                                  out_shape=out_shape), True
 
 
 def dcp_local_candidates_plan(q, weights, k_cache, block_table, local_lens, topk, sm_scale, dcp_size, dcp_rank):
@@ -442,9 +444,11 @@ def k_only_indices(block_table, seq_lens, page_size, topk):
     return _dsa.k_only_indices(block_table, seq_lens, page_size, topk)
 
 
-def k_only_indices_plan(block_table, seq_lens, page_size, topk):
-    """(plan, keep): `plan(block_table, seq_lens)` -> `k_only_indices(...)` for inputs of this signature."""
-    return _dsa.k_only_plan(block_table, seq_lens, page_size, topk), True
+def k_only_indices_plan(block_table, seq_lens, page_size, topk, n_query=1):
+    """(plan, keep): `plan(block_table, seq_lens)` -> `k_only_indices(...)` for inputs of this signature (n_query > 1:
+    int32 [B, n_query, topk])."""
+    shape = (block_table.shape[0], n_query, topk) if n_query > 1 else None
+    return _dsa.k_only_plan(block_table, seq_lens, page_size, topk, n_query, shape), True
 
 
 def fused_linear_plan(x, weights):

@@ -154,18 +154,21 @@ def _indexer_topk_cuda(q, weights, k_cache, block_table, seq_lens, topk, sm_scal
 
 def _make_indexer_plan(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
     """(plan, keep) for `Plans.run`: q [B, Hi, Di] -> kernels/dispatch.py's plan; q [B, S, Hi, Di] (S query tokens)
-    -> the same over B*S rows of their own (`per_query_token`, device ops each call), made once per signature."""
+    -> the same over B*S rows of their own (`per_query_token`'s rows, each row's table and tokens found in the
+    kernels), its result allocated as [B, S, topk]; q and weights taken as they are where folding their (B, S) is a
+    view (their strides allow), else reshaped each call."""
     dispatch = dispatch_module()
     if q.dim() == 3:
         return dispatch.indexer_topk_plan(q, weights, k_cache, block_table, seq_lens, topk, sm_scale)
     B, S = q.shape[:2]
     rows_q, rows_w = (B * S, *q.shape[2:]), (B * S, weights.shape[-1])
-    inner, keep = dispatch.indexer_topk_plan(q.reshape(rows_q), weights.reshape(rows_w), k_cache,
-                                             *per_query_token(block_table, seq_lens, S), topk, sm_scale)
+    inner, keep = dispatch.indexer_topk_plan(q.reshape(rows_q), weights.reshape(rows_w), k_cache, block_table,
+                                             seq_lens, topk, sm_scale, n_query=S, out_shape=(B, S, topk))
+    if all(B == 1 or S == 1 or t.stride(0) == S * t.stride(1) for t in (q, weights)):
+        return inner, keep
 
     def plan(q, weights, k_cache, block_table, seq_lens):
-        out = inner(q.reshape(rows_q), weights.reshape(rows_w), k_cache, *per_query_token(block_table, seq_lens, S))
-        return out.view(B, S, topk)
+        return inner(q.reshape(rows_q), weights.reshape(rows_w), k_cache, block_table, seq_lens)
 
     return plan, keep
 
@@ -226,12 +229,6 @@ def _(block_table, seq_lens, page_size, topk, n_query=1):
 
 
 def _make_k_only_tokens_plan(block_table, seq_lens, page_size, topk, n_query):
-    """(plan, keep): `dsa::k_only_indices` of n_query > 1 query tokens per request, its [B*S] rows viewed back."""
-    inner, keep = dispatch_module().k_only_indices_plan(*per_query_token(block_table, seq_lens, n_query), page_size,
-                                                        topk)
-    shape = (block_table.shape[0], n_query, topk)
-
-    def plan(block_table, seq_lens):
-        return inner(*per_query_token(block_table, seq_lens, n_query)).view(shape)
-
-    return plan, keep
+    """(plan, keep): `dsa::k_only_indices` of n_query > 1 query tokens per request: [B, S, topk] from one launch over
+    the B*S query rows (each row's table and tokens found in the kernel, kernels/dsa.py `_row_tokens`)."""
+    return dispatch_module().k_only_indices_plan(block_table, seq_lens, page_size, topk, n_query)

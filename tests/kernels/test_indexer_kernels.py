@@ -6,7 +6,8 @@ Under TRITON_INTERPRET=1 (one child process, tests/interpreter_child.py):
     denormals, +-max, ties) and index, and the keys the logits kernel writes equal `order_keys` of the scores it
     computes, invalid positions (NONE) included;
   * `indexer_topk` (both top-k selects: the radix select kernel and torch.topk + slots), a reused
-    `indexer_topk_plan` and `k_only_indices` equal the ops' CPU impls exactly, fuzzed
+    `indexer_topk_plan` and `k_only_indices`, of one and of S query tokens per request, equal the ops' CPU impls
+    exactly, fuzzed
     (hypothesis): B 1-4, page sizes 1 / 16 / 64, lengths 0, < topk, == topk, > topk, block tables narrower and wider
     than topk, strided inputs, small-integer data (every score exact whatever the summation order, many ties).
 On sm_90a ahead of time (tools/aot.py, no GPU): the kernels compile without spills and, launched with PDL, wait for
@@ -28,7 +29,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, rea
               pytest.mark.xdist_group("test_indexer_kernels")]
 
 CHECKS = ["order_key_special_values", "order_key_fuzz", "logits_keys_are_order_keys", "indexer_topk_fuzz",
-          "dcp_local_candidates_fuzz",
+          "multi_token_fuzz", "dcp_local_candidates_fuzz",
           "plan_replays_new_inputs", "empty_and_narrow", "k_only_indices", "cuda_impl_on_cpu_tensors"]
 
 # float32 bit patterns of every class the order definition treats specially (and neighbours of its boundaries)
@@ -276,6 +277,43 @@ def check_indexer_topk_fuzz():
         want = _cpu_topk(args, topk)
         got = K.indexer_topk(*(strided(*args) if is_strided else args), topk, 0.5, select)
         assert got.dtype == torch.int32 and torch.equal(got, want), (lens, topk, select, got, want)
+
+    fuzz()
+
+
+def check_multi_token_fuzz():
+    """S query tokens per request as B*S query rows whose table row and tokens the kernels find (`_row_tokens`):
+    `indexer_topk_plan` (both selects) and `k_only_plan` with n_query = S, over [B] lengths counting the S new
+    tokens (0 or >= S), run on q [B, S, Hi, Di] / weights [B, S, Hi] as they are (the rows a view
+    of them; last stride 2 when strided, with a column-major table), equal the ops' CPU impls exactly."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from mla_compile.kernels import dsa as K
+
+    @settings(max_examples=40, deadline=None, database=None)
+    @given(st.data(), st.integers(0, 2**16))
+    def fuzz(data, seed):
+        lens, PS, MP, Hi, Di, dtype, topk, is_strided = _case(data)
+        S = data.draw(st.integers(1, 4), "S")
+        lens = [0 if n < S else n for n in lens]  # a request with S new tokens holds at least S
+        B, g = len(lens), torch.Generator().manual_seed(seed)
+        _, _, k_cache, table, seq_lens = tied_inputs(lens, PS, MP, Hi, Di, dtype, seed)
+        q = torch.randint(-1, 2, (B, S, Hi, Di), generator=g).to(dtype)
+        w = torch.randint(-2, 3, (B, S, Hi), generator=g).float()
+        select = data.draw(st.sampled_from(["radix", "torch"]), "select")
+        want = torch.ops.dsa.indexer_topk(q, w, k_cache, table, seq_lens, topk, 0.5)
+        if is_strided:
+            q, w, table = _every_other(q), _every_other(w), strided_table(table, seq_lens)[0]
+        plan = K.indexer_topk_plan(q.reshape(B * S, Hi, Di), w.reshape(B * S, Hi), k_cache, table, seq_lens, topk,
+                                   0.5, select, n_query=S, out_shape=(B, S, topk))
+        got = plan(q, w, k_cache, table, seq_lens)
+        assert got.shape == (B, S, topk) and torch.equal(got, want), (lens, S, topk, select, got, want)
+        short = seq_lens.clamp(max=topk)  # k-only indexing: [B] lengths <= topk, still 0 or >= S
+        short = torch.where(short < S, 0, short)
+        want = torch.ops.dsa.k_only_indices(table, short, PS, topk, S)
+        got = K.k_only_plan(table, short, PS, topk, S, (B, S, topk) if S > 1 else None)(table, short)
+        assert torch.equal(got, want), (lens, S, topk, got, want)
 
     fuzz()
 
