@@ -14,10 +14,13 @@ from ._launch import bind
 def _cache_write_kernel(Ckv, Kpe, SrcC, SrcK, Slots, Scale, R, P, PS, G,
                         s_cp, s_cs, s_kp, s_ks, s_sc, s_sk, s_gp, s_gs,
                         BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr,
-                        FP8: tl.constexpr = False, PDL: tl.constexpr = False):
+                        FP8: tl.constexpr = False, TOKENS: tl.constexpr = False, PDL: tl.constexpr = False):
     """FP8: each row of SrcC quantized here exactly as `fp8.quantize` (the format's one definition) does
     (`_quantize_row`; R a multiple of 128, BLOCK_G = BLOCK_R / 128), its e4m3 values into Ckv and its G float32
-    scales into Scale: one launch, no quantize ops before it. Otherwise Scale is an unread placeholder."""
+    scales into Scale: one launch, no quantize ops before it. Otherwise Scale is an unread placeholder.
+    TOKENS (with FP8): Ckv is the token buffer itself (uint8 [NP, PS, W], s_cp / s_cs in bytes; mla_compile/fp8.py:
+    a token's R e4m3 bytes, its G float32 scales, its P rope values in SrcK's dtype), the scales' and the rope's
+    addresses taken inside it, so a call needs no typed views of it; Kpe and Scale are unread placeholders."""
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t)
@@ -31,12 +34,19 @@ def _cache_write_kernel(Ckv, Kpe, SrcC, SrcK, Slots, Scale, R, P, PS, G,
             c = q.to(Ckv.dtype.element_ty, bitcast=True)
         else:
             c = tl.load(SrcC + t * s_sc + offs_r, mask=offs_r < R)
-        tl.store(Ckv + page * s_cp + off * s_cs + offs_r, c, mask=offs_r < R)
+        row = Ckv + page * s_cp + off * s_cs
+        tl.store(row + offs_r, c, mask=offs_r < R)
+        if TOKENS:  # the token's rope after its values and scales, its scales after its values
+            kpe_row = (row + R + 4 * G).to(tl.pointer_type(SrcK.dtype.element_ty), bitcast=True)
+            scale_row = (row + R).to(tl.pointer_type(tl.float32), bitcast=True)
+        else:
+            kpe_row = Kpe + page * s_kp + off * s_ks
+            scale_row = Scale + page * s_gp + off * s_gs
         k = tl.load(SrcK + t * s_sk + offs_p, mask=offs_p < P)
-        tl.store(Kpe + page * s_kp + off * s_ks + offs_p, k, mask=offs_p < P)
+        tl.store(kpe_row + offs_p, k, mask=offs_p < P)
         if FP8:
             offs_g = tl.arange(0, BLOCK_G)
-            tl.store(Scale + page * s_gp + off * s_gs + offs_g, s, mask=offs_g < G)
+            tl.store(scale_row + offs_g, s, mask=offs_g < G)
 
 
 @triton.jit
@@ -84,15 +94,16 @@ def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
-def _write_launch(ckv_cache, kpe_cache, ckv, kpe, ckv_scale=None):
+def _write_launch(ckv_cache, kpe_cache, ckv, kpe, ckv_scale=None, tokens: bool = False):
     """(`_cache_write_kernel` bound for these tensors' signature, the numbers after its six tensor arguments):
     `bound(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale or ckv_cache, *numbers)`; ckv_scale given: an FP8 cache,
-    the rows quantized in the kernel."""
+    the rows quantized in the kernel; tokens: ckv_cache is an FP8 token buffer (the kernel's TOKENS)."""
     R, P = ckv.shape[1], kpe.shape[1]
     fp8_cache = ckv_scale is not None
     block_r = next_power_of_2(max(R, 1))
     bound = bind(_cache_write_kernel, (ckv.shape[0],), BLOCK_R=block_r, BLOCK_P=next_power_of_2(max(P, 1)),
-                 BLOCK_G=block_r // fp8.GROUP if fp8_cache else 1, FP8=fp8_cache, num_warps=4, **pdl_launch(ckv.device))
+                 BLOCK_G=block_r // fp8.GROUP if fp8_cache else 1, FP8=fp8_cache, TOKENS=tokens, num_warps=4,
+                 **pdl_launch(ckv.device))
     scale_strides = (ckv_scale.stride(0), ckv_scale.stride(1)) if fp8_cache else (0, 0)
     return bound, (R, P, ckv_cache.shape[1], fp8.groups(R) if fp8_cache else 1, ckv_cache.stride(0),
                    ckv_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1), ckv.stride(0), kpe.stride(0),
@@ -127,6 +138,24 @@ def cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
     def plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
         ckv = ckv.contiguous() if copy_c else ckv
         bound(ckv_cache, kpe_cache, ckv, kpe.contiguous() if copy_k else kpe, slots, ckv_scale, *numbers)
+
+    return plan
+
+
+def cache_write_fp8_tokens_plan(token_buf, ckv, kpe, slots):
+    """`plan(token_buf, ckv, kpe, slots)` writes any `mla::cache_write_fp8_tokens` call of this signature into the
+    contiguous token buffer uint8 [NP, PS, W] itself (the kernel's TOKENS: no views of it a call), quantizing as
+    `cache_write_fp8_plan` does. P > 0."""
+    if ckv.shape[0] == 0:
+        return lambda *tensors: None
+    copy_c, copy_k = ckv.stride(-1) != 1, kpe.stride(-1) != 1
+    # the buffer stands in for the three caches: its strides are the rows' (bytes), the scales' and rope's unread
+    bound, numbers = _write_launch(token_buf, token_buf, ckv.contiguous() if copy_c else ckv,
+                                   kpe.contiguous() if copy_k else kpe, token_buf, tokens=True)
+
+    def plan(token_buf, ckv, kpe, slots):
+        ckv = ckv.contiguous() if copy_c else ckv
+        bound(token_buf, token_buf, ckv, kpe.contiguous() if copy_k else kpe, slots, token_buf, *numbers)
 
     return plan
 

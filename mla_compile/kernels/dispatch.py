@@ -408,6 +408,20 @@ def cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
     return _cache.cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots), True
 
 
+def cache_write_fp8_tokens_plan(token_buf, ckv, kpe, slots):
+    """(plan, keep): `plan(token_buf, ckv, kpe, slots)` for an FP8 token buffer (kernels/cache.py: one launch writing
+    into the buffer itself); a rope-less call through the buffer's views (`cache_write_fp8_plan`'s zero column)."""
+    if rope_less(kpe):
+        R = ckv.shape[1]
+
+        def through_views(token_buf, ckv, kpe, slots):
+            c, s, k = fp8.views(token_buf, R, kpe.dtype)
+            cache_write(c, k, ckv, kpe, slots, s)
+
+        return through_views, True
+    return _cache.cache_write_fp8_tokens_plan(token_buf, ckv, kpe, slots), True
+
+
 def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None):
     """ckv_scale given: an FP8 cache, ckv quantized on the way in (kernels/cache.py)."""
     if rope_less(kpe):

@@ -6,7 +6,7 @@ import torch
 
 from .. import fp8
 from . import _checks as C
-from ._plans import Plans, dispatch_module, dispatch_plan
+from ._plans import Plans, dispatch_plan
 from ._registry import define
 
 
@@ -210,15 +210,4 @@ def _(token_buf, ckv, kpe, slots):
 _TOKEN_PLANS = Plans()  # mla::cache_write_fp8_tokens (ops/_plans.py)
 
 
-def _make_token_write_plan(token_buf, ckv, kpe, slots):
-    """(plan, keep): the buffer's three views per call (`fp8.views`), then `mla::cache_write_fp8`'s plan on them."""
-    R, rope_dtype = ckv.shape[1], kpe.dtype
-    ckv_cache, ckv_scale, kpe_cache = fp8.views(token_buf, R, rope_dtype)
-    inner, keep = dispatch_module().cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots)
-    views = fp8.views
-
-    def plan(token_buf, ckv, kpe, slots):
-        ckv_cache, ckv_scale, kpe_cache = views(token_buf, R, rope_dtype)
-        inner(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots)
-
-    return plan, keep
+_make_token_write_plan = dispatch_plan("cache_write_fp8_tokens_plan")

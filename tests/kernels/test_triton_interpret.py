@@ -273,7 +273,9 @@ def check_fp8_write():
     """The FP8 cache write's in-kernel quantization (kernels/cache.py `_e4m3_bits`, `_quantize_row`): the e4m3 byte of
     every e4m3 value, of every midpoint between neighbours and of the floats either side of it (ties to even),
     zeros, NaN and random values, as torch's cast gives it; then whole writes (R 128 and 384: a masked fourth group;
-    rows of zeros, of subnormal-range values, strided rows, skipped slots) byte for byte as `fp8.quantize` + scatter."""
+    rows of zeros, of subnormal-range values, strided rows, skipped slots; bf16 and fp32 rope) byte for byte as
+    `fp8.quantize` + scatter, through the three views (`cache_write_fp8_plan`) and into the token buffer itself
+    (`cache_write_fp8_tokens_plan`: the scales' and rope's addresses taken in the kernel)."""
     import torch
     import triton
     import triton.language as tl
@@ -302,25 +304,26 @@ def check_fp8_write():
     want = x.to(torch.float8_e4m3fn).view(torch.uint8).int()
     assert torch.equal(y, want), f"{int((y != want).sum())} of {x.numel()} bytes differ"
 
-    for R, P in ((128, 16), (384, 64)):
+    for R, P, rope in ((128, 16, torch.bfloat16), (384, 64, torch.bfloat16), (256, 8, torch.float32)):
         rows = torch.randn(6, R, generator=gen) * 3
         rows[1] = 0  # amax 0: scale 1
         rows[2] *= 1e-4  # values in e4m3's subnormal range after scaling by a larger group's amax
         rows[2, :5] = 7.0
         ckv = rows.to(torch.bfloat16).t().contiguous().t()  # a strided [T, R] (column-major): the copy path
-        kpe = torch.randn(6, P, generator=gen).to(torch.bfloat16)
+        kpe = torch.randn(6, P, generator=gen).to(rope)
         slots = torch.tensor([3, -1, 20, 9, -1, 0])
-        buf = fp8.allocate(4, 8, R, P, torch.device("cpu"), torch.bfloat16)[0]
-        got, ref = buf.zero_().clone(), buf.zero_().clone()
-        c8, sc, kp = fp8.views(got, R, torch.bfloat16)
-        plan = K.cache_write_fp8_plan(c8, kp, sc, ckv, kpe, slots)
-        plan(c8, kp, sc, ckv, kpe, slots)
-        rc, rs, rk = fp8.views(ref, R, torch.bfloat16)
+        buf = fp8.allocate(4, 8, R, P, torch.device("cpu"), rope)[0]
+        ref, views, tokens = buf.zero_().clone(), buf.zero_().clone(), buf.zero_().clone()
+        rc, rs, rk = fp8.views(ref, R, rope)
         q, scales = fp8.quantize(ckv)
         for t, slot in enumerate(slots.tolist()):
             if slot >= 0:
                 rc.view(-1, R)[slot], rs.view(-1, R // 128)[slot], rk.view(-1, P)[slot] = q[t], scales[t], kpe[t]
-        assert torch.equal(got, ref), f"R {R}: {int((got != ref).sum())} bytes differ"
+        c8, sc, kp = fp8.views(views, R, rope)
+        K.cache_write_fp8_plan(c8, kp, sc, ckv, kpe, slots)(c8, kp, sc, ckv, kpe, slots)
+        assert torch.equal(views, ref), f"R {R}: {int((views != ref).sum())} bytes differ (views)"
+        K.cache_write_fp8_tokens_plan(tokens, ckv, kpe, slots)(tokens, ckv, kpe, slots)
+        assert torch.equal(tokens, ref), f"R {R}: {int((tokens != ref).sum())} bytes differ (token buffer)"
 
 
 def check_indexer_topk():
