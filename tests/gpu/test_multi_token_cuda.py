@@ -93,6 +93,36 @@ def test_decode_limits_table_and_strided_q(H):
     check(out, lse, want, dtype, qn.shape)
 
 
+def _padded(t):
+    """t's values as a view whose rows are padded (last dim stride-1, rows 16 elements apart): folding [B, S, H] into
+    rows stays a view of it, so the plan reads it as it is (ops/attention.py `_folded_plan`)."""
+    out = torch.full((*t.shape[:-1], t.shape[-1] + 16), float("nan"), dtype=t.dtype, device=t.device)
+    out[..., :t.shape[-1]] = t
+    return out[..., :t.shape[-1]]
+
+
+@pytest.mark.parametrize("H", [16, 128])
+def test_decode_and_sparse_decode_read_padded_q_as_it_is(H):
+    """q [B, S, H, *] whose token-to-row fold is a view but not contiguous (padded rows, NaN in the padding): decode
+    (causal lengths and a limits table) and sparse_decode of S tokens read it by its strides, outputs in q's shape;
+    the same values as a copy (heads first: no view folds them) give the same answer."""
+    S, dtype = 2, torch.bfloat16
+    qn, qp, c, k, bt, sl = build([300, 0, 70], S, H, dtype, 64, seed=3 + H)
+    pn, pp = _padded(qn), _padded(qp)
+    want = ref.ref_decode_multi(qn.cpu(), qp.cpu(), c.cpu(), k.cpu(), bt.cpu(), sl.cpu(), SCALE)
+    for _ in range(2):  # the plan made, then found as a recent signature
+        out, lse = torch.ops.mla.decode(pn, pp, c, k, bt, sl, SCALE)
+        check(out, lse, want, dtype, qn.shape)
+    hn = qn.transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, R] with heads before tokens in memory
+    out, lse = torch.ops.mla.decode(hn, qp, c, k, bt, sl, SCALE)
+    check(out, lse, want, dtype, qn.shape)
+    idx = torch.ops.dsa.k_only_indices(bt, sl.clamp(max=256), 64, 256, S)
+    want = ref.ref_sparse_decode_multi(qn.cpu(), qp.cpu(), c.cpu(), k.cpu(), idx.cpu(), SCALE)
+    for q_nope, q_pe in ((pn, pp), (qn.transpose(0, 1).contiguous().transpose(0, 1), qp)):
+        out, lse = torch.ops.mla.sparse_decode(q_nope, q_pe, c, k, idx, SCALE)
+        check(out, lse, want, dtype, qn.shape)
+
+
 @pytest.mark.parametrize("S", [2, 4])
 @pytest.mark.parametrize("H", [16, 128])
 def test_sparse_decode_with_k_only_and_indexer_selection(S, H):
@@ -112,6 +142,28 @@ def test_sparse_decode_with_k_only_and_indexer_selection(S, H):
         check(out, lse, want, dtype, qn.shape)
     # each query token's k-only list is its causal prefix (CPU op as the reference)
     assert torch.equal(idx.cpu(), torch.ops.dsa.k_only_indices(bt.cpu(), sl.clamp(max=topk).cpu(), PS, topk, S))
+
+
+def test_dsa_indexer_of_query_tokens_in_any_layout_equals_the_cpu_op():
+    """dsa.indexer_topk of S tokens on the GPU (the kernels' query rows, kernels/dsa.py `_row_tokens`) equals the CPU
+    op exactly on small-integer data (every score exact, ties by the one rule): q / weights contiguous, with padded
+    rows (read as they are) and tokens before requests (copied per call); a table the radix select takes and one past
+    RADIX_MAX_TOKENS (torch.topk + the slots kernel)."""
+    S, PS, topk, Hi, Di = 3, 16, 24, 4, 16
+    g = torch.Generator().manual_seed(9)
+    for longest in (60, 17000):
+        _, (kc,), bt, sl, _ = ref.build_paged([0, 3, 40, longest], PS, (Di,), torch.float32, generator=g,
+                                              shuffle=True)
+        kc = torch.randint(-1, 2, kc.shape, generator=g).float()
+        q = torch.randint(-1, 2, (4, S, Hi, Di), generator=g).float()
+        w = torch.randint(-2, 3, (4, S, Hi), generator=g).float()
+        want = torch.ops.dsa.indexer_topk(q, w, kc, bt, sl, topk, 0.5)
+        qd, wd, rest = q.to(DEV), w.to(DEV), (kc.to(DEV), bt.to(DEV), sl.to(DEV), topk, 0.5)
+        tokens_first = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in (qd, wd)]
+        for qq, ww in ((qd, wd), (_padded(qd), _padded(wd)), tokens_first):
+            for _ in range(2):  # the plan made, then found as a recent signature
+                got = torch.ops.dsa.indexer_topk(qq, ww, *rest)
+                assert torch.equal(got.cpu(), want), (longest, qq.stride())
 
 
 def test_dsa_indexer_per_query_token_matches_cpu_op():
