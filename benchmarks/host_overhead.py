@@ -78,6 +78,8 @@ def tensors(device) -> dict:
                                                                                               dtype=torch.int32, **g),
              lens=torch.full((B,), L, dtype=torch.int32, **g) if real else torch.empty(B, dtype=torch.int32, **g),
              idx=(torch.randperm(L, **g)[:256].int()[None] if real else torch.empty(B, 256, dtype=torch.int32, **g)),
+             idx2=(torch.randperm(L, **g)[:512].int().view(B, 2, 256) if real else
+                   torch.empty(B, 2, 256, dtype=torch.int32, **g)),
              outs=rnd(4, B, H, R), lses=rnd(4, B, H, dtype=torch.float32),
              ckv_new=rnd(1, R), kpe_new=rnd(1, P), slots=(torch.tensor([5], **g) if real else
                                                           torch.empty(1, dtype=torch.int64, **g)),
@@ -99,6 +101,7 @@ def op_calls(t: dict) -> dict:
         # two query tokens per request (MTP / speculative verification: q [B, S, H, *])
         "mla.decode S=2": lambda: ops.mla.decode(t["qn2"], t["qp2"], t["ckv"], t["kpe"], t["table"], t["lens"], 0.1),
         "mla.sparse_decode": lambda: ops.mla.sparse_decode(t["qn"], t["qp"], t["ckv"], t["kpe"], t["idx"], 0.1),
+        "mla.sparse_decode S=2": lambda: ops.mla.sparse_decode(t["qn2"], t["qp2"], t["ckv"], t["kpe"], t["idx2"], 0.1),
         "mla.merge_states": lambda: ops.mla.merge_states(t["outs"], t["lses"]),
         "mla.cache_write": lambda: ops.mla.cache_write(t["ckv"], t["kpe"], t["ckv_new"], t["kpe_new"], t["slots"]),
         "mla.cache_write_fp8_tokens": lambda: ops.mla.cache_write_fp8_tokens(t["fp8_buf"], t["ckv_new"], t["kpe_new"],
@@ -111,6 +114,7 @@ def op_calls(t: dict) -> dict:
         "dsa.indexer_topk S=2": lambda: ops.dsa.indexer_topk(t["iq2"], t["iw2"], t["ik"], t["table"], t["lens"], 256,
                                                              0.1),
         "dsa.k_only_indices": lambda: ops.dsa.k_only_indices(t["table"], t["lens"], PS, 2048),
+        "dsa.k_only_indices S=2": lambda: ops.dsa.k_only_indices(t["table"], t["lens"], PS, 2048, 2),
     }
 
 
