@@ -6,6 +6,7 @@
 #           generate (HF generate() end to end)  gencrash (lab probe)  compile
 #           families (five HF MLA families at 32K)  select (indexer top-k)  report
 #           fp8swap (lab probe: a swap-AB Gluon kernel for the FP8 cache at few heads, beside mla.decode / FlashMLA)
+#           eagersplits (lab probe: split counts for eager decode calls)
 # Installs the wheels carried in .whl/ (tools/device_wheels.sh fetches them; run(carry=[".whl"])), records the environment, then runs each stage.
 #
 # $OUT stays flat and small (the device tool returns at most 8 files). A full run
@@ -97,6 +98,9 @@ stage_dcpindexer() { timeout "${T_DCPINDEXER:-200}" python3 benchmarks/lab/dcp_i
 # / bf16 and FlashMLA); FP8SWAP_ARGS e.g. "--shapes 16:8:32768 --configs 16:8:3" or "--check-only"
 stage_fp8swap() { timeout "${T_FP8SWAP:-300}" python3 benchmarks/lab/fp8_swapab.py "$OUT/fp8_swapab.json" ${FP8SWAP_ARGS:-}; }
 stage_onelaunch() { echo "onelaunch: the lab probe is retired (benchmarks/lab/README.md)"; }
+# eagersplits (issue 29): the lab probe of the split count for eager decode calls (graph replay vs back-to-back eager
+# wall time at the policy's splits, a quarter, one); EAGERSPLITS_ARGS e.g. "--shapes 1:1024 8:4096 --filler 8"
+stage_eagersplits() { timeout "${T_EAGERSPLITS:-240}" python3 benchmarks/lab/eager_splits.py "$OUT/eager_splits.json" ${EAGERSPLITS_ARGS:-}; }
 stage_topkprobe() { echo "topkprobe: the lab probe is retired: its kernel is kernels/dsa.py's (stage select)"; }
 stage_host() { timeout "${T_HOST:-180}" python3 benchmarks/host_overhead.py "$OUT/host.json" ${HOST_ARGS:-}; }
 # hostab (issue 29): the ops table of this tree against another commit's mla_compile, alternating runs on this host
