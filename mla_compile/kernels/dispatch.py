@@ -334,13 +334,13 @@ def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
     they read q by pointer and the strides fixed here), views each call for the peers' (`unfolded`)."""
     name = decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, n_query=n_query, block_table=block_table,
                          ckv_scale=ckv_scale).name
-    if name == "flashmla":
-        fm = _flashmla(q_nope.device)
-        plan = lambda qn, qp, ckv, kpe, table, lens, scale: fm.decode(qn, qp, ckv, kpe, table, lens, sm_scale)  # noqa: E731
-        return (plan if outer is None else unfolded(plan, outer)), True
-    if name == "flashinfer":
-        plan = lambda qn, qp, ckv, kpe, table, lens, scale: _fi.decode(qn, qp, ckv, kpe, table, lens, sm_scale)  # noqa: E731
-        return (plan if outer is None else unfolded(plan, outer)), False
+    if name in ("flashmla", "flashinfer"):  # FlashInfer's plan depends on whether a graph is being captured: not kept
+        peer = _flashmla(q_nope.device).decode if name == "flashmla" else _fi.decode
+
+        def plan(qn, qp, ckv, kpe, table, lens, scale):
+            return peer(qn, qp, ckv, kpe, table, lens, sm_scale)
+
+        return (plan if outer is None else unfolded(plan, outer)), name == "flashmla"
     if name in ("seesaw", "wgmma", "fp8_swapab"):  # the Gluon kernels (fp8_swapab: an FP8 cache, one query token)
         return _decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
                                    cfg=_config(q_nope, ckv_cache, False, name), n_query=n_query,

@@ -148,6 +148,13 @@ def decode_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: i
     return token_slots(block_table, page_size, num_tokens), valid
 
 
+def merges_as_view(*tensors: torch.Tensor, dim: int) -> bool:
+    """Whether merging dims dim and dim + 1 of every tensor (S query tokens folded into rows or requests) is a view
+    of it: a plan may then take the tensor as it is, its kernels reading it by the merged strides."""
+    return all(t.shape[dim] == 1 or t.shape[dim + 1] == 1 or t.stride(dim) == t.shape[dim + 1] * t.stride(dim + 1)
+               for t in tensors)
+
+
 def query_limits(seq_lens: torch.Tensor, S: int) -> torch.Tensor:
     """int32 [B, S]: the tokens query token j of each request sees, seq_lens[b] - S + 1 + j (seq_lens counts the S
     new tokens; <= 0 for a length-0 request: nothing). A [B, S] seq_lens is such a table already. Device ops only
@@ -342,7 +349,7 @@ def _folded_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_s
     rows, outer = (B, S * H), (B, S, H, R)
     first_limit = S == 1 and seq_lens.dim() == 2  # one query token's [B, 1] limits: the lengths themselves
     dispatch = dispatch_module()
-    folds = all(S == 1 or H == 1 or q.stride(1) == H * q.stride(2) for q in (q_nope, q_pe))
+    folds = merges_as_view(q_nope, q_pe, dim=1)
     inner, keep = dispatch.decode_plan(q_nope.reshape(*rows, R), q_pe.reshape(*rows, q_pe.shape[-1]), ckv_cache,
                                        kpe_cache, block_table, seq_lens[:, 0] if first_limit else seq_lens, sm_scale,
                                        n_query=S, ckv_scale=ckv_scale,
@@ -441,8 +448,7 @@ def _make_sparse_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv
     if q_nope.dim() == 3:
         return dispatch.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ckv_scale)
     qn, qp, idx = _tokens_as_batch(q_nope, q_pe, indices)
-    B, S = q_nope.shape[:2]
-    if all(B == 1 or S == 1 or t.stride(0) == S * t.stride(1) for t in (q_nope, q_pe, indices)):
+    if merges_as_view(q_nope, q_pe, indices, dim=0):
         return dispatch.sparse_decode_plan(qn, qp, ckv_cache, kpe_cache, idx, sm_scale, ckv_scale,
                                            outer=tuple(q_nope.shape))
     inner, keep = dispatch.sparse_decode_plan(qn, qp, ckv_cache, kpe_cache, idx, sm_scale, ckv_scale)

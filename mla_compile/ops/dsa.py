@@ -10,7 +10,7 @@ import torch
 from .. import topk_order
 from . import _checks as C
 from ._plans import Plans, dispatch_module, dispatch_plan
-from .attention import check_query_lens, query_limits, token_slots
+from .attention import check_query_lens, merges_as_view, query_limits, token_slots
 from ._registry import define
 
 
@@ -164,7 +164,7 @@ def _make_indexer_plan(q, weights, k_cache, block_table, seq_lens, topk, sm_scal
     rows_q, rows_w = (B * S, *q.shape[2:]), (B * S, weights.shape[-1])
     inner, keep = dispatch.indexer_topk_plan(q.reshape(rows_q), weights.reshape(rows_w), k_cache, block_table,
                                              seq_lens, topk, sm_scale, n_query=S, out_shape=(B, S, topk))
-    if all(B == 1 or S == 1 or t.stride(0) == S * t.stride(1) for t in (q, weights)):
+    if merges_as_view(q, weights, dim=0):
         return inner, keep
 
     def plan(q, weights, k_cache, block_table, seq_lens):

@@ -167,14 +167,13 @@ def _switch_swapab(monkeypatch, on: bool):
     """decode_fp8_swapab.ENABLED (on by default, MLA_COMPILE_FP8_SWAPAB=0 turns it off) set for one test; plans made
     under the other setting dropped before and after."""
     from mla_compile.kernels import decode_fp8_swapab
-    from mla_compile.ops import attention
 
     monkeypatch.setattr(decode_fp8_swapab, "ENABLED", on)
-    attention._DECODE_PLANS.clear()
+    _drop_plans()
 
 
 def _drop_plans():
-    """After a test that switched the kernel: its plans go (monkeypatch then restores the default setting)."""
+    """Plans made under one setting of the kernel switch (also after a test: monkeypatch then restores the default)."""
     from mla_compile.ops import attention
 
     attention._DECODE_PLANS.clear()
