@@ -18,6 +18,11 @@ decode call, what a captured decode step runs:
   - `fp8_dequant_ms`: the pointer kernel that dequantizes its tiles in registers (fp32 q takes it), over the same
     FP8 cache;
   - `fp8_configs_ms`: decode_fp8.py's kernel at other tilings (`--sweep`).
+`--token-table`: instead, what the HF pass hands `mla.decode` (benchmarks/lab/hf_call_args.py): every cache as a
+page-size-1 view ([slots, 1, width]) read through a token table [B, kv] of each request's slots (its shuffled pages'
+slots in order), at H 16 / 128, B 8, 32K: the bf16 cache (`bf16_ms`), the FP8 cache through auto (`fp8_ms`: the
+swap-AB kernel's GATHER form) and the Triton FP8 kernel (`fp8_triton_ms`), and auto over the same caches' page-64
+views beside them (`*_paged_ms`): what the token table costs each reader.
 `--whole-page`: instead, the layout HF's FP8 `DSAStaticCache` hands the kernel (one page per request, max_len =
 kv + 640 tokens, a [B, 1] block table) at H 16 / 128, B 8, 32K: the default tiling and every SWEEP tiling, each
 checked against float64 first.
@@ -105,6 +110,42 @@ def whole_page_rows(ms, K, slack: int = 640) -> list[dict]:
     return rows
 
 
+def token_table_rows(ms, K) -> list[dict]:
+    """The HF pass's page-size-1 token-table layout next to the page-64 one (module docstring, `--token-table`)."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    rows = []
+    for H, B, KV in ((16, 8, 32768), (128, 8, 32768)):
+        ckv, kpe, (c8, s8, k8), table, lens = caches(B, KV, gen)
+        tokens = (table.long()[:, :, None] * PS + torch.arange(PS, device="cuda")).reshape(B, KV).int()
+        qn = torch.randn(B, H, R, generator=gen, device="cuda").to(torch.bfloat16)
+        qp = torch.randn(B, H, P, generator=gen, device="cuda").to(torch.bfloat16)
+        flat = [t.reshape(-1, 1, t.shape[-1]) for t in (ckv, kpe, c8, s8, k8)]
+
+        def fp8_rows(s):
+            return fp8.dequantize(c8.reshape(-1, R)[s], s8.reshape(-1, 4)[s], torch.float64)
+
+        calls = {
+            "bf16": (lambda: torch.ops.mla.decode(qn, qp, flat[0], flat[1], tokens, lens, SCALE),
+                     lambda s: ckv.reshape(-1, R)[s].double(), kpe),
+            "fp8": (lambda: torch.ops.mla.decode(qn, qp, flat[2], flat[4], tokens, lens, SCALE, flat[3]), fp8_rows, k8),
+            "fp8_triton": (lambda: K.decode(qn, qp, flat[2], flat[4], tokens, lens, SCALE, ckv_scale=flat[3]),
+                           fp8_rows, k8),
+            "bf16_paged": (lambda: torch.ops.mla.decode(qn, qp, ckv, kpe, table, lens, SCALE), None, None),
+            "fp8_paged": (lambda: torch.ops.mla.decode(qn, qp, c8, k8, table, lens, SCALE, s8), None, None),
+        }
+        row = dict(H=H, B=B, kv_len=KV, layout="page 1, token table")
+        for name, (call, rows_of, kpe_of) in calls.items():
+            if rows_of is not None:  # the token table's layouts are checked; the paged ones are the main table's
+                row[f"{name}_check"] = check_request0(*call(), qn, qp, rows_of, kpe_of.reshape(-1, 1, P),
+                                                      tokens[:, :, None], 1)
+            row[f"{name}_ms"] = ms(call)
+        rows.append(row)
+        row_done(row)
+        del ckv, kpe, c8, s8, k8, flat
+        torch.cuda.empty_cache()
+    return rows
+
+
 def flashmla_calls(qn, qp, ckv, kpe, table, lens):
     """(bf16 call, FP8 call) of FlashMLA's dense decode, or (None, None) without it. The bf16 call reads a fused
     [pages, 64, 1, 576] copy of the caches; the FP8 call a per-tensor-scaled e4m3 copy of that (q too)."""
@@ -153,6 +194,10 @@ def main(argv):
 
     copy_gbps = copy_bandwidth() / 1e9
     sweep = "--sweep" in argv
+    if "--token-table" in argv:
+        emit(dict(device=torch.cuda.get_device_name(), layout="page 1, token table", rows=token_table_rows(ms, K)),
+             [a for a in argv if a != "--token-table"])
+        return
     if "--whole-page" in argv:
         rows = whole_page_rows(ms, K)
         emit(dict(device=torch.cuda.get_device_name(), layout="one page per request", rows=rows),
