@@ -31,45 +31,66 @@ if G.gluon is not None:
         tma.async_copy_global_to_shared(SDesc, [row, SC_COL], bar, sc_s.index(st))
         tma.async_copy_global_to_shared(RDesc, [row, RP_COL], bar, r_s.index(st))
 
-    @gluon.jit
-    def _rows16(Table, b, s_tb, t0, end, s_p, s_t, BT: gl.constexpr, PS: gl.constexpr, layout: gl.constexpr):
-        """Tokens [t0, t0 + BT) in `layout`: (their rows' offsets in 16-byte units, int64: page * s_p + (t % PS) *
-        s_t, page = table[b, t // PS]; valid: t < end). Tokens past the end read no table entry (it may be garbage):
-        offset 0."""
-        t = t0 + gl.arange(0, BT, layout=layout)
-        valid = t < end
-        page = gl.load(Table + b * s_tb + t // PS, mask=valid, other=0).to(gl.int64)
-        return page * s_p + (t % PS).to(gl.int64) * s_t, valid
+    @gluon.constexpr_function
+    def _gather_layout(part, NW, GROUPS):
+        """The row-copy layout of a tile's `part` (one 16-byte chunk a thread and copy): "e4m3" [64, 256] 16 lanes a
+        256-byte row; "scales" [64, 4] float32 one row a lane (the layout covers more rows than the tile: replicas
+        copy the same bytes); "rope" [64, 64] bf16 8 lanes a 128-byte row."""
+        shapes = {"e4m3": ([1, 16], [2, 16]), "scales": ([1, GROUPS], [32, 1]), "rope": ([1, 8], [4, 8])}
+        per_thread, lanes = shapes[part]
+        return gl.BlockedLayout(per_thread, lanes, [NW, 1], [1, 0])
 
     @gluon.jit
-    def _gather_tile(src, bar, e_s, sc_s, r_s, st, Table, b, s_tb, t0, end, PS: gl.constexpr, GROUPS: gl.constexpr,
+    def _pages(Table, b, s_tb, t0, end, BT: gl.constexpr, PS: gl.constexpr, layout: gl.constexpr):
+        """The pages of tokens [t0, t0 + BT) in `layout` (int32, table[b, t // PS]); tokens past the end read no
+        table entry (it may be garbage): 0."""
+        t = t0 + gl.arange(0, BT, layout=layout)
+        return gl.load(Table + b * s_tb + t // PS, mask=t < end, other=0)
+
+    @gluon.jit
+    def _gather_pages(Table, b, s_tb, t0, end, BT: gl.constexpr, PS: gl.constexpr, GROUPS: gl.constexpr):
+        """GATHER: the table entries of the tile at t0 in each row-copy layout, loaded a tile before its copies are
+        issued: loaded right before them, every tile stalled on the table's latency (H100, H 16 B 8 32K over a
+        page-size-1 token table: 164.8 us against 102.7 loaded early; the TMA form on pages of 64: 85.3;
+        benchmarks/RESULTS.md 2026-12-05)."""
+        NW: gl.constexpr = gl.num_warps()
+        return (_pages(Table, b, s_tb, t0, end, BT, PS, gl.SliceLayout(1, _gather_layout("e4m3", NW, GROUPS))),
+                _pages(Table, b, s_tb, t0, end, BT, PS, gl.SliceLayout(1, _gather_layout("scales", NW, GROUPS))),
+                _pages(Table, b, s_tb, t0, end, BT, PS, gl.SliceLayout(1, _gather_layout("rope", NW, GROUPS))))
+
+    @gluon.jit
+    def _rows16(page, t0, end, s_p, s_t, PS: gl.constexpr):
+        """Tokens [t0, t0 + BT) of `page` (their pages, `_pages`): (their rows' offsets in 16-byte units, int64:
+        page * s_p + (t % PS) * s_t; valid: t < end)."""
+        t = t0 + gl.arange(0, page.shape[0], layout=page.type.layout)
+        return page.to(gl.int64) * s_p + (t % PS).to(gl.int64) * s_t, t < end
+
+    @gluon.jit
+    def _gather_tile(src, bar, e_s, sc_s, r_s, st, pages, t0, end, PS: gl.constexpr, GROUPS: gl.constexpr,
                      GW: gl.constexpr):
-        """GATHER: the tile's token rows [t0, t0 + 64) (any page size) into staging slot `st` by 16-byte cp.async
-        copies through the table, each thread's copies then arriving on `bar` (cp.async.mbarrier.arrive.noinc: the
-        barrier counts every thread of the program), so `_tile` waits on it as on a TMA fill. src: (e4m3 view,
-        float32 scales view, bf16 rope view pointers, then each view's page and token strides in 16-byte units).
-        Tokens >= end: their rows zero-filled, nothing read (unused slots may hold NaN bytes)."""
-        BT: gl.constexpr = e_s.shape[1]
+        """GATHER: the tile's token rows [t0, t0 + 64) (any page size; `pages`: its table entries, `_gather_pages`)
+        into staging slot `st` by 16-byte cp.async copies, each thread's copies then arriving on `bar`
+        (cp.async.mbarrier.arrive.noinc: the barrier counts every thread of the program), so `_tile` waits on it as
+        on a TMA fill. src: (e4m3 view, float32 scales view, bf16 rope view pointers, then each view's page and token
+        strides in 16-byte units). Tokens >= end: their rows zero-filled, nothing read (unused slots may hold NaN
+        bytes)."""
         EB: gl.constexpr = e_s.shape[2]
         NB: gl.constexpr = GROUPS * GW // EB  # e4m3 boxes a tile
         P: gl.constexpr = r_s.shape[2]
         NW: gl.constexpr = gl.num_warps()
-        # one 16-byte chunk a thread and copy: e4m3 [64, 256] 16 lanes a 256-byte row; the [64, 4] float32 scales
-        # one row a lane (the layout covers more rows than the tile: replicas copy the same bytes); rope [64, 64]
-        # bf16 8 lanes a 128-byte row
-        EL: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [NW, 1], [1, 0])
-        SL: gl.constexpr = gl.BlockedLayout([1, GROUPS], [32, 1], [NW, 1], [1, 0])
-        RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-        er, ev = _rows16(Table, b, s_tb, t0, end, src[3], src[4], BT, PS, gl.SliceLayout(1, EL))
+        EL: gl.constexpr = _gather_layout("e4m3", NW, GROUPS)
+        SL: gl.constexpr = _gather_layout("scales", NW, GROUPS)
+        RL: gl.constexpr = _gather_layout("rope", NW, GROUPS)
+        er, ev = _rows16(pages[0], t0, end, src[3], src[4], PS)
         ec = gl.arange(0, EB, layout=gl.SliceLayout(0, EL))
         for k in gl.static_range(NB):  # (16 e4m3 values, 4 scales, 8 rope values: 16 bytes)
             async_copy.async_copy_global_to_shared(e_s.index(st * NB + k), src[0] + (er * 16 + k * EB)[:, None]
                                                    + ec[None, :], mask=ev[:, None])
-        sr, sv = _rows16(Table, b, s_tb, t0, end, src[5], src[6], BT, PS, gl.SliceLayout(1, SL))
+        sr, sv = _rows16(pages[1], t0, end, src[5], src[6], PS)
         sg = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, SL))
         async_copy.async_copy_global_to_shared(sc_s.index(st), src[1] + (sr * 4)[:, None] + sg[None, :],
                                                mask=sv[:, None])
-        rr, rv = _rows16(Table, b, s_tb, t0, end, src[7], src[8], BT, PS, gl.SliceLayout(1, RL))
+        rr, rv = _rows16(pages[2], t0, end, src[7], src[8], PS)
         rc = gl.arange(0, P, layout=gl.SliceLayout(0, RL))
         async_copy.async_copy_global_to_shared(r_s.index(st), src[2] + (rr * 8)[:, None] + rc[None, :],
                                                mask=rv[:, None])
@@ -77,11 +98,14 @@ if G.gluon is not None:
 
     @gluon.jit
     def _fill_slot(src, bar, e_s, sc_s, r_s, st, Table, b, s_tb, t0, end, PS: gl.constexpr, GROUPS: gl.constexpr,
-                   GW: gl.constexpr, SC_COL: gl.constexpr, RP_COL: gl.constexpr, GATHER: gl.constexpr):
+                   GW: gl.constexpr, SC_COL: gl.constexpr, RP_COL: gl.constexpr, GATHER: gl.constexpr, pages=None):
         """Tile at token t0 into staging slot `st`, completing on `bar`: TMA (`_issue_tile`; src: the three
-        descriptors) or, GATHER, row copies (`_gather_tile`)."""
+        descriptors) or, GATHER, row copies (`_gather_tile`; `pages` its table entries loaded earlier, or None:
+        loaded here)."""
         if GATHER:
-            _gather_tile(src, bar, e_s, sc_s, r_s, st, Table, b, s_tb, t0, end, PS, GROUPS, GW)
+            if pages is None:
+                pages = _gather_pages(Table, b, s_tb, t0, end, e_s.shape[1], PS, GROUPS)
+            _gather_tile(src, bar, e_s, sc_s, r_s, st, pages, t0, end, PS, GROUPS, GW)
         else:
             _issue_tile(src[0], src[1], src[2], bar, e_s, sc_s, r_s, st, Table, b, s_tb, t0, PS, GROUPS, GW, SC_COL,
                         RP_COL)
@@ -184,6 +208,12 @@ if G.gluon is not None:
         # per tile they cost a few uniform-datapath adds
         z = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
         sc_t = sc_s.index(st)
+        if GATHER:  # the table entries of the tile this call's fill copies, loaded now: their latency is hidden
+            # behind the wait and this tile's MMAs (all masked, no load, past the split's end)
+            nxt = i - 1 + STAGES if P_ROPE else i + STAGES
+            pages = _gather_pages(Table, b, s_tb, start + nxt * BT, end, BT, PS, GROUPS)
+        else:
+            pages = None
         mbarrier.wait(bars.index(st), (i // STAGES) & 1)
         r_t = r_s.index(st)
         # rope rows past the end may hold NaN: zeroed before an MMA reads the tile (GATHER: the copies zero-filled
@@ -205,7 +235,7 @@ if G.gluon is not None:
         if P_ROPE:  # the previous tile's slot held its P^T until now: it takes tile i - 1 + STAGES
             if (i >= 1) & (i - 1 + STAGES < n_tiles):
                 _fill_slot(src, bars.index((i - 1) % STAGES), e_s, sc_s, r_s, (i - 1) % STAGES, Table, b, s_tb,
-                           start + (i - 1 + STAGES) * BT, end, PS, GROUPS, q_s.shape[2], SC_COL, RP_COL, GATHER)
+                           start + (i - 1 + STAGES) * BT, end, PS, GROUPS, q_s.shape[2], SC_COL, RP_COL, GATHER, pages)
         s = warpgroup_mma(r_t, qp_s.permute((1, 0)), gl.zeros([BT, N], gl.float32, layout=S_L), use_acc=False,
                           is_async=True)
         if PRE > 0:
@@ -321,7 +351,7 @@ if G.gluon is not None:
         if not P_ROPE:
             if i + STAGES < n_tiles:
                 _fill_slot(src, bars.index(st), e_s, sc_s, r_s, st, Table, b, s_tb, start + (i + STAGES) * BT, end,
-                           PS, GROUPS, q_s.shape[2], SC_COL, RP_COL, GATHER)
+                           PS, GROUPS, q_s.shape[2], SC_COL, RP_COL, GATHER, pages)
         if EXACT:  # acc_g in units of this tile's top_g: times alpha and (previous top) / (this top)
             acc0 = warpgroup_mma(dq_s.index(0 + z).permute((1, 0)), pt0, acc0 * (alpha_o * (top0 / u0)), is_async=True)
             acc1 = warpgroup_mma(dq_s.index(1 + z).permute((1, 0)), pt1, acc1 * (alpha_o * (top1 / u1)), is_async=True)

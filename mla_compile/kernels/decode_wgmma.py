@@ -258,12 +258,11 @@ if G.gluon is not None:
         return page, off, valid
 
     @gluon.jit
-    def _gather_tile(c0_t, c1_t, k_t, Ckv, Kpe, Table, b, s_tb, t0, end, s_cp, s_cs, s_kp, s_ks,
-                     PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr, BLOCK_N: gl.constexpr,
-                     SPARSE: gl.constexpr, LD: gl.constexpr):
-        """16-byte async copies of the tile's token rows into one stage, as one commit group; invalid tokens'
-        rows are zero-filled, never read (unused cache slots may hold NaN)."""
-        page, off, valid = _token_rows(Table, b, s_tb, t0, end, gl.SliceLayout(1, LD), PS, BLOCK_N, SPARSE)
+    def _gather_tile(c0_t, c1_t, k_t, Ckv, Kpe, page, off, valid, s_cp, s_cs, s_kp, s_ks, RH: gl.constexpr,
+                     P: gl.constexpr, LD: gl.constexpr):
+        """16-byte async copies of a tile's token rows (page, off, valid: `_token_rows` in SliceLayout(1, LD)) into
+        one stage, as one commit group; invalid tokens' rows are zero-filled, never read (unused cache slots may hold
+        NaN)."""
         crow = (page * s_cp + off * s_cs)[:, None]
         krow = (page * s_kp + off * s_ks)[:, None]
         offs_r = gl.arange(0, RH, layout=gl.SliceLayout(0, LD))[None, :]
@@ -323,18 +322,28 @@ if G.gluon is not None:
         acc1 = gl.zeros([BLOCK_H, RH], gl.float32, layout=O_L)
         s0 = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
 
+        ROWS: gl.constexpr = gl.SliceLayout(1, LD)
         if n_tiles > 0:
-            _gather_tile(c0_s.index(0), c1_s.index(0), k_s.index(0), Ckv, Kpe, Table, b, s_tb, start, end,
-                         s_cp, s_cs, s_kp, s_ks, PS, RH, P, BLOCK_N, SPARSE, LD)
+            page, off, valid = _token_rows(Table, b, s_tb, start, end, ROWS, PS, BLOCK_N, SPARSE)
+            _gather_tile(c0_s.index(0), c1_s.index(0), k_s.index(0), Ckv, Kpe, page, off, valid, s_cp, s_cs, s_kp,
+                         s_ks, RH, P, LD)
+        # the table entries of the tile whose copies an iteration issues are loaded an iteration earlier: loaded
+        # right before their copies, every tile waited for the table's latency before its copies and MMAs were
+        # issued (H100, H 128 B 8 32K over a page-size-1 token table: 199.9 -> 184.0 us, the TMA kernels on pages of
+        # 64 181.6; benchmarks/RESULTS.md 2026-12-05); past the end they are masked (no load)
+        page, off, valid = _token_rows(Table, b, s_tb, start + BLOCK_N, end, ROWS, PS, BLOCK_N, SPARSE)
         for i in range(n_tiles):
             st = i % STAGES
             nx = (i + 1) % STAGES
+            page2, off2, valid2 = _token_rows(Table, b, s_tb, start + (i + 2) * BLOCK_N, end, ROWS, PS, BLOCK_N,
+                                              SPARSE)
             # tile i + 1 goes into the stage tile i - 1 used: every warp waited for its MMAs, the barrier for all
             gl.thread_barrier()
             if i + 1 < n_tiles:
-                _gather_tile(c0_s.index(nx), c1_s.index(nx), k_s.index(nx), Ckv, Kpe, Table, b, s_tb,
-                             start + (i + 1) * BLOCK_N, end, s_cp, s_cs, s_kp, s_ks, PS, RH, P, BLOCK_N, SPARSE, LD)
-            else:
+                _gather_tile(c0_s.index(nx), c1_s.index(nx), k_s.index(nx), Ckv, Kpe, page, off, valid, s_cp, s_cs,
+                             s_kp, s_ks, RH, P, LD)
+            page, off, valid = page2, off2, valid2
+            if i + 1 >= n_tiles:
                 async_copy.commit_group()  # an empty group: "all but the newest group" stays tile i's
             async_copy.wait_group(1)
             fence_async_shared()  # this thread's copies -> visible to the MMAs (async proxy), then all threads'
