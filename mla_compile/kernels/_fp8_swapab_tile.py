@@ -60,8 +60,8 @@ if G.gluon is not None:
 
     @gluon.jit
     def _rows16(page, t0, end, s_p, s_t, PS: gl.constexpr):
-        """Tokens [t0, t0 + BT) of `page` (their pages, `_pages`): (their rows' offsets in 16-byte units, int64:
-        page * s_p + (t % PS) * s_t; valid: t < end)."""
+        """The tokens t = t0, t0 + 1, ... whose pages `page` holds (`_pages`, in its layout): (their rows' offsets in
+        16-byte units, int64: page * s_p + (t % PS) * s_t; valid: t < end)."""
         t = t0 + gl.arange(0, page.shape[0], layout=page.type.layout)
         return page.to(gl.int64) * s_p + (t % PS).to(gl.int64) * s_t, t < end
 
