@@ -342,9 +342,9 @@ if G.gluon is not None:
             if i + 1 < n_tiles:
                 _gather_tile(c0_s.index(nx), c1_s.index(nx), k_s.index(nx), Ckv, Kpe, page, off, valid, s_cp, s_cs,
                              s_kp, s_ks, RH, P, LD)
-            page, off, valid = page2, off2, valid2
-            if i + 1 >= n_tiles:
+            else:
                 async_copy.commit_group()  # an empty group: "all but the newest group" stays tile i's
+            page, off, valid = page2, off2, valid2
             async_copy.wait_group(1)
             fence_async_shared()  # this thread's copies -> visible to the MMAs (async proxy), then all threads'
             gl.thread_barrier()
