@@ -73,6 +73,7 @@ def tensors(device) -> dict:
           (lambda *s, dtype=DT: torch.empty(*s, dtype=dtype, device=device))
     pages = L // PS + 1
     t = dict(qn=rnd(B, H, R), qp=rnd(B, H, P), qn2=rnd(B, 2, H, R), qp2=rnd(B, 2, H, P), ckv=rnd(pages, PS, R),
+             qn128=rnd(B, 128, R), qp128=rnd(B, 128, P),
              kpe=rnd(pages, PS, P),
              table=torch.arange(L // PS, dtype=torch.int32, **g)[None] if real else torch.empty(1, L // PS,
                                                                                               dtype=torch.int32, **g),
@@ -100,6 +101,9 @@ def op_calls(t: dict) -> dict:
         "mla.decode": lambda: ops.mla.decode(t["qn"], t["qp"], t["ckv"], t["kpe"], t["table"], t["lens"], 0.1),
         # two query tokens per request (MTP / speculative verification: q [B, S, H, *])
         "mla.decode S=2": lambda: ops.mla.decode(t["qn2"], t["qp2"], t["ckv"], t["kpe"], t["table"], t["lens"], 0.1),
+        # 128 heads: a DCP rank's (heads replicated); on sm_90 a Gluon kernel with TMA descriptors
+        "mla.decode H=128": lambda: ops.mla.decode(t["qn128"], t["qp128"], t["ckv"], t["kpe"], t["table"], t["lens"],
+                                                   0.1),
         "mla.sparse_decode": lambda: ops.mla.sparse_decode(t["qn"], t["qp"], t["ckv"], t["kpe"], t["idx"], 0.1),
         "mla.sparse_decode S=2": lambda: ops.mla.sparse_decode(t["qn2"], t["qp2"], t["ckv"], t["kpe"], t["idx2"], 0.1),
         "mla.merge_states": lambda: ops.mla.merge_states(t["outs"], t["lses"]),

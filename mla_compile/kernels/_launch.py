@@ -173,52 +173,131 @@ class FastLaunch:
 
 
 def _raw_launcher(entry: _Entry):
-    """(the C launcher, the arguments Triton's CudaLauncher adds before the kernel's) where that wrapper adds nothing
-    else: no global or profile scratch to allocate. Its Python __call__ costs ~9 us a launch on the H200 host
-    (benchmarks/host_overhead.py profile). None for any other launcher (another backend or Triton version, the
-    tests' fake driver): the kernel's own run then."""
+    """(the C launcher, the arguments Triton's CudaLauncher adds before the kernel's, the descriptor expansion) where
+    that wrapper adds nothing else: no global or profile scratch to allocate. Its Python __call__ costs ~9 us a launch
+    on the H200 host (benchmarks/host_overhead.py profile). None for any other launcher (another backend or Triton
+    version, the tests' fake driver): the kernel's own run then. The expansion: `_tensor_map_launcher`."""
     run = entry.run
     raw = getattr(run, "launch", None)
     if (_device is None or _stream is None or type(run).__name__ != "CudaLauncher" or raw is None
             or getattr(run, "global_scratch_size", 1) != 0 or getattr(run, "profile_scratch_size", 1) != 0
             or not hasattr(run, "launch_pdl")):
         return None
+    raw, descriptors = _tensor_map_launcher(raw)
     # CudaLauncher.__call__: launch(grid, stream, function, cooperative, pdl, global_scratch, profile_scratch,
     # packed_metadata, launch_metadata, enter_hook, exit_hook, *kernel_args)
-    return raw, (run.launch_cooperative_grid, run.launch_pdl, None, None, entry.packed_metadata, None, None, None)
+    return raw, (run.launch_cooperative_grid, run.launch_pdl, None, None, entry.packed_metadata, None, None,
+                 None), descriptors
+
+
+_MAX_TENSOR_MAPS = 512  # per bound launch: two or three per layer's cache; reached only by a stream of new buffers
+
+
+def _tensor_map_launcher(launch):
+    """(the C launcher, ((position, metadata), ...)) where `launch` is Triton's Python wrapper around it for a
+    kernel taking TMA descriptors (triton/backends/nvidia/driver.py `wrap_handle_tensordesc`): per launch it walks
+    every argument in Python and encodes each descriptor into a CUtensorMap with a driver call (~6 us of Python a
+    launch for a Gluon decode kernel's ~40 arguments, on one CPU core). A bound launch does that itself, encoding a
+    descriptor once per (position, base address): the shape, strides, box and layout are fixed by the plan's
+    signature (`Bound`), so the map depends on the base address alone. (launch, None) for any other launcher, or a
+    descriptor Triton decomposes without metadata (its expansion holds the tensor itself)."""
+    if _WRAPPER_CODE is None or getattr(launch, "__code__", None) is not _WRAPPER_CODE:
+        return launch, None
+    cells = dict(zip(_WRAPPER_CODE.co_freevars, launch.__closure__ or ()))
+    try:
+        c_launch = cells["launcher"].cell_contents
+        indices = sorted(cells["tensordesc_indices"].cell_contents)
+        metas = list(cells["tensordesc_meta"].cell_contents)
+    except (KeyError, ValueError):  # another Triton's wrapper
+        return launch, None
+    if not indices or len(metas) != len(indices) or any(m is None for m in metas):
+        return launch, None
+    return c_launch, tuple(zip(indices, metas))
+
+
+def _wrapper_code():
+    try:
+        from triton.backends.nvidia import driver as nvidia
+    except ImportError:  # pragma: no cover - a Triton without the NVIDIA backend
+        return None, None
+    wrap = getattr(nvidia, "wrap_handle_tensordesc", None)
+    expand = getattr(nvidia, "make_tensordesc_arg", None)
+    if wrap is None or expand is None:
+        return None, None
+    inner = [c for c in wrap.__code__.co_consts if getattr(c, "co_name", None) == "inner"]
+    return (inner[0] if len(inner) == 1 else None), expand
+
+
+_WRAPPER_CODE, _expand_descriptor = _wrapper_code()
 
 
 class Bound:
     """One launch of a plan: `bound(*args)` launches `fn[grid](*args, **kwargs)` and returns the compiled kernel.
-    The caller promises that every call's positional arguments key alike (see the module docstring); the first call
-    goes through `fast(fn)` and remembers its compiled kernel, later ones call its launcher directly (the C
-    launcher itself where `_raw_launcher` allows, on the current CUDA device's current stream)."""
+    The caller promises that every call's positional arguments key alike (see the module docstring; a TMA
+    descriptor's key is its dtype, shape, strides, box, padding and layout); the first call goes through `fast(fn)`
+    and remembers its compiled kernel, later ones call its launcher directly (the C launcher itself where
+    `_raw_launcher` allows, on the current CUDA device's current stream, each descriptor's CUtensorMap encoded
+    once per base address)."""
 
-    __slots__ = ("fast", "grid", "kwargs", "entry", "g", "raw", "head", "tail")
+    __slots__ = ("fast", "grid", "kwargs", "entry", "g", "raw", "head", "tail", "descriptors", "tensor_maps")
 
     def __init__(self, fn, grid: tuple, kwargs: dict):
         self.fast, self.grid, self.kwargs, self.entry, self.raw = fast(fn), grid, kwargs, None, None
         self.g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self.descriptors, self.tensor_maps = None, {}
 
     def __call__(self, *args):
         e = self.entry
         if e is None or not ENABLED or _hooks_installed():
             kernel = self.fast.launch(self.grid, args, self.kwargs)
             if e is None and ENABLED and not _INTERPRETED:
-                self.entry = e = self.fast.entry(self.grid, args, self.kwargs)
-                raw = _raw_launcher(e) if e is not None else None
-                if raw is not None:  # the C launcher and what every launch passes around the call's own arguments
-                    self.raw, fixed = raw
-                    self.head, self.tail = (e.function, *fixed), e.tail
+                e = self.fast.entry(self.grid, args, self.kwargs)
+                if e is not None:
+                    self.remember(e, len(args))
             return kernel
         if self.raw is not None:
             g = self.g
+            if self.descriptors is not None:
+                args = self._with_tensor_maps(args)
             self.raw(g[0], g[1], g[2], _stream(_device()), *self.head, *args, *self.tail)
             return e.kernel
         active = driver.active
         e.run(*self.g, active.get_current_stream(active.get_current_device()), e.function, e.packed_metadata,
               None, None, None, *args, *e.tail)
         return e.kernel
+
+    def remember(self, entry: _Entry, n_args: int) -> None:
+        """Launch `entry` from now on: its C launcher and what every launch passes around the call's own arguments
+        where `_raw_launcher` allows, else its run."""
+        self.entry = entry
+        raw = _raw_launcher(entry)
+        if raw is None:
+            return
+        self.raw, fixed, descriptors = raw
+        self.head, self.tail = (entry.function, *fixed), entry.tail
+        if descriptors is None:
+            return
+        if descriptors[-1][0] >= n_args:  # not reached: `fast` never remembers a descriptor passed by keyword
+            self.raw = None
+            return
+        ends = [p for p, _ in descriptors[1:]] + [None]  # (position, metadata, end of the arguments after it)
+        self.descriptors = tuple((p, m, end) for (p, m), end in zip(descriptors, ends))
+
+    def _with_tensor_maps(self, args: tuple) -> tuple:
+        """`args` with each descriptor replaced by what Triton's wrapper passes the C launcher for it (the
+        CUtensorMap, then the shape and strides), encoded on the first call with its base address."""
+        maps = self.tensor_maps
+        out = args[:self.descriptors[0][0]]
+        for p, meta, end in self.descriptors:
+            d = args[p]
+            key = (p, d.base.data_ptr())
+            expanded = maps.get(key)
+            if expanded is None:
+                if len(maps) >= _MAX_TENSOR_MAPS:
+                    maps.clear()
+                expanded = maps[key] = tuple(_expand_descriptor(d, meta))
+            out += expanded + args[p + 1:end]
+        return out
 
 
 # what Triton's CUDA driver asks for the current device and stream, without torch.cuda.current_device's Python

@@ -385,7 +385,7 @@ def test_host_cpu_probe_times_every_op_through_its_cuda_impl(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads(out.read_text())
     ops = {k: v for k, v in d["ops"].items() if not k.startswith("floor")}
-    assert len(ops) == 15 and all(v > 0 for v in ops.values())
+    assert len(ops) == 16 and all(v > 0 for v in ops.values())
     assert set(d["plans"]) == set(ops) and all(n >= 20 for n in d["plans"].values()), d["plans"]
     assert d["kept_plans"] >= len(ops)
     # inside default-mode compiled graphs (host_overhead.bench_compiled, as the GPU host runs it): every op's row

@@ -273,3 +273,77 @@ def test_gluon_plan_descriptors_equal_fresh_ones():
         assert type(c) is type(f) and c.base is base and c.base.data_ptr() == f.base.data_ptr()
         assert [list(c.shape), list(c.strides), list(c.block_shape), c.layout, c.padding] == \
                [list(f.shape), list(f.strides), list(f.block_shape), f.layout, f.padding]
+
+
+class _FakeUtils:
+    """The driver's `fill_tma_descriptor` (a cuTensorMapEncodeTiled call): a distinct map object per encoding,
+    its arguments recorded."""
+
+    def __init__(self):
+        self.encoded = []
+
+    def fill_tma_descriptor(self, ptr, swizzle, elem_size, elem_type, block_size, shape, strides, padding):
+        self.encoded.append((ptr, swizzle, elem_size, elem_type, tuple(block_size), tuple(shape), tuple(strides),
+                             padding))
+        return ("map", len(self.encoded))
+
+
+class CudaLauncher:  # the name `_launch._raw_launcher` asks for: Triton's own launcher class
+    def __init__(self, launch):
+        self.launch, self.launch_cooperative_grid, self.launch_pdl = launch, False, False
+        self.global_scratch_size = self.profile_scratch_size = 0
+
+
+@pytest.mark.skipif(_launch._WRAPPER_CODE is None, reason="a Triton without the NVIDIA driver's descriptor wrapper")
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_bound_launch_encodes_each_descriptor_once_per_base(data, monkeypatch):
+    """A kernel with TMA descriptors: Triton's launcher is a Python wrapper that encodes every descriptor into a
+    CUtensorMap on every launch (driver.py `wrap_handle_tensordesc`). A bound launch calls the C launcher under it
+    with the same arguments the wrapper would pass, encoding a descriptor only for a base address it has not seen
+    at that position."""
+    from triton.backends.nvidia import driver as nvidia
+
+    utils = _FakeUtils()
+    monkeypatch.setattr(driver, "_active", type("D", (), {"utils": utils})())
+    monkeypatch.setattr(_launch, "_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_stream", lambda index: 1234)
+    n_args = data.draw(st.integers(1, 12))
+    positions = sorted(data.draw(st.sets(st.integers(0, n_args - 1), min_size=1, max_size=min(3, n_args))))
+    signature = {i: ("tensordesc<bf16[64,64]>" if i in positions else "i32") for i in range(n_args + 2)}
+    metas = [dict(swizzle=3, elem_size=2, elem_type=10, block_size=[64, 64], fp4_padded=False) for _ in positions]
+    c_calls = []
+    wrapper = nvidia.wrap_handle_tensordesc(lambda *a: c_calls.append(a), signature, metas)
+    entry = _launch._Entry(type("K", (), {"run": CudaLauncher(wrapper), "function": 7, "packed_metadata": 8})(),
+                           tail=(16, 32))  # two constexprs after the positional arguments
+    bound = _launch.bind(_probe_kernel, (3, 2))
+    bound.remember(entry, n_args)
+    assert bound.descriptors is not None and bound.raw is not wrapper, "the C launcher under the wrapper"
+    caches = [torch.zeros(128, 64, dtype=torch.bfloat16) for _ in range(3)]
+
+    def args_over(bases):
+        args = list(range(100, 100 + n_args))
+        for p, base in zip(positions, bases):
+            args[p] = TensorDescriptor(base, [128, 64], [64, 1], [64, 64])
+        return tuple(args)
+
+    seen = set()
+    for _ in range(data.draw(st.integers(1, 6))):
+        bases = [data.draw(st.sampled_from(caches)) for _ in positions]
+        args = args_over(bases)
+        encoded_before = len(utils.encoded)
+        bound(*args)
+        ours = c_calls[-1]
+        fresh = [(p, b.data_ptr()) for p, b in zip(positions, bases) if (p, b.data_ptr()) not in seen]
+        seen.update(fresh)
+        assert len(utils.encoded) - encoded_before == len(fresh), "one encoding per new (position, base)"
+        n_encoded = len(utils.encoded)
+        wrapper(3, 2, 1, 1234, 7, False, False, None, None, 8, None, None, None, *args, 16, 32)  # Triton's way
+        theirs = c_calls[-1]
+        assert [e[0] for e in utils.encoded[n_encoded:]] == [b.data_ptr() for b in bases]
+        assert len(ours) == len(theirs)
+        for a, b in zip(ours, theirs):
+            if isinstance(a, tuple) and a[:1] == ("map",):  # a map: encoded from the same base and geometry
+                assert utils.encoded[a[1] - 1] == utils.encoded[b[1] - 1]
+            else:
+                assert a == b
