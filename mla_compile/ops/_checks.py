@@ -192,8 +192,15 @@ def check_block_table_data(block_table, seq_lens, num_pages: int | None, page_si
               f"slot {last} (= page * page_size + offset, page_size {page_size}) does not fit int32")
 
 
+def is_int(v) -> bool:
+    """An int argument's test: Python's bool is an int, but True passed as a length, a count or a scale is a
+    mistake, not 1."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def check_scale(sm_scale, name: str = "sm_scale") -> None:
-    check(isinstance(sm_scale, (float, int)) and math.isfinite(sm_scale), name, f"expected a finite float, got {sm_scale!r}")
+    check((isinstance(sm_scale, float) or is_int(sm_scale)) and math.isfinite(sm_scale), name,
+          f"expected a finite float, got {sm_scale!r}")
 
 
 def check_ckv_scale(ckv_cache, ckv_scale, cache_name: str = "ckv_cache", scale_name: str = "ckv_scale") -> None:

@@ -58,9 +58,9 @@ def _resolve_group(group_name: str):
 
 def check_rank_args(dcp_size, dcp_rank) -> None:
     """dcp_size an int >= 1, dcp_rank an int in [0, dcp_size)."""
-    C.check(isinstance(dcp_size, int) and not isinstance(dcp_size, bool) and dcp_size >= 1, "dcp_size",
+    C.check(C.is_int(dcp_size) and dcp_size >= 1, "dcp_size",
             f"must be an int >= 1, got {dcp_size!r}")
-    C.check(isinstance(dcp_rank, int) and not isinstance(dcp_rank, bool) and 0 <= dcp_rank < dcp_size, "dcp_rank",
+    C.check(C.is_int(dcp_rank) and 0 <= dcp_rank < dcp_size, "dcp_rank",
             f"must be an int in [0, dcp_size={dcp_size}), got {dcp_rank!r}")
 
 
@@ -216,9 +216,9 @@ def _local_decode_tokens(call, q_nope, q_pe, ckv_cache, kpe_cache, block_table, 
 # ------------------------------------------------------------------------------------------------ owner writes
 def _check_write(block_table, page_size, dcp_size, dcp_rank):
     C.check_tensor(block_table, "block_table", 2, torch.int32)
-    C.check(isinstance(page_size, int) and page_size > 0, "page_size", f"must be a positive int, got {page_size!r}")
-    C.check(isinstance(dcp_size, int) and dcp_size >= 1, "dcp_size", f"must be an int >= 1, got {dcp_size!r}")
-    C.check(isinstance(dcp_rank, int) and 0 <= dcp_rank < dcp_size, "dcp_rank",
+    C.check(C.is_int(page_size) and page_size > 0, "page_size", f"must be a positive int, got {page_size!r}")
+    C.check(C.is_int(dcp_size) and dcp_size >= 1, "dcp_size", f"must be an int >= 1, got {dcp_size!r}")
+    C.check(C.is_int(dcp_rank) and 0 <= dcp_rank < dcp_size, "dcp_rank",
             f"must be an int in [0, dcp_size={dcp_size}), got {dcp_rank!r}")
 
 
@@ -251,10 +251,10 @@ def prefill_write_slots(block_table: torch.Tensor, req_index: int, start: int, l
                         dcp_size: int = 1, dcp_rank: int = 0) -> torch.Tensor:
     """Slots for a prefill chunk: tokens start .. start+length-1 of request req_index. int64 [length]."""
     C.check_tensor(block_table, "block_table", 2, torch.int32)
-    C.check(isinstance(req_index, int) and not isinstance(req_index, bool) and 0 <= req_index < block_table.shape[0],
+    C.check(C.is_int(req_index) and 0 <= req_index < block_table.shape[0],
             "req_index", f"must be an int in [0, {block_table.shape[0]}) (rows of block_table), got {req_index!r}")
-    C.check(isinstance(start, int) and start >= 0, "start", f"must be an int >= 0, got {start!r}")
-    C.check(isinstance(length, int) and length >= 0, "length", f"must be an int >= 0, got {length!r}")
+    C.check(C.is_int(start) and start >= 0, "start", f"must be an int >= 0, got {start!r}")
+    C.check(C.is_int(length) and length >= 0, "length", f"must be an int >= 0, got {length!r}")
     device = block_table.device
     positions = torch.arange(start, start + length, device=device)
     return write_slots(block_table, torch.full_like(positions, req_index), positions, page_size, dcp_size, dcp_rank)

@@ -15,7 +15,7 @@ from ._registry import define
 
 
 def _check_topk(topk):
-    C.check(isinstance(topk, int) and topk > 0, "topk", f"must be a positive int, got {topk!r}")
+    C.check(C.is_int(topk) and topk > 0, "topk", f"must be a positive int, got {topk!r}")
 
 
 @C.once_per_signature
@@ -45,9 +45,9 @@ def check_indexer_args(q, weights, k_cache, block_table, seq_lens, topk, sm_scal
 def check_k_only_args(block_table, seq_lens, page_size, topk, n_query=1):
     C.check_tensor(block_table, "block_table", 2, torch.int32)
     C.check_block_table(block_table, seq_lens, block_table.shape[0])
-    C.check(isinstance(page_size, int) and page_size > 0, "page_size", f"must be a positive int, got {page_size!r}")
+    C.check(C.is_int(page_size) and page_size > 0, "page_size", f"must be a positive int, got {page_size!r}")
     _check_topk(topk)
-    C.check(isinstance(n_query, int) and not isinstance(n_query, bool) and n_query >= 1, "n_query",
+    C.check(C.is_int(n_query) and n_query >= 1, "n_query",
             f"must be an int >= 1, got {n_query!r}")
     check_query_lens(seq_lens, n_query)
     C.check_same_device(dict(block_table=block_table, seq_lens=seq_lens))

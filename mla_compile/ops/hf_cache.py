@@ -66,7 +66,7 @@ def _check_gather_args(ckv_cache, kpe_cache, block_table, max_len, dcp_size, dcp
     C.check_ckv_scale(ckv_cache, ckv_scale)
     layout.check_group(dcp_size, dcp_rank)
     capacity = block_table.shape[1] * ckv_cache.shape[1] * dcp_size
-    C.check(isinstance(max_len, int) and 0 <= max_len <= capacity, "max_len",
+    C.check(C.is_int(max_len) and 0 <= max_len <= capacity, "max_len",
             f"must be in [0, {capacity}] (block table pages x page size x dcp_size), got {max_len!r}")
     C.check_same_device(dict(ckv_cache=ckv_cache, kpe_cache=kpe_cache, block_table=block_table))
 
@@ -102,7 +102,7 @@ def all_selected(keys, topk):
 def _check_all_selected_args(keys, topk):
     if not isinstance(keys, torch.Tensor):
         raise ValueError(f"keys: expected a Tensor, got {type(keys).__name__}")
-    if not (isinstance(topk, int) and topk > 0):
+    if not (C.is_int(topk) and topk > 0):
         raise ValueError(f"topk: must be a positive int, got {topk!r}")
 
 

@@ -105,7 +105,7 @@ def check_linear_partials_args(x, weights, splits):
     C.check(isinstance(x, torch.Tensor), "x", f"expected a Tensor, got {type(x).__name__}")
     C.check(x.dim() == 2 and x.is_floating_point(), "x",
             f"expected a float tensor [M, K], got shape {tuple(x.shape)} dtype {x.dtype}")
-    C.check(isinstance(splits, int) and 1 <= splits <= 64, "splits", f"expected an int in [1, 64], got {splits!r}")
+    C.check(C.is_int(splits) and 1 <= splits <= 64, "splits", f"expected an int in [1, 64], got {splits!r}")
     check_fused_linear_args(x, weights)
 
 
