@@ -114,46 +114,18 @@ def ref_attend(qn, qp, c, k, scale):
     return out, lse, sabs
 
 
-def ref_decode(q_nope, q_pe, ckv, kpe, bt, limits, scale):
-    """q [B, S, H, *] (or [B, H, *]); limits [B][S] tokens each query token sees. -> (out, lse) float64 in q's
-    layout, score_abs, max |latent| read."""
+def _ref_rows(q_nope, q_pe, C, K, scale, slots_of):
+    """The float64 reference over every (request b, query token j): `slots_of(b, j)` the slots it attends to (rows
+    of C / K). q [B, S, H, *] or [B, H, *] -> (out, lse) in q's layout, score_abs, max |latent| read."""
     three = q_nope.dim() == 3
     qn = (q_nope.unsqueeze(1) if three else q_nope).to(F64)
     qp = (q_pe.unsqueeze(1) if three else q_pe).to(F64)
-    PS = ckv.shape[1]
-    C, K = rows_of(ckv), rows_of(kpe)
-    B, S = qn.shape[:2]
-    out = torch.zeros(*qn.shape, dtype=F64)
-    lse = torch.zeros(*qn.shape[:-1], dtype=F64)
-    sabs, cmax = 0.0, 0.0
-    for b in range(B):
-        for j in range(S):
-            slots = [int(bt[b, t // PS]) * PS + t % PS for t in range(max(limits[b][j], 0))]
-            c, k = C[slots], K[slots]
-            out[b, j], lse[b, j], sa = ref_attend(qn[b, j], qp[b, j], c, k, scale)
-            sabs = max(sabs, sa)
-            if slots:
-                cmax = max(cmax, float(c.abs().max()))
-    if three:
-        out, lse = out[:, 0], lse[:, 0]
-    return out, lse, sabs, cmax
-
-
-def ref_sparse(q_nope, q_pe, ckv, kpe, indices, scale, ckv_rows=None):
-    """indices [B, K] or [B, S, K] flat slots, -1 ignored, a slot listed twice counts twice (FlashMLA's ref:
-    gather, then softmax). ckv_rows: the latent rows in float64 if not ckv itself (an FP8 cache dequantized)."""
-    three = q_nope.dim() == 3
-    qn = (q_nope.unsqueeze(1) if three else q_nope).to(F64)
-    qp = (q_pe.unsqueeze(1) if three else q_pe).to(F64)
-    idx = indices.unsqueeze(1) if three else indices
-    C = rows_of(ckv) if ckv_rows is None else ckv_rows
-    K = rows_of(kpe)
     out = torch.zeros(*qn.shape, dtype=F64)
     lse = torch.zeros(*qn.shape[:-1], dtype=F64)
     sabs, cmax = 0.0, 0.0
     for b in range(qn.shape[0]):
         for j in range(qn.shape[1]):
-            slots = [int(s) for s in idx[b, j] if int(s) != -1]
+            slots = slots_of(b, j)
             c, k = C[slots], K[slots]
             out[b, j], lse[b, j], sa = ref_attend(qn[b, j], qp[b, j], c, k, scale)
             sabs = max(sabs, sa)
@@ -162,6 +134,22 @@ def ref_sparse(q_nope, q_pe, ckv, kpe, indices, scale, ckv_rows=None):
     if three:
         out, lse = out[:, 0], lse[:, 0]
     return out, lse, sabs, cmax
+
+
+def ref_decode(q_nope, q_pe, ckv, kpe, bt, limits, scale):
+    """q [B, S, H, *] (or [B, H, *]); limits [B][S] tokens each query token sees. -> (out, lse) float64 in q's
+    layout, score_abs, max |latent| read."""
+    PS = ckv.shape[1]
+    return _ref_rows(q_nope, q_pe, rows_of(ckv), rows_of(kpe), scale,
+                     lambda b, j: [int(bt[b, t // PS]) * PS + t % PS for t in range(max(limits[b][j], 0))])
+
+
+def ref_sparse(q_nope, q_pe, ckv, kpe, indices, scale, ckv_rows=None):
+    """indices [B, K] or [B, S, K] flat slots, -1 ignored, a slot listed twice counts twice (FlashMLA's ref:
+    gather, then softmax). ckv_rows: the latent rows in float64 if not ckv itself (an FP8 cache dequantized)."""
+    idx = indices.unsqueeze(1) if q_nope.dim() == 3 else indices
+    return _ref_rows(q_nope, q_pe, rows_of(ckv) if ckv_rows is None else ckv_rows, rows_of(kpe), scale,
+                     lambda b, j: [int(s) for s in idx[b, j] if int(s) != -1])
 
 
 def assert_state(out, lse, ref, dtype, what=""):
