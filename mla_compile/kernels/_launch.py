@@ -43,11 +43,6 @@ from ._util import _INTERPRETED
 # MLA_COMPILE_FAST_LAUNCH=0: every launch through Triton's own run (an escape hatch, and the benchmark's baseline)
 ENABLED = os.environ.get("MLA_COMPILE_FAST_LAUNCH", "1") != "0"
 _FLOAT = object()  # key entry of every float argument: Triton passes floats as fp32 values, unspecialized
-# MLA_COMPILE_INT_POINTERS=1: bound launches hand the C launcher each tensor's address as an int, which it takes as
-# is; given a tensor it calls data_ptr() and then cuPointerGetAttribute (a driver call per tensor per launch) to
-# reject host memory, which a plan's signature (device included) already ruled out. Off until measured on a GPU
-# host (benchmarks/lab/launch_args.py).
-INT_POINTERS = os.environ.get("MLA_COMPILE_INT_POINTERS", "0") == "1"
 _MAX_KEYS = 512  # per kernel; reached only by a stream of new shapes (each one also compiles or looks up in Triton)
 
 
@@ -244,13 +239,12 @@ class Bound:
     `_raw_launcher` allows, on the current CUDA device's current stream, each descriptor's CUtensorMap encoded
     once per base address)."""
 
-    __slots__ = ("fast", "grid", "kwargs", "entry", "g", "raw", "head", "tail", "descriptors", "tensor_maps",
-                 "pointers")
+    __slots__ = ("fast", "grid", "kwargs", "entry", "g", "raw", "head", "tail", "descriptors", "tensor_maps")
 
     def __init__(self, fn, grid: tuple, kwargs: dict):
         self.fast, self.grid, self.kwargs, self.entry, self.raw = fast(fn), grid, kwargs, None, None
         self.g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        self.descriptors, self.tensor_maps, self.pointers = None, {}, None
+        self.descriptors, self.tensor_maps = None, {}
 
     def __call__(self, *args):
         e = self.entry
@@ -259,15 +253,10 @@ class Bound:
             if e is None and ENABLED and not _INTERPRETED:
                 e = self.fast.entry(self.grid, args, self.kwargs)
                 if e is not None:
-                    self.remember(e, args)
+                    self.remember(e, len(args))
             return kernel
         if self.raw is not None:
             g = self.g
-            if self.pointers is not None:
-                args = list(args)
-                for i in self.pointers:
-                    args[i] = args[i].data_ptr()
-                args = tuple(args)
             if self.descriptors is not None:
                 args = self._with_tensor_maps(args)
             self.raw(g[0], g[1], g[2], _stream(_device()), *self.head, *args, *self.tail)
@@ -277,18 +266,15 @@ class Bound:
               None, None, None, *args, *e.tail)
         return e.kernel
 
-    def remember(self, entry: _Entry, args: tuple) -> None:
-        """Launch `entry` (remembered from a launch with `args`) from now on: its C launcher and what every launch
-        passes around the call's own arguments where `_raw_launcher` allows, else its run."""
-        n_args = len(args)
+    def remember(self, entry: _Entry, n_args: int) -> None:
+        """Launch `entry` from now on: its C launcher and what every launch passes around the call's own arguments
+        where `_raw_launcher` allows, else its run."""
         self.entry = entry
         raw = _raw_launcher(entry)
         if raw is None:
             return
         self.raw, fixed, descriptors = raw
         self.head, self.tail = (entry.function, *fixed), entry.tail
-        if INT_POINTERS:  # the key fixes which arguments are tensors (None is a key of its own)
-            self.pointers = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor)) or None
         if descriptors is None:
             return
         if descriptors[-1][0] >= n_args:  # not reached: `fast` never remembers a descriptor passed by keyword
