@@ -21,7 +21,7 @@ import torch
 
 from ._util import (block, box_width, caches_view_as_slots, cdiv, dot_mode, has_tma, pdl_launch,
                     query_limit_args, sm_count)
-from ._launch import bind, without_bases
+from ._launch import bind, templated_at, without_bases
 from .decode_stage1 import _stage1_kernel, _stage1_tma_kernel
 from ..fp8 import GROUP as FP8_GROUP
 from . import decode_fp8 as _fp8
@@ -195,8 +195,9 @@ def fp8_constexprs(cfg: DecodeConfig, R: int, P: int, page_size: int, sparse: bo
 
 def _tma_stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l, s_on, s_ln, ns, cfg: DecodeConfig):
     """(`_stage1_tma_kernel` bound to its grid and compile-time arguments, its descriptor templates, the numbers
-    after its ten tensor arguments): what a call's signature fixes. Launch: `bound(q_nope, q_pe, *descriptors(...),
-    ckv_cache, kpe_cache, block_table, seq_lens, o, l, *numbers)`."""
+    after its ten tensor arguments): what a call's signature fixes. Launch: `bound(q_nope, q_pe, ckv_cache,
+    kpe_cache, ckv_cache, kpe_cache, block_table, seq_lens, o, l, *numbers)` (the first two caches: the bases of the
+    descriptors, `_launch.Bound`'s templates), as `decode_wgmma.run_stage1` does."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     B, H, R = q_nope.shape
@@ -205,7 +206,7 @@ def _tma_stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l,
     templates = without_bases((
         TensorDescriptor(ckv_cache, [NP * PS, R], [ckv_cache.stride(1), 1], [cfg.block_n, R // 2]),
         TensorDescriptor(kpe_cache, [NP * PS, P], [kpe_cache.stride(1), 1], [cfg.block_n, P])))
-    bound = bind(_stage1_tma_kernel, (B, cdiv(H, cfg.block_h), ns), n_splits=ns,
+    bound = bind(_stage1_tma_kernel, (B, cdiv(H, cfg.block_h), ns), templated_at(2, templates), n_splits=ns,
                  **tma_constexprs(cfg, R, P, q_nope.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                  **pdl_launch(q_nope.device))
     numbers = (sm_scale * _LOG2E, H, PS,

@@ -65,7 +65,7 @@ import torch
 
 from .. import fp8
 from . import _gluon as G
-from ._launch import bind, rebased, without_bases
+from ._launch import bind, templated_at, without_bases
 from ._util import cdiv
 
 if G.gluon is not None:
@@ -408,15 +408,16 @@ def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, block_table, sm_s
     if gather and not gather_eligible(ckv_cache, kpe_cache, ckv_scale):
         raise ValueError("decode_fp8_swapab: the cache views are neither TMA rows in pages of whole 64-token tiles "
                          "nor 16-byte aligned rows (`eligible`, `gather_eligible`)")
-    bound = bind(_fp8_swapab_kernel, grid, **t.constexprs(ckv_cache.shape[1], gather), num_warps=t.warps)
+    templates = None if gather else without_bases(descriptors(ckv_cache, ckv_scale, kpe_cache))
+    bound = bind(_fp8_swapab_kernel, grid, templates and templated_at(2, templates),
+                 **t.constexprs(ckv_cache.shape[1], gather), num_warps=t.warps)
     numbers = (sm_scale * G.LOG2E, H, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
                block_table.stride(0), s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1), ns,
                *(x for v in views for x in (_strides16(v) if gather else (0, 0))))
-    return bound, None if gather else without_bases(descriptors(ckv_cache, ckv_scale, kpe_cache)), numbers
+    return bound, templates, numbers
 
 
 def run_stage1(plan, q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, block_table, seq_lens, o, l):
     bound, templates, numbers = plan
-    views = (ckv_cache, ckv_scale, kpe_cache)  # GATHER (no templates): the views themselves, as pointers
-    return bound(q_nope, q_pe, *(views if templates is None else rebased(templates, views)), block_table, seq_lens,
-                 o, l, *numbers)
+    # the views themselves: pointers (GATHER), or the descriptors' bases (TMA: the bound launch holds the templates)
+    return bound(q_nope, q_pe, ckv_cache, ckv_scale, kpe_cache, block_table, seq_lens, o, l, *numbers)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from . import _gluon as G
 from ._util import cdiv, query_limit_args
-from ._launch import bind
+from ._launch import bind, templated_at
 from .decode_wgmma import run_stage1
 
 if G.gluon is not None:
@@ -331,11 +331,12 @@ def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
     B, H, R = q_nope.shape
     PS = ckv_cache.shape[1]
     P = kpe_cache.shape[2]
-    bound = bind(_stage1_seesaw_kernel, (cdiv(H, BLOCK_H), B, ns), **constexprs(R, P, PS, n_query > 1),
-                 num_warps=NUM_WARPS, maxnreg=MAX_REGS)
+    templates = G.descriptor_templates(ckv_cache, kpe_cache)
+    bound = bind(_stage1_seesaw_kernel, (cdiv(H, BLOCK_H), B, ns), templated_at(2, templates),
+                 **constexprs(R, P, PS, n_query > 1), num_warps=NUM_WARPS, maxnreg=MAX_REGS)
     numbers = (sm_scale * G.LOG2E, H, *G.strides(q_nope, q_pe, ckv_cache, kpe_cache, block_table, o, l, s_on, s_ln, ns),
                *query_limit_args(seq_lens, n_query, H))
-    return bound, G.descriptor_templates(ckv_cache, kpe_cache), numbers
+    return bound, templates, numbers
 
 
 def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,

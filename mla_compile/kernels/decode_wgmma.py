@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from . import _gluon as G
 from ._util import box_width, cdiv, query_limit_args
-from ._launch import bind, rebased
+from ._launch import bind, templated_at
 
 if G.gluon is not None:
     from triton.experimental import gluon
@@ -390,8 +390,9 @@ def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
     if not G.tma_layout(ckv_cache, kpe_cache, sparse):
         return (bind(_stage1_gather_kernel, grid, **gather_constexprs(R, P, PS, sparse, n_query > 1),
                      num_warps=NUM_WARPS), None, (scale, H, table.shape[1] if sparse else 0, *strides, *limits))
-    return (bind(_stage1_wgmma_kernel, grid, **constexprs(R, P, PS, n_query > 1), num_warps=NUM_WARPS),
-            G.descriptor_templates(ckv_cache, kpe_cache), (scale, H, *strides, *limits))
+    templates = G.descriptor_templates(ckv_cache, kpe_cache)
+    return (bind(_stage1_wgmma_kernel, grid, templated_at(2, templates), **constexprs(R, P, PS, n_query > 1),
+                 num_warps=NUM_WARPS), templates, (scale, H, *strides, *limits))
 
 
 def run_stage1(plan, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, o, l, indices=None):
@@ -401,8 +402,8 @@ def run_stage1(plan, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, 
         table = indices if indices is not None else block_table
         return bound(q_nope, q_pe, ckv_cache, kpe_cache, table, table if indices is not None else seq_lens, o, l,
                      *numbers)
-    return bound(q_nope, q_pe, *rebased(templates, (ckv_cache, kpe_cache)), ckv_cache, kpe_cache, block_table,
-                 seq_lens, o, l, *numbers)
+    # the caches twice: the descriptors' bases (the bound launch holds their templates), then as pointers
+    return bound(q_nope, q_pe, ckv_cache, kpe_cache, ckv_cache, kpe_cache, block_table, seq_lens, o, l, *numbers)
 
 
 def launch(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns, indices=None,

@@ -237,6 +237,31 @@ def test_bound_launch_replays_tritons_kernel_without_building_a_key(fake_gpu, mo
     assert launches[-1][6][:2] == (x, y)
 
 
+def test_bound_launch_with_templates_takes_bases(fake_gpu, monkeypatch):
+    """A bound launch holding a descriptor's template takes the base tensor in its place: on the path through
+    Triton (the first call, and with fast launches off) the kernel gets the descriptor rebased over that tensor,
+    the one Triton picks for a fresh descriptor over it; on the remembered path the same kernel and arguments."""
+    launches, compiles = fake_gpu
+    cache = torch.zeros(128, 64, dtype=torch.bfloat16)
+    template = _launch.without_bases([TensorDescriptor(cache, [128, 64], [64, 1], [16, 32])])[0]
+    bound = _launch.bind(_probe_desc_kernel, (2,), _launch.templated_at(0, [template]), BLOCK=16)
+    x = torch.zeros(8)
+    for base in (cache, torch.ones_like(cache), cache):
+        bound(base, x, 5)
+        ours = launches[-1]
+        _probe_desc_kernel[(2,)](TensorDescriptor.from_tensor(base, [16, 32]), x, 5, BLOCK=16)
+        theirs = launches[-1]
+        assert ours[0] is theirs[0] and len(ours[6]) == len(theirs[6])
+        d, f = ours[6][0], theirs[6][0]
+        assert d.base is base and [list(d.shape), list(d.strides), list(d.block_shape)] == \
+               [list(f.shape), list(f.strides), list(f.block_shape)]
+        assert ours[6][1:] == theirs[6][1:]
+    assert bound.entry is not None and len(compiles) == 1
+    monkeypatch.setattr(_launch, "ENABLED", False)
+    bound(cache, x, 5)
+    assert launches[-1][6][0].base is cache
+
+
 def test_plan_descriptors_equal_fresh_ones(fake_gpu):
     """kernels/decode.py copies a plan's validated descriptor templates with each call's cache as the base: the
     copy is what a fresh TensorDescriptor over the [slots, width] view would be, and launches the same kernel."""
@@ -301,7 +326,8 @@ def test_bound_launch_encodes_each_descriptor_once_per_base(data, monkeypatch):
     """A kernel with TMA descriptors: Triton's launcher is a Python wrapper that encodes every descriptor into a
     CUtensorMap on every launch (driver.py `wrap_handle_tensordesc`). A bound launch calls the C launcher under it
     with the same arguments the wrapper would pass, encoding a descriptor only for a base address it has not seen
-    at that position."""
+    at that position. Given the descriptors' templates (`bind(..., templates)`), the call passes the base tensors
+    in their places and the launcher still gets the wrapper's arguments."""
     from triton.backends.nvidia import driver as nvidia
 
     utils = _FakeUtils()
@@ -316,7 +342,10 @@ def test_bound_launch_encodes_each_descriptor_once_per_base(data, monkeypatch):
     wrapper = nvidia.wrap_handle_tensordesc(lambda *a: c_calls.append(a), signature, metas)
     entry = _launch._Entry(type("K", (), {"run": CudaLauncher(wrapper), "function": 7, "packed_metadata": 8})(),
                            tail=(16, 32))  # two constexprs after the positional arguments
-    bound = _launch.bind(_probe_kernel, (3, 2))
+    template = _launch.without_bases([TensorDescriptor(torch.zeros(128, 64, dtype=torch.bfloat16), [128, 64],
+                                                       [64, 1], [64, 64])])[0]
+    based = data.draw(st.booleans())
+    bound = _launch.bind(_probe_kernel, (3, 2), {p: template for p in positions} if based else None)
     bound.remember(entry, n_args)
     assert bound.descriptors is not None and bound.raw is not wrapper, "the C launcher under the wrapper"
     caches = [torch.zeros(128, 64, dtype=torch.bfloat16) for _ in range(3)]
@@ -332,7 +361,7 @@ def test_bound_launch_encodes_each_descriptor_once_per_base(data, monkeypatch):
         bases = [data.draw(st.sampled_from(caches)) for _ in positions]
         args = args_over(bases)
         encoded_before = len(utils.encoded)
-        bound(*args)
+        bound(*(tuple(a.base if p in positions else a for p, a in enumerate(args)) if based else args))
         ours = c_calls[-1]
         fresh = [(p, b.data_ptr()) for p, b in zip(positions, bases) if (p, b.data_ptr()) not in seen]
         seen.update(fresh)
