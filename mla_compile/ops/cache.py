@@ -85,6 +85,8 @@ def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots):
     Shapes: ckv_cache [NP, PS, R], kpe_cache [NP, PS, P] (mutated); ckv [T, R], kpe [T, P] (P may be 0:
     rope-less MLA);
     slots int64 [T]: flat slot page * PS + offset, or -1 to skip the token (e.g. owned by another DCP rank).
+    A slot given twice ends up holding values of its tokens in no specified mix (as PyTorch's index_put and the
+    peers' cache writes): fine for a dummy slot that padding tokens share, never for a slot that is read.
     An FP8 cache is `mla::cache_write_fp8`'s.
     """
     _check_not_fp8(ckv_cache)

@@ -233,6 +233,20 @@ def test_cache_write_zero_tokens():
     assert not c.any() and not k.any()
 
 
+def test_cache_write_repeated_slot_holds_values_of_its_tokens():
+    """Padding tokens sharing a dummy slot (SGLang's pattern): each value of that slot is one of its tokens' (the
+    mix unspecified), and every other slot is written as usual."""
+    g = torch.Generator().manual_seed(5)
+    c, k = torch.zeros(2, 4, 8), torch.zeros(2, 4, 2)
+    slots = torch.tensor([0, 5, 0, 0, 7])
+    ckv, kpe = torch.randn(5, 8, generator=g), torch.randn(5, 2, generator=g)
+    torch.ops.mla.cache_write(c, k, ckv, kpe, slots)
+    rows_c, rows_k = c.view(8, 8), k.view(8, 2)
+    for row, new in ((rows_c[0], ckv), (rows_k[0], kpe)):
+        assert ((row[None] == new[[0, 2, 3]]).any(0)).all()
+    assert torch.equal(rows_c[5], ckv[1]) and torch.equal(rows_c[7], ckv[4]) and torch.equal(rows_k[7], kpe[4])
+
+
 cache_args = dict(NP=st.integers(1, 6), PS=PAGE_SIZES, R=st.integers(1, 16), P=st.integers(0, 8),
                   T=st.integers(0, 30), dtype=DTYPES, seed=st.integers(0, 2**31 - 1),
                   skip_frac=st.sampled_from([0.0, 0.3, 1.0]))
