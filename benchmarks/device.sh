@@ -115,9 +115,17 @@ stage_host() { timeout "${T_HOST:-180}" python3 benchmarks/host_overhead.py "$OU
 stage_hostab() {
     [ -d .base/mla_compile ] || { echo "hostab: no .base/mla_compile (carry it)"; return 1; }
     local runs; runs=$(mktemp -d)
+    # the order alternates by round: a host that drifts during the call (the second of two runs came out 4-8%
+    # slower on untouched ops, RESULTS 2026-12-05 fourth session) then weighs on both sides alike
+    local r side
     for r in $(seq "${HOSTAB_ROUNDS:-3}"); do
-        HOST_ROOT="$PWD/.base" timeout "${T_HOSTAB:-60}" python3 benchmarks/host_overhead.py "$runs/hostab_base_$r.json" --ops-only
-        timeout "${T_HOSTAB:-60}" python3 benchmarks/host_overhead.py "$runs/hostab_new_$r.json" --ops-only
+        for side in $([ $((r % 2)) -eq 1 ] && echo "base new" || echo "new base"); do
+            if [ "$side" = base ]; then
+                HOST_ROOT="$PWD/.base" timeout "${T_HOSTAB:-60}" python3 benchmarks/host_overhead.py "$runs/hostab_base_$r.json" --ops-only
+            else
+                timeout "${T_HOSTAB:-60}" python3 benchmarks/host_overhead.py "$runs/hostab_new_$r.json" --ops-only
+            fi
+        done
     done
     python3 benchmarks/lab/host_ab.py "$runs" --json "$OUT/hostab.json"
 }
