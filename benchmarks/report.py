@@ -463,9 +463,11 @@ def host_block(d: dict) -> list[str]:
                       num(_host_goal(k, ops)[0], "{:.1f}") if "." in k and ":" not in k else "-"]
                      for k, v in ops.items()])
     if d.get("compiled"):
-        out += ["", "- inside a default-mode compiled graph (the op's cost there: a compiled function of two calls "
-                "less one of one call; eager in the same loop): " + ", ".join(
-                    f"{k} {v['us']:.1f} us (eager {v['eager_us']:.1f})" for k, v in d["compiled"].items())]
+        out += ["", "- inside a default-mode compiled graph (the op's cost there: a compiled function of three calls "
+                "less one of one call, halved; chained = each out the next call's q, else every output returned; "
+                "eager in the same loop): " + ", ".join(
+                    f"{k} {v['us']:.1f} us ({v.get('method', 'outputs')}; eager {v['eager_us']:.1f})"
+                    for k, v in d["compiled"].items())]
     if d.get("layers"):
         out += ["", "- `mla.decode` by layer: " + ", ".join(f"{k} {v:.1f} us" for k, v in d["layers"].items())]
     r = d.get("registration", {})

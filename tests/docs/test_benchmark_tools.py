@@ -392,6 +392,7 @@ def test_host_cpu_probe_times_every_op_through_its_cuda_impl(tmp_path):
     assert set(d["compiled"]) == {"mla.decode", "mla.sparse_decode", "mla.merge_states", "mla.cache_write",
                                   "dsa.indexer_topk"}
     assert all(r["graph_us"] > 0 and r["eager_us"] > 0 for r in d["compiled"].values())
+    assert {k for k, r in d["compiled"].items() if r["method"] == "chain"} == {"mla.decode", "mla.sparse_decode"}
     d["ops"] = {k: 2 * v for k, v in d["ops"].items()}
     (tmp_path / "hostab_base_1.json").write_text(json.dumps(d))
     sys.path.insert(0, str(ROOT / "benchmarks/lab"))
