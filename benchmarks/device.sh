@@ -120,11 +120,8 @@ stage_hostab() {
     local r side
     for r in $(seq "${HOSTAB_ROUNDS:-3}"); do
         for side in $([ $((r % 2)) -eq 1 ] && echo "base new" || echo "new base"); do
-            if [ "$side" = base ]; then
-                HOST_ROOT="$PWD/.base" timeout "${T_HOSTAB:-60}" python3 benchmarks/host_overhead.py "$runs/hostab_base_$r.json" --ops-only
-            else
-                timeout "${T_HOSTAB:-60}" python3 benchmarks/host_overhead.py "$runs/hostab_new_$r.json" --ops-only
-            fi
+            HOST_ROOT=$([ "$side" = base ] && echo "$PWD/.base") timeout "${T_HOSTAB:-60}" \
+                python3 benchmarks/host_overhead.py "$runs/hostab_${side}_$r.json" --ops-only
         done
     done
     python3 benchmarks/lab/host_ab.py "$runs" --json "$OUT/hostab.json"

@@ -63,8 +63,8 @@ def descriptors(ckv_cache, kpe_cache):
 
 
 def descriptor_templates(ckv_cache, kpe_cache) -> tuple:
-    """`descriptors` as a plan keeps them (no tensor held): `_launch.rebased(templates, (ckv_cache, kpe_cache))`
-    gives a call's, its caches the bases (only their pointers are read)."""
+    """`descriptors` as a plan keeps them (no tensor held): a bound launch holds them (`_launch.bind(...,
+    templated_at(2, templates))`) and a call passes its caches as their bases (only their pointers are read)."""
     return without_bases(descriptors(ckv_cache, kpe_cache))
 
 

@@ -251,7 +251,7 @@ class Bound:
         self.fast, self.grid, self.kwargs, self.entry, self.raw = fast(fn), grid, kwargs, None, None
         self.g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         self.descriptors, self.tensor_maps = None, {}
-        self.templates = tuple(sorted(templates.items())) if templates else None
+        self.templates = dict(sorted(templates.items())) if templates else None
 
     def __call__(self, *args):
         e = self.entry
@@ -281,8 +281,8 @@ class Bound:
     def _with_descriptors(self, args: tuple) -> tuple:
         """`args` with each templated position's base tensor replaced by its descriptor (`rebased`)."""
         out = list(args)
-        for p, template in self.templates:
-            out[p] = rebased((template,), (args[p],))[0]
+        for p, d in zip(self.templates, rebased(self.templates.values(), [args[p] for p in self.templates])):
+            out[p] = d
         return tuple(out)
 
     def remember(self, entry: _Entry, n_args: int) -> None:
@@ -299,7 +299,7 @@ class Bound:
         if descriptors[-1][0] >= n_args:  # not reached: `fast` never remembers a descriptor passed by keyword
             self.raw = None
             return
-        if self.templates and tuple(p for p, _ in self.templates) != tuple(p for p, _ in descriptors):
+        if self.templates and tuple(self.templates) != tuple(p for p, _ in descriptors):
             self.raw = None  # the wrapper's descriptors are not the templated positions: Triton's run, as made
             return
         ends = [p for p, _ in descriptors[1:]] + [None]  # (position, metadata, end of the arguments after it)
@@ -318,7 +318,7 @@ class Bound:
                 if len(maps) >= _MAX_TENSOR_MAPS:
                     maps.clear()
                 if based:
-                    d = rebased((dict(self.templates)[p],), (d,))[0]
+                    d = rebased((self.templates[p],), (d,))[0]
                 expanded = maps[key] = tuple(_expand_descriptor(d, meta))
             out += expanded + args[p + 1:end]
         return out

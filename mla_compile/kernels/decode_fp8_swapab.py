@@ -418,6 +418,6 @@ def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, block_table, sm_s
 
 
 def run_stage1(plan, q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, block_table, seq_lens, o, l):
-    bound, templates, numbers = plan
+    bound, _, numbers = plan
     # the views themselves: pointers (GATHER), or the descriptors' bases (TMA: the bound launch holds the templates)
     return bound(q_nope, q_pe, ckv_cache, ckv_scale, kpe_cache, block_table, seq_lens, o, l, *numbers)
