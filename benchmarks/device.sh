@@ -7,6 +7,7 @@
 #           families (five HF MLA families at 32K)  select (indexer top-k)  report
 #           fp8swap (lab probe: a swap-AB Gluon kernel for the FP8 cache at few heads, beside mla.decode / FlashMLA)
 #           eagersplits (lab probe: split counts for eager decode calls)
+#           swapab (lab probe: the few-head swap-AB Gluon decode over a bf16 cache, beside auto's kernel and the peers)
 # Installs the wheels carried in .whl/ (tools/device_wheels.sh fetches them; run(carry=[".whl"])), records the environment, then runs each stage.
 #
 # $OUT stays flat and small (the device tool returns at most 8 files). A full run
@@ -103,6 +104,9 @@ stage_dcpindexer() { timeout "${T_DCPINDEXER:-200}" python3 benchmarks/lab/dcp_i
 # fp8swap: the lab probe of a swap-AB Gluon stage 1 for the FP8 cache at H 16-64 (check, then times beside mla.decode FP8
 # / bf16 and FlashMLA); FP8SWAP_ARGS e.g. "--shapes 16:8:32768 --configs 16:8:3" or "--check-only"
 stage_fp8swap() { timeout "${T_FP8SWAP:-300}" python3 benchmarks/lab/fp8_swapab.py "$OUT/fp8_swapab.json" ${FP8SWAP_ARGS:-}; }
+# swapab (issue 24): the lab probe of the few-head swap-AB Gluon stage 1 over a bf16 cache (check, then times beside the
+# Triton kernel auto runs, FlashInfer and FlashMLA); SWAPAB_ARGS e.g. "--shapes 16:8:32768 --splits-scale 0.5 2"
+stage_swapab() { timeout "${T_SWAPAB:-300}" python3 benchmarks/lab/swapab.py "$OUT/swapab.json" ${SWAPAB_ARGS:-}; }
 stage_onelaunch() { echo "onelaunch: the lab probe is retired (benchmarks/lab/README.md)"; }
 # eagersplits (issue 29): the lab probe of the split count for eager decode calls (graph replay vs back-to-back eager
 # wall time at the policy's splits, a quarter, one); EAGERSPLITS_ARGS e.g. "--shapes 1:1024 8:4096 --filler 8"

@@ -10,7 +10,7 @@ How a Tuning reaches the code that reads it:
 
 Environment variables are kept only where a process-wide switch is the point (an operator's or a debugging
 switch, read at each call so a test may set it):
-- MLA_COMPILE_DECODE_BACKEND = auto | flashmla | seesaw | wgmma | triton | flashinfer: the decode kernel wherever
+- MLA_COMPILE_DECODE_BACKEND = auto | flashmla | seesaw | wgmma | swapab | triton | flashinfer: the decode kernel wherever
   `Tuning.decode_kernel` is left at "auto" (`decode_kernel()`);
 - MLA_COMPILE_PDL = auto | 1 | 0: programmatic dependent launch of our kernels (kernels/_util.py);
 - MLA_COMPILE_CHECK_DATA = 1: value checks (host syncs) on CUDA too (ops/_checks.py).
@@ -29,7 +29,7 @@ from typing import Any
 DECODE_KERNEL_ENV = "MLA_COMPILE_DECODE_BACKEND"
 PDL_ENV = "MLA_COMPILE_PDL"  # read by kernels/_util.pdl_launch
 # what `mla::decode` / `mla::sparse_decode` may run on CUDA (kernels/dispatch.select_decode_kernel has the table)
-DECODE_KERNELS = ("auto", "flashmla", "seesaw", "wgmma", "fp8_swapab", "triton", "flashinfer")
+DECODE_KERNELS = ("auto", "flashmla", "seesaw", "wgmma", "swapab", "fp8_swapab", "triton", "flashinfer")
 ABSORB = ("auto", "per_head_linear", "bmm")  # how the attention pass writes the absorbed W_UK / W_UV products
 
 

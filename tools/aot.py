@@ -148,6 +148,22 @@ def per_head_linear_sm90(transposed: bool, block_n: int = 16, K: int = 512, pdl:
 
 
 
+def swapab_sm90(tiling=None, H: int = 16, page_size: int = 64, dtype: str = "bf16") -> dict:
+    """kernels/decode_swapab.py's few-head stage-1 kernel over a bf16 / fp16 cache at `tiling` (default: the one `H`
+    heads get), compiled for sm_90a (`compile_sm90`'s answer)."""
+    from triton.experimental.gluon import language as gl
+
+    from mla_compile.kernels import decode_swapab as S
+
+    t = tiling or S.default_tiling(H)
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    desc = {name: f"tensordesc<{dtype}[{S.BLOCK_T}, {width}],"
+                  f"{gl.NVMMASharedLayout.get_default_for([S.BLOCK_T, width], gdt)!r}>"
+            for name, width in (("CkvDesc", S.R // 2), ("KpeDesc", S.P))}
+    desc.update({name: f"*{dtype}" for name in ("Qn", "Qp", "Ckv", "Kpe")})
+    return compile_sm90(S._swapab_kernel, t.constexprs(page_size), desc, t.warps, 1, gluon=True)
+
+
 def fp8_swapab_sm90(tiling=None, H: int = 16, page_size: int = 64, gather: bool = False) -> dict:
     """kernels/decode_fp8_swapab.py's stage-1 kernel for an FP8 cache at `tiling` (default: the one `H` heads get),
     compiled for sm_90a (`compile_sm90`'s answer); `gather`: its GATHER form (cp.async row copies through the table,

@@ -27,6 +27,7 @@ from ..fp8 import GROUP as FP8_GROUP
 from . import decode_fp8 as _fp8
 from . import decode_fp8_swapab as _fp8_swapab
 from . import decode_seesaw as _seesaw
+from . import decode_swapab as _swapab
 from . import decode_wgmma as _wgmma
 from .scratch import Scratch, empty_maker
 from .merge import merge_bound, merge_into, one_pass_parts  # noqa: F401 (merge_into: benchmarks time the stages apart)
@@ -47,7 +48,8 @@ class DecodeConfig:
     min_split_tokens: int = 64
     tma: bool = False  # full tiles by TMA boxes where the layout allows (see tma_eligible)
     # the stage-1 kernel: "triton" (this file's, `tma` choosing its tiles), "wgmma" (decode_wgmma.py) or "seesaw"
-    # (decode_seesaw.py), the Gluon many-head kernels, or "fp8_swapab" (decode_fp8_swapab.py, an FP8 cache).
+    # (decode_seesaw.py), the Gluon many-head kernels, "swapab" (decode_swapab.py, few heads, tokens as the MMA's
+    # M), or "fp8_swapab" (decode_fp8_swapab.py, an FP8 cache).
     # `dispatch.select_decode_kernel` chooses it for the call's shapes, device and layout; it is not re-checked here
     kernel: str = "triton"
 
@@ -316,7 +318,7 @@ class AttendPlan:
         # kernel takes one limit per request)
         if fp8:  # the FP8 Gluon kernel (decode_fp8_swapab.py) or the pointer kernels' FP8 paths (`_pointer_stage1`)
             self.kind = "fp8_swapab" if cfg.kernel == "fp8_swapab" else "pointer"
-        elif cfg.kernel in ("seesaw", "wgmma"):
+        elif cfg.kernel in ("seesaw", "wgmma", "swapab"):
             self.kind = cfg.kernel
         elif not multi and tma_eligible(ckv_cache, kpe_cache, self.sparse, cfg):
             self.kind = "tma"
@@ -333,6 +335,9 @@ class AttendPlan:
         elif self.kind == "fp8_swapab":
             self.stage1 = _fp8_swapab.stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, block_table, sm_scale,
                                                   o, l, s_on, s_ln, ns)
+        elif self.kind == "swapab":
+            self.stage1 = _swapab.stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l, s_on,
+                                              s_ln, ns)
         elif self.kind == "seesaw":
             self.stage1 = _seesaw.stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o,
                                               l, s_on, s_ln, ns, n_query)

@@ -26,6 +26,7 @@ from . import cache as _cache
 from . import decode as _decode
 from . import decode_fp8_swapab as _fp8_swapab
 from . import decode_seesaw as _seesaw
+from . import decode_swapab as _swapab
 from . import decode_wgmma as _wgmma
 from . import dsa as _dsa
 from . import flashinfer_mla as _fi
@@ -52,7 +53,7 @@ HALF = (torch.float16, torch.bfloat16)
 
 
 class Choice(NamedTuple):
-    name: str  # flashmla | seesaw | wgmma | fp8_swapab | triton | flashinfer | torch
+    name: str  # flashmla | seesaw | wgmma | swapab | fp8_swapab | triton | flashinfer | torch
     reason: str
 
 
@@ -136,6 +137,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
         "wgmma": "" if gluon and (tma_layout or (rows_aligned and _wgmma.gather_fits(R, P))) else
                  "wgmma: needs sm_90, fp16/bf16, >= 64 heads (several query tokens: >= 32 rows), power-of-two R/2 "
                  "and P, aligned rows",
+        "swapab": "" if sm90 and dtype in HALF and one_dense and tma_layout and _swapab.fits(R, P) else
+                  "swapab: needs sm_90, fp16/bf16, R 512 / P 64, one query token, pages of whole 64-token tiles",
         "triton": "",
     }
     if capability is None:
@@ -224,9 +227,9 @@ def _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool, n_query: int, block
     table's capacity (without one: the whole cache)."""
     cap = _capability(q_nope.device)
     H = q_nope.shape[1]
-    # the layout facts matter (and are computed) only where a Gluon kernel may run
+    # the layout facts matter (and are computed) only where a Gluon kernel may run (one query token: swapab too)
     gluon_device = cap == (9, 0) and H >= (MULTI_TOKEN_GLUON_ROWS if n_query > 1 else MANY_HEADS)
-    tma = gluon_device and _gluon.tma_layout(ckv_cache, kpe_cache, sparse)
+    tma = (gluon_device or (cap == (9, 0) and n_query == 1)) and _gluon.tma_layout(ckv_cache, kpe_cache, sparse)
     tokens = (q_nope.shape[0] * block_table.shape[1] if block_table is not None else ckv_cache.shape[0]) \
         * ckv_cache.shape[1]
     return ((H, q_nope.shape[2], q_pe.shape[-1], 1 if sparse else ckv_cache.shape[1], sparse, q_nope.dtype, cap,
@@ -266,13 +269,13 @@ def own_decode_config(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False) 
 
 
 def _config(q_nope, ckv_cache, sparse: bool, name: str) -> _decode.DecodeConfig:
-    """decode.py's config for the chosen kernel: its tiling and split policy, the stage-1 kernel set. The Gluon
-    kernels take the many-head split policy (64-row blocks, one program per SM) whatever the rows; the FP8 one its
-    own head blocks (16, 32 or 64 heads), one program per SM (~200-220 KB of shared memory each)."""
-    if name == "fp8_swapab":
-        t = _fp8_swapab.default_tiling(q_nope.shape[1])
-        return _decode.DecodeConfig(block_h=t.N, block_n=_fp8_swapab.BLOCK_T, num_warps=t.warps,
-                                    num_stages=t.stages, ctas_per_sm=1, max_splits=256, kernel=name)
+    """decode.py's config for the chosen kernel (tiling, split policy, stage-1 kernel): the many-head Gluon kernels
+    the 64-row split policy whatever the rows, the swap-AB ones their own head blocks; one program per SM."""
+    if name in ("swapab", "fp8_swapab"):
+        kernel = _swapab if name == "swapab" else _fp8_swapab
+        t = kernel.default_tiling(q_nope.shape[1])
+        return _decode.DecodeConfig(block_h=t.N, block_n=kernel.BLOCK_T, num_warps=t.warps, num_stages=t.stages,
+                                    ctas_per_sm=1, max_splits=256, kernel=name)
     rows = q_nope.shape[1] if name == "triton" else max(q_nope.shape[1], MANY_HEADS)
     cfg = _decode.default_config(rows, q_nope.shape[2], 1 if sparse else ckv_cache.shape[1], q_nope.dtype)
     return cfg if name == "triton" else dataclasses.replace(cfg, kernel=name)
@@ -429,10 +432,7 @@ def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None):
         # onto itself instead of touching a zero-width (possibly null) buffer
         zero = kpe_cache.new_zeros(1)
         kpe_cache, kpe = zero_rope_column(zero, *ckv_cache.shape[:2]), zero_rope_column(zero, ckv.shape[0])
-    if ckv_scale is None:  # the bf16 call as it always was
-        _cache.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots)
-    else:
-        _cache.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
+    _cache.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
 
 
 def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):

@@ -551,3 +551,32 @@ def test_wgmma_gather_sparse(splits):
     assert_attention(out, lse, *want, torch.bfloat16)
     out, lse = torch.ops.mla.sparse_decode(qn, qp, b.ckv_cache, b.kpe_cache, idx, 0.08)  # auto: the same kernel
     assert_attention(out, lse, *want, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H,PS", [(16, 64), (1, 128), (12, 64), (32, 64), (40, 128)])
+def test_swapab_kernel(H, PS, dtype):
+    # the few-head swap-AB Gluon kernel (tokens as the MMA's M, decode_swapab.py) on the TMA layout: one head, a
+    # partial head block (12, 40: blocks of 16 / 32), one and two warpgroups; lengths on and off tile edges, empty
+    # requests, several tiles per split (the two slots wrap), forced and policy split counts, unused slots NaN; then
+    # a CUDA graph replayed with new lengths
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("warpgroup MMA: sm_90 only")
+    b, qn, qp = make_batch([0, 1, 63, 64, 65, 777, 4101, 0, 33, 256, 128, 192], H, 512, 64, PS, dtype, seed=H + PS)
+    assert_decodes(b, qn, qp, dtype, (1, 2, 3, 40, None),
+                   ([0, 1, 60, 64, 1, 700, 4000, 0, 0, 255, 127, 191], [0, 1, 5, 5, 5, 5, 5, 0, 5, 5, 5, 5]), "swapab")
+
+
+def test_swapab_kernel_large_logits():
+    # scores far from 0: the running max per head (a column of S^T) must keep exp2 in range across tiles and splits
+    from mla_compile.kernels import decode as K
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("warpgroup MMA: sm_90 only")
+    b, qn, qp = make_batch([2000, 130, 64], 16, 512, 64, 64, torch.bfloat16, seed=5)
+    qn, qp = qn * 8, qp * 8
+    want = ref_of(b, qn, qp, 0.1)
+    for splits in (1, 2):
+        out, lse = K.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.1,
+                            cfg=gluon_config(b, 16, "swapab"), splits=splits)
+        assert_attention(out, lse, *want, torch.bfloat16)

@@ -219,3 +219,26 @@ def test_fp8_swap_ab_kernel_reads_tma_tiles_into_warpgroup_mmas_without_spills(H
     assert out["spill_bytes"] <= (0 if t.N <= 32 else 64), out["registers"]
     assert out["shared_bytes"] <= G.SMEM_LIMIT
     assert "C7514" not in out["advisories"] and "C7515" not in out["advisories"], out["advisories"]
+
+
+@pytest.mark.parametrize("H,dtype", [(16, "bf16"), (32, "bf16"), (16, "fp16")])
+def test_swap_ab_kernel_reads_tma_tiles_into_warpgroup_mmas_without_spills(H, dtype):
+    """The few-head Gluon kernel over a bf16 / fp16 cache (kernels/decode_swapab.py): tiles arrive by TMA and feed
+    warpgroup MMAs as they landed (no copy or conversion in shared memory, so no shared-memory stores of a tile),
+    with the 64 tokens as M (m64nNk16, N the heads per program: split over the warpgroups for the scores, whole for
+    P.V); nothing spills, shared memory fits, ptxas does not serialise the MMAs (C7514 / C7515: issuing the refill
+    between the barrier and the score MMAs got C7515, or crashed ptxas)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mla_compile.kernels import _gluon as G
+    from mla_compile.kernels import decode_swapab as S
+
+    t = S.default_tiling(H)
+    out = aot.swapab_sm90(t, dtype=dtype)
+    ptx = out["ptx"]
+    assert "cp.async.bulk.tensor" in ptx, "tiles are not TMA copies"
+    assert "cp.async.cg" not in ptx
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
+    assert shapes == {f"m64n{t.N // (t.warps // 4)}k16", f"m64n{t.N}k16"}, shapes
+    assert out["spill_bytes"] == 0, out["registers"]
+    assert out["shared_bytes"] <= G.SMEM_LIMIT
+    assert "C7514" not in out["advisories"] and "C7515" not in out["advisories"], out["advisories"]

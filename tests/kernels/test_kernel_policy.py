@@ -262,6 +262,16 @@ def test_decode_kernel_reads_the_fp8_layout_from_the_three_views(monkeypatch):
     ("wgmma", dict(n_query=2, H=16), "triton"),
     ("seesaw", dict(n_query=2), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),
     ("wgmma", dict(n_query=2, H=32), "wgmma" if GLUON else "triton"),
+    # the few-head swap-AB kernel: one query token, fp16/bf16, pages of whole 64-token tiles, R 512 / P 64, sm_90
+    ("swapab", dict(H=16), "swapab" if GLUON else "triton"),
+    ("swapab", dict(H=1, PS=128, dtype=torch.float16), "swapab" if GLUON else "triton"),
+    ("swapab", dict(H=16, PS=16, tma_layout=False), "triton"),
+    ("swapab", dict(H=16, PS=1, sparse=True, tma_layout=False), "triton"),
+    ("swapab", dict(H=16, n_query=2), "triton"),
+    ("swapab", dict(H=16, P=32), "triton"),
+    ("swapab", dict(H=16, dtype=torch.float32), "triton"),
+    ("swapab", dict(H=16, cap=A100), "triton"),
+    ("swapab", dict(H=16, fp8_cache=True, fp8_rows=True), SWAPAB),  # an FP8 cache: the FP8 kernels
 ])
 def test_an_asked_for_kernel_runs_where_it_can_else_auto_says_why(asked, case, want):
     choice = D_.select_decode_kernel(*_args(**case), kernel=asked, **_facts(**case))
@@ -277,7 +287,8 @@ def _args(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_query
 
 
 def _facts(**case):
-    return {k: v for k, v in case.items() if k in ("tma_layout", "rows_aligned", "flashmla", "flashinfer", "tokens")}
+    return {k: v for k, v in case.items() if k in ("tma_layout", "rows_aligned", "flashmla", "flashinfer", "tokens",
+                                                   "fp8_cache", "fp8_rows")}
 
 
 def test_unknown_kernel_is_a_value_error_naming_it():
@@ -346,12 +357,12 @@ def test_backend_options_carry_a_tuning():
 
 
 # ================================================================================ the choice is what runs
-@pytest.mark.parametrize("kernel", ["seesaw", "wgmma", "triton-tma", "triton-pointer"])
+@pytest.mark.parametrize("kernel", ["seesaw", "wgmma", "swapab", "triton-tma", "triton-pointer"])
 def test_decode_runs_exactly_the_configured_stage1_kernel(kernel, monkeypatch):
     # decode._attend re-checks nothing: the kernel in the config (dispatch's choice) is the one launched
     launched = []
     # every kernel's plan: a stand-in bound launch (no descriptor templates, no numbers)
-    for name in ("seesaw", "wgmma"):
+    for name in ("seesaw", "wgmma", "swapab"):
         monkeypatch.setattr(getattr(D, "_" + name), "stage1_plan",
                             lambda *a, name=name, **k: (lambda *x: launched.append(name), (), ()))
     monkeypatch.setattr(D, "_tma_stage1", lambda *a, **k: (lambda *x: launched.append("triton-tma"), (), ()))
@@ -360,7 +371,7 @@ def test_decode_runs_exactly_the_configured_stage1_kernel(kernel, monkeypatch):
     table, lens = torch.zeros(2, 2, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32)
     cfg = D.default_config(128, 512, 64)
     cfg = dataclasses.replace(cfg, tma=kernel != "triton-pointer",
-                              kernel=kernel if kernel in ("seesaw", "wgmma") else "triton")
+                              kernel=kernel if kernel in ("seesaw", "wgmma", "swapab") else "triton")
     D.decode(q_nope, q_pe, ckv, kpe, table, lens, 0.1, cfg=cfg, splits=1)
     assert launched == [kernel]
 

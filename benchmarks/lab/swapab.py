@@ -1,0 +1,120 @@
+"""Lab probe of the few-head swap-AB Gluon stage 1 over a bf16 cache (mla_compile/kernels/decode_swapab.py: the kernel
+and its design are explained there). Question: at 16-32 heads, is the cache streamed by TMA into an MMA whose M is
+tokens faster than the Triton pointer kernel `auto` runs there, and than FlashMLA / FlashInfer, and at which split
+counts?
+
+    python benchmarks/lab/swapab.py OUT.json [--shapes H:B:KV ...] [--splits-scale 0.5 2]
+    SWAPAB_ARGS="..." bash benchmarks/device.sh swapab
+
+Per shape (page 64, shuffled pages, the same data for every column): request 0 against float64 and the whole batch
+against the Triton kernel (out, lse), then CUDA-graph replay medians (do_bench_cudagraph) side by side: the Triton
+kernel auto runs today, the swap-AB kernel at the policy's split count (and at that count times each
+--splits-scale), FlashInfer's `run` (planned outside the graph) and FlashMLA alone (its schedule made inside the
+call) when they import; copy-bandwidth fractions of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_ops' helpers
+
+import bench_ops as BO  # noqa: E402
+from mla_compile.kernels import decode as D  # noqa: E402
+from mla_compile.kernels import dispatch  # noqa: E402
+
+SHAPES = ("16:8:8192", "16:8:32768", "16:32:8192", "16:32:32768", "16:1:32768", "16:128:32768", "16:32:131072",
+          "32:8:32768")
+
+
+def run_shape(H: int, B: int, L: int, scales, copy_bw: float) -> dict:
+    R, P, PS, DT = BO.R, BO.P, BO.PS, BO.DT
+    scale = 192 ** -0.5
+    num_pages = B * L // PS
+    ckv = torch.empty(num_pages, PS, R, dtype=DT, device="cuda").normal_()
+    kpe = torch.empty(num_pages, PS, P, dtype=DT, device="cuda").normal_()
+    table = torch.randperm(num_pages, device="cuda").view(B, L // PS).int()
+    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    qn = torch.randn(B, H, R, dtype=DT, device="cuda")
+    qp = torch.randn(B, H, P, dtype=DT, device="cuda")
+    nbytes = D.kv_bytes(B, L, R, P, 2)
+    row = dict(H=H, B=B, L=L)
+    own = dispatch.own_decode_config(qn, qp, ckv, kpe)
+    swap = dispatch._config(qn, ckv, False, "swapab")
+    ns = D.num_splits(B, H, L, qn.device, swap)
+    row.update(auto_kernel=own.kernel, auto_splits=D.num_splits(B, H, L, qn.device, own), swapab_splits=ns)
+
+    def decode(cfg, splits=None):
+        return lambda: D.decode(qn, qp, ckv, kpe, table, lens, scale, cfg=cfg, splits=splits)
+
+    ours = decode(own)()
+    got = decode(swap)()
+    want = BO.reference_row(qn, qp, ckv, kpe, table, L, scale)
+    row["swapab_err_out"], row["swapab_err_lse"] = BO.attention_errors(got[0][0], got[1][0], *want)
+    row["swapab_vs_auto_out"], row["swapab_vs_auto_lse"] = BO.attention_errors(*got, *ours)
+    row["check"] = "ok" if row["swapab_err_out"] <= BO.OUT_TOL and row["swapab_err_lse"] <= BO.LSE_TOL else "FAILED"
+    times = {"auto": BO.ms(decode(own), graph=True), f"swapab@{ns}": BO.ms(decode(swap), graph=True)}
+    for s in scales:
+        n = max(1, round(ns * s))
+        if f"swapab@{n}" not in times:
+            times[f"swapab@{n}"] = BO.ms(decode(swap, n), graph=True)
+    if BO.FI.available():
+        try:
+            fi_run = BO.FI.plan(qn, qp, ckv, table, lens, scale).raw
+            times["flashinfer"] = BO.ms(lambda: fi_run(qn, qp, ckv, kpe), graph=True)
+        except Exception as e:  # report, keep going
+            row["flashinfer_error"] = repr(e)[:300]
+    if BO.FMLA.available():
+        try:
+            import flash_mla as fm
+
+            fckv, fkpe = BO.FMLA.fused_caches(num_pages, PS, R, P, DT, "cuda")
+            fckv.copy_(ckv)
+            fkpe.copy_(kpe)
+            fkv = BO.FMLA.kv_cache(fckv, fkpe, None)[0]
+            q = torch.cat((qn, qp), dim=-1).unsqueeze(1)
+            times["flashmla"] = BO.ms(lambda: fm.flash_mla_with_kvcache(
+                q, fkv, table, lens, R, fm.get_mla_metadata()[0], softmax_scale=scale, causal=False,
+                use_legacy=True), graph=True)
+            del fckv, fkpe, fkv
+        except Exception as e:  # report, keep going
+            row["flashmla_error"] = repr(e)[:300]
+    row["us"] = {k: v * 1e3 for k, v in times.items()}
+    row["bw_frac"] = {k: nbytes / (v * 1e-3) / copy_bw for k, v in times.items()}
+    best_swap = min(v for k, v in times.items() if k.startswith("swapab"))
+    peers = [times[k] for k in ("flashinfer", "flashmla") if k in times]
+    row["swapab_vs_auto"] = times[f"swapab@{ns}"] / times["auto"]
+    row["best_swapab_vs_auto"] = best_swap / times["auto"]
+    if peers:
+        row["swapab_vs_best_peer"] = times[f"swapab@{ns}"] / min(peers)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?", default="swapab.json")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="H:B:KV")
+    ap.add_argument("--splits-scale", nargs="*", type=float, default=[0.5, 2.0])
+    args = ap.parse_args()
+    copy_bw = BO.copy_bandwidth()
+    results = dict(device=torch.cuda.get_device_name(), copy_bw_TBps=copy_bw / 1e12, rows=[])
+    for spec in args.shapes:
+        H, B, L = map(int, spec.split(":"))
+        try:
+            row = run_shape(H, B, L, args.splits_scale, copy_bw)
+        except Exception as e:  # report, keep going
+            row = dict(H=H, B=B, L=L, error=repr(e)[:500])
+        results["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

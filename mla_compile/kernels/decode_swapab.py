@@ -1,0 +1,265 @@
+"""Paged MLA decode over a bf16 / fp16 cache, stage 1, in Gluon for few heads: the warpgroup MMA's operands swapped so
+that its M (64) is tokens, not heads.
+
+Why: at 16 heads the decode is memory-bound, and what decides its speed is how the cache streams in. The Triton pointer
+kernel (decode_stage1.py) copies each 64-token tile by 16-byte cp.async copies through per-token addresses and reaches
+0.79-0.92 of copy bandwidth (H200, benchmarks/RESULTS.md); FlashMLA's TMA kernel, which pads 16 heads to a 64-row MMA,
+0.88-1.02. Here each tile arrives as three TMA boxes (two latent halves [64, 256], the rope [64, 64]) on one mbarrier,
+and both products are computed transposed, tokens x heads, so no MMA row is padding:
+
+    S^T [64 tokens, N] = C0 [64, 256] . q0^T [256, N] + C1 . q1^T + Krope [64, 64] . q_rope^T
+    O_h^T [256, N]    += C_h^T [256, 64 tokens] . P^T [64 tokens, N]        (h: the two latent halves)
+
+A (the big operand) is the tile in shared memory as TMA wrote it: K-major for the scores, the same tile seen
+transposed (MN-major, allowed for 16-bit types) for P.V, so nothing is converted or copied in shared memory (what
+decode_fp8_swapab.py, the FP8 cache's kernel of the same shape, must do). B is q ([N, 576], loaded once) and P^T
+([64, N]). The online softmax runs per head = per COLUMN of S^T (base 2); the row sums stay per thread and are reduced
+once at the end.
+
+One program per (request, block of N heads, KV split), grid (B * ceil(H / N), n_splits); N 16 (one warpgroup) or 32
+(two: the scores split by heads, P.V by channels). Shared memory: q 18-36 KB, two staging slots of 72 KB (a third
+does not fit), P^T. A slot is refilled once the P.V that reads it has retired (in the next tile, after its scores),
+with the page of the tile it takes loaded before the waits so the copy never waits for the table. A split's partial last tile is a
+second instance of the tile step (MASKED): latent rows past the end are zeroed before P.V reads them (unused slots
+may hold NaN), their scores -inf. Each split writes the normalised partial out and natural-log lse (-inf for a split
+without tokens): the contract of every stage-1 kernel here, so kernels/merge.py combines the splits.
+
+Takes (`fits`, `eligible`): sm_90, Gluon, fp16 / bf16, R 512 / P 64, one query token, a paged cache whose pages are
+whole 64-token tiles viewing as [slots, width] (`_gluon.tma_layout`); `dispatch.select_decode_kernel` decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from . import _gluon as G
+from ._launch import bind, templated_at
+from ._util import cdiv
+
+if G.gluon is not None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_init, warpgroup_mma_wait)
+
+R, P = 512, 64  # latent and rope widths this kernel takes
+BLOCK_T = G.BLOCK_N  # tokens per tile: the MMA's M
+BLOCK_HS = (16, 32)  # heads per program (the MMA's N)
+STAGES = 2  # staging slots: a 64-token tile is 72 KB, a third slot passes Hopper's 227 KB
+
+
+if G.gluon is not None:
+    _STAGES = gl.constexpr(STAGES)
+
+    @gluon.jit
+    def _issue(CkvDesc, KpeDesc, bar, c0_s, c1_s, k_s, st, row):
+        """TMA copies of the tile at cache row `row` into staging slot `st`, all on `bar`: the rope box first, then the
+        two latent halves."""
+        RH: gl.constexpr = CkvDesc.block_type.shape[1]
+        mbarrier.expect(bar, 2 * CkvDesc.block_type.nbytes + KpeDesc.block_type.nbytes)
+        tma.async_copy_global_to_shared(KpeDesc, [row, 0], bar, k_s.index(st))
+        tma.async_copy_global_to_shared(CkvDesc, [row, 0], bar, c0_s.index(st))
+        tma.async_copy_global_to_shared(CkvDesc, [row, RH], bar, c1_s.index(st))
+
+    @gluon.jit
+    def _row_of(Table, b, s_tb, t, PS: gl.constexpr):
+        """The cache row of token t of request b (its tile lies inside one page)."""
+        return gl.load(Table + b * s_tb + t // PS) * PS + t % PS
+
+    @gluon.jit
+    def _zero_rows(buf, lim, LD: gl.constexpr):
+        """Rows >= lim of a staged [64, width] tile set to 0 (generic-proxy stores: fence before an MMA reads them)."""
+        rows = gl.arange(0, buf.shape[0], layout=gl.SliceLayout(1, LD))
+        v = buf.load(LD)
+        buf.store(gl.where((rows < lim)[:, None], v, gl.zeros_like(v)))
+
+    @gluon.jit
+    def _tile(i, start, end, n_tiles, CkvDesc, KpeDesc, bars, c0_s, c1_s, k_s, q0_s, q1_s, qp_s, p_s, Table, b, s_tb,
+              scale_log2, m_i, l_i, acc0, acc1, PS: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr,
+              LD: gl.constexpr, MASKED: gl.constexpr):
+        """Tile i of the split (tokens start + 64 i ...): its scores, the online softmax, its P.V issued (left in
+        flight for the next tile). MASKED: the split's partial last tile. Returns (m_i, l_i, acc0, acc1 in flight).
+
+        Order: the page of the tile the freed slot takes is loaded -> wait for tile i's copies -> (MASKED: latent rows
+        past the end zeroed) -> wait for the previous P.V (every warp: the barrier) -> scores issued and waited ->
+        the previous slot refilled -> softmax -> P^T stored, fenced -> P.V issued. One wait with nothing left in
+        flight per tile (waiting for part of a chain made ptxas serialise every wgmma in decode_fp8_swapab.py:
+        C7514). The refill sits after the scores: issued between the barrier and the score MMAs, the copies made
+        Triton 3.6's ptxas crash (SIGSEGV) on the two-instance build, and the one-instance build serialise the
+        MMAs (C7515)."""
+        BT: gl.constexpr = c0_s.shape[1]
+        N: gl.constexpr = qp_s.shape[0]
+        STAGES: gl.constexpr = c0_s.shape[0]
+        st = i % STAGES
+        refill = (i >= 1) & (i - 1 + STAGES < n_tiles)  # the previous tile's slot takes tile i - 1 + STAGES
+        t_next = start + (i - 1 + STAGES) * BT
+        row_next = _row_of(Table, b, s_tb, gl.where(refill, t_next, start), PS)
+        lim = end - (start + i * BT)  # rows r < lim are tokens of this split (all 64 but on the partial last tile)
+        mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+        if MASKED:  # unused cache slots may hold NaN: P^T's zeros times them would be NaN
+            _zero_rows(c0_s.index(st), lim, LD)
+            _zero_rows(c1_s.index(st), lim, LD)
+            fence_async_shared()
+        acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+        gl.thread_barrier()  # every warp's P.V reads of the previous slot (and of p_s) retired
+        s = warpgroup_mma(k_s.index(st), qp_s.permute((1, 0)), gl.zeros([BT, N], gl.float32, layout=S_L),
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma(c0_s.index(st), q0_s.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(c1_s.index(st), q1_s.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        if refill:
+            _issue(CkvDesc, KpeDesc, bars.index((i - 1) % STAGES), c0_s, c1_s, k_s, (i - 1) % STAGES, row_next)
+        s = s * scale_log2
+        if MASKED:
+            rows = gl.arange(0, BT, layout=gl.SliceLayout(1, S_L))
+            s = gl.where((rows < lim)[:, None], s, float("-inf"))
+        # online softmax per head (column), base 2
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no token yet: stays NaN-free
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[None, :])
+        l_i = l_i * alpha[None, :] + p
+        p_s.store(p.to(p_s.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, O_L))[None, :]
+        acc0 = warpgroup_mma(c0_s.index(st).permute((1, 0)), p_s, acc0 * alpha_o, is_async=True)
+        acc1 = warpgroup_mma(c1_s.index(st).permute((1, 0)), p_s, acc1 * alpha_o, is_async=True)
+        return m_new, l_i, acc0, acc1
+
+    @gluon.jit
+    def _store_half(O, acc, inv, o_base, oh, H, half: gl.constexpr, O_L: gl.constexpr):
+        """out[h, half * RH + c] = acc[c, h] * inv[h] for this program's heads h < H (o_base [1, N]: their rows)."""
+        RH: gl.constexpr = acc.shape[0]
+        oc = gl.arange(0, RH, layout=gl.SliceLayout(1, O_L))
+        gl.store(O + o_base + half * RH + oc[:, None], acc * inv[None, :], mask=(oh < H)[None, :] & (oc < RH)[:, None])
+
+    @gluon.jit
+    def _swapab_kernel(Qn, Qp, CkvDesc, KpeDesc, Ckv, Kpe, Table, Lens, O, L,
+                       scale_log2, H,
+                       s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
+                       s_on, s_ob, s_oh, s_ln, s_lb, s_lh, n_splits,
+                       PS: gl.constexpr, N: gl.constexpr, WG: gl.constexpr):
+        """Stage 1 (module docstring). Qn [B, H, 512] / Qp [B, H, 64]; CkvDesc / KpeDesc: TMA descriptors over the
+        caches as slots ([NP * PS, 512] in [64, 256] boxes, [NP * PS, 64] in [64, 64] boxes; Ckv / Kpe: the same
+        caches as pointers, unread: the argument order of the other Gluon stage-1 kernels, decode_wgmma.run_stage1);
+        Table int32 [B, max_pages]; Lens int32 [B]; O fp32 [n_splits, B, H, 512] and L fp32 [n_splits, B, H]
+        (normalised partial out, natural-log lse; with one split the final out in q's dtype and lse, s_on = s_ln =
+        0). N heads per program, WG warpgroups."""
+        gl.static_assert(gl.num_warps() == 4 * WG, "WG warpgroups")
+        BT: gl.constexpr = CkvDesc.block_type.shape[0]
+        RH: gl.constexpr = CkvDesc.block_type.shape[1]
+        P: gl.constexpr = KpeDesc.block_type.shape[1]
+        gl.static_assert(PS % BT == 0, "a tile lies inside one page")
+        dt: gl.constexpr = CkvDesc.dtype
+        STAGES: gl.constexpr = _STAGES
+        # scores [64 tokens, N]: one warpgroup's m64 over the tokens; with two warpgroups each takes half the heads
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                      instr_shape=[16, N // WG, 16])
+        # O^T half [256 channels, N]: warpgroups along the channels (m64 blocks), each with every head
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WG, 1],
+                                                      instr_shape=[16, N, 16])
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4 * WG, 1], [1, 0])  # 16-byte loads and stores
+
+        pid = gl.program_id(0)  # request-major: a request's head blocks are neighbours (they share its tiles in L2)
+        n_hb = gl.cdiv(H, N)
+        b = (pid // n_hb).to(gl.int64)
+        hb = pid % n_hb
+        split = gl.program_id(1)
+        n = gl.load(Lens + b)
+        start, end, n_full = G.split_bounds(n, split, n_splits, BT)
+        n_tiles = gl.cdiv(gl.maximum(end - start, 0), BT)
+
+        q0_s, q1_s, qp_s = G.q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt, RH, P, N, LD)
+        c0_s = gl.allocate_shared_memory(dt, [STAGES, BT, RH], CkvDesc.layout)
+        c1_s = gl.allocate_shared_memory(dt, [STAGES, BT, RH], CkvDesc.layout)
+        k_s = gl.allocate_shared_memory(dt, [STAGES, BT, P], KpeDesc.layout)
+        # P^T [64 tokens, N]: P.V's B operand, N-contiguous (MN-major, allowed for 16-bit types)
+        p_s = gl.allocate_shared_memory(dt, [BT, N], gl.NVMMASharedLayout.get_default_for([BT, N], dt))
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(STAGES):
+            mbarrier.init(bars.index(j), count=1)
+        fence_async_shared()  # q's stores and the barrier inits before any async-proxy access
+        gl.thread_barrier()
+        for j in gl.static_range(STAGES):
+            if j < n_tiles:
+                _issue(CkvDesc, KpeDesc, bars.index(j), c0_s, c1_s, k_s, j,
+                       _row_of(Table, b, s_tb, start + j * BT, PS))
+
+        m_i = gl.full([N], float("-inf"), gl.float32, layout=gl.SliceLayout(0, S_L))  # running max per head
+        l_i = gl.zeros([BT, N], gl.float32, layout=S_L)  # per-thread partial column sums (reduced once, at the end)
+        acc0 = warpgroup_mma_init(gl.zeros([RH, N], gl.float32, layout=O_L))
+        acc1 = warpgroup_mma_init(gl.zeros([RH, N], gl.float32, layout=O_L))
+        # full tiles unmasked, then the split's partial last tile (if any) masked: two instances of one tile step
+        for i in range(n_full):
+            m_i, l_i, acc0, acc1 = _tile(i, start, end, n_tiles, CkvDesc, KpeDesc, bars, c0_s, c1_s, k_s, q0_s, q1_s,
+                                         qp_s, p_s, Table, b, s_tb, scale_log2, m_i, l_i, acc0, acc1, PS, S_L, O_L,
+                                         LD, False)
+        if n_full < n_tiles:
+            m_i, l_i, acc0, acc1 = _tile(n_full, start, end, n_tiles, CkvDesc, KpeDesc, bars, c0_s, c1_s, k_s, q0_s,
+                                         q1_s, qp_s, p_s, Table, b, s_tb, scale_log2, m_i, l_i, acc0, acc1, PS, S_L,
+                                         O_L, LD, True)
+        acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+        for j in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(j))
+
+        # normalised partial out and natural-log lse of this split (-inf, out 0, when it saw no token)
+        l_tot = gl.sum(l_i, 0)
+        has = l_tot > 0
+        lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_tot, 1.0))) * 0.6931471805599453, float("-inf"))
+        inv = gl.convert_layout(1.0 / gl.where(has, l_tot, 1.0), gl.SliceLayout(0, O_L))
+        oh = hb * N + gl.arange(0, N, layout=gl.SliceLayout(0, O_L))
+        o_base = split.to(gl.int64) * s_on + b * s_ob + oh[None, :].to(gl.int64) * s_oh
+        _store_half(O, acc0, inv, o_base, oh, H, 0, O_L)
+        _store_half(O, acc1, inv, o_base, oh, H, 1, O_L)
+        lh = hb * N + gl.arange(0, N, layout=gl.SliceLayout(0, S_L))
+        gl.store(L + split * s_ln + b * s_lb + lh * s_lh, lse, mask=lh < H)
+
+
+# ----------------------------------------------------------------------------------------------------------- host
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """One build of the kernel: N heads per program (the MMA's N) and its warps (4: one warpgroup; 8: two, the scores
+    split by heads, P.V by channels)."""
+    N: int
+    warps: int
+    stages: int = STAGES  # (fixed: what shared memory holds)
+
+    def constexprs(self, page_size: int) -> dict:
+        return dict(PS=page_size, N=self.N, WG=self.warps // 4)
+
+
+def smem_bytes(N: int, itemsize: int = 2) -> int:
+    """One program's shared memory: q, the staging slots, P^T, barriers."""
+    return itemsize * (N * (R + P) + STAGES * BLOCK_T * (R + P) + BLOCK_T * N) + 8 * STAGES
+
+
+@functools.lru_cache(maxsize=None)
+def default_tiling(H: int) -> Tiling:
+    """N: the smallest of BLOCK_HS covering H (more heads: blocks of 32); one warpgroup at N = 16, two at 32."""
+    N = next((n for n in BLOCK_HS if n >= H), BLOCK_HS[-1])
+    return Tiling(N, 4 if N == 16 else 8)
+
+
+def fits(R_: int, P_: int) -> bool:
+    """The shapes this kernel takes: Gluon present, R 512, P 64 (the box and accumulator sizes)."""
+    return G.gluon is not None and R_ == R and P_ == P and smem_bytes(BLOCK_HS[-1]) <= G.SMEM_LIMIT
+
+
+def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l, s_on, s_ln, ns,
+                tiling: Tiling | None = None):
+    """decode_wgmma.stage1_plan's contract for this kernel (TMA layout only, one query token): (the kernel bound to its
+    grid and compile-time arguments, its descriptor templates, the numbers after its tensor arguments); run it with
+    decode_wgmma.run_stage1. o [ns, B, H, 512] / l [ns, B, H] may be meta tensors (their strides are read)."""
+    B, H, _ = q_nope.shape
+    if not G.tma_layout(ckv_cache, kpe_cache, False):
+        raise ValueError("decode_swapab: the caches must view as [slots, width] in pages of whole 64-token tiles "
+                         "(`_gluon.tma_layout`)")
+    t = tiling or default_tiling(H)
+    templates = G.descriptor_templates(ckv_cache, kpe_cache)
+    bound = bind(_swapab_kernel, (B * cdiv(H, t.N), ns), templated_at(2, templates),
+                 **t.constexprs(ckv_cache.shape[1]), num_warps=t.warps)
+    numbers = (sm_scale * G.LOG2E, H, *G.strides(q_nope, q_pe, ckv_cache, kpe_cache, block_table, o, l, s_on, s_ln,
+                                                  ns))
+    return bound, templates, numbers
