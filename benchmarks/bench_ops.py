@@ -135,8 +135,11 @@ def bench_decode(results, copy_bw, sweep, shapes, heads=HEADS):
             run = lambda c=cfg: D.decode(qn, qp, ckv, kpe, table, lens, scale, cfg=c)  # noqa: E731
             row["triton_ms"] = ms(run)
             row["triton_graph_ms"] = ms(run, graph=True)
-            if cfg.kernel != "triton":  # the Triton TMA kernel the Gluon one replaced, side by side
-                row["triton_tma_graph_ms"] = ms(lambda: run(dataclasses.replace(cfg, kernel="triton")), graph=True)
+            if cfg.kernel != "triton":  # the Triton kernel the Gluon one replaced, side by side (few heads: the
+                # pointer kernel with its own splits; many heads: the TMA kernel with the Gluon kernel's)
+                replaced = D.default_config(H, R, PS) if H < dispatch.MANY_HEADS else dataclasses.replace(cfg,
+                                                                                                         kernel="triton")
+                row["triton_tma_graph_ms"] = ms(lambda: run(replaced), graph=True)
             peers = {}  # name -> (out, lse) of one call, for the numerical check
             if FI.available():
                 try:

@@ -101,8 +101,9 @@ def ops_block(d: dict) -> list[str]:
     tma = any("triton_tma_graph_ms" in r for r in rows)
     if tma:
         out[0] += (" H >= 64 runs a Gluon warpgroup-MMA kernel (`kernels/decode_wgmma.py`; on these page-64 tables "
-                   "`kernels/decode_seesaw.py` from session 9 on); \"TMA graph us\" is the Triton TMA kernel they "
-                   "replaced, timed in the same run.")
+                   "`kernels/decode_seesaw.py` from session 9 on), H < 64 on sm_90 from 2026-12-05 the swap-AB one "
+                   "(`kernels/decode_swapab.py`); \"Triton graph us\" is then theirs and \"TMA graph us\" the Triton "
+                   "kernel they replaced (H >= 64 the TMA kernel, H < 64 the pointer kernel), timed in the same run.")
         hdr.insert(5, "TMA graph us")
     out += md_table(hdr, [[str(r["H"]), str(r["B"]), kv(r["L"]), str(r.get("splits", "-")),
                            num(r.get("triton_graph_ms"), "{:.1f}", 1e3)]

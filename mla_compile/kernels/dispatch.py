@@ -32,7 +32,6 @@ from . import dsa as _dsa
 from . import flashinfer_mla as _fi
 from . import linear as _linear
 from . import merge as _merge
-from .few_token import few_token_rows
 
 MANY_HEADS = 64  # the Gluon kernels' head block (one warpgroup MMA's M): fewer heads would leave it part empty
 # several query tokens per request (rows = S x heads): the Gluon kernels from 32 rows (H 16 x S 2) on, a limit per
@@ -92,6 +91,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     |   tokens >= FLASHMLA_MIN_TOKENS (256K)                             |          |     |
     | sm_90, fp16/bf16, Gluon rows (7), TMA layout (3), P 64 (8)         | seesaw   | 1-6% faster than wgmma (4) |
     | sm_90, fp16/bf16, Gluon rows (7), other layouts (5), P > 0         | wgmma    | 1.5-1.6x Triton TMA at H 128 |
+    | sm_90, fp16/bf16, H < 64, 1 query token, TMA layout (3), R 512/P 64 | swapab   | 0.90-1.04 of copy bw (11) |
     | the rest: H < 64, not sm_90, fp32, P = 0, rows < 32                | triton   | memory-bound few heads (6) |
 
     (1) FlashMLA installed, R 512, P 64 or 0, page 64, fp16/bf16, ckv and kpe the two column ranges of one
@@ -114,6 +114,10 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
         32K 82.7 us against 171.2 for the Triton FP8 kernel and 89.8 for our bf16 cache; H 64 151.5 vs 450.4.
     (10) kernels/decode_fp8.py (bf16 / fp16 q: scales folded into fp16 MMAs; fp32 q: the pointer kernel
         dequantizing its tiles); FlashMLA, FlashInfer and the bf16 Gluon kernels read fp16/bf16 caches only.
+    (11) kernels/decode_swapab.py: TMA tiles fed to warpgroup MMAs with the 64 tokens as M, the heads as N (no row
+        padded). H100 2026-12-05, graph replay, H 16: B 8 8K 36.1 us vs 43.1 for the Triton kernel and 37.5 for
+        FlashInfer; B 1 32K 17.2 vs 29.9 (FlashInfer 43.4); B 8 32K 108.3 vs 115.1 (110.4); H 32 B 8 32K 112.3
+        vs 148.8 (111.3). Page-size-1 token tables (the HF pass) and index lists keep the Triton kernels.
 
     FlashInfer is never auto's: at H 128 it is faster than ours but slower than FlashMLA, and its cached
     workspace broke torch.compile's cudagraph-tree pool check (H200 2026-11-30); asked for, it serves eager calls.
@@ -168,6 +172,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
         return Choice("wgmma", ("several query tokens, a limit per row" if n_query > 1 else "many heads")
                       + " on sm_90: the Gluon warpgroup-MMA kernel ("
                       + ("TMA boxes" if tma_layout and not sparse else "16-byte row copies") + ")")
+    if not cannot["swapab"] and H < MANY_HEADS:
+        return Choice("swapab", "few heads on sm_90, TMA layout: the swap-AB Gluon kernel (the tokens as the MMA's M)")
     why = ("rope-less (P = 0): a zero rope column" if P == 0
            else "several query tokens of few rows" if n_query > 1 and H < MULTI_TOKEN_GLUON_ROWS
            else "few heads" if H < MANY_HEADS and n_query == 1 else "not an sm_90 GPU" if not sm90 else
@@ -466,28 +472,7 @@ def k_only_indices_plan(block_table, seq_lens, page_size, topk, n_query=1):
 
 
 def fused_linear_plan(x, weights):
-    """(plan, keep): `plan(x, *weights)` -> `mla::fused_linear(x, weights)` for inputs of this signature.
-    Up to 16 rows in fp16/bf16: the few-token kernel, one launch per pair of weights (benchmarks/
-    linear_sweep.py, H200: q_a + kv_a 6.6 vs 11.7 us as two cuBLAS GEMMs, gate + up 18.4 vs 21.5, a lone
-    K=8192 weight 12.2 vs 13.8; a lone weight with a short K is ~5% slower than cuBLAS, which is why the pass
-    does not send those here). Otherwise F.linear per weight."""
-    lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if not few_token_rows(x2.shape[0], x2.dtype):
-        return (lambda x, *weights: [torch.nn.functional.linear(x, w) for w in weights]), True
-    if len(lead) == 1 and len(weights) <= 2:  # x [M, K] and one pair (the pass's case): the pair's plan is the op's
-        return _linear.small_m_plan(x2, weights), True
-    pairs = [(i, _linear.small_m_plan(x2, weights[i:i + 2])) for i in range(0, len(weights), 2)]
-    flat = len(lead) == 1  # x [M, K]: the products are the outputs, no views to take
-
-    def plan(x, *weights):
-        x2 = x if flat else x.reshape(-1, K)
-        outs = []
-        for i, pair in pairs:
-            outs += pair(x2, *weights[i:i + 2])
-        return outs if flat else [y.view(*lead, y.shape[-1]) for y in outs]
-
-    return plan, True
+    return _linear.fused_plan(x, weights), True
 
 
 def linear_partials_plan(x, weights, splits):

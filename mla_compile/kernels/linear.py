@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .few_token import FEW_TOKEN_ROWS, K_ALIGN, split_width
+from .few_token import FEW_TOKEN_ROWS, K_ALIGN, few_token_rows, split_width
 from ._util import cdiv, dot_mode, mma, next_power_of_2, pdl_enter, pdl_launch, sm_count
 from ._launch import bind
 from .scratch import Scratch, empty_maker
@@ -294,3 +294,28 @@ def per_head_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None =
     y[:, h] = x[:, h] @ weight[h]^T: one launch over (head, row block), the absorbed MLA projections' shape
     (H 16-128 heads of a [128, 512] weight). Row blocks of 32, or 16 when 32 leave most SMs idle."""
     return per_head_plan(x, weight, block_n)(x, weight)
+
+
+def fused_plan(x, weights):
+    """`plan(x, *weights)` -> `mla::fused_linear(x, weights)` for inputs of this signature.
+    Up to 16 rows in fp16/bf16: the few-token kernel, one launch per pair of weights (benchmarks/
+    linear_sweep.py, H200: q_a + kv_a 6.6 vs 11.7 us as two cuBLAS GEMMs, gate + up 18.4 vs 21.5, a lone
+    K=8192 weight 12.2 vs 13.8; a lone weight with a short K is ~5% slower than cuBLAS, which is why the pass
+    does not send those here). Otherwise F.linear per weight."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if not few_token_rows(x2.shape[0], x2.dtype):
+        return lambda x, *weights: [torch.nn.functional.linear(x, w) for w in weights]
+    if len(lead) == 1 and len(weights) <= 2:  # x [M, K] and one pair (the pass's case): the pair's plan is the op's
+        return small_m_plan(x2, weights)
+    pairs = [(i, small_m_plan(x2, weights[i:i + 2])) for i in range(0, len(weights), 2)]
+    flat = len(lead) == 1  # x [M, K]: the products are the outputs, no views to take
+
+    def plan(x, *weights):
+        x2 = x if flat else x.reshape(-1, K)
+        outs = []
+        for i, pair in pairs:
+            outs += pair(x2, *weights[i:i + 2])
+        return outs if flat else [y.view(*lead, y.shape[-1]) for y in outs]
+
+    return plan

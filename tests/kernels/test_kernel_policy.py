@@ -105,6 +105,7 @@ def test_gluon_kernels_choose_tma_boxes_only_for_whole_tile_pages():
 BF16, H200, A100, H100_LIKE = torch.bfloat16, (9, 0), (8, 0), (9, 0)
 GLUON = G.gluon is not None
 SEESAW = GLUON and S.HAS_WARP_SPECIALIZE
+FEW = "swapab" if GLUON else "triton"  # one query token of few heads on sm_90's TMA layout
 
 
 def select(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_query=1, **kw):
@@ -118,7 +119,7 @@ def select(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_quer
     (dict(flashmla=True, tokens=32 * 8192), "flashmla"),
     (dict(flashmla=True, tokens=8 * 8192), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),
     (dict(flashmla=True, tokens=128 * 1024), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),
-    (dict(H=16, flashmla=True), "triton"),  # few heads: ours up to batch 8, within 3% above
+    (dict(H=16, flashmla=True), FEW),  # few heads: ours (the swap-AB kernel: at or above FlashMLA's speed)
     (dict(P=0, flashmla=True), "flashmla"),
     # several query tokens (H = rows = S x heads): FlashMLA takes one; from 32 rows the Gluon kernels with a limit per
     # row (one head block: decode_wgmma; more on the TMA layout: the seesaw; wgmma's gather form elsewhere), below 32
@@ -143,8 +144,14 @@ def select(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_quer
     (dict(P=32), "wgmma" if GLUON else "triton"),  # rope 32: no seesaw p buffer
     (dict(PS=16, tma_layout=False, rows_aligned=False), "triton"),
     # the Triton kernels: few heads, not sm_90, fp32, P = 0, several query tokens, shapes Gluon does not take
-    (dict(H=16), "triton"),
-    (dict(H=63), "triton"),
+    # few heads, one query token, on the TMA layout: the swap-AB Gluon kernel; other layouts the Triton kernels
+    (dict(H=16), FEW),
+    (dict(H=63), FEW),
+    (dict(H=1, PS=128, dtype=torch.float16), FEW),
+    (dict(H=16, PS=1, tma_layout=False), "triton"),  # the HF pass's token table
+    (dict(H=16, PS=1, sparse=True, tma_layout=False), "triton"),
+    (dict(H=16, P=0), "triton"),
+    (dict(H=16, R=256), "triton"),
     (dict(cap=A100), "triton"),
     (dict(cap=(10, 0)), "triton"),
     (dict(dtype=torch.float32), "triton"),
@@ -156,7 +163,7 @@ def select(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_quer
     (dict(cap=None, flashmla=True), "torch"),
     # FlashInfer is never auto's choice (cudagraph-tree pool check; slower than FlashMLA)
     (dict(flashinfer=True), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),
-    (dict(H=16, flashinfer=True), "triton"),
+    (dict(H=16, flashinfer=True), FEW),
 ])
 def test_auto_is_the_fastest_measured_kernel_per_shape_class(case, want):
     assert select(**case) == want
@@ -203,7 +210,7 @@ def test_fp8_an_asked_for_kernel_runs_where_it_can_else_auto_says_why(asked, cas
 
 def test_fp8_swapab_asked_for_a_bf16_cache_falls_back_saying_why():
     choice = D_.select_decode_kernel(*_args(H=16), kernel="fp8_swapab")
-    assert choice.name == "triton" and choice.reason.startswith("asked for fp8_swapab, which cannot serve this call")
+    assert choice.name == FEW and choice.reason.startswith("asked for fp8_swapab, which cannot serve this call")
 
 
 def test_decode_kernel_reads_the_fp8_layout_from_the_three_views(monkeypatch):
@@ -256,8 +263,8 @@ def test_decode_kernel_reads_the_fp8_layout_from_the_three_views(monkeypatch):
     ("flashinfer", dict(flashinfer=False), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),  # capture
     ("flashinfer", dict(flashinfer=True, P=0), "triton"),  # built for P = 64
     ("flashinfer", dict(flashinfer=True, sparse=True, PS=1, tma_layout=False), "wgmma" if GLUON else "triton"),
-    ("flashmla", dict(flashmla=False, H=16), "triton"),
-    ("seesaw", dict(H=16), "triton"),
+    ("flashmla", dict(flashmla=False, H=16), FEW),
+    ("seesaw", dict(H=16), FEW),
     ("seesaw", dict(PS=16, tma_layout=False), "wgmma" if GLUON else "triton"),
     ("wgmma", dict(n_query=2, H=16), "triton"),
     ("seesaw", dict(n_query=2), "seesaw" if SEESAW else "wgmma" if GLUON else "triton"),
@@ -314,7 +321,7 @@ def test_the_table_in_architecture_md_names_every_choice():
     # the human-readable table lives in the function's docstring and in ARCHITECTURE.md's kernel section
     doc = D_.select_decode_kernel.__doc__
     arch = (Path(__file__).resolve().parents[2] / "ARCHITECTURE.md").read_text()
-    for name in ("flashmla", "seesaw", "wgmma", "fp8_swapab", "triton", "torch"):
+    for name in ("flashmla", "seesaw", "wgmma", "swapab", "fp8_swapab", "triton", "torch"):
         assert re.search(rf"\| {name} +\|", doc), name
         assert f"`{name}`" in arch, name
 
@@ -397,7 +404,7 @@ def test_own_decode_config_is_what_auto_runs_without_flashmla(monkeypatch):
     cfg = D_.own_decode_config(q_nope, q_pe, ckv, kpe)
     assert cfg.kernel == ("seesaw" if SEESAW else "wgmma" if GLUON else "triton")
     assert dataclasses.replace(cfg, kernel="triton") == D.default_config(128, 512, 64)  # same tiling and splits
-    assert D_.own_decode_config(*_cpu_call(H=16)).kernel == "triton"
+    assert D_.own_decode_config(*_cpu_call(H=16)).kernel == FEW
 
 
 @given(B=st.integers(1, 4096), H=st.sampled_from([1, 8, 16, 32, 64, 96, 128]), capacity=st.integers(0, 1 << 20),
