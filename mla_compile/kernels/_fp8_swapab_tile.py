@@ -310,11 +310,7 @@ if G.gluon is not None:
         if MASKED:
             rows_s = gl.arange(0, BT, layout=gl.SliceLayout(1, S_L))
             s = gl.where((rows_s < lim)[:, None], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no token yet: stays NaN-free
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[None, :])
-        l_i = l_i * alpha[None, :] + p
+        m_new, alpha, p, l_i = G.column_softmax(s, m_i, l_i)
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, O_L))[None, :]
         if EXACT:
             if P_ROPE:  # this slot's e4m3 boxes: every warp read them (converting) before the last score MMA

@@ -84,6 +84,39 @@ if gluon is not None:
                        other=0.0)
 
     @gluon.jit
+    def swapab_program(Lens, H, n_splits, N: gl.constexpr, BT: gl.constexpr):
+        """A swap-AB kernel's program (grid (B * ceil(H / N), n_splits), request-major: a request's head blocks are
+        neighbours, sharing its tiles in L2): (b int64, head block, split, its tokens [start, end), whole tiles,
+        tiles)."""
+        pid = gl.program_id(0)
+        n_hb = gl.cdiv(H, N)
+        b = (pid // n_hb).to(gl.int64)
+        split = gl.program_id(1)
+        start, end, n_full = split_bounds(gl.load(Lens + b), split, n_splits, BT)
+        return b, pid % n_hb, split, start, end, n_full, gl.cdiv(gl.maximum(end - start, 0), BT)
+
+    @gluon.jit
+    def column_softmax(s, m_i, l_i):
+        """The online softmax of the swap-AB kernels (decode_swapab.py, decode_fp8_swapab.py) over one tile's scores
+        S^T [tokens, heads] (base 2, scaled, masked -inf), per head = per COLUMN: (m_new, alpha = the rescale of
+        what was accumulated under m_i, p, l_i) with l_i [tokens, heads] the per-thread partial column sums, reduced
+        once at the end (`column_softmax_end`)."""
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no token yet: stays NaN-free
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[None, :])
+        return m_new, alpha, p, l_i * alpha[None, :] + p
+
+    @gluon.jit
+    def column_softmax_end(m_i, l_i, O_L: gl.constexpr):
+        """(natural-log lse per head, -inf where no token was seen; 1 / the head's sum in O^T's column layout, 1
+        there) from `column_softmax`'s running max and partial sums."""
+        l_tot = gl.sum(l_i, 0)
+        has = l_tot > 0
+        lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_tot, 1.0))) * 0.6931471805599453, float("-inf"))
+        return lse, gl.convert_layout(1.0 / gl.where(has, l_tot, 1.0), gl.SliceLayout(0, O_L))
+
+    @gluon.jit
     def split_bounds(n, split, n_splits, BLOCK_N: gl.constexpr):
         """[start, end) of this split's tokens and its number of whole tiles (the split length is rounded to whole
         tiles, so only a split's last tile can be partial)."""

@@ -158,14 +158,7 @@ if G.gluon is not None:
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4 * WG, 1], [1, 0])  # q: 16-byte global loads
         dt: gl.constexpr = Qn.dtype.element_ty
 
-        pid = gl.program_id(0)  # request-major: a request's head blocks are neighbours (they share its tiles in L2)
-        n_hb = gl.cdiv(H, N)
-        b = (pid // n_hb).to(gl.int64)
-        hb = pid % n_hb
-        split = gl.program_id(1)
-        n = gl.load(Lens + b)
-        start, end, n_full = G.split_bounds(n, split, n_splits, BT)
-        n_tiles = gl.cdiv(gl.maximum(end - start, 0), BT)
+        b, hb, split, start, end, n_full, n_tiles = G.swapab_program(Lens, H, n_splits, N, BT)
 
         # q of this head block, once, as the B operands: [N, 128] per scale group and [N, 64] rope (heads >= H: 0)
         offs_h = hb * N + gl.arange(0, N, layout=gl.SliceLayout(1, LD))
@@ -272,10 +265,7 @@ if G.gluon is not None:
             mbarrier.invalidate(bars.index(j))
 
         # normalised partial out and natural-log lse of this split (-inf, out 0, when it saw no token)
-        l_tot = gl.sum(l_i, 0)
-        has = l_tot > 0
-        lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_tot, 1.0))) * 0.6931471805599453, float("-inf"))
-        inv = gl.convert_layout(1.0 / gl.where(has, l_tot, 1.0), gl.SliceLayout(0, O_L))
+        lse, inv = G.column_softmax_end(m_i, l_i, O_L)
         oh = hb * N + gl.arange(0, N, layout=gl.SliceLayout(0, O_L))
         o_base = split.to(gl.int64) * s_on + b * s_ob + oh[None, :].to(gl.int64) * s_oh
         # (EXACT: acc_g times its unit top_g; else the tops stay 1)

@@ -115,11 +115,7 @@ if G.gluon is not None:
             rows = gl.arange(0, BT, layout=gl.SliceLayout(1, S_L))
             s = gl.where((rows < lim)[:, None], s, float("-inf"))
         # online softmax per head (column), base 2
-        m_new = gl.maximum(m_i, gl.max(s, 0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no token yet: stays NaN-free
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[None, :])
-        l_i = l_i * alpha[None, :] + p
+        m_new, alpha, p, l_i = G.column_softmax(s, m_i, l_i)
         p_s.store(p.to(p_s.dtype))
         fence_async_shared()
         gl.thread_barrier()
@@ -162,14 +158,7 @@ if G.gluon is not None:
                                                       instr_shape=[16, N, 16])
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4 * WG, 1], [1, 0])  # 16-byte loads and stores
 
-        pid = gl.program_id(0)  # request-major: a request's head blocks are neighbours (they share its tiles in L2)
-        n_hb = gl.cdiv(H, N)
-        b = (pid // n_hb).to(gl.int64)
-        hb = pid % n_hb
-        split = gl.program_id(1)
-        n = gl.load(Lens + b)
-        start, end, n_full = G.split_bounds(n, split, n_splits, BT)
-        n_tiles = gl.cdiv(gl.maximum(end - start, 0), BT)
+        b, hb, split, start, end, n_full, n_tiles = G.swapab_program(Lens, H, n_splits, N, BT)
 
         q0_s, q1_s, qp_s = G.q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt, RH, P, N, LD)
         c0_s = gl.allocate_shared_memory(dt, [STAGES, BT, RH], CkvDesc.layout)
@@ -205,10 +194,7 @@ if G.gluon is not None:
             mbarrier.invalidate(bars.index(j))
 
         # normalised partial out and natural-log lse of this split (-inf, out 0, when it saw no token)
-        l_tot = gl.sum(l_i, 0)
-        has = l_tot > 0
-        lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_tot, 1.0))) * 0.6931471805599453, float("-inf"))
-        inv = gl.convert_layout(1.0 / gl.where(has, l_tot, 1.0), gl.SliceLayout(0, O_L))
+        lse, inv = G.column_softmax_end(m_i, l_i, O_L)
         oh = hb * N + gl.arange(0, N, layout=gl.SliceLayout(0, O_L))
         o_base = split.to(gl.int64) * s_on + b * s_ob + oh[None, :].to(gl.int64) * s_oh
         _store_half(O, acc0, inv, o_base, oh, H, 0, O_L)
