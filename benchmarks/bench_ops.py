@@ -137,8 +137,8 @@ def bench_decode(results, copy_bw, sweep, shapes, heads=HEADS):
             row["triton_graph_ms"] = ms(run, graph=True)
             if cfg.kernel != "triton":  # the Triton kernel the Gluon one replaced, side by side (few heads: the
                 # pointer kernel with its own splits; many heads: the TMA kernel with the Gluon kernel's)
-                replaced = D.default_config(H, R, PS) if H < dispatch.MANY_HEADS else dataclasses.replace(cfg,
-                                                                                                         kernel="triton")
+                replaced = (D.default_config(H, R, PS) if H < dispatch.MANY_HEADS
+                            else dataclasses.replace(cfg, kernel="triton"))
                 row["triton_tma_graph_ms"] = ms(lambda: run(replaced), graph=True)
             peers = {}  # name -> (out, lse) of one call, for the numerical check
             if FI.available():

@@ -10,8 +10,8 @@ How a Tuning reaches the code that reads it:
 
 Environment variables are kept only where a process-wide switch is the point (an operator's or a debugging
 switch, read at each call so a test may set it):
-- MLA_COMPILE_DECODE_BACKEND = auto | flashmla | seesaw | wgmma | swapab | triton | flashinfer: the decode kernel wherever
-  `Tuning.decode_kernel` is left at "auto" (`decode_kernel()`);
+- MLA_COMPILE_DECODE_BACKEND = auto | flashmla | seesaw | wgmma | swapab | fp8_swapab | triton | flashinfer: the
+  decode kernel wherever `Tuning.decode_kernel` is left at "auto" (`decode_kernel()`);
 - MLA_COMPILE_PDL = auto | 1 | 0: programmatic dependent launch of our kernels (kernels/_util.py);
 - MLA_COMPILE_CHECK_DATA = 1: value checks (host syncs) on CUDA too (ops/_checks.py).
 """

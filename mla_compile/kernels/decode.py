@@ -319,6 +319,8 @@ class AttendPlan:
         if fp8:  # the FP8 Gluon kernel (decode_fp8_swapab.py) or the pointer kernels' FP8 paths (`_pointer_stage1`)
             self.kind = "fp8_swapab" if cfg.kernel == "fp8_swapab" else "pointer"
         elif cfg.kernel in ("seesaw", "wgmma", "swapab"):
+            if cfg.kernel == "swapab" and (multi or self.sparse):  # dispatch never asks; a direct caller may
+                raise ValueError("cfg: the swapab kernel takes one query token of a paged cache")
             self.kind = cfg.kernel
         elif not multi and tma_eligible(ckv_cache, kpe_cache, self.sparse, cfg):
             self.kind = "tma"

@@ -383,6 +383,19 @@ def test_decode_runs_exactly_the_configured_stage1_kernel(kernel, monkeypatch):
     assert launched == [kernel]
 
 
+def test_a_swapab_config_for_calls_it_cannot_serve_is_refused():
+    # dispatch never hands the swap-AB kernel several query tokens or an index list; a caller of decode.py that does
+    # gets an error before any launch, not rows computed with the wrong limits
+    q_nope, q_pe, ckv, kpe = _cpu_call(H=16)
+    cfg = dataclasses.replace(D.default_config(16, 512, 64), kernel="swapab")
+    table, lens = torch.zeros(2, 2, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cfg: the swapab kernel takes one query token of a paged cache"):
+        D.decode(torch.zeros(2, 32, 512, dtype=BF16), torch.zeros(2, 32, 64, dtype=BF16), ckv, kpe, table, lens, 0.1,
+                 cfg=cfg, n_query=2)
+    with pytest.raises(ValueError, match="cfg: the swapab kernel"):
+        D.sparse_decode(q_nope, q_pe, ckv, kpe, torch.zeros(2, 8, dtype=torch.int32), 0.1, cfg=cfg)
+
+
 @pytest.mark.parametrize("choice", ["flashmla", "flashinfer", "seesaw", "wgmma", "triton"])
 def test_dispatch_decode_runs_the_selected_kernel(choice, monkeypatch):
     ran = []
