@@ -17,6 +17,10 @@ Sections, in this order (rank 0 writes the JSON after each one, so a later crash
                `local_ms`  mla::decode over this rank's shard alone (CUDA graph),
                `dcp_ms`    the full mla::dcp_decode (local decode + packed all-gather + merge; CUDA graph),
                `comm_merge_ms` the all-gather + merge alone, on this step's (out, lse);
+               `local_kernel` the decode kernel `auto` ran for the shard; `local_flashmla_ms` FlashMLA alone on
+               the same shard (a one-buffer copy of it, its schedule made inside each call, as bench_ops times it)
+               when `flash_mla` imports, cross-checked against our local decode (`local_flashmla_vs_ours`,
+               `local_flashmla_ok`): the peer a rank could run instead;
                overhead_frac = (dcp - local) / dcp and comm_merge_frac = comm_merge / dcp. Each time is the
                max over ranks of the median of 5 measurements of 20 replays x 10 calls per graph.
   compile      dcp_decode under torch.compile(backend="mla_dcp", fullgraph=True) and with
@@ -45,6 +49,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import mla_compile  # noqa: E402,F401
 from mla_compile import layout  # noqa: E402
 from mla_compile.distributed import DCPCache, DCPGroup, init_dcp  # noqa: E402
+from mla_compile.kernels import dispatch  # noqa: E402
+from mla_compile.kernels import flashmla as FMLA  # noqa: E402
 from mla_compile.ops import dcp as dcp_ops  # noqa: E402
 
 DT = torch.bfloat16
@@ -340,6 +346,38 @@ def time_graph(ctx: Ctx, fn) -> float:
     return reduce_max(ctx, statistics.median(times))
 
 
+def local_flashmla(ctx: Ctx, row: dict, q, qp, ckv, kpe, table, loc) -> None:
+    """FlashMLA alone on this rank's shard, beside our local decode (`row["local_flashmla_*"]`); nothing where it does
+    not import (every rank alike) or takes another page size. A failure on one rank skips the timing on all of them
+    (the timing is a collective)."""
+    if not ctx.cuda or ctx.PS != FMLA.PAGE or not FMLA.available():
+        return
+    ok, run = False, None
+    try:
+        import flash_mla as fm
+
+        fckv, fkpe = FMLA.fused_caches(ckv.shape[0], ckv.shape[1], ctx.R, ctx.P, DT, ctx.device)
+        fckv.copy_(ckv)
+        fkpe.copy_(kpe)
+        fkv = FMLA.kv_cache(fckv, fkpe, None)[0]  # in place: [pages, 64, 1, 576]
+        qcat = torch.cat((q, qp), dim=-1).unsqueeze(1)
+
+        def run():
+            return fm.flash_mla_with_kvcache(qcat, fkv, table, loc, ctx.R, fm.get_mla_metadata()[0],
+                                             softmax_scale=SCALE, causal=False, use_legacy=True)
+
+        out, lse = run()
+        ours = torch.ops.mla.decode(q, qp, ckv, kpe, table, loc, SCALE)
+        e = errors(out.reshape(ours[0].shape), lse.reshape(ours[1].shape), *ours)
+        row["local_flashmla_vs_ours"] = e
+        ok = True
+    except Exception as ex:  # noqa: BLE001 - a peer: report, keep the table
+        row["local_flashmla_error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+    if all_true(ctx, ok):
+        row["local_flashmla_ok"] = all_true(ctx, within(row["local_flashmla_vs_ours"], 2e-2, 1e-3))
+        row["local_flashmla_ms"] = time_graph(ctx, run)
+
+
 def bench_one(ctx: Ctx, L: int, B: int, H: int) -> dict:
     n, r, PS = ctx.n, ctx.rank, ctx.PS
     seq = torch.full((B,), L, dtype=torch.int32, device=ctx.device)
@@ -353,7 +391,9 @@ def bench_one(ctx: Ctx, L: int, B: int, H: int) -> dict:
     qp = torch.randn(B, H, ctx.P, dtype=DT, device=ctx.device)
     name = ctx.grp.group_name
     row = dict(n=n, H=H, B=B, L=L, local_len=int(loc[0]))
+    row["local_kernel"] = dispatch.decode_kernel(q, qp, ckv, kpe, block_table=table).name if ctx.cuda else "torch"
     row["local_ms"] = time_graph(ctx, lambda: torch.ops.mla.decode(q, qp, ckv, kpe, table, loc, SCALE))
+    local_flashmla(ctx, row, q, qp, ckv, kpe, table, loc)
     row["dcp_ms"] = time_graph(ctx, lambda: torch.ops.mla.dcp_decode(q, qp, ckv, kpe, table, seq, SCALE, n, r, name))
     if n > 1:
         out, lse = torch.ops.mla.decode(q, qp, ckv, kpe, table, loc, SCALE)

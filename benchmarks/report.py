@@ -201,6 +201,10 @@ def dcp_block(d: dict) -> list[str]:
     hdr = ["H", "B", "kv_len"]
     for n in ns:
         hdr += [f"n={n} step us"] + ([f"n={n} vs n=1", f"n={n} comm+merge %", f"n={n} local us"] if n > 1 else [])
+    # FlashMLA alone on a rank's shard (dcp_gpu.py `local_flashmla`), where it ran: the peer of the local decode
+    peer = any("local_flashmla_ms" in r for x in runs.values() for r in x.get("bench", []))
+    if peer:
+        hdr += [f"n={n} local FlashMLA us" for n in ns]
     rows = []
     for H, B, L in keys:
         cells = [str(H), str(B), kv(L)]
@@ -214,6 +218,11 @@ def dcp_block(d: dict) -> list[str]:
             if n > 1:
                 cells += [num(r["dcp_ms"] / base["dcp_ms"], "{:.2f}x") if base else "-",
                           num(r.get("comm_merge_frac"), "{:.1f}", 100), num(r.get("local_ms"), "{:.1f}", 1e3)]
+        if peer:
+            for n in ns:
+                r = next((r for r in runs[n].get("bench", []) if (r["H"], r["B"], r["L"]) == (H, B, L)), {})
+                cells.append(num(r.get("local_flashmla_ms"), "{:.1f}", 1e3)
+                             + ("" if r.get("local_flashmla_ok", True) else " (check FAILED)"))
         rows.append(cells)
     out += md_table(hdr, rows) if rows else ["(no bench section in this run)"]
     out.append("")

@@ -172,6 +172,23 @@ def test_ops_report_shows_the_replaced_kernel_and_judges_goals_on_graph_time():
     assert goals["ratio Triton/FlashInfer <= 1.0 at kv_len >= 8K, H=128 (graph time)"][3] == "**not met**"
 
 
+def test_dcp_report_shows_flashmla_on_the_local_shard_where_it_ran():
+    # dcp_gpu.py's `local_flashmla` peer: a column per n where any row has it, its failed cross-check said in the cell
+    import report
+
+    def run(n, **extra):
+        row = dict(H=16, B=8, L=32768, dcp_ms=0.1 / n, local_ms=0.09 / n, comm_merge_frac=0.05, **extra)
+        return {"n": n, "device": "NVIDIA H100 80GB HBM3", "shapes": {"R": report.R}, "bench": [row]}
+
+    plain = "\n".join(report.dcp_block({"runs": {"1": run(1), "2": run(2)}}))
+    assert "local FlashMLA" not in plain
+    text = "\n".join(report.dcp_block({"runs": {"1": run(1, local_flashmla_ms=0.08, local_flashmla_ok=True),
+                                                "2": run(2, local_flashmla_ms=0.04, local_flashmla_ok=False)}}))
+    assert "| n=1 local FlashMLA us | n=2 local FlashMLA us |" in text
+    row = next(ln for ln in text.splitlines() if ln.startswith("| 16 |"))
+    assert row.endswith("| 80.0 | 40.0 (check FAILED) |"), row
+
+
 # ------------------------------------------------------------------- report: device results are not replaced
 def _report_tree(tmp_path, monkeypatch):
     """A copy of RESULTS.md, benchmarks/data/hf.json (the committed H200 run) and an empty plots dir, with
