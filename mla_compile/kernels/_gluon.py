@@ -1,8 +1,9 @@
-"""What the Gluon many-head stage-1 kernels share (decode_wgmma.py, decode_seesaw.py): the Gluon import, tile
-sizes, shared-memory limit, split bounds, q into shared memory, TMA descriptors.
+"""What the Gluon stage-1 kernels share (the many-head decode_wgmma.py, decode_seesaw.py; the swap-AB
+decode_swapab.py, decode_fp8_swapab.py): the Gluon import, tile sizes, shared-memory limit, split bounds, q into
+shared memory, TMA descriptors, the swap-AB kernels' program decode and per-column online softmax.
 
-Both kernels compute the same thing as the Triton stage 1 (decode.py): per (request, block of 64 heads, KV split)
-the normalised partial out and natural-log lse, so decode.py's merge serves all of them. Which one runs is
+Every one computes the same thing as the Triton stage 1 (decode.py): per (request, block of heads, KV split) the
+normalised partial out and natural-log lse, so decode.py's merge serves all of them. Which one runs is
 decided in one place: `dispatch.select_decode_kernel`.
 """
 
