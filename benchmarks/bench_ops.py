@@ -117,10 +117,7 @@ def bench_decode(results, copy_bw, sweep, shapes, heads=HEADS):
         kpe = torch.empty(num_pages, PS, P, dtype=DT, device="cuda").normal_()
         fckv = fkpe = fkv = None
         if fm is not None:  # the same data once more, in FlashMLA's one-buffer layout
-            fckv, fkpe = FMLA.fused_caches(num_pages, PS, R, P, DT, "cuda")
-            fckv.copy_(ckv)
-            fkpe.copy_(kpe)
-            fkv = FMLA.kv_cache(fckv, fkpe, None)[0]  # in place: [pages, 64, 1, 576]
+            fckv, fkpe, fkv = flashmla_copy(ckv, kpe)
         table = torch.randperm(num_pages, device="cuda").view(B, L // PS).int()
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
         for H in heads:
@@ -189,15 +186,27 @@ def bench_decode(results, copy_bw, sweep, shapes, heads=HEADS):
     torch.cuda.empty_cache()
 
 
+def flashmla_copy(ckv, kpe):
+    """The caches' data once more in FlashMLA's one-buffer layout: (ckv view, kpe view, its K cache [pages, 64, 1,
+    R + P] read in place)."""
+    fckv, fkpe = FMLA.fused_caches(*ckv.shape, kpe.shape[-1], ckv.dtype, ckv.device)
+    fckv.copy_(ckv)
+    fkpe.copy_(kpe)
+    return fckv, fkpe, FMLA.kv_cache(fckv, fkpe, None)[0]
+
+
+def flashmla_alone(fm, qn, qp, fkv, table, lens, scale):
+    """A call of FlashMLA by itself on its K cache `fkv` (`flashmla_copy`): its schedule made fresh per call (as our
+    adapter does), kernel, combine; q concatenated to its [B, 1, H, R + P] once, outside the call."""
+    q = torch.cat((qn, qp), dim=-1).unsqueeze(1)
+    return lambda: fm.flash_mla_with_kvcache(q, fkv, table, lens, qn.shape[-1], fm.get_mla_metadata()[0],
+                                             softmax_scale=scale, causal=False, use_legacy=True)
+
+
 def bench_flashmla(row, fm, peers, qn, qp, ckv, kpe, fckv, fkpe, fkv, table, lens, scale):
     """FlashMLA alone on its K layout, then through our adapter on that layout and on our two caches (copied per
     call), and the copy alone; graph-replay times in `row`, one result of each into `peers`."""
-    q = torch.cat((qn, qp), dim=-1).unsqueeze(1)  # FlashMLA's q [B, 1, H, 576], made once, outside the timing
-
-    def raw():  # what FlashMLA costs by itself: schedule (fresh per call, as our adapter does) + kernel + combine
-        return fm.flash_mla_with_kvcache(q, fkv, table, lens, R, fm.get_mla_metadata()[0], softmax_scale=scale,
-                                         causal=False, use_legacy=True)
-
+    raw = flashmla_alone(fm, qn, qp, fkv, table, lens, scale)
     out, lse = raw()
     peers["flashmla"] = (out.reshape(qn.shape), lse.reshape(qn.shape[:2]))
     row["flashmla_graph_ms"] = ms(raw, graph=True)

@@ -356,16 +356,9 @@ def local_flashmla(ctx: Ctx, row: dict, q, qp, ckv, kpe, table, loc) -> None:
     try:
         import flash_mla as fm
 
-        fckv, fkpe = FMLA.fused_caches(ckv.shape[0], ckv.shape[1], ctx.R, ctx.P, DT, ctx.device)
-        fckv.copy_(ckv)
-        fkpe.copy_(kpe)
-        fkv = FMLA.kv_cache(fckv, fkpe, None)[0]  # in place: [pages, 64, 1, 576]
-        qcat = torch.cat((q, qp), dim=-1).unsqueeze(1)
+        from bench_ops import flashmla_alone, flashmla_copy  # benchmarks/: this script's directory
 
-        def run():
-            return fm.flash_mla_with_kvcache(qcat, fkv, table, loc, ctx.R, fm.get_mla_metadata()[0],
-                                             softmax_scale=SCALE, causal=False, use_legacy=True)
-
+        run = flashmla_alone(fm, q, qp, flashmla_copy(ckv, kpe)[2], table, loc, SCALE)
         out, lse = run()
         ours = torch.ops.mla.decode(q, qp, ckv, kpe, table, loc, SCALE)
         e = errors(out.reshape(ours[0].shape), lse.reshape(ours[1].shape), *ours)

@@ -74,15 +74,9 @@ def run_shape(H: int, B: int, L: int, scales, copy_bw: float) -> dict:
         try:
             import flash_mla as fm
 
-            fckv, fkpe = BO.FMLA.fused_caches(num_pages, PS, R, P, DT, "cuda")
-            fckv.copy_(ckv)
-            fkpe.copy_(kpe)
-            fkv = BO.FMLA.kv_cache(fckv, fkpe, None)[0]
-            q = torch.cat((qn, qp), dim=-1).unsqueeze(1)
-            times["flashmla"] = BO.ms(lambda: fm.flash_mla_with_kvcache(
-                q, fkv, table, lens, R, fm.get_mla_metadata()[0], softmax_scale=scale, causal=False,
-                use_legacy=True), graph=True)
-            del fckv, fkpe, fkv
+            fkv = BO.flashmla_copy(ckv, kpe)[2]
+            times["flashmla"] = BO.ms(BO.flashmla_alone(fm, qn, qp, fkv, table, lens, scale), graph=True)
+            del fkv
         except Exception as e:  # report, keep going
             row["flashmla_error"] = repr(e)[:300]
     row["us"] = {k: v * 1e3 for k, v in times.items()}

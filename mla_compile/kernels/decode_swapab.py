@@ -214,7 +214,12 @@ class Tiling:
     split by heads, P.V by channels)."""
     N: int
     warps: int
-    stages: int = STAGES  # (fixed: what shared memory holds)
+
+    @property
+    def stages(self) -> int:
+        """Staging slots: fixed (`STAGES`, what shared memory holds), a property so `dispatch._config` reads every
+        swap-AB tiling alike."""
+        return STAGES
 
     def constexprs(self, page_size: int) -> dict:
         return dict(PS=page_size, N=self.N, WG=self.warps // 4)

@@ -234,9 +234,10 @@ def _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool, n_query: int, block
     table's capacity (without one: the whole cache)."""
     cap = _capability(q_nope.device)
     H = q_nope.shape[1]
-    # the layout facts matter (and are computed) only where a Gluon kernel may run (one query token: swapab too)
-    gluon_device = cap == (9, 0) and H >= (MULTI_TOKEN_GLUON_ROWS if n_query > 1 else MANY_HEADS)
-    tma = (gluon_device or (cap == (9, 0) and n_query == 1)) and _gluon.tma_layout(ckv_cache, kpe_cache, sparse)
+    # the layout facts matter (and are computed) only where a Gluon kernel may run: one query token (few heads: the
+    # swap-AB kernel), or several in >= 32 rows
+    gluon_device = cap == (9, 0) and (n_query == 1 or H >= MULTI_TOKEN_GLUON_ROWS)
+    tma = gluon_device and _gluon.tma_layout(ckv_cache, kpe_cache, sparse)
     tokens = (q_nope.shape[0] * block_table.shape[1] if block_table is not None else ckv_cache.shape[0]) \
         * ckv_cache.shape[1]
     return ((H, q_nope.shape[2], q_pe.shape[-1], 1 if sparse else ckv_cache.shape[1], sparse, q_nope.dtype, cap,
