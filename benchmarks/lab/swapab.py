@@ -3,10 +3,13 @@ and its design are explained there). Question: at 16-32 heads, is the cache stre
 tokens faster than the Triton pointer kernel `auto` runs there, and than FlashMLA / FlashInfer, and at which split
 counts?
 
-    python benchmarks/lab/swapab.py OUT.json [--shapes H:B:KV ...] [--splits-scale 0.5 2]
+    python benchmarks/lab/swapab.py OUT.json [--shapes H:B:KV ...] [--splits-scale 0.5 2] [--table pages runs shuffled]
     SWAPAB_ARGS="..." bash benchmarks/device.sh swapab
 
-Per shape (page 64, shuffled pages, the same data for every column): request 0 against float64 and the whole batch
+--table: "pages" (default; page 64, shuffled pages), or a page-size-1 token table (what the HF pass hands over: the
+kernel's TOKENS form), "runs" (each request one run of consecutive rows off the tile edges: a static cache, every
+tile a TMA box) or "shuffled" (rows anywhere: every tile row copies); the Triton kernel is timed beside it ("triton").
+Per shape and table (the same data for every column): request 0 against float64 and the whole batch
 against the Triton kernel (out, lse), then CUDA-graph replay medians (do_bench_cudagraph) side by side: the Triton
 kernel auto runs today, the swap-AB kernel at the policy's split count (and at that count times each
 --splits-scale), FlashInfer's `run` (planned outside the graph) and FlashMLA alone (its schedule made inside the
@@ -33,18 +36,30 @@ SHAPES = ("16:8:8192", "16:8:32768", "16:32:8192", "16:32:32768", "16:1:32768", 
           "32:8:32768")
 
 
-def run_shape(H: int, B: int, L: int, scales, copy_bw: float) -> dict:
-    R, P, PS, DT = BO.R, BO.P, BO.PS, BO.DT
+def caches(B: int, L: int, kind: str):
+    """(ckv, kpe, table) of B requests of L tokens: pages of 64 shuffled, or a page-size-1 cache under a token table
+    ("runs": request b at rows b * (L + 64) + an offset in [1, 63], "shuffled": rows anywhere)."""
+    R, P, DT = BO.R, BO.P, BO.DT
+    PS, N = (BO.PS, B * L // BO.PS) if kind == "pages" else (1, B * (L + 64))
+    ckv = torch.empty(N, PS, R, dtype=DT, device="cuda").normal_()
+    kpe = torch.empty(N, PS, P, dtype=DT, device="cuda").normal_()
+    if kind == "runs":
+        first = torch.arange(B, device="cuda") * (L + 64) + torch.randint(1, 64, (B,), device="cuda")
+        table = (first[:, None] + torch.arange(L, device="cuda")).int()
+    else:
+        table = torch.randperm(N, device="cuda")[:B * L // PS].view(B, L // PS).int()
+    return ckv, kpe, table
+
+
+def run_shape(H: int, B: int, L: int, scales, copy_bw: float, kind: str = "pages") -> dict:
+    R, P, DT = BO.R, BO.P, BO.DT
     scale = 192 ** -0.5
-    num_pages = B * L // PS
-    ckv = torch.empty(num_pages, PS, R, dtype=DT, device="cuda").normal_()
-    kpe = torch.empty(num_pages, PS, P, dtype=DT, device="cuda").normal_()
-    table = torch.randperm(num_pages, device="cuda").view(B, L // PS).int()
+    ckv, kpe, table = caches(B, L, kind)
     lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
     qn = torch.randn(B, H, R, dtype=DT, device="cuda")
     qp = torch.randn(B, H, P, dtype=DT, device="cuda")
     nbytes = D.kv_bytes(B, L, R, P, 2)
-    row = dict(H=H, B=B, L=L)
+    row = dict(H=H, B=B, L=L, table=kind)
     own = dispatch.own_decode_config(qn, qp, ckv, kpe)
     swap = dispatch._config(qn, ckv, False, "swapab")
     ns = D.num_splits(B, H, L, qn.device, swap)
@@ -60,6 +75,8 @@ def run_shape(H: int, B: int, L: int, scales, copy_bw: float) -> dict:
     row["swapab_vs_auto_out"], row["swapab_vs_auto_lse"] = BO.attention_errors(*got, *ours)
     row["check"] = "ok" if row["swapab_err_out"] <= BO.OUT_TOL and row["swapab_err_lse"] <= BO.LSE_TOL else "FAILED"
     times = {"auto": BO.ms(decode(own), graph=True), f"swapab@{ns}": BO.ms(decode(swap), graph=True)}
+    if kind != "pages":  # the kernel auto ran on token tables before (Triton's pointer kernel)
+        times["triton"] = BO.ms(decode(dispatch._config(qn, ckv, False, "triton")), graph=True)
     for s in scales:
         n = max(1, round(ns * s))
         if f"swapab@{n}" not in times:
@@ -70,7 +87,7 @@ def run_shape(H: int, B: int, L: int, scales, copy_bw: float) -> dict:
             times["flashinfer"] = BO.ms(lambda: fi_run(qn, qp, ckv, kpe), graph=True)
         except Exception as e:  # report, keep going
             row["flashinfer_error"] = repr(e)[:300]
-    if BO.FMLA.available():
+    if BO.FMLA.available() and kind == "pages":  # (FlashMLA takes pages of 64)
         try:
             import flash_mla as fm
 
@@ -95,18 +112,20 @@ def main() -> None:
     ap.add_argument("out", nargs="?", default="swapab.json")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="H:B:KV")
     ap.add_argument("--splits-scale", nargs="*", type=float, default=[0.5, 2.0])
+    ap.add_argument("--table", nargs="+", default=["pages"], choices=["pages", "runs", "shuffled"])
     args = ap.parse_args()
     copy_bw = BO.copy_bandwidth()
     results = dict(device=torch.cuda.get_device_name(), copy_bw_TBps=copy_bw / 1e12, rows=[])
     for spec in args.shapes:
         H, B, L = map(int, spec.split(":"))
-        try:
-            row = run_shape(H, B, L, args.splits_scale, copy_bw)
-        except Exception as e:  # report, keep going
-            row = dict(H=H, B=B, L=L, error=repr(e)[:500])
-        results["rows"].append(row)
-        print(json.dumps(row), flush=True)
-        torch.cuda.empty_cache()
+        for kind in args.table:
+            try:
+                row = run_shape(H, B, L, args.splits_scale, copy_bw, kind)
+            except Exception as e:  # report, keep going
+                row = dict(H=H, B=B, L=L, table=kind, error=repr(e)[:500])
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(results, indent=1))
 
 

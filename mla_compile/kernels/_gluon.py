@@ -35,6 +35,12 @@ def tma_layout(ckv_cache, kpe_cache, sparse: bool) -> bool:
     return not sparse and ckv_cache.shape[1] % BLOCK_N == 0 and caches_view_as_slots(ckv_cache, kpe_cache)
 
 
+def token_rows(ckv_cache, kpe_cache, sparse: bool) -> bool:
+    """A page-size-1 cache under a token table (each entry a token's row: the HF pass's tables) that views as
+    [slots, width], 16-byte aligned: the swap-AB kernel's TOKENS form takes a tile of consecutive rows as TMA boxes."""
+    return not sparse and ckv_cache.shape[1] == 1 and caches_view_as_slots(ckv_cache, kpe_cache)
+
+
 def rows_aligned(ckv_cache, kpe_cache) -> bool:
     """Every cache row starts 16 bytes aligned with unit inner stride: what 16-byte async copies per row need."""
     return all(t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0 and t.data_ptr() % 16 == 0

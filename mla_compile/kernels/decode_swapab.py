@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 from . import _gluon as G
 from ._launch import bind, templated_at
@@ -44,6 +45,7 @@ from ._util import cdiv
 if G.gluon is not None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_init, warpgroup_mma_wait)
 
@@ -51,6 +53,10 @@ R, P = 512, 64  # latent and rope widths this kernel takes
 BLOCK_T = G.BLOCK_N  # tokens per tile: the MMA's M
 BLOCK_HS = (16, 32)  # heads per program (the MMA's N)
 STAGES = 2  # staging slots: a 64-token tile is 72 KB, a third slot passes Hopper's 227 KB
+# The TOKENS form (page-size-1 token tables: the HF pass's) is in auto's table only with MLA_COMPILE_SWAPAB_TOKENS=1
+# (read at import) until its GPU tests and timings against the Triton kernel are in benchmarks/RESULTS.md (its sm_90a
+# build is checked offline: tests/kernels/test_kernel_codegen.py); `decode_kernel="swapab"` asks for it either way.
+TOKENS_IN_AUTO = os.environ.get("MLA_COMPILE_SWAPAB_TOKENS", "0") == "1"
 
 
 if G.gluon is not None:
@@ -72,6 +78,74 @@ if G.gluon is not None:
         return gl.load(Table + b * s_tb + t // PS) * PS + t % PS
 
     @gluon.jit
+    def _entries(Table, b, s_tb, t0, end, BT: gl.constexpr, layout: gl.constexpr):
+        """TOKENS: the table entries (cache rows) of tokens [t0, t0 + BT) in `layout`; tokens >= end read no entry
+        (it may be garbage): 0."""
+        t = t0 + gl.arange(0, BT, layout=layout)
+        return gl.load(Table + b * s_tb + t, mask=t < end, other=0)
+
+    @gluon.jit
+    def _run_start(rows, t0, end):
+        """TOKENS: (row0, whether every token t0 + i < end sits at row row0 + i): the tile is then one TMA box. `rows`
+        in a layout whose every warp holds all of them (the reductions stay inside a warp)."""
+        i = gl.arange(0, rows.shape[0], layout=rows.type.layout)
+        valid = t0 + i < end
+        d = rows - i
+        lo = gl.min(gl.where(valid, d, 2147483647), 0)
+        hi = gl.max(gl.where(valid, d, -2147483647), 0)
+        return lo, lo == hi
+
+    @gluon.jit
+    def _gather(Ckv, Kpe, s_cr, s_kr, bar, c0_s, c1_s, k_s, st, Table, b, s_tb, t0, end, LD: gl.constexpr):
+        """TOKENS, a tile whose rows are not consecutive: its rows into staging slot `st` by 16-byte cp.async copies,
+        16 rows at a time (their table entries loaded here: the whole tile's pointers at once took ptxas past 255
+        registers), each thread's copies then arriving on `bar` (it counts every thread of the program). Tokens >=
+        end: rows zero-filled, nothing read."""
+        RH: gl.constexpr = c0_s.shape[2]
+        P: gl.constexpr = k_s.shape[2]
+        BT: gl.constexpr = c0_s.shape[1]
+        SLAB: gl.constexpr = 4 * gl.num_warps()  # LD's rows
+        oc = gl.arange(0, RH, layout=gl.SliceLayout(0, LD))[None, :]
+        op = gl.arange(0, P, layout=gl.SliceLayout(0, LD))[None, :]
+        for r in gl.static_range(0, BT, SLAB):
+            t = t0 + r + gl.arange(0, SLAB, layout=gl.SliceLayout(1, LD))
+            valid = (t < end)[:, None]
+            rows = gl.load(Table + b * s_tb + t, mask=t < end, other=0).to(gl.int64)[:, None]
+            async_copy.async_copy_global_to_shared(c0_s.index(st).slice(r, SLAB, dim=0), Ckv + rows * s_cr + oc,
+                                                   mask=valid)
+            async_copy.async_copy_global_to_shared(c1_s.index(st).slice(r, SLAB, dim=0), Ckv + rows * s_cr + RH + oc,
+                                                   mask=valid)
+            async_copy.async_copy_global_to_shared(k_s.index(st).slice(r, SLAB, dim=0), Kpe + rows * s_kr + op,
+                                                   mask=valid)
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+
+    @gluon.jit
+    def _tile_rows(Table, b, s_tb, t0, end, BT: gl.constexpr, PS: gl.constexpr, CK: gl.constexpr):
+        """What `_fill` needs of the table for the tile at t0, loaded a tile ahead so the copies never wait for it:
+        pages, the tile's first row; TOKENS, its entries in the check layout CK."""
+        if PS == 1:
+            return _entries(Table, b, s_tb, t0, end, BT, CK)
+        else:
+            return _row_of(Table, b, s_tb, t0, PS)
+
+    @gluon.jit
+    def _fill(CkvDesc, KpeDesc, Ckv, Kpe, s_cr, s_kr, bar, c0_s, c1_s, k_s, st, Table, b, s_tb, t0, end, rows,
+              PS: gl.constexpr, LD: gl.constexpr):
+        """The tile at token t0 into staging slot `st`, completing on `bar` (`rows`: what `_tile_rows` gave). Pages
+        of whole tiles: TMA boxes at its first row. TOKENS (PS 1, a token table): its entries decide: consecutive rows (what a request's tokens in a static cache are: the HF
+        pass's tables) are TMA boxes, and the rest of the barrier's count arrives at once; others are gathered row
+        by row (`_gather`)."""
+        if PS == 1:
+            row0, run = _run_start(rows, t0, end)
+            if run:
+                _issue(CkvDesc, KpeDesc, bar, c0_s, c1_s, k_s, st, row0)
+                mbarrier.arrive(bar, count=32 * gl.num_warps() - 1)
+            else:
+                _gather(Ckv, Kpe, s_cr, s_kr, bar, c0_s, c1_s, k_s, st, Table, b, s_tb, t0, end, LD)
+        else:
+            _issue(CkvDesc, KpeDesc, bar, c0_s, c1_s, k_s, st, rows)
+
+    @gluon.jit
     def _zero_rows(buf, lim, LD: gl.constexpr):
         """Rows >= lim of a staged [64, width] tile set to 0 (generic-proxy stores: fence before an MMA reads them)."""
         rows = gl.arange(0, buf.shape[0], layout=gl.SliceLayout(1, LD))
@@ -79,9 +153,9 @@ if G.gluon is not None:
         buf.store(gl.where((rows < lim)[:, None], v, gl.zeros_like(v)))
 
     @gluon.jit
-    def _tile(i, start, end, n_tiles, CkvDesc, KpeDesc, bars, c0_s, c1_s, k_s, q0_s, q1_s, qp_s, p_s, Table, b, s_tb,
-              scale_log2, m_i, l_i, acc0, acc1, PS: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr,
-              LD: gl.constexpr, MASKED: gl.constexpr):
+    def _tile(i, start, end, n_tiles, CkvDesc, KpeDesc, Ckv, Kpe, s_cr, s_kr, bars, c0_s, c1_s, k_s, q0_s, q1_s, qp_s,
+              p_s, Table, b, s_tb, scale_log2, m_i, l_i, acc0, acc1, PS: gl.constexpr, S_L: gl.constexpr,
+              O_L: gl.constexpr, LD: gl.constexpr, CK: gl.constexpr, MASKED: gl.constexpr):
         """Tile i of the split (tokens start + 64 i ...): its scores, the online softmax, its P.V issued (left in
         flight for the next tile). MASKED: the split's partial last tile. Returns (m_i, l_i, acc0, acc1 in flight).
 
@@ -97,13 +171,14 @@ if G.gluon is not None:
         STAGES: gl.constexpr = c0_s.shape[0]
         st = i % STAGES
         refill = (i >= 1) & (i - 1 + STAGES < n_tiles)  # the previous tile's slot takes tile i - 1 + STAGES
-        t_next = start + (i - 1 + STAGES) * BT
-        row_next = _row_of(Table, b, s_tb, gl.where(refill, t_next, start), PS)
+        t_next = gl.where(refill, start + (i - 1 + STAGES) * BT, start)
+        rows_next = _tile_rows(Table, b, s_tb, t_next, end, BT, PS, CK)
         lim = end - (start + i * BT)  # rows r < lim are tokens of this split (all 64 but on the partial last tile)
         mbarrier.wait(bars.index(st), (i // STAGES) & 1)
         if MASKED:  # unused cache slots may hold NaN: P^T's zeros times them would be NaN
             _zero_rows(c0_s.index(st), lim, LD)
             _zero_rows(c1_s.index(st), lim, LD)
+        if MASKED or PS == 1:  # the zeroed rows, TOKENS: a gathered tile's cp.async rows (generic-proxy writes)
             fence_async_shared()
         acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
         gl.thread_barrier()  # every warp's P.V reads of the previous slot (and of p_s) retired
@@ -113,7 +188,8 @@ if G.gluon is not None:
         s = warpgroup_mma(c1_s.index(st), q1_s.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
         if refill:
-            _issue(CkvDesc, KpeDesc, bars.index((i - 1) % STAGES), c0_s, c1_s, k_s, (i - 1) % STAGES, row_next)
+            _fill(CkvDesc, KpeDesc, Ckv, Kpe, s_cr, s_kr, bars.index((i - 1) % STAGES), c0_s, c1_s, k_s,
+                  (i - 1) % STAGES, Table, b, s_tb, t_next, end, rows_next, PS, LD)
         s = s * scale_log2
         if MASKED:
             rows = gl.arange(0, BT, layout=gl.SliceLayout(1, S_L))
@@ -143,15 +219,15 @@ if G.gluon is not None:
                        PS: gl.constexpr, N: gl.constexpr, WG: gl.constexpr):
         """Stage 1 (module docstring). Qn [B, H, 512] / Qp [B, H, 64]; CkvDesc / KpeDesc: TMA descriptors over the
         caches as slots ([NP * PS, 512] in [64, 256] boxes, [NP * PS, 64] in [64, 64] boxes; Ckv / Kpe: the same
-        caches as pointers, unread: the argument order of the other Gluon stage-1 kernels, decode_wgmma.run_stage1);
-        Table int32 [B, max_pages]; Lens int32 [B]; O fp32 [n_splits, B, H, 512] and L fp32 [n_splits, B, H]
+        caches as pointers, read by TOKENS' gathered tiles: the argument order of the other Gluon stage-1 kernels,
+        decode_wgmma.run_stage1); Table int32 [B, max_pages] (PS 1: a token table, each token's cache row); Lens int32 [B]; O fp32 [n_splits, B, H, 512] and L fp32 [n_splits, B, H]
         (normalised partial out, natural-log lse; with one split the final out in q's dtype and lse, s_on = s_ln =
         0). N heads per program, WG warpgroups."""
         gl.static_assert(gl.num_warps() == 4 * WG, "WG warpgroups")
         BT: gl.constexpr = CkvDesc.block_type.shape[0]
         RH: gl.constexpr = CkvDesc.block_type.shape[1]
         P: gl.constexpr = KpeDesc.block_type.shape[1]
-        gl.static_assert(PS % BT == 0, "a tile lies inside one page")
+        gl.static_assert(PS % BT == 0 or PS == 1, "a tile lies inside one page, or PS 1: a token table (TOKENS)")
         dt: gl.constexpr = CkvDesc.dtype
         STAGES: gl.constexpr = _STAGES
         # scores [64 tokens, N]: one warpgroup's m64 over the tokens; with two warpgroups each takes half the heads
@@ -161,6 +237,8 @@ if G.gluon is not None:
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WG, 1],
                                                       instr_shape=[16, N, 16])
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4 * WG, 1], [1, 0])  # 16-byte loads and stores
+        # TOKENS: a tile's 64 table entries, every warp holding all of them (2 a lane), for `_run_start`
+        CK: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([2, 1], [32, 1], [1, 4 * WG], [0, 1]))
 
         b, hb, split, start, end, n_full, n_tiles = G.swapab_program(Lens, H, n_splits, N, BT)
 
@@ -171,14 +249,15 @@ if G.gluon is not None:
         # P^T [64 tokens, N]: P.V's B operand, N-contiguous (MN-major, allowed for 16-bit types)
         p_s = gl.allocate_shared_memory(dt, [BT, N], gl.NVMMASharedLayout.get_default_for([BT, N], dt))
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for j in gl.static_range(STAGES):
-            mbarrier.init(bars.index(j), count=1)
+        for j in gl.static_range(STAGES):  # TOKENS: a gathered tile's copies arrive from every thread
+            mbarrier.init(bars.index(j), count=32 * gl.num_warps() if PS == 1 else 1)
         fence_async_shared()  # q's stores and the barrier inits before any async-proxy access
         gl.thread_barrier()
         for j in gl.static_range(STAGES):
             if j < n_tiles:
-                _issue(CkvDesc, KpeDesc, bars.index(j), c0_s, c1_s, k_s, j,
-                       _row_of(Table, b, s_tb, start + j * BT, PS))
+                t0 = start + j * BT
+                _fill(CkvDesc, KpeDesc, Ckv, Kpe, s_cp, s_kp, bars.index(j), c0_s, c1_s, k_s, j, Table, b, s_tb, t0,
+                      end, _tile_rows(Table, b, s_tb, t0, end, BT, PS, CK), PS, LD)
 
         m_i = gl.full([N], float("-inf"), gl.float32, layout=gl.SliceLayout(0, S_L))  # running max per head
         l_i = gl.zeros([BT, N], gl.float32, layout=S_L)  # per-thread partial column sums (reduced once, at the end)
@@ -186,13 +265,13 @@ if G.gluon is not None:
         acc1 = warpgroup_mma_init(gl.zeros([RH, N], gl.float32, layout=O_L))
         # full tiles unmasked, then the split's partial last tile (if any) masked: two instances of one tile step
         for i in range(n_full):
-            m_i, l_i, acc0, acc1 = _tile(i, start, end, n_tiles, CkvDesc, KpeDesc, bars, c0_s, c1_s, k_s, q0_s, q1_s,
-                                         qp_s, p_s, Table, b, s_tb, scale_log2, m_i, l_i, acc0, acc1, PS, S_L, O_L,
-                                         LD, False)
+            m_i, l_i, acc0, acc1 = _tile(i, start, end, n_tiles, CkvDesc, KpeDesc, Ckv, Kpe, s_cp, s_kp, bars, c0_s,
+                                         c1_s, k_s, q0_s, q1_s, qp_s, p_s, Table, b, s_tb, scale_log2, m_i, l_i, acc0,
+                                         acc1, PS, S_L, O_L, LD, CK, False)
         if n_full < n_tiles:
-            m_i, l_i, acc0, acc1 = _tile(n_full, start, end, n_tiles, CkvDesc, KpeDesc, bars, c0_s, c1_s, k_s, q0_s,
-                                         q1_s, qp_s, p_s, Table, b, s_tb, scale_log2, m_i, l_i, acc0, acc1, PS, S_L,
-                                         O_L, LD, True)
+            m_i, l_i, acc0, acc1 = _tile(n_full, start, end, n_tiles, CkvDesc, KpeDesc, Ckv, Kpe, s_cp, s_kp, bars,
+                                         c0_s, c1_s, k_s, q0_s, q1_s, qp_s, p_s, Table, b, s_tb, scale_log2, m_i, l_i,
+                                         acc0, acc1, PS, S_L, O_L, LD, CK, True)
         acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
         for j in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(j))
@@ -248,9 +327,9 @@ def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l,
     grid and compile-time arguments, its descriptor templates, the numbers after its tensor arguments); run it with
     decode_wgmma.run_stage1. o [ns, B, H, 512] / l [ns, B, H] may be meta tensors (their strides are read)."""
     B, H, _ = q_nope.shape
-    if not G.tma_layout(ckv_cache, kpe_cache, False):
+    if not (G.tma_layout(ckv_cache, kpe_cache, False) or G.token_rows(ckv_cache, kpe_cache, False)):
         raise ValueError("decode_swapab: the caches must view as [slots, width] in pages of whole 64-token tiles "
-                         "(`_gluon.tma_layout`)")
+                         "(`_gluon.tma_layout`) or of one token (a token table, `_gluon.token_rows`)")
     t = tiling or default_tiling(H)
     templates = G.descriptor_templates(ckv_cache, kpe_cache)
     bound = bind(_swapab_kernel, (B * cdiv(H, t.N), ns), templated_at(2, templates),

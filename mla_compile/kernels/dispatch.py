@@ -60,14 +60,16 @@ class Choice(NamedTuple):
 def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, dtype: torch.dtype, capability,
                          n_query: int = 1, *, kernel: str = "auto", tma_layout: bool = True,
                          rows_aligned: bool = True, flashmla: bool = False, flashinfer: bool = False,
-                         tokens: int = FLASHMLA_MIN_TOKENS, fp8_cache: bool = False, fp8_rows: bool = False) -> Choice:
+                         tokens: int = FLASHMLA_MIN_TOKENS, fp8_cache: bool = False, fp8_rows: bool = False,
+                         token_rows: bool = False) -> Choice:
     """The decode kernel for one call's shape class: Choice(name, reason).
 
     H heads (rows) per request, R latent and P rope width, `page_size` (1 for a sparse index list), `sparse`
     (mla::sparse_decode), dtype, `capability`: the CUDA device's (major, minor), "interpreter" (CPU tensors
     handed to the kernels: Triton's interpreter) or None (CPU tensors: the op's CPU impl), n_query query tokens
     per request. Facts of the call's tensors: `tma_layout` (caches view as [slots, width] with pages of whole
-    64-token tiles, `_gluon.tma_layout`), `rows_aligned` (16-byte aligned rows, `_gluon.rows_aligned`),
+    64-token tiles, `_gluon.tma_layout`), `token_rows` (page size 1 viewing as [slots, width]: a token table's
+    cache, `_gluon.token_rows`), `rows_aligned` (16-byte aligned rows, `_gluon.rows_aligned`),
     `flashmla` (FlashMLA imports, takes these shapes and reads the caches in place), `flashinfer` (FlashInfer
     usable now: installed, R 512, not under CUDA-graph capture), `tokens`: the most tokens the call may read, batch x
     the block table's capacity (shapes only: the lengths live on the device), `fp8_cache`: the latent cache is FP8
@@ -91,7 +93,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     |   tokens >= FLASHMLA_MIN_TOKENS (256K)                             |          |     |
     | sm_90, fp16/bf16, Gluon rows (7), TMA layout (3), P 64 (8)         | seesaw   | 1-6% faster than wgmma (4) |
     | sm_90, fp16/bf16, Gluon rows (7), other layouts (5), P > 0         | wgmma    | 1.5-1.6x Triton TMA at H 128 |
-    | sm_90, fp16/bf16, H < 64, 1 query token, TMA layout (3), R 512/P 64 | swapab   | 0.90-1.04 of copy bw (11) |
+    | sm_90, fp16/bf16, H < 64, 1 query token, TMA layout (3) or token | swapab   | 0.90-1.04 of copy bw (11) |
+    |   rows (12), R 512 / P 64                                          |          |     |
     | the rest: H < 64, not sm_90, fp32, P = 0, rows < 32                | triton   | memory-bound few heads (6) |
 
     (1) FlashMLA installed, R 512, P 64 or 0, page 64, fp16/bf16, ckv and kpe the two column ranges of one
@@ -117,7 +120,10 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     (11) kernels/decode_swapab.py: TMA tiles fed to warpgroup MMAs with the 64 tokens as M, the heads as N (no row
         padded). H100 2026-12-05, graph replay, H 16: B 8 8K 36.1 us vs 43.1 for the Triton kernel and 37.5 for
         FlashInfer; B 1 32K 17.2 vs 29.9 (FlashInfer 43.4); B 8 32K 108.3 vs 115.1 (110.4); H 32 B 8 32K 112.3
-        vs 148.8 (111.3). Page-size-1 token tables (the HF pass) and index lists keep the Triton kernels.
+        vs 148.8 (111.3). Index lists keep the Triton kernels.
+    (12) a page-size-1 cache under a token table (the HF pass's): swapab's TOKENS form checks each tile's 64
+        entries on the device; consecutive rows (a request's tokens in a static cache) are TMA boxes, other tiles
+        16-byte cp.async row copies. Auto's only with MLA_COMPILE_SWAPAB_TOKENS=1 (decode_swapab.TOKENS_IN_AUTO).
 
     FlashInfer is never auto's: at H 128 it is faster than ours but slower than FlashMLA, and its cached
     workspace broke torch.compile's cudagraph-tree pool check (H200 2026-11-30); asked for, it serves eager calls.
@@ -141,26 +147,25 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
         "wgmma": "" if gluon and (tma_layout or (rows_aligned and _wgmma.gather_fits(R, P))) else
                  "wgmma: needs sm_90, fp16/bf16, >= 64 heads (several query tokens: >= 32 rows), power-of-two R/2 "
                  "and P, aligned rows",
-        "swapab": "" if sm90 and dtype in HALF and one_dense and tma_layout and _swapab.fits(R, P) else
-                  "swapab: needs sm_90, fp16/bf16, R 512 / P 64, one query token, pages of whole 64-token tiles",
+        "swapab": "" if sm90 and dtype in HALF and one_dense and (tma_layout or token_rows) and _swapab.fits(R, P)
+                  else "swapab: needs sm_90, fp16/bf16, R 512 / P 64, one query token, pages of whole 64-token "
+                       "tiles or a token table (page size 1) over caches viewing as [slots, width]",
         "triton": "",
     }
     if capability is None:
         return Choice("torch", "CPU tensors: the op's CPU impl (the plain-torch definition)")
     if fp8_cache:
         return _select_fp8_kernel(kernel, sm90 and one_dense and fp8_rows and _fp8_swapab.fits(R, P, dtype))
+    facts = dict(tma_layout=tma_layout, rows_aligned=rows_aligned, flashmla=flashmla, flashinfer=flashinfer,
+                 tokens=tokens, token_rows=token_rows)
     if kernel == "fp8_swapab":
-        auto = select_decode_kernel(H, R, P, page_size, sparse, dtype, capability, n_query, tma_layout=tma_layout,
-                                    rows_aligned=rows_aligned, flashmla=flashmla, flashinfer=flashinfer,
-                                    tokens=tokens)
+        auto = select_decode_kernel(H, R, P, page_size, sparse, dtype, capability, n_query, **facts)
         return Choice(auto.name, f"asked for fp8_swapab, which cannot serve this call (it reads FP8 caches only); "
                                  f"auto: {auto.reason}")
     if kernel != "auto":
         if not cannot[kernel]:
             return Choice(kernel, "asked for")
-        auto = select_decode_kernel(H, R, P, page_size, sparse, dtype, capability, n_query, tma_layout=tma_layout,
-                                    rows_aligned=rows_aligned, flashmla=flashmla, flashinfer=flashinfer,
-                                    tokens=tokens)
+        auto = select_decode_kernel(H, R, P, page_size, sparse, dtype, capability, n_query, **facts)
         return Choice(auto.name, f"asked for {kernel}, which cannot serve this call ({cannot[kernel]}); auto: "
                                  f"{auto.reason}")
     if not cannot["flashmla"] and H >= MANY_HEADS and tokens >= FLASHMLA_MIN_TOKENS:
@@ -172,11 +177,13 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
         return Choice("wgmma", ("several query tokens, a limit per row" if n_query > 1 else "many heads")
                       + " on sm_90: the Gluon warpgroup-MMA kernel ("
                       + ("TMA boxes" if tma_layout and not sparse else "16-byte row copies") + ")")
-    if not cannot["swapab"] and H < MANY_HEADS:
-        return Choice("swapab", "few heads on sm_90, TMA layout: the swap-AB Gluon kernel (the tokens as the MMA's M)")
+    if not cannot["swapab"] and H < MANY_HEADS and (tma_layout or _swapab.TOKENS_IN_AUTO):
+        return Choice("swapab", f"few heads on sm_90, {'TMA layout' if tma_layout else 'a token table'}: the swap-AB "
+                                "Gluon kernel (the tokens as the MMA's M)")
     why = ("rope-less (P = 0): a zero rope column" if P == 0
            else "several query tokens of few rows" if n_query > 1 and H < MULTI_TOKEN_GLUON_ROWS
-           else f"few heads ({cannot['swapab']})" if H < MANY_HEADS and n_query == 1 and sm90
+           else f"few heads ({cannot['swapab'] or 'a token table: swapab asked-for only, MLA_COMPILE_SWAPAB_TOKENS'})"
+           if H < MANY_HEADS and n_query == 1 and sm90
            else "few heads" if H < MANY_HEADS and n_query == 1 else "not an sm_90 GPU" if not sm90 else
            "not fp16/bf16" if dtype not in HALF else "a shape or layout the Gluon kernels do not take")
     return Choice("triton", f"{why}: the Triton split-KV kernels")
@@ -244,7 +251,8 @@ def _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool, n_query: int, block
              n_query),
             # TMA boxes are 16-byte aligned rows too: the row check only where the gather kernel would copy them
             dict(tma_layout=tma, rows_aligned=tma or (gluon_device and _gluon.rows_aligned(ckv_cache, kpe_cache)),
-                 tokens=tokens))
+                 tokens=tokens, token_rows=gluon_device and n_query == 1 and _gluon.token_rows(ckv_cache, kpe_cache,
+                                                                                                sparse)))
 
 
 def decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False, n_query: int = 1,

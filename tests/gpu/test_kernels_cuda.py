@@ -567,6 +567,78 @@ def test_swapab_kernel(H, PS, dtype):
                    ([0, 1, 60, 64, 1, 700, 4000, 0, 0, 255, 127, 191], [0, 1, 5, 5, 5, 5, 5, 0, 5, 5, 5, 5]), "swapab")
 
 
+def token_table_batch(lens, H, dtype, kind, seed, spare=64):
+    """A page-size-1 cache [N, 1, width] under a token table (what the HF pass hands mla.decode) whose rows for
+    request b are: "runs", one run of consecutive rows at an offset off every tile edge (a static cache with left
+    padding: every tile one TMA box); "holes", positions of the request's row with gaps (tiles with and without a
+    gap); "shuffled", rows anywhere (every tile gathered). Every row no token uses holds NaN, every table entry past
+    a request's length is garbage far out of range (never to be read)."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(seed)
+    B, L = len(lens), max(lens) + 200
+    N = B * L + spare
+    ckv = torch.full((N, 1, 512), float("nan"), dtype=dtype)
+    kpe = torch.full((N, 1, 64), float("nan"), dtype=dtype)
+    table = torch.full((B, L), 1 << 30, dtype=torch.int32)
+    perm = torch.randperm(N, generator=g)
+    for b, n in enumerate(lens):
+        if kind == "runs":
+            rows = b * L + int(torch.randint(0, L - n + 1, (1,), generator=g)) + torch.arange(n)
+        elif kind == "holes":
+            rows = b * L + torch.randperm(L, generator=g)[:n].sort().values
+        else:
+            rows = perm[b * L:b * L + n]
+        table[b, :n] = rows.int()
+        ckv[rows, 0] = torch.randn(n, 512, generator=g).to(dtype)
+        kpe[rows, 0] = torch.randn(n, 64, generator=g).to(dtype)
+    q_nope = torch.randn(B, H, 512, generator=g).to(dtype).to(DEV)
+    q_pe = torch.randn(B, H, 64, generator=g).to(dtype).to(DEV)
+    b = SimpleNamespace(ckv_cache=ckv.to(DEV), kpe_cache=kpe.to(DEV), block_table=table.to(DEV),
+                        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEV))
+    return b, q_nope, q_pe
+
+
+@pytest.mark.parametrize("kind", ["runs", "holes", "shuffled"])
+@pytest.mark.parametrize("H,dtype", [(16, torch.bfloat16), (40, torch.bfloat16), (16, torch.float16)])
+def test_swapab_kernel_over_a_token_table(H, dtype, kind):
+    # swapab's TOKENS form over a page-size-1 token table (the HF pass's; auto's choice at few heads on sm_90 when
+    # switched on, MLA_COMPILE_SWAPAB_TOKENS=1): each tile's 64 entries are checked on the device: consecutive rows
+    # at any offset are TMA boxes, tiles with a gap or shuffled rows 16-byte row copies; lengths on and off tile
+    # edges, empty requests, forced and policy splits; a CUDA graph replayed with new lengths, then with the table
+    # rewritten from runs to shuffled rows and back; the op (auto) on the same call
+    from mla_compile.kernels import decode_swapab, dispatch
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("warpgroup MMA: sm_90 only")
+    lens = [0, 1, 63, 64, 65, 777, 2101, 0, 33, 256, 128, 191]
+    b, qn, qp = token_table_batch(lens, H, dtype, kind, seed=H + len(kind))
+    auto = dispatch.decode_kernel(qn, qp, b.ckv_cache, b.kpe_cache).name
+    assert auto == ("swapab" if decode_swapab.TOKENS_IN_AUTO else "triton")
+    assert_decodes(b, qn, qp, dtype, (1, 2, 3, 40, None),
+                   ([0, 1, 60, 64, 1, 700, 2000, 0, 0, 255, 127, 191], [0, 1, 5, 5, 5, 5, 5, 0, 5, 5, 5, 5]), "swapab")
+    out, lse = torch.ops.mla.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.08)
+    assert_attention(out, lse, *ref_of(b, qn, qp, 0.08), dtype)
+    if dtype != torch.bfloat16 or H != 16:
+        return
+    from mla_compile.kernels import decode as K
+
+    cfg = gluon_config(b, H, "swapab")
+    table = b.block_table.clone()
+    graph, (out, lse) = capture(lambda: K.decode(qn, qp, b.ckv_cache, b.kpe_cache, table, b.seq_lens, 0.08,
+                                                 cfg=cfg))
+    for other in ("shuffled", "runs", kind):
+        o = token_table_batch(lens, H, dtype, other, seed=H + len(kind))  # same cache values, other rows
+        b.ckv_cache.copy_(o[0].ckv_cache)
+        b.kpe_cache.copy_(o[0].kpe_cache)
+        table.copy_(o[0].block_table)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = ref.ref_decode(qn.cpu(), qp.cpu(), b.ckv_cache.cpu(), b.kpe_cache.cpu(), table.cpu(), b.seq_lens.cpu(),
+                              0.08)
+        assert_attention(out, lse, *want, dtype)
+
+
 def test_swapab_kernel_large_logits():
     # scores far from 0: the running max per head (a column of S^T) must keep exp2 in range across tiles and splits
     from mla_compile.kernels import decode as K

@@ -242,3 +242,27 @@ def test_swap_ab_kernel_reads_tma_tiles_into_warpgroup_mmas_without_spills(H, dt
     assert out["spill_bytes"] == 0, out["registers"]
     assert out["shared_bytes"] <= G.SMEM_LIMIT
     assert "C7514" not in out["advisories"] and "C7515" not in out["advisories"], out["advisories"]
+
+
+@pytest.mark.parametrize("H", [16, 32])
+def test_swap_ab_kernel_over_a_token_table_takes_tma_boxes_or_row_copies(H):
+    """swapab's TOKENS form (a page-size-1 token table, the HF pass's): each tile's 64 entries are checked on the
+    device; a run of consecutive rows is three TMA boxes whose barrier gets the rest of its count from one thread, any
+    other tile 16-byte cp.async row copies arriving from every thread. Both paths are in the build, the MMAs are the
+    TMA form's, nothing spills, and ptxas does not serialise the MMAs."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mla_compile.kernels import _gluon as G
+    from mla_compile.kernels import decode_swapab as S
+
+    t = S.default_tiling(H)
+    out = aot.swapab_sm90(t, page_size=1)
+    ptx = out["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and "cp.async.cg.shared.global" in ptx
+    assert "cp.async.mbarrier.arrive.noinc" in ptx
+    counts = set(re.findall(r"mbarrier\.arrive\.shared::cta\.b64 _, \[%r\d+\], (\d+);", ptx))
+    assert counts == {str(32 * t.warps - 1)}, counts  # the TMA path's arrival: every thread but the expect's
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
+    assert shapes == {f"m64n{t.N // (t.warps // 4)}k16", f"m64n{t.N}k16"}, shapes
+    assert out["spill_bytes"] == 0, out["registers"]
+    assert out["shared_bytes"] <= G.SMEM_LIMIT
+    assert "C7514" not in out["advisories"] and "C7515" not in out["advisories"], out["advisories"]

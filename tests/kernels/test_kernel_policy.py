@@ -20,6 +20,7 @@ from mla_compile import tuning  # noqa: E402
 from mla_compile.kernels import _gluon as G  # noqa: E402
 from mla_compile.kernels import decode as D  # noqa: E402
 from mla_compile.kernels import decode_seesaw as S  # noqa: E402
+from mla_compile.kernels import decode_swapab as SW  # noqa: E402
 from mla_compile.kernels import decode_wgmma as W  # noqa: E402
 from mla_compile.kernels import dispatch as D_  # noqa: E402
 
@@ -94,6 +95,12 @@ def test_gluon_kernels_choose_tma_boxes_only_for_whole_tile_pages():
         assert not G.tma_layout(*caches(PS=PS), sparse=False)
     ckv, kpe = torch.zeros(4, 64, 1024, dtype=torch.bfloat16)[..., :512], torch.zeros(4, 64, 64, dtype=torch.bfloat16)
     assert not G.tma_layout(ckv, kpe, sparse=False)  # rows 1024 apart: not a [slots, 512] view
+    # page 1 under a token table (the HF pass): swapab's TOKENS form takes consecutive rows as TMA boxes, so the
+    # caches must view as [slots, width] too; not for index lists, other page sizes or strided rows
+    assert G.token_rows(*caches(PS=1), sparse=False) and not G.token_rows(*caches(PS=1), sparse=True)
+    assert not any(G.token_rows(*caches(PS=PS), sparse=False) for PS in (16, 64))
+    wide = torch.zeros(256, 1, 576, dtype=torch.bfloat16)
+    assert not G.token_rows(wide[..., :512], wide[..., 512:], sparse=False)  # one buffer's column ranges
     # q + two tiles + p fit Hopper's 227 KB at R 512 / P 64; a wider latent would not
     assert W.smem_bytes(512, 64) <= G.SMEM_LIMIT < W.smem_bytes(1024, 64)
     # q + two slots (p in their rope buffers) fit 227 KB at R 512 / P 64; the seesaw kernel needs rope 64
@@ -148,7 +155,15 @@ def select(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_quer
     (dict(H=16), FEW),
     (dict(H=63), FEW),
     (dict(H=1, PS=128, dtype=torch.float16), FEW),
-    (dict(H=16, PS=1, tma_layout=False), "triton"),  # the HF pass's token table
+    (dict(H=16, PS=1, tma_layout=False), "triton"),  # a token table over caches that are no [slots, width] view
+    # the HF pass's token table: swapab's TOKENS form serves it, auto's only when switched on (decode_swapab's
+    # TOKENS_IN_AUTO, MLA_COMPILE_SWAPAB_TOKENS=1: test_the_token_table_form_is_in_auto_only_when_switched_on)
+    (dict(H=16, PS=1, tma_layout=False, token_rows=True), FEW if SW.TOKENS_IN_AUTO else "triton"),
+    (dict(H=40, PS=1, tma_layout=False, token_rows=True), FEW if SW.TOKENS_IN_AUTO else "triton"),
+    (dict(H=16, PS=1, tma_layout=False, token_rows=True, n_query=2), "triton"),
+    (dict(H=16, PS=1, tma_layout=False, token_rows=True, cap=A100), "triton"),
+    (dict(H=16, PS=1, tma_layout=False, token_rows=True, P=0), "triton"),
+    (dict(PS=1, tma_layout=False, token_rows=True), "wgmma" if GLUON else "triton"),  # many heads: the gather form
     (dict(H=16, PS=1, sparse=True, tma_layout=False), "triton"),
     (dict(H=16, P=0), "triton"),
     (dict(H=16, R=256), "triton"),
@@ -167,6 +182,27 @@ def select(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_quer
 ])
 def test_auto_is_the_fastest_measured_kernel_per_shape_class(case, want):
     assert select(**case) == want
+
+
+@pytest.fixture
+def fresh_selection():
+    # select_decode_kernel is cached on its arguments (the switch is read once, at import): forget what it chose
+    D_.select_decode_kernel.cache_clear()
+    yield
+    D_.select_decode_kernel.cache_clear()
+
+
+def test_the_token_table_form_is_in_auto_only_when_switched_on(monkeypatch, fresh_selection):
+    case = dict(H=16, PS=1, tma_layout=False, token_rows=True)
+    monkeypatch.setattr(SW, "TOKENS_IN_AUTO", False)
+    choice = D_.select_decode_kernel(*_args(**case), **_facts(**case))
+    assert choice.name == "triton" and "MLA_COMPILE_SWAPAB_TOKENS" in choice.reason
+    assert D_.select_decode_kernel(*_args(**case), kernel="swapab", **_facts(**case)).name == FEW
+    monkeypatch.setattr(SW, "TOKENS_IN_AUTO", True)
+    D_.select_decode_kernel.cache_clear()
+    choice = D_.select_decode_kernel(*_args(**case), **_facts(**case))
+    assert choice.name == FEW and (not GLUON or "token table" in choice.reason)
+    assert select(H=16, PS=1, tma_layout=False) == "triton"  # caches that are no [slots, width] view
 
 
 SWAPAB = "fp8_swapab" if GLUON else "triton"
@@ -273,6 +309,8 @@ def test_decode_kernel_reads_the_fp8_layout_from_the_three_views(monkeypatch):
     ("swapab", dict(H=16), "swapab" if GLUON else "triton"),
     ("swapab", dict(H=1, PS=128, dtype=torch.float16), "swapab" if GLUON else "triton"),
     ("swapab", dict(H=16, PS=16, tma_layout=False), "triton"),
+    ("swapab", dict(H=16, PS=1, tma_layout=False, token_rows=True), "swapab" if GLUON else "triton"),
+    ("swapab", dict(PS=1, tma_layout=False, token_rows=True), "swapab" if GLUON else "triton"),  # asked, at H 128
     ("swapab", dict(H=16, PS=1, sparse=True, tma_layout=False), "triton"),
     ("swapab", dict(H=16, n_query=2), "triton"),
     ("swapab", dict(H=16, P=32), "triton"),
@@ -295,7 +333,7 @@ def _args(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_query
 
 def _facts(**case):
     return {k: v for k, v in case.items() if k in ("tma_layout", "rows_aligned", "flashmla", "flashinfer", "tokens",
-                                                   "fp8_cache", "fp8_rows")}
+                                                   "fp8_cache", "fp8_rows", "token_rows")}
 
 
 def test_unknown_kernel_is_a_value_error_naming_it():
