@@ -4,11 +4,14 @@ tokens faster than the Triton pointer kernel `auto` runs there, and than FlashML
 counts?
 
     python benchmarks/lab/swapab.py OUT.json [--shapes H:B:KV ...] [--splits-scale 0.5 2] [--table pages runs shuffled]
+                                             [--tiling 64:8]
     SWAPAB_ARGS="..." bash benchmarks/device.sh swapab
 
 --table: "pages" (default; page 64, shuffled pages), or a page-size-1 token table (what the HF pass hands over: the
 kernel's TOKENS form), "runs" (each request one run of consecutive rows off the tile edges: a static cache, every
-tile a TMA box) or "shuffled" (rows anywhere: every tile row copies); the Triton kernel is timed beside it ("triton").
+tile a TMA box) or "shuffled" (rows anywhere: every tile row copies); the Triton kernel is timed beside it ("triton"). --tiling N:warps: builds timed beside the default
+one at their own policy split count ("swapab N64"; e.g. 64:8 at 33-63 heads: the cache read once, not by two blocks
+of 32).
 Per shape and table (the same data for every column): request 0 against float64 and the whole batch
 against the Triton kernel (out, lse), then CUDA-graph replay medians (do_bench_cudagraph) side by side: the Triton
 kernel auto runs today, the swap-AB kernel at the policy's split count (and at that count times each
@@ -19,6 +22,7 @@ call) when they import; copy-bandwidth fractions of each.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -51,7 +55,7 @@ def caches(B: int, L: int, kind: str):
     return ckv, kpe, table
 
 
-def run_shape(H: int, B: int, L: int, scales, copy_bw: float, kind: str = "pages") -> dict:
+def run_shape(H: int, B: int, L: int, scales, copy_bw: float, kind: str = "pages", tilings=()) -> dict:
     R, P, DT = BO.R, BO.P, BO.DT
     scale = 192 ** -0.5
     ckv, kpe, table = caches(B, L, kind)
@@ -75,6 +79,13 @@ def run_shape(H: int, B: int, L: int, scales, copy_bw: float, kind: str = "pages
     row["swapab_vs_auto_out"], row["swapab_vs_auto_lse"] = BO.attention_errors(*got, *ours)
     row["check"] = "ok" if row["swapab_err_out"] <= BO.OUT_TOL and row["swapab_err_lse"] <= BO.LSE_TOL else "FAILED"
     times = {"auto": BO.ms(decode(own), graph=True), f"swapab@{ns}": BO.ms(decode(swap), graph=True)}
+    for n, warps in tilings:
+        cfg = dataclasses.replace(swap, block_h=n, num_warps=warps)
+        got_t = decode(cfg)()
+        row[f"swapab_N{n}_err_out"], row[f"swapab_N{n}_err_lse"] = BO.attention_errors(got_t[0][0], got_t[1][0], *want)
+        if max(row[f"swapab_N{n}_err_out"] / BO.OUT_TOL, row[f"swapab_N{n}_err_lse"] / BO.LSE_TOL) > 1:
+            row["check"] = "FAILED"
+        times[f"swapab N{n}"] = BO.ms(decode(cfg), graph=True)
     if kind != "pages":  # the kernel auto ran on token tables before (Triton's pointer kernel)
         times["triton"] = BO.ms(decode(dispatch._config(qn, ckv, False, "triton")), graph=True)
     for s in scales:
@@ -113,6 +124,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="H:B:KV")
     ap.add_argument("--splits-scale", nargs="*", type=float, default=[0.5, 2.0])
     ap.add_argument("--table", nargs="+", default=["pages"], choices=["pages", "runs", "shuffled"])
+    ap.add_argument("--tiling", nargs="*", default=[], help="N:warps builds timed beside the default, e.g. 64:8")
     args = ap.parse_args()
     copy_bw = BO.copy_bandwidth()
     results = dict(device=torch.cuda.get_device_name(), copy_bw_TBps=copy_bw / 1e12, rows=[])
@@ -120,7 +132,8 @@ def main() -> None:
         H, B, L = map(int, spec.split(":"))
         for kind in args.table:
             try:
-                row = run_shape(H, B, L, args.splits_scale, copy_bw, kind)
+                row = run_shape(H, B, L, args.splits_scale, copy_bw, kind,
+                                [tuple(map(int, t.split(":"))) for t in args.tiling])
             except Exception as e:  # report, keep going
                 row = dict(H=H, B=B, L=L, table=kind, error=repr(e)[:500])
             results["rows"].append(row)

@@ -339,7 +339,7 @@ class AttendPlan:
                                                   o, l, s_on, s_ln, ns)
         elif self.kind == "swapab":
             self.stage1 = _swapab.stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l, s_on,
-                                              s_ln, ns)
+                                              s_ln, ns, _swapab.Tiling(cfg.block_h, cfg.num_warps))
         elif self.kind == "seesaw":
             self.stage1 = _seesaw.stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o,
                                               l, s_on, s_ln, ns, n_query)

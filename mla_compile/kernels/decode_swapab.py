@@ -51,7 +51,11 @@ if G.gluon is not None:
 
 R, P = 512, 64  # latent and rope widths this kernel takes
 BLOCK_T = G.BLOCK_N  # tokens per tile: the MMA's M
-BLOCK_HS = (16, 32)  # heads per program (the MMA's N)
+BLOCK_HS = (16, 32)  # heads per program (the MMA's N) auto's tilings take
+# every build a config may ask for (N 64, two warpgroups: the cache read once at 33-64 heads where blocks of 32 read it
+# twice; its sm_90a build fits (224 KB of shared memory, no spill) but is not yet timed: benchmarks/lab/swapab.py
+# --tiling 64:8)
+TILINGS = ((16, 4), (32, 8), (64, 8))
 STAGES = 2  # staging slots: a 64-token tile is 72 KB, a third slot passes Hopper's 227 KB
 # The TOKENS form (page-size-1 token tables: the HF pass's) is in auto's table only with MLA_COMPILE_SWAPAB_TOKENS=1
 # (read at import) until its GPU tests and timings against the Triton kernel are in benchmarks/RESULTS.md (its sm_90a
@@ -323,10 +327,13 @@ def fits(R_: int, P_: int) -> bool:
 
 def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l, s_on, s_ln, ns,
                 tiling: Tiling | None = None):
-    """decode_wgmma.stage1_plan's contract for this kernel (TMA layout only, one query token): (the kernel bound to its
-    grid and compile-time arguments, its descriptor templates, the numbers after its tensor arguments); run it with
-    decode_wgmma.run_stage1. o [ns, B, H, 512] / l [ns, B, H] may be meta tensors (their strides are read)."""
+    """decode_wgmma.stage1_plan's contract for this kernel (pages of whole tiles or a token table, one query token):
+    (the kernel bound to its grid and compile-time arguments, its descriptor templates, the numbers after its tensor
+    arguments); run it with decode_wgmma.run_stage1. o [ns, B, H, 512] / l [ns, B, H] may be meta tensors (their
+    strides are read). tiling: one of TILINGS (default: `default_tiling(H)`)."""
     B, H, _ = q_nope.shape
+    if tiling is not None and (tiling.N, tiling.warps) not in TILINGS:
+        raise ValueError(f"decode_swapab: tiling {tiling} is none of the builds (N, warps) in {TILINGS}")
     if not (G.tma_layout(ckv_cache, kpe_cache, False) or G.token_rows(ckv_cache, kpe_cache, False)):
         raise ValueError("decode_swapab: the caches must view as [slots, width] in pages of whole 64-token tiles "
                          "(`_gluon.tma_layout`) or of one token (a token table, `_gluon.token_rows`)")
