@@ -376,3 +376,34 @@ def test_bound_launch_encodes_each_descriptor_once_per_base(data, monkeypatch):
                 assert utils.encoded[a[1] - 1] == utils.encoded[b[1] - 1]
             else:
                 assert a == b
+
+
+def test_swapab_plan_over_a_token_table():
+    """swapab's TOKENS form (page size 1 under a token table): the plan's descriptors are [slots, width] boxes of a
+    64-token tile, the build is PS 1 at the tiling asked for; pages that are neither whole tiles nor one token, caches
+    that are no [slots, width] view, and a tiling that is no build are refused before any launch."""
+    from mla_compile.kernels import _gluon as G
+    from mla_compile.kernels import decode_swapab as S
+
+    if G.gluon is None:
+        pytest.skip("no Gluon in this Triton")
+    qn, qp = torch.zeros(2, 40, 512, dtype=torch.bfloat16), torch.zeros(2, 40, 64, dtype=torch.bfloat16)
+    o, l = torch.empty(4, 2, 40, 512, device="meta"), torch.empty(4, 2, 40, device="meta")
+
+    def plan(ckv, kpe, tiling=None):
+        table = torch.zeros(2, 128, dtype=torch.int32)
+        return S.stage1_plan(qn, qp, ckv, kpe, table, 0.1, o, l, o.stride(0), l.stride(0), 4, tiling)
+
+    ckv, kpe = torch.zeros(300, 1, 512, dtype=torch.bfloat16), torch.zeros(300, 1, 64, dtype=torch.bfloat16)
+    bound, templates, numbers = plan(ckv, kpe)
+    assert [(list(t.shape), list(t.block_shape)) for t in templates] == [([300, 512], [64, 256]), ([300, 64], [64, 64])]
+    assert bound.kwargs["PS"] == 1 and bound.kwargs["N"] == 32 and bound.g == (2 * 2, 4, 1)  # blocks of 32 heads
+    bound, _, _ = plan(ckv, kpe, S.Tiling(64, 8))
+    assert bound.kwargs["N"] == 64 and bound.kwargs["WG"] == 2 and bound.g == (2, 4, 1)
+    with pytest.raises(ValueError, match="tiling"):
+        plan(ckv, kpe, S.Tiling(16, 8))
+    with pytest.raises(ValueError, match="token table"):
+        plan(torch.zeros(20, 16, 512, dtype=torch.bfloat16), torch.zeros(20, 16, 64, dtype=torch.bfloat16))
+    wide = torch.zeros(300, 1, 576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="token table"):
+        plan(wide[..., :512], wide[..., 512:])
