@@ -99,34 +99,42 @@ if G.gluon is not None:
         hi = gl.max(gl.where(valid, d, -2147483647), 0)
         return lo, lo == hi
 
+    @gluon.constexpr_function
+    def _gather_layout(num_warps):
+        """TOKENS' row copies: 16-byte chunks, 16 rows a repetition whatever the warps (a tile is 4 slabs of 16)."""
+        return gl.BlockedLayout([1, 8], [16 // num_warps, 2 * num_warps], [num_warps, 1], [1, 0])
+
     @gluon.jit
-    def _gather(Ckv, Kpe, s_cr, s_kr, bar, c0_s, c1_s, k_s, st, Table, b, s_tb, t0, end, LD: gl.constexpr):
+    def _gather(Ckv, Kpe, s_cr, s_kr, bar, c0_s, c1_s, k_s, st, Table, b, s_tb, t0, end):
         """TOKENS, a tile whose rows are not consecutive: its rows into staging slot `st` by 16-byte cp.async copies,
-        16 rows at a time (their table entries loaded here: the whole tile's pointers at once took ptxas past 255
-        registers), each thread's copies then arriving on `bar` (it counts every thread of the program). Tokens >=
-        end: rows zero-filled, nothing read."""
+        one slab of 16 rows at a time (the whole tile's pointers at once took ptxas past 255 registers), each
+        thread's copies then arriving on `bar` (it counts every thread of the program). The slabs' table entries are
+        loaded here: `_tile_rows` read the same 256 bytes a tile earlier (kept ahead as well, they spilled at 16
+        heads). Tokens >= end: rows zero-filled, nothing read."""
         RH: gl.constexpr = c0_s.shape[2]
         P: gl.constexpr = k_s.shape[2]
-        BT: gl.constexpr = c0_s.shape[1]
-        SLAB: gl.constexpr = 4 * gl.num_warps()  # LD's rows
-        oc = gl.arange(0, RH, layout=gl.SliceLayout(0, LD))[None, :]
-        op = gl.arange(0, P, layout=gl.SliceLayout(0, LD))[None, :]
-        for r in gl.static_range(0, BT, SLAB):
-            t = t0 + r + gl.arange(0, SLAB, layout=gl.SliceLayout(1, LD))
+        GL: gl.constexpr = _gather_layout(gl.num_warps())
+        SLAB: gl.constexpr = 16
+        oc = gl.arange(0, RH, layout=gl.SliceLayout(0, GL))[None, :]
+        op = gl.arange(0, P, layout=gl.SliceLayout(0, GL))[None, :]
+        for k in gl.static_range(c0_s.shape[1] // SLAB):
+            t = t0 + k * SLAB + gl.arange(0, SLAB, layout=gl.SliceLayout(1, GL))
             valid = (t < end)[:, None]
             rows = gl.load(Table + b * s_tb + t, mask=t < end, other=0).to(gl.int64)[:, None]
-            async_copy.async_copy_global_to_shared(c0_s.index(st).slice(r, SLAB, dim=0), Ckv + rows * s_cr + oc,
+            async_copy.async_copy_global_to_shared(c0_s.index(st).slice(k * SLAB, SLAB, dim=0), Ckv + rows * s_cr + oc,
                                                    mask=valid)
-            async_copy.async_copy_global_to_shared(c1_s.index(st).slice(r, SLAB, dim=0), Ckv + rows * s_cr + RH + oc,
-                                                   mask=valid)
-            async_copy.async_copy_global_to_shared(k_s.index(st).slice(r, SLAB, dim=0), Kpe + rows * s_kr + op,
+            async_copy.async_copy_global_to_shared(c1_s.index(st).slice(k * SLAB, SLAB, dim=0),
+                                                   Ckv + rows * s_cr + RH + oc, mask=valid)
+            async_copy.async_copy_global_to_shared(k_s.index(st).slice(k * SLAB, SLAB, dim=0), Kpe + rows * s_kr + op,
                                                    mask=valid)
         async_copy.mbarrier_arrive(bar, increment_count=False)
 
     @gluon.jit
     def _tile_rows(Table, b, s_tb, t0, end, BT: gl.constexpr, PS: gl.constexpr, CK: gl.constexpr):
-        """What `_fill` needs of the table for the tile at t0, loaded a tile ahead so the copies never wait for it:
-        pages, the tile's first row; TOKENS, its entries in the check layout CK."""
+        """What `_fill` needs of the table for the tile at t0, loaded a tile ahead so the copies never wait for it
+        (the FP8 kernel's row copies with their entries loaded beside them took 1.6x the time: _fp8_swapab_tile
+        `_gather_pages`): pages, the tile's first row; TOKENS, its entries in the check layout CK (a gathered tile
+        reloads them from the cache lines this load brought in)."""
         if PS == 1:
             return _entries(Table, b, s_tb, t0, end, BT, CK)
         else:
@@ -134,18 +142,18 @@ if G.gluon is not None:
 
     @gluon.jit
     def _fill(CkvDesc, KpeDesc, Ckv, Kpe, s_cr, s_kr, bar, c0_s, c1_s, k_s, st, Table, b, s_tb, t0, end, rows,
-              PS: gl.constexpr, LD: gl.constexpr):
+              PS: gl.constexpr):
         """The tile at token t0 into staging slot `st`, completing on `bar` (`rows`: what `_tile_rows` gave). Pages
-        of whole tiles: TMA boxes at its first row. TOKENS (PS 1, a token table): its entries decide: consecutive rows (what a request's tokens in a static cache are: the HF
-        pass's tables) are TMA boxes, and the rest of the barrier's count arrives at once; others are gathered row
-        by row (`_gather`)."""
+        of whole tiles: TMA boxes at its first row. TOKENS (PS 1, a token table): its entries decide: consecutive
+        rows (what a request's tokens in a static cache are: the HF pass's tables) are TMA boxes, and the rest of the
+        barrier's count arrives at once; others are gathered row by row (`_gather`)."""
         if PS == 1:
             row0, run = _run_start(rows, t0, end)
             if run:
                 _issue(CkvDesc, KpeDesc, bar, c0_s, c1_s, k_s, st, row0)
                 mbarrier.arrive(bar, count=32 * gl.num_warps() - 1)
             else:
-                _gather(Ckv, Kpe, s_cr, s_kr, bar, c0_s, c1_s, k_s, st, Table, b, s_tb, t0, end, LD)
+                _gather(Ckv, Kpe, s_cr, s_kr, bar, c0_s, c1_s, k_s, st, Table, b, s_tb, t0, end)
         else:
             _issue(CkvDesc, KpeDesc, bar, c0_s, c1_s, k_s, st, rows)
 
@@ -193,7 +201,7 @@ if G.gluon is not None:
         s = warpgroup_mma_wait(0, deps=(s,))
         if refill:
             _fill(CkvDesc, KpeDesc, Ckv, Kpe, s_cr, s_kr, bars.index((i - 1) % STAGES), c0_s, c1_s, k_s,
-                  (i - 1) % STAGES, Table, b, s_tb, t_next, end, rows_next, PS, LD)
+                  (i - 1) % STAGES, Table, b, s_tb, t_next, end, rows_next, PS)
         s = s * scale_log2
         if MASKED:
             rows = gl.arange(0, BT, layout=gl.SliceLayout(1, S_L))
@@ -261,7 +269,7 @@ if G.gluon is not None:
             if j < n_tiles:
                 t0 = start + j * BT
                 _fill(CkvDesc, KpeDesc, Ckv, Kpe, s_cp, s_kp, bars.index(j), c0_s, c1_s, k_s, j, Table, b, s_tb, t0,
-                      end, _tile_rows(Table, b, s_tb, t0, end, BT, PS, CK), PS, LD)
+                      end, _tile_rows(Table, b, s_tb, t0, end, BT, PS, CK), PS)
 
         m_i = gl.full([N], float("-inf"), gl.float32, layout=gl.SliceLayout(0, S_L))  # running max per head
         l_i = gl.zeros([BT, N], gl.float32, layout=S_L)  # per-thread partial column sums (reduced once, at the end)

@@ -244,7 +244,7 @@ def test_swap_ab_kernel_reads_tma_tiles_into_warpgroup_mmas_without_spills(H, dt
     assert "C7514" not in out["advisories"] and "C7515" not in out["advisories"], out["advisories"]
 
 
-@pytest.mark.parametrize("H", [16, 32])
+@pytest.mark.parametrize("H", [16, 32, 64])
 def test_swap_ab_kernel_over_a_token_table_takes_tma_boxes_or_row_copies(H):
     """swapab's TOKENS form (a page-size-1 token table, the HF pass's): each tile's 64 entries are checked on the
     device; a run of consecutive rows is three TMA boxes whose barrier gets the rest of its count from one thread, any
@@ -254,7 +254,7 @@ def test_swap_ab_kernel_over_a_token_table_takes_tma_boxes_or_row_copies(H):
     from mla_compile.kernels import _gluon as G
     from mla_compile.kernels import decode_swapab as S
 
-    t = S.default_tiling(H)
+    t = S.default_tiling(H) if H < 64 else S.Tiling(64, 8)  # (the N 64 build: asked for only)
     out = aot.swapab_sm90(t, page_size=1)
     ptx = out["ptx"]
     assert "cp.async.bulk.tensor" in ptx and "cp.async.cg.shared.global" in ptx
