@@ -301,9 +301,10 @@ if _BaseLayer is not None:
         TP x DCP: dcp from `init_dcp(tp_size=...)` and the model sharded with `integrations.tp.shard_mla_heads`
         (the same group; a mismatch is a ValueError). DSA models under DCP keep the indexer keys sharded too.
         fused_rows=True (model-dtype caches): each layer's ckv and kpe are the two column ranges of one
-        [NP, PS, R + P] buffer, the K layout FlashMLA reads in place (`kernels/dispatch.select_decode_kernel` takes
-        it there at >= 64 heads and >= 256K tokens per call); our own many-head kernels then read rows by 16-byte
-        copies instead of TMA boxes over the cache.
+        [NP, PS, R + P] buffer, the K layout FlashMLA reads in place for a `mla.decode` call with this cache's block
+        table (`kernels/dispatch.select_decode_kernel` takes it there at >= 64 heads and >= 256K tokens per call).
+        The HF attention pass hands page-size-1 token tables instead (exact for any mask), which FlashMLA does not
+        read: a compiled model over this cache runs our kernels, reading rows by 16-byte copies, not TMA boxes.
         """
 
         def __init__(self, config, max_cache_len: int, *, page_size: int = 64, dcp=None,
