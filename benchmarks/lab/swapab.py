@@ -9,9 +9,9 @@ counts?
 
 --table: "pages" (default; page 64, shuffled pages), or a page-size-1 token table (what the HF pass hands over: the
 kernel's TOKENS form), "runs" (each request one run of consecutive rows off the tile edges: a static cache, every
-tile a TMA box) or "shuffled" (rows anywhere: every tile row copies); the Triton kernel is timed beside it ("triton"). --tiling N:warps: builds timed beside the default
-one at their own policy split count ("swapab N64"; e.g. 64:8 at 33-63 heads: the cache read once, not by two blocks
-of 32).
+tile a TMA box) or "shuffled" (rows anywhere: every tile row copies); the Triton kernel is timed beside it
+("triton"). --tiling N:warps: builds timed beside the default one at their own policy split count ("swapab N64";
+e.g. 64:8 at 33-63 heads: the cache read once, not by two blocks of 32).
 Per shape and table (the same data for every column): request 0 against float64 and the whole batch
 against the Triton kernel (out, lse), then CUDA-graph replay medians (do_bench_cudagraph) side by side: the Triton
 kernel auto runs today, the swap-AB kernel at the policy's split count (and at that count times each

@@ -17,19 +17,28 @@ decode_fp8_swapab.py, the FP8 cache's kernel of the same shape, must do). B is q
 once at the end.
 
 One program per (request, block of N heads, KV split), grid (B * ceil(H / N), n_splits); N 16 (one warpgroup) or 32
-(two: the scores split by heads, P.V by channels). Shared memory: q 18-36 KB, two staging slots of 72 KB (a third
-does not fit), P^T. A slot is refilled once the P.V that reads it has retired (in the next tile, after its
-scores), with the page of the tile it takes loaded before the waits so the copy never waits for the table. A split's
-partial last tile is a second instance of the tile step (MASKED): latent rows past the end are zeroed before P.V
-reads them (unused slots may hold NaN), their scores -inf. Each split writes the normalised partial out and
-natural-log lse (-inf for a split without tokens): the contract of every stage-1 kernel here, so kernels/merge.py
-combines the splits.
+(two: the scores split by heads, P.V by channels); 64 (two) when a config asks for it (`TILINGS`). Shared memory: q
+18-36 KB, two staging slots of 72 KB (a third does not fit), P^T. A slot is refilled once the P.V that reads it has
+retired (in the next tile, after its scores), with the page of the tile it takes loaded before the waits so the copy
+never waits for the table. A split's partial last tile is a second instance of the tile step (MASKED): latent rows past
+the end are zeroed before P.V reads them (unused slots may hold NaN), their scores -inf. Each split writes the
+normalised partial out and natural-log lse (-inf for a split without tokens): the contract of every stage-1 kernel here,
+so kernels/merge.py combines the splits.
+
+TOKENS (PS 1: a token table, each entry a token's cache row; what the HF attention pass hands over, exact for any
+mask): a tile is 64 table entries, not a page. They are loaded a tile ahead in a layout every warp holds whole, and two
+in-warp reductions tell whether they are consecutive rows r0, r0 + 1, ... (a request's tokens in a static cache, at
+any offset: a TMA box needs no tile alignment): then the same three TMA boxes at row r0, and one thread arrives for the
+rest of the staging barrier's count (it counts every thread); any other tile is copied row by row, 16-byte cp.async
+copies in slabs of 16 rows, each thread's copies arriving on the barrier when done. Either way the tile step waits on
+one barrier per slot, as the paged form does.
 
 Takes (`fits`, and `stage1_plan` checks the layout): sm_90, Gluon, fp16 / bf16, R 512 / P 64, one query token, a paged
-cache whose pages are whole 64-token tiles viewing as [slots, width] (`_gluon.tma_layout`);
-`dispatch.select_decode_kernel` decides. Measured (H100, benchmarks/RESULTS.md "The swap-AB kernel"): 0.88-1.04 of
-copy bandwidth from 32K tokens a request at B >= 8 (the Triton pointer kernel 0.86-1.03 there, 0.58 at B 8 8K against
-0.69 here), and at or below FlashInfer's and FlashMLA's time on every H 16 shape of issue 24's grid.
+cache whose pages are whole 64-token tiles viewing as [slots, width] (`_gluon.tma_layout`), or a page-size-1 cache
+viewing so under a token table (`_gluon.token_rows`); `dispatch.select_decode_kernel` decides. Measured (H100,
+benchmarks/RESULTS.md "The swap-AB kernel"): 0.88-1.04 of copy bandwidth from 32K tokens a request at B >= 8 (the Triton
+pointer kernel 0.86-1.03 there, 0.58 at B 8 8K against 0.69 here), and at or below FlashInfer's and FlashMLA's time on
+every H 16 shape of issue 24's grid.
 """
 
 from __future__ import annotations
@@ -232,9 +241,9 @@ if G.gluon is not None:
         """Stage 1 (module docstring). Qn [B, H, 512] / Qp [B, H, 64]; CkvDesc / KpeDesc: TMA descriptors over the
         caches as slots ([NP * PS, 512] in [64, 256] boxes, [NP * PS, 64] in [64, 64] boxes; Ckv / Kpe: the same
         caches as pointers, read by TOKENS' gathered tiles: the argument order of the other Gluon stage-1 kernels,
-        decode_wgmma.run_stage1); Table int32 [B, max_pages] (PS 1: a token table, each token's cache row); Lens int32 [B]; O fp32 [n_splits, B, H, 512] and L fp32 [n_splits, B, H]
-        (normalised partial out, natural-log lse; with one split the final out in q's dtype and lse, s_on = s_ln =
-        0). N heads per program, WG warpgroups."""
+        decode_wgmma.run_stage1); Table int32 [B, max_pages] (PS 1: a token table, each token's cache row); Lens
+        int32 [B]; O fp32 [n_splits, B, H, 512] and L fp32 [n_splits, B, H] (normalised partial out, natural-log lse;
+        with one split the final out in q's dtype and lse, s_on = s_ln = 0). N heads per program, WG warpgroups."""
         gl.static_assert(gl.num_warps() == 4 * WG, "WG warpgroups")
         BT: gl.constexpr = CkvDesc.block_type.shape[0]
         RH: gl.constexpr = CkvDesc.block_type.shape[1]
