@@ -17,6 +17,8 @@ from that same state:
   default  torch.compile(model, mode="reduce-overhead")                 (Inductor + CUDA-graph trees)
   mla      torch.compile(model, backend="mla_dcp", mode="reduce-overhead") (absorbed mla.decode, CUDA graphs)
            (`--mla-options` adds backend options, e.g. '{"triton.enable_pdl": true}')
+  mla:K    mla with the decode kernel K asked for (`options={"decode_kernel": K}`, mla_compile/tuning.py), timed
+           in the same run as mla, e.g. `--modes mla mla:swapab mla:triton` (an A/B of kernels on the HF step)
 
 `--step greedy` compiles (and runs eagerly, for eager) a step function instead of the model: the same HF model
 call plus the greedy pick (argmax over the last logits) inside, as gpt-fast / serving loops do; by default the
@@ -254,9 +256,10 @@ def run_case(H, kv_len, args, device, dtype, modes, log, result, save, kv_cache_
                 fn = target
             elif mode == "default":
                 fn = torch.compile(target, mode="reduce-overhead", fullgraph=True)
-            elif mode == "mla":
-                fn = torch.compile(target, backend="mla_dcp", options={"mode": "reduce-overhead", **args.mla_options},
-                                   fullgraph=True)
+            elif mode == "mla" or mode.startswith("mla:"):
+                asked = {"decode_kernel": mode[4:]} if mode.startswith("mla:") else {}
+                fn = torch.compile(target, backend="mla_dcp",
+                                   options={"mode": "reduce-overhead", **args.mla_options, **asked}, fullgraph=True)
             else:
                 raise ValueError(f"unknown mode {mode}")
             # correctness: the same first steps from the same cache state

@@ -111,6 +111,21 @@ def test_hf_decode_smoke_fp8_cache(tmp_path):
     assert modes["mla"]["rewrites"] == 1 and modes["mla"]["ok"] and modes["mla"]["token_steps_agree"] == "2/2"
 
 
+def test_hf_decode_smoke_kernel_modes(tmp_path):
+    """`--modes mla mla:triton mla:bogus`: the same step with a decode kernel asked for, in one run; a kernel name the
+    backend does not know is that mode's recorded error, the other modes still run."""
+    import hf_decode
+
+    out = tmp_path / "hf.json"
+    torch._dynamo.reset()
+    assert hf_decode.main([str(out), "--smoke", "--modes", "eager", "mla", "mla:triton", "mla:bogus",
+                           "--no-fp32-ref"]) == 0
+    (case,) = json.loads(out.read_text())["cases"]
+    modes = case["modes"]
+    assert "error" not in modes["mla:triton"] and modes["mla:triton"]["ok"] and modes["mla:triton"]["rewrites"] == 1
+    assert "decode_kernel" in modes["mla:bogus"]["error"] and modes["mla"]["ok"]
+
+
 def test_hf_decode_smoke_verification_step(tmp_path):
     """`--tokens 3`: every step verifies 3 tokens per request; mla rewrites it (multi-token) and matches eager on
     all 3 positions' logits."""
