@@ -304,7 +304,8 @@ if _BaseLayer is not None:
         [NP, PS, R + P] buffer, the K layout FlashMLA reads in place for a `mla.decode` call with this cache's block
         table (`kernels/dispatch.select_decode_kernel` takes it there at >= 64 heads and >= 256K tokens per call).
         The HF attention pass hands page-size-1 token tables instead (exact for any mask), which FlashMLA does not
-        read: a compiled model over this cache runs our kernels, reading rows by 16-byte copies, not TMA boxes.
+        read: a compiled model over this cache runs our kernels (which read its rows, 1152 bytes apart, as TMA
+        rows, as they read a packed cache's).
         """
 
         def __init__(self, config, max_cache_len: int, *, page_size: int = 64, dcp=None,

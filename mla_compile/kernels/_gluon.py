@@ -14,7 +14,7 @@ import functools
 import torch
 
 from ._launch import without_bases
-from ._util import caches_view_as_slots
+from ._util import caches_view_as_slots, slot_stride
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every shape
     from triton.experimental import gluon
@@ -60,13 +60,13 @@ def _box_layouts(R: int, P: int, dtype: torch.dtype):
 
 
 def descriptors(ckv_cache, kpe_cache):
-    """TMA descriptors over the whole caches viewed as [slots, width]: boxes of one tile of one latent half, and of
-    the rope part."""
+    """TMA descriptors over the whole caches seen as [slots, width] (`caches_view_as_slots`: rows `slot_stride`
+    apart, e.g. two column ranges of one buffer): boxes of one tile of one latent half, and of the rope part."""
     NP, PS, R = ckv_cache.shape
     P = kpe_cache.shape[2]
     c_layout, k_layout = _box_layouts(R, P, ckv_cache.dtype)
-    return (TensorDescriptor.from_tensor(ckv_cache.view(NP * PS, R), [BLOCK_N, R // 2], c_layout),
-            TensorDescriptor.from_tensor(kpe_cache.view(NP * PS, P), [BLOCK_N, P], k_layout))
+    return (TensorDescriptor(ckv_cache, [NP * PS, R], [slot_stride(ckv_cache), 1], [BLOCK_N, R // 2], c_layout),
+            TensorDescriptor(kpe_cache, [NP * PS, P], [slot_stride(kpe_cache), 1], [BLOCK_N, P], k_layout))
 
 
 def descriptor_templates(ckv_cache, kpe_cache) -> tuple:

@@ -65,11 +65,22 @@ def box_width(x: int) -> bool:
     return 16 <= x <= 256 and x & (x - 1) == 0
 
 
+def slot_stride(cache) -> int:
+    """Elements between consecutive slots (token rows) of a paged cache [pages, page_size, width]."""
+    return cache.stride(1) if cache.shape[1] > 1 else cache.stride(0)
+
+
 def caches_view_as_slots(ckv_cache, kpe_cache) -> bool:
-    """Paged caches [pages, page_size, width] that view as [slots, width] (what a TMA descriptor over the whole
-    cache needs), 16-byte aligned."""
-    return all(t.stride() == (t.shape[1] * t.shape[2], t.shape[2], 1) and t.data_ptr() % 16 == 0
-               for t in (ckv_cache, kpe_cache))
+    """Paged caches [pages, page_size, width] whose slots are rows at one stride, pages back to back (a TMA
+    descriptor over the whole cache as [slots, width], `slot_stride` apart), the stride a multiple of 16 bytes,
+    16-byte aligned, unit inner stride. Packed caches are; so are the two column ranges of one [NP, PS, R + P]
+    buffer (FlashMLA's K layout, `flashmla.fused_caches`; vLLM's and SGLang's MLA caches are one such buffer)."""
+    for t in (ckv_cache, kpe_cache):
+        rs = slot_stride(t)
+        if not (t.stride(2) == 1 and rs >= t.shape[2] and (rs * t.element_size()) % 16 == 0
+                and (t.shape[1] == 1 or t.shape[0] == 1 or t.stride(0) == t.shape[1] * rs) and t.data_ptr() % 16 == 0):
+            return False
+    return True
 
 
 # programmatic dependent launch for our kernels: "auto" (default) / "1" on sm_90+, "0" never. HF DeepSeek-V3 step

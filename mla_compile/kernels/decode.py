@@ -20,7 +20,7 @@ import functools
 import torch
 
 from ._util import (block, box_width, caches_view_as_slots, cdiv, dot_mode, has_tma, pdl_launch,
-                    query_limit_args, sm_count)
+                    query_limit_args, slot_stride, sm_count)
 from ._launch import bind, templated_at, without_bases
 from .decode_stage1 import _stage1_kernel, _stage1_tma_kernel
 from ..fp8 import GROUP as FP8_GROUP
@@ -206,8 +206,8 @@ def _tma_stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l,
     NP, PS, _ = ckv_cache.shape
     P = kpe_cache.shape[2]
     templates = without_bases((
-        TensorDescriptor(ckv_cache, [NP * PS, R], [ckv_cache.stride(1), 1], [cfg.block_n, R // 2]),
-        TensorDescriptor(kpe_cache, [NP * PS, P], [kpe_cache.stride(1), 1], [cfg.block_n, P])))
+        TensorDescriptor(ckv_cache, [NP * PS, R], [slot_stride(ckv_cache), 1], [cfg.block_n, R // 2]),
+        TensorDescriptor(kpe_cache, [NP * PS, P], [slot_stride(kpe_cache), 1], [cfg.block_n, P])))
     bound = bind(_stage1_tma_kernel, (B, cdiv(H, cfg.block_h), ns), templated_at(2, templates), n_splits=ns,
                  **tma_constexprs(cfg, R, P, q_nope.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                  **pdl_launch(q_nope.device))

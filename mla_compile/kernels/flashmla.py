@@ -11,8 +11,8 @@ What FlashMLA reads, and what that costs with our caches:
   block table's B * MP pages). That copy moves more bytes than the attention reads; benchmarks/bench_ops.py
   times the adapter both ways (`flashmla_fused_graph_ms`, `flashmla_copied_graph_ms`) and the copy alone
   (`kv_copy_graph_ms`), so a backend choice can see it.
-  Note: the fused layout is not free for our own kernels either: the Triton/Gluon TMA kernels want each cache
-  to view as [slots, width] (`_util.caches_view_as_slots`), which a column range of a wider buffer is not.
+  Our own TMA kernels read the fused layout too: a column range's rows are 1152 bytes apart, a TMA stride
+  (`_util.caches_view_as_slots`, `slot_stride`).
 - q: [B, 1, H, R + P], q_nope | q_pe concatenated (a copy of B * H * 576 elements: small).
 - P = 0 (rope-less MLA): FlashMLA's 512-wide head reads ckv alone, in place.
 - Results: out [B, 1, H, 512] in q's dtype, lse float32 [B, H, 1], natural log. A row with seq_len 0 gets

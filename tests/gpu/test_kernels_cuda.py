@@ -639,6 +639,43 @@ def test_swapab_kernel_over_a_token_table(H, dtype, kind):
         assert_attention(out, lse, *want, dtype)
 
 
+def one_buffer(b):
+    """The batch's caches copied into the two column ranges of one [NP, PS, R + P] buffer (FlashMLA's K layout; vLLM's
+    and SGLang's MLA caches): rows R + P elements apart, the same values, NaN where the batch had NaN."""
+    from types import SimpleNamespace
+
+    R = b.ckv_cache.shape[-1]
+    buf = torch.cat((b.ckv_cache, b.kpe_cache), dim=-1)
+    return SimpleNamespace(ckv_cache=buf[..., :R], kpe_cache=buf[..., R:], block_table=b.block_table,
+                           seq_lens=b.seq_lens)
+
+
+@pytest.mark.parametrize("H,PS,kernel", [(16, 64, "swapab"), (40, 1, "swapab"), (128, 64, "seesaw"),
+                                         (128, 64, "wgmma")])
+def test_tma_kernels_over_one_buffers_column_ranges(H, PS, kernel):
+    # ckv / kpe as the column ranges of one buffer: rows 1152 bytes apart are TMA rows (descriptors at that stride),
+    # so auto keeps the TMA kernels (swapab at few heads, page 64 or a token table; seesaw at 128 heads); forced and
+    # policy splits, unused slots NaN, a CUDA graph replayed with new lengths
+    from mla_compile.kernels import _gluon as G
+    from mla_compile.kernels import decode_swapab, dispatch
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("warpgroup MMA: sm_90 only")
+    lens = [0, 1, 63, 64, 65, 777, 2101, 0, 33, 256, 128, 191]
+    if PS == 1:
+        b, qn, qp = token_table_batch(lens, H, torch.bfloat16, "holes", seed=H)
+    else:
+        b, qn, qp = make_batch(lens, H, 512, 64, PS, torch.bfloat16, seed=H)
+    b = one_buffer(b)
+    assert b.ckv_cache.stride(-2 if PS > 1 else 0) == 576
+    assert G.tma_layout(b.ckv_cache, b.kpe_cache, False) or G.token_rows(b.ckv_cache, b.kpe_cache, False)
+    auto = dispatch.decode_kernel(qn, qp, b.ckv_cache, b.kpe_cache).name
+    tokens_off = PS == 1 and not decode_swapab.TOKENS_IN_AUTO
+    assert auto == ("triton" if tokens_off else "seesaw" if H >= 64 else "swapab")
+    assert_decodes(b, qn, qp, torch.bfloat16, (1, 3, None),
+                   ([0, 1, 60, 64, 1, 700, 2000, 0, 0, 255, 127, 191], [0, 1, 5, 5, 5, 5, 5, 0, 5, 5, 5, 5]), kernel)
+
+
 def test_swapab_kernel_large_logits():
     # scores far from 0: the running max per head (a column of S^T) must keep exp2 in range across tiles and splits
     from mla_compile.kernels import decode as K

@@ -380,8 +380,8 @@ def test_bound_launch_encodes_each_descriptor_once_per_base(data, monkeypatch):
 
 def test_swapab_plan_over_a_token_table():
     """swapab's TOKENS form (page size 1 under a token table): the plan's descriptors are [slots, width] boxes of a
-    64-token tile, the build is PS 1 at the tiling asked for; pages that are neither whole tiles nor one token, caches
-    that are no [slots, width] view, and a tiling that is no build are refused before any launch."""
+    64-token tile (rows at the caches' stride), the build is PS 1 at the tiling asked for; pages that are neither
+    whole tiles nor one token, rows at no TMA stride, and a tiling that is no build are refused before any launch."""
     from mla_compile.kernels import _gluon as G
     from mla_compile.kernels import decode_swapab as S
 
@@ -404,6 +404,11 @@ def test_swapab_plan_over_a_token_table():
         plan(ckv, kpe, S.Tiling(16, 8))
     with pytest.raises(ValueError, match="token table"):
         plan(torch.zeros(20, 16, 512, dtype=torch.bfloat16), torch.zeros(20, 16, 64, dtype=torch.bfloat16))
-    wide = torch.zeros(300, 1, 576, dtype=torch.bfloat16)
+    odd = torch.zeros(300, 1, 516, dtype=torch.bfloat16)  # rows 1032 bytes apart: no TMA stride
     with pytest.raises(ValueError, match="token table"):
-        plan(wide[..., :512], wide[..., 512:])
+        plan(odd[..., :512], odd[..., 452:])
+    # one [N, 1, 576] buffer's two column ranges (SGLang's page-1 MLA cache, a fused-rows cache's flat view): the
+    # descriptors step 576 elements a row
+    wide = torch.zeros(300, 1, 576, dtype=torch.bfloat16)
+    _, templates, _ = plan(wide[..., :512], wide[..., 512:])
+    assert [list(t.strides) for t in templates] == [[576, 1], [576, 1]]

@@ -60,8 +60,10 @@ def test_tma_not_for_sparse_strided_or_when_off():
     ckv, kpe = caches(PS=16)
     assert not D.tma_eligible(ckv, kpe, True, cfg)  # sparse_decode: index lists, no tiles
     assert not D.tma_eligible(ckv, kpe, False, D.DecodeConfig(block_n=16))
-    wide = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
-    assert not D.tma_eligible(wide[..., :512], kpe, False, cfg)  # rows not contiguous at R
+    odd = torch.zeros(4, 16, 516, dtype=torch.bfloat16)
+    assert not D.tma_eligible(odd[..., :512], kpe, False, cfg)  # rows 1032 bytes apart: no TMA stride
+    wide = torch.zeros(4, 16, 576, dtype=torch.bfloat16)  # one buffer's column ranges: rows 1152 bytes apart
+    assert D.tma_eligible(wide[..., :512], wide[..., 512:], False, cfg)
 
 
 def test_tma_needs_hopper(monkeypatch):
@@ -93,14 +95,22 @@ def test_gluon_kernels_choose_tma_boxes_only_for_whole_tile_pages():
         assert not G.tma_layout(*caches(PS=PS), sparse=True)
     for PS in (1, 16, 32, 96):
         assert not G.tma_layout(*caches(PS=PS), sparse=False)
-    ckv, kpe = torch.zeros(4, 64, 1024, dtype=torch.bfloat16)[..., :512], torch.zeros(4, 64, 64, dtype=torch.bfloat16)
-    assert not G.tma_layout(ckv, kpe, sparse=False)  # rows 1024 apart: not a [slots, 512] view
+    # rows at a stride (pages back to back) are TMA rows too: the two column ranges of one [NP, PS, R + P] buffer
+    # (FlashMLA's K layout; vLLM's and SGLang's MLA caches), rows 1152 bytes apart
+    fused = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    assert G.tma_layout(fused[..., :512], fused[..., 512:], sparse=False)
+    assert D.slot_stride(fused[..., :512]) == 576 and D.slot_stride(fused[:, :1, :512]) == 64 * 576
+    odd = torch.zeros(4, 64, 516, dtype=torch.bfloat16)  # rows 1032 bytes apart: no TMA stride
+    assert not G.tma_layout(odd[..., :512], torch.zeros(4, 64, 64, dtype=torch.bfloat16), sparse=False)
+    gaps = torch.zeros(4, 128, 512, dtype=torch.bfloat16)[:, :64]  # pages with a gap between them
+    assert not G.tma_layout(gaps, torch.zeros(4, 64, 64, dtype=torch.bfloat16), sparse=False)
     # page 1 under a token table (the HF pass): swapab's TOKENS form takes consecutive rows as TMA boxes, so the
     # caches must view as [slots, width] too; not for index lists, other page sizes or strided rows
     assert G.token_rows(*caches(PS=1), sparse=False) and not G.token_rows(*caches(PS=1), sparse=True)
     assert not any(G.token_rows(*caches(PS=PS), sparse=False) for PS in (16, 64))
-    wide = torch.zeros(256, 1, 576, dtype=torch.bfloat16)
-    assert not G.token_rows(wide[..., :512], wide[..., 512:], sparse=False)  # one buffer's column ranges
+    wide = torch.zeros(256, 1, 576, dtype=torch.bfloat16)  # one buffer's column ranges (SGLang's page-1 MLA cache)
+    assert G.token_rows(wide[..., :512], wide[..., 512:], sparse=False)
+    assert not G.token_rows(torch.zeros(256, 1, 516, dtype=torch.bfloat16)[..., :512], wide[..., 512:], sparse=False)
     # q + two tiles + p fit Hopper's 227 KB at R 512 / P 64; a wider latent would not
     assert W.smem_bytes(512, 64) <= G.SMEM_LIMIT < W.smem_bytes(1024, 64)
     # q + two slots (p in their rope buffers) fit 227 KB at R 512 / P 64; the seesaw kernel needs rope 64
@@ -514,7 +524,7 @@ def test_flashmla_only_where_it_reads_the_caches_in_place(monkeypatch):
     assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2, block_table=big[:, :1024]).name != "flashmla"
     ckv2, kpe2 = flashmla.fused_caches(4096, 64, 512, 64, BF16, "cpu")  # no table: the whole cache bounds it
     assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2).name == "flashmla"
-    assert D_.decode_kernel(*_cpu_call(H=16)[:2], ckv2, kpe2).name == "triton"  # few heads: ours
+    assert D_.decode_kernel(*_cpu_call(H=16)[:2], ckv2, kpe2).name == FEW  # few heads: ours, TMA rows of the buffer
     assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2, kernel="triton").name == "triton"
     assert D_.decode_kernel(q_nope, q_pe[..., :0], ckv, kpe[..., :0], block_table=big).name == "flashmla"  # P = 0
     fake.supported = lambda *a: (False, "page size")
