@@ -304,8 +304,8 @@ if _BaseLayer is not None:
         [NP, PS, R + P] buffer, the K layout FlashMLA reads in place for a `mla.decode` call with this cache's block
         table (`kernels/dispatch.select_decode_kernel` takes it there at >= 64 heads and >= 256K tokens per call).
         The HF attention pass hands page-size-1 token tables instead (exact for any mask), which FlashMLA does not
-        read: a compiled model over this cache runs our kernels (which read its rows, 1152 bytes apart, as TMA
-        rows, as they read a packed cache's).
+        read: a compiled model over this cache runs our kernels, which read its rows (1152 bytes apart) wherever
+        they read a packed cache's (TMA descriptors at the rows' stride).
         """
 
         def __init__(self, config, max_cache_len: int, *, page_size: int = 64, dcp=None,
