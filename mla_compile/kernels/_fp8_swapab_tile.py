@@ -41,27 +41,23 @@ if G.gluon is not None:
         return gl.BlockedLayout(per_thread, lanes, [NW, 1], [1, 0])
 
     @gluon.jit
-    def _pages(Table, b, s_tb, t0, end, BT: gl.constexpr, PS: gl.constexpr, layout: gl.constexpr):
-        """The pages of tokens [t0, t0 + BT) in `layout` (int32, table[b, t // PS]); tokens past the end read no
-        table entry (it may be garbage): 0."""
-        t = t0 + gl.arange(0, BT, layout=layout)
-        return gl.load(Table + b * s_tb + t // PS, mask=t < end, other=0)
-
-    @gluon.jit
     def _gather_pages(Table, b, s_tb, t0, end, BT: gl.constexpr, PS: gl.constexpr, GROUPS: gl.constexpr):
         """GATHER: the table entries of the tile at t0 in each row-copy layout, loaded a tile before its copies are
         issued: loaded right before them, every tile stalled on the table's latency (H100, H 16 B 8 32K over a
         page-size-1 token table: 164.8 us against 102.7 loaded early; the TMA form on pages of 64: 85.3;
         benchmarks/RESULTS.md 2026-12-05)."""
         NW: gl.constexpr = gl.num_warps()
-        return (_pages(Table, b, s_tb, t0, end, BT, PS, gl.SliceLayout(1, _gather_layout("e4m3", NW, GROUPS))),
-                _pages(Table, b, s_tb, t0, end, BT, PS, gl.SliceLayout(1, _gather_layout("scales", NW, GROUPS))),
-                _pages(Table, b, s_tb, t0, end, BT, PS, gl.SliceLayout(1, _gather_layout("rope", NW, GROUPS))))
+        EL: gl.constexpr = gl.SliceLayout(1, _gather_layout("e4m3", NW, GROUPS))
+        SL: gl.constexpr = gl.SliceLayout(1, _gather_layout("scales", NW, GROUPS))
+        RL: gl.constexpr = gl.SliceLayout(1, _gather_layout("rope", NW, GROUPS))
+        return (G.table_entries(Table, b, s_tb, t0, end, BT, PS, EL),
+                G.table_entries(Table, b, s_tb, t0, end, BT, PS, SL),
+                G.table_entries(Table, b, s_tb, t0, end, BT, PS, RL))
 
     @gluon.jit
     def _rows16(page, t0, end, s_p, s_t, PS: gl.constexpr):
-        """The tokens t = t0, t0 + 1, ... whose pages `page` holds (`_pages`, in its layout): (their rows' offsets in
-        16-byte units, int64: page * s_p + (t % PS) * s_t; valid: t < end)."""
+        """The tokens t = t0, t0 + 1, ... whose pages `page` holds (`_gluon.table_entries`, in its layout): (their
+        rows' offsets in 16-byte units, int64: page * s_p + (t % PS) * s_t; valid: t < end)."""
         t = t0 + gl.arange(0, page.shape[0], layout=page.type.layout)
         return page.to(gl.int64) * s_p + (t % PS).to(gl.int64) * s_t, t < end
 

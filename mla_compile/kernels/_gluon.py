@@ -91,6 +91,13 @@ if gluon is not None:
                        other=0.0)
 
     @gluon.jit
+    def table_entries(Table, b, s_tb, t0, end, BT: gl.constexpr, PS: gl.constexpr, layout: gl.constexpr):
+        """The table entries of tokens [t0, t0 + BT) of request b in `layout` (int32, table[b, t // PS]: pages, or
+        with PS 1 a token table's rows); tokens past the end read no entry (it may be garbage): 0."""
+        t = t0 + gl.arange(0, BT, layout=layout)
+        return gl.load(Table + b * s_tb + t // PS, mask=t < end, other=0)
+
+    @gluon.jit
     def swapab_program(Lens, H, n_splits, N: gl.constexpr, BT: gl.constexpr):
         """A swap-AB kernel's program (grid (B * ceil(H / N), n_splits), request-major: a request's head blocks are
         neighbours, sharing its tiles in L2): (b int64, head block, split, its tokens [start, end), whole tiles,

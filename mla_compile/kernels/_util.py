@@ -75,12 +75,15 @@ def caches_view_as_slots(ckv_cache, kpe_cache) -> bool:
     descriptor over the whole cache as [slots, width], `slot_stride` apart), the stride a multiple of 16 bytes,
     16-byte aligned, unit inner stride. Packed caches are; so are the two column ranges of one [NP, PS, R + P]
     buffer (FlashMLA's K layout, `flashmla.fused_caches`; vLLM's and SGLang's MLA caches are one such buffer)."""
-    for t in (ckv_cache, kpe_cache):
-        rs = slot_stride(t)
-        if not (t.stride(2) == 1 and rs >= t.shape[2] and (rs * t.element_size()) % 16 == 0
-                and (t.shape[1] == 1 or t.shape[0] == 1 or t.stride(0) == t.shape[1] * rs) and t.data_ptr() % 16 == 0):
-            return False
-    return True
+    return tma_rows(ckv_cache) and tma_rows(kpe_cache)
+
+
+def tma_rows(cache) -> bool:
+    """One paged cache [pages, page_size, width] whose slots are TMA rows (`caches_view_as_slots`' rule)."""
+    rs = slot_stride(cache)
+    return (cache.stride(2) == 1 and rs >= cache.shape[2] and (rs * cache.element_size()) % 16 == 0
+            and (cache.shape[1] == 1 or cache.shape[0] == 1 or cache.stride(0) == cache.shape[1] * rs)
+            and cache.data_ptr() % 16 == 0)
 
 
 # programmatic dependent launch for our kernels: "auto" (default) / "1" on sm_90+, "0" never. HF DeepSeek-V3 step

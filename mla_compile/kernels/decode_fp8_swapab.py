@@ -66,7 +66,7 @@ import torch
 from .. import fp8
 from . import _gluon as G
 from ._launch import bind, templated_at, without_bases
-from ._util import cdiv
+from ._util import cdiv, slot_stride, tma_rows
 
 if G.gluon is not None:
     from triton.experimental import gluon
@@ -328,13 +328,10 @@ def fits(R_: int, P_: int, dtype: torch.dtype) -> bool:
 
 
 def _box_view(t: torch.Tensor):
-    """A cache view [NP, PS, X] as TMA slots [NP * PS, X] (row stride a multiple of 16 bytes, 16-byte aligned base,
-    unit inner stride), or None."""
+    """A cache view [NP, PS, X] as TMA slots [NP * PS, X] (`_util.tma_rows`: rows at a 16-byte multiple stride,
+    16-byte aligned base, unit inner stride), or None."""
     NP, PS, X = t.shape
-    if t.stride(2) != 1 or t.stride(0) != PS * t.stride(1) or (t.stride(1) * t.element_size()) % 16 \
-            or t.data_ptr() % 16:
-        return None
-    return t.as_strided((NP * PS, X), (t.stride(1), 1))
+    return t.as_strided((NP * PS, X), (slot_stride(t), 1)) if tma_rows(t) else None
 
 
 def eligible(ckv_cache, kpe_cache, ckv_scale) -> bool:

@@ -91,13 +91,6 @@ if G.gluon is not None:
         return gl.load(Table + b * s_tb + t // PS) * PS + t % PS
 
     @gluon.jit
-    def _entries(Table, b, s_tb, t0, end, BT: gl.constexpr, layout: gl.constexpr):
-        """TOKENS: the table entries (cache rows) of tokens [t0, t0 + BT) in `layout`; tokens >= end read no entry
-        (it may be garbage): 0."""
-        t = t0 + gl.arange(0, BT, layout=layout)
-        return gl.load(Table + b * s_tb + t, mask=t < end, other=0)
-
-    @gluon.jit
     def _run_start(rows, t0, end):
         """TOKENS: (row0, whether every token t0 + i < end sits at row row0 + i): the tile is then one TMA box. `rows`
         in a layout whose every warp holds all of them (the reductions stay inside a warp)."""
@@ -127,9 +120,9 @@ if G.gluon is not None:
         oc = gl.arange(0, RH, layout=gl.SliceLayout(0, GL))[None, :]
         op = gl.arange(0, P, layout=gl.SliceLayout(0, GL))[None, :]
         for k in gl.static_range(c0_s.shape[1] // SLAB):
-            t = t0 + k * SLAB + gl.arange(0, SLAB, layout=gl.SliceLayout(1, GL))
-            valid = (t < end)[:, None]
-            rows = gl.load(Table + b * s_tb + t, mask=t < end, other=0).to(gl.int64)[:, None]
+            valid = (t0 + k * SLAB + gl.arange(0, SLAB, layout=gl.SliceLayout(1, GL)) < end)[:, None]
+            rows = G.table_entries(Table, b, s_tb, t0 + k * SLAB, end, SLAB, 1, gl.SliceLayout(1, GL))
+            rows = rows.to(gl.int64)[:, None]
             async_copy.async_copy_global_to_shared(c0_s.index(st).slice(k * SLAB, SLAB, dim=0), Ckv + rows * s_cr + oc,
                                                    mask=valid)
             async_copy.async_copy_global_to_shared(c1_s.index(st).slice(k * SLAB, SLAB, dim=0),
@@ -145,7 +138,7 @@ if G.gluon is not None:
         `_gather_pages`): pages, the tile's first row; TOKENS, its entries in the check layout CK (a gathered tile
         reloads them from the cache lines this load brought in)."""
         if PS == 1:
-            return _entries(Table, b, s_tb, t0, end, BT, CK)
+            return G.table_entries(Table, b, s_tb, t0, end, BT, 1, CK)
         else:
             return _row_of(Table, b, s_tb, t0, PS)
 
