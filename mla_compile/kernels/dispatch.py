@@ -251,8 +251,7 @@ def _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool, n_query: int, block
              n_query),
             # TMA boxes are 16-byte aligned rows too: the row check only where the gather kernel would copy them
             dict(tma_layout=tma, rows_aligned=tma or (gluon_device and _gluon.rows_aligned(ckv_cache, kpe_cache)),
-                 tokens=tokens, token_rows=gluon_device and n_query == 1 and _gluon.token_rows(ckv_cache, kpe_cache,
-                                                                                                sparse)))
+                 tokens=tokens, token_rows=gluon_device and _gluon.token_rows(ckv_cache, kpe_cache, sparse)))
 
 
 def decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False, n_query: int = 1,
