@@ -102,7 +102,8 @@ stage_select() { timeout "${T_SELECT:-200}" python3 benchmarks/indexer_select.py
 # dcpindexer: the lab probe of dsa::dcp_indexer_topk's per-rank step vs the single-rank op (one GPU, no group)
 stage_dcpindexer() { timeout "${T_DCPINDEXER:-200}" python3 benchmarks/lab/dcp_indexer_probe.py "$OUT/dcp_indexer.json"; }
 # fp8swap: the lab probe of a swap-AB Gluon stage 1 for the FP8 cache at H 16-64 (check, then times beside mla.decode FP8
-# / bf16 and FlashMLA); FP8SWAP_ARGS e.g. "--shapes 16:8:32768 --configs 16:8:3" or "--check-only"
+# / bf16 and FlashMLA); FP8SWAP_ARGS e.g. "--shapes 16:8:32768 --configs 16:8:3" or "--check-only"; "--table pages tiles
+# runs holes shuffled": its GATHER and TOKENS forms over page-size-1 token tables beside the TMA form on pages
 stage_fp8swap() { timeout "${T_FP8SWAP:-300}" python3 benchmarks/lab/fp8_swapab.py "$OUT/fp8_swapab.json" ${FP8SWAP_ARGS:-}; }
 # swapab (issue 24): the lab probe of the few-head swap-AB Gluon stage 1 over a bf16 cache (check, then times beside the
 # Triton kernel auto runs, FlashInfer and FlashMLA); SWAPAB_ARGS e.g. "--shapes 16:8:32768 --splits-scale 0.5 2"

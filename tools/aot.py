@@ -164,16 +164,18 @@ def swapab_sm90(tiling=None, H: int = 16, page_size: int = 64, dtype: str = "bf1
     return compile_sm90(S._swapab_kernel, t.constexprs(page_size), desc, t.warps, 1, gluon=True)
 
 
-def fp8_swapab_sm90(tiling=None, H: int = 16, page_size: int = 64, gather: bool = False) -> dict:
+def fp8_swapab_sm90(tiling=None, H: int = 16, page_size: int = 64, gather: bool = False,
+                    tokens: bool = False) -> dict:
     """kernels/decode_fp8_swapab.py's stage-1 kernel for an FP8 cache at `tiling` (default: the one `H` heads get),
     compiled for sm_90a (`compile_sm90`'s answer); `gather`: its GATHER form (cp.async row copies through the table,
     any page size: the three views as 16-byte aligned pointers, their strides in 16-byte units unspecialised, as
-    656-byte tokens give them)."""
+    656-byte tokens give them); `tokens`: its TOKENS form (page size 1: the TMA form's descriptors and GATHER's
+    pointers, each tile either)."""
     from mla_compile.kernels import decode_fp8_swapab as F
 
     t = tiling or F.default_tiling(H)
     divisible = {"Qn", "Qp", "Table", "Lens", "O", "L", "s_qnb", "s_qnh", "s_qpb", "s_qph", "s_on", "s_ob", "s_oh"}
-    if gather:
+    if gather and not tokens:
         desc = {"EDesc": "*fp8e4nv", "SDesc": "*fp32", "RDesc": "*bf16", "Qn": "*bf16", "Qp": "*bf16"}
         divisible |= {"EDesc", "SDesc", "RDesc"}
     else:
@@ -182,5 +184,8 @@ def fp8_swapab_sm90(tiling=None, H: int = 16, page_size: int = 64, gather: bool 
                 "SDesc": f"tensordesc<fp32[{F.BLOCK_T}, {F.GROUPS}],{s_l!r}>",
                 "RDesc": f"tensordesc<bf16[{F.BLOCK_T}, {F.P}],{r_l!r}>",
                 "Qn": "*bf16", "Qp": "*bf16"}
-    return compile_sm90(F._fp8_swapab_kernel, t.constexprs(page_size, gather), desc, t.warps, 1, divisible,
+    if tokens:
+        desc.update(EPtr="*fp8e4nv", SPtr="*fp32", RPtr="*bf16")
+        divisible |= {"EPtr", "SPtr", "RPtr"}
+    return compile_sm90(F._fp8_swapab_kernel, t.constexprs(page_size, gather, tokens), desc, t.warps, 1, divisible,
                         gluon=True)

@@ -8,6 +8,7 @@ variant EXACT=False, which rounds value x scale to a bf16 tile, instead of the p
 values in an fp16 tile, the scales applied to the fp32 products).
 
     python benchmarks/lab/fp8_swapab.py OUT.json [--shapes H:B:KV ...] [--configs N:W:S ...]
+                                        [--table pages tiles runs holes shuffled]
     python benchmarks/lab/fp8_swapab.py --aot          (CPU: compile for sm_90a, registers / shared / spills)
     python benchmarks/lab/fp8_swapab.py --emulate      (CPU: both schemes' arithmetic vs float64, the tolerances)
     FP8SWAP_ARGS="..." bash benchmarks/device.sh fp8swap
@@ -18,6 +19,14 @@ replay medians (do_bench_cudagraph) side by side on the same tokens: the product
 + merge (and stage 1 alone), `torch.ops.mla.decode` on the FP8 cache (kernels/decode_fp8.py), the op on a bf16 cache
 of the same values, FlashMLA's dense bf16 / FP8 decode when `flash_mla` imports (benchmarks/fp8_decode.py's calls),
 and other builds (EXTRA, --configs).
+
+--table: "pages" (default: the above, page 64, the TMA form) and page-size-1 token tables (what the HF pass hands
+over), each timed in the GATHER form (row copies through the table) and the TOKENS form (a tile of consecutive rows
+as the TMA form's boxes, others row copies), stage 1 + merge and stage 1 alone, request 0 checked against float64
+first: "tiles" (the pages' buffer through a token table of their slots: every tile one page, so the TOKENS form
+takes boxes throughout, on the very bytes the TMA form reads), "runs" (each request one run of consecutive rows off
+the tile edges: a static cache), "holes" (each request's rows from a range 64 longer: ~64 tiles of its 512 at 32K
+broken), "shuffled" (rows anywhere: every tile row copies, what the check costs the TOKENS form).
 """
 
 from __future__ import annotations
@@ -78,18 +87,20 @@ def auto_splits(programs: int, capacity: int, device) -> int:
 
 
 def stage1(q_nope, q_pe, buf, block_table, seq_lens, sm_scale, n_splits=None, *, build: Build | None = None,
-           outs=None, lses=None):
+           outs=None, lses=None, tokens: bool | None = None):
     """Stage 1 only: (outs fp32 [n_splits, B, H, 512] normalised partial outs, lses fp32 [n_splits, B, H]
     natural-log lses; -inf, out 0, for a split without tokens). build: default `default_build(H)`; n_splits:
-    default `auto_splits`; outs / lses: preallocated outputs to write. Launched through the product's
-    `stage1_plan` / `run_stage1` (its `descriptors` over fp8.views)."""
+    default `auto_splits`; outs / lses: preallocated outputs to write; tokens: over a page-size-1 buffer, the
+    TOKENS form (True) or GATHER (False; None: the product's choice). Launched through the product's `stage1_plan`
+    / `run_stage1` (its `descriptors` over fp8.views)."""
     B, H, _ = q_nope.shape
     bld = build or default_build(H)
     t = bld.tiling
     ckv, scale, kpe = fp8.views(buf, R)
     PS = buf.shape[1]
     assert q_nope.shape[2] == R and q_pe.shape[2] == P and q_nope.dtype == q_pe.dtype == torch.bfloat16
-    assert K.eligible(ckv, kpe, scale) and block_table.dtype == seq_lens.dtype == torch.int32
+    assert K.eligible(ckv, kpe, scale) or K.gather_eligible(ckv, kpe, scale)
+    assert block_table.dtype == seq_lens.dtype == torch.int32
     hb = cdiv(H, t.N)
     ns = n_splits or auto_splits(B * hb, block_table.shape[1] * PS, q_nope.device)
     if outs is None:
@@ -97,18 +108,20 @@ def stage1(q_nope, q_pe, buf, block_table, seq_lens, sm_scale, n_splits=None, *,
         lses = torch.empty(ns, B, H, dtype=torch.float32, device=q_nope.device)
     assert outs.shape == (ns, B, H, R) and outs.stride(3) == 1 and lses.shape == (ns, B, H)
     plan = K.stage1_plan(q_nope, q_pe, ckv, kpe, scale, block_table, sm_scale, outs, lses, outs.stride(0),
-                         lses.stride(0), ns, t)
+                         lses.stride(0), ns, t, tokens)
     K.run_stage1(plan, q_nope, q_pe, ckv, kpe, scale, block_table, seq_lens, outs, lses)
     return outs, lses
 
 
-def launch(q_nope, q_pe, buf, block_table, seq_lens, sm_scale, n_splits=None, *, build: Build | None = None):
+def launch(q_nope, q_pe, buf, block_table, seq_lens, sm_scale, n_splits=None, *, build: Build | None = None,
+           tokens: bool | None = None):
     """q_nope [B, H, 512] bf16, q_pe [B, H, 64] bf16, buf uint8 [NP, PS, 656] (fp8.py's format; PS a multiple of
-    64), block_table int32 [B, max_pages], seq_lens int32 [B] -> (out [B, H, 512] bf16, lse [B, H] fp32, natural
-    log; an empty request gives (0, -inf)): stage 1 (`stage1`), then kernels/merge.py over the splits."""
+    64, or 1 under a token table: `tokens` as in `stage1`), block_table int32 [B, max_pages], seq_lens int32 [B] ->
+    (out [B, H, 512] bf16, lse [B, H] fp32, natural log; an empty request gives (0, -inf)): stage 1 (`stage1`), then
+    kernels/merge.py over the splits."""
     from mla_compile.kernels.merge import merge_into
 
-    outs, lses = stage1(q_nope, q_pe, buf, block_table, seq_lens, sm_scale, n_splits, build=build)
+    outs, lses = stage1(q_nope, q_pe, buf, block_table, seq_lens, sm_scale, n_splits, build=build, tokens=tokens)
     B, H, _ = q_nope.shape
     out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
     lse = torch.empty(B, H, dtype=torch.float32, device=q_nope.device)
@@ -400,8 +413,8 @@ def token_buffer(ckv8: torch.Tensor) -> torch.Tensor:
 
 
 def bench(args) -> tuple[list[dict], float]:
-    """The timing rows, one per --shapes entry (module docstring), and the copy bandwidth (GB/s, read + write) their
-    *_bw_frac divide by."""
+    """The timing rows, one per --shapes entry and --table kind (module docstring), and the copy bandwidth (GB/s,
+    read + write) their *_bw_frac divide by."""
     from bench_ops import copy_bandwidth
 
     copy_gbps = copy_bandwidth() / 1e9
@@ -409,9 +422,89 @@ def bench(args) -> tuple[list[dict], float]:
     rows = []
     for text in args.shapes:
         H, B, KV = (int(x) for x in text.split(":"))
-        rows.append(bench_shape(H, B, KV, args, gen, copy_gbps))
-        torch.cuda.empty_cache()  # this shape's caches are gone with bench_shape's frame
+        for kind in args.table:
+            try:
+                rows.append(bench_shape(H, B, KV, args, gen, copy_gbps) if kind == "pages" else
+                            bench_table(H, B, KV, kind, args, gen, copy_gbps))
+            except Exception as e:  # noqa: BLE001 - reported per row, the next still run
+                rows.append(dict(H=H, B=B, kv_len=KV, table=kind, error=repr(e)[:400]))
+                print(rows[-1], flush=True)
+            torch.cuda.empty_cache()  # this row's caches are gone with its frame
     return rows, copy_gbps
+
+
+def token_table(B: int, KV: int, kind: str, gen):
+    """(buf uint8 [N, 1, 656], token table int32 [B, KV], lengths): B requests of KV tokens in a page-size-1 FP8
+    buffer (random bf16 tokens quantized by mla.cache_write_fp8), the table `--table`'s kind: "tiles" the pages of
+    fp8_decode.caches (shuffled pages of 64, each page's slots in order), "runs" / "holes" / "shuffled" over a buffer
+    of B (KV + 64) rows (module docstring)."""
+    import fp8_decode as F8
+
+    dev = "cuda"
+    if kind == "tiles":
+        _, _, (c8, _, _), pages, lens = F8.caches(B, KV, gen)
+        tokens = (pages.long()[:, :, None] * F8.PS + torch.arange(F8.PS, device=dev)).reshape(B, KV).int()
+        return token_buffer(c8).reshape(-1, 1, W_TOKEN), tokens, lens
+    span = KV + 64
+    buf, ckv, scale, kpe = fp8.allocate(B * span, 1, R, P, device=dev)
+    for b in range(B):  # a request's rows at a time: the bf16 tokens of the whole buffer would double its bytes
+        rows = torch.arange(b * span, (b + 1) * span, device=dev)
+        torch.ops.mla.cache_write_fp8(ckv, kpe, scale, torch.randn(span, R, generator=gen, device=dev).bfloat16(),
+                                      torch.randn(span, P, generator=gen, device=dev).bfloat16(), rows)
+    base = torch.arange(B, device=dev)[:, None] * span
+    if kind == "runs":
+        table = base + torch.randint(1, 64, (B, 1), generator=gen, device=dev) + torch.arange(KV, device=dev)
+    elif kind == "holes":
+        keep = torch.stack([torch.randperm(span, generator=gen, device=dev)[:KV].sort().values for _ in range(B)])
+        table = base + keep
+    elif kind == "shuffled":
+        table = torch.randperm(B * span, generator=gen, device=dev)[:B * KV].view(B, KV)
+    else:
+        raise ValueError(f"--table: unknown kind {kind!r}")
+    return buf, table.int(), torch.full((B,), KV, dtype=torch.int32, device=dev)
+
+
+def bench_table(H: int, B: int, KV: int, kind: str, args, gen, copy_gbps: float) -> dict:
+    """One shape over a page-size-1 token table of `kind` (`token_table`): the GATHER and TOKENS forms, stage 1 +
+    merge and stage 1 alone, each checked on request 0 against float64 first, then timed by CUDA-graph replay."""
+    import fp8_decode as F8
+    from triton.testing import do_bench_cudagraph
+
+    def us(fn):
+        return do_bench_cudagraph(fn, rep=args.rep, return_mode="median") * 1e3
+
+    buf, table, lens = token_table(B, KV, kind, gen)
+    c8, s8, k8 = fp8.views(buf, R)
+    qn = torch.randn(B, H, R, generator=gen, device="cuda").to(torch.bfloat16)
+    qp = torch.randn(B, H, P, generator=gen, device="cuda").to(torch.bfloat16)
+    bld = default_build(H)
+    ns = args.splits or auto_splits(B * cdiv(H, bld.tiling.N), KV, qn.device)
+    outs = torch.empty(ns, B, H, R, dtype=torch.float32, device="cuda")
+    lses = torch.empty(ns, B, H, dtype=torch.float32, device="cuda")
+    row = {"H": H, "B": B, "kv_len": KV, "table": kind, "config": bld.name, "splits": ns}
+
+    def fp8_rows(s):
+        return fp8.dequantize(c8.reshape(-1, R)[s], s8.reshape(-1, GROUPS)[s], torch.float64)
+
+    for form, tokens in (("gather", False), ("tokens", True)):
+        def call(tokens=tokens):
+            return launch(qn, qp, buf, table, lens, F8.SCALE, ns, build=bld, tokens=tokens)
+
+        def alone(tokens=tokens):
+            return stage1(qn, qp, buf, table, lens, F8.SCALE, ns, build=bld, outs=outs, lses=lses, tokens=tokens)
+
+        try:
+            row[f"{form}_check"] = ok = F8.check_request0(*call(), qn, qp, fp8_rows, k8, table, page_size=1)
+            if ok == "ok":
+                row[f"{form}_us"], row[f"{form}_stage1_us"] = us(call), us(alone)
+                row[f"{form}_gbps"] = B * KV * W_TOKEN / row[f"{form}_us"] / 1e3
+                row[f"{form}_bw_frac"] = row[f"{form}_gbps"] / copy_gbps
+        except Exception as e:  # noqa: BLE001 - reported, the other form still timed
+            row[f"{form}_error"] = repr(e)[:400]
+    if isinstance(row.get("gather_us"), float) and isinstance(row.get("tokens_us"), float):
+        row["tokens_vs_gather"] = row["tokens_us"] / row["gather_us"]
+    F8.row_done(row)
+    return row
 
 
 def bench_shape(H: int, B: int, KV: int, args, gen, copy_gbps: float) -> dict:
@@ -486,7 +579,26 @@ def bench_shape(H: int, B: int, KV: int, args, gen, copy_gbps: float) -> dict:
 
 
 def table(rows) -> str:
-    """The timing rows as a text table: us (and GB/s of the cache read, 656 bytes a token for FP8, 1152 for bf16)."""
+    """The timing rows as a text table: us (and GB/s of the cache read, 656 bytes a token for FP8, 1152 for bf16);
+    the token-table rows (`bench_table`) in a second one."""
+    pages = [r for r in rows if r.get("table", "pages") == "pages" and "error" not in r]
+    tables = [r for r in rows if r.get("table", "pages") != "pages" and "error" not in r]
+    text = _pages_table(pages) if pages else ""
+    if tables:
+        head = f"{'H':>3} {'B':>3} {'kv':>7} {'table':>8} " + " ".join(
+            f"{label:>22}" for label in ("GATHER+merge", "TOKENS+merge", "GATHER stage 1", "TOKENS stage 1"))
+        lines = [head, "-" * len(head)]
+        for r in tables:
+            cells = [f"{r[k]:9.1f} us" if isinstance(r.get(k), float) else r.get(k.replace("_stage1_us", "_us")
+                     .replace("_us", "_check"), "-") for k in ("gather_us", "tokens_us", "gather_stage1_us",
+                                                                "tokens_stage1_us")]
+            lines.append(f"{r['H']:>3} {r['B']:>3} {r['kv_len']:>7} {r['table']:>8} "
+                         + " ".join(f"{str(c)[:22]:>22}" for c in cells))
+        text += ("\n\n" if text else "") + "\n".join(lines)
+    return text
+
+
+def _pages_table(rows) -> str:
     cols = [("swapab", "swapab+merge"), ("swapab_stage1", "stage 1"), ("fp8_op", "mla.decode fp8"),
             ("bf16_op", "mla.decode bf16"), ("flashmla_fp8", "FlashMLA fp8"), ("flashmla_bf16", "FlashMLA bf16")]
     head = f"{'H':>3} {'B':>3} {'kv':>7} " + " ".join(f"{label:>22}" for _, label in cols)
@@ -514,6 +626,8 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="*", default=[],
                     help="more builds to time (--aot: to compile), N:W:S[:PRE[:SLAB]][:bf16]")
     ap.add_argument("--splits", type=int, default=None, help="KV splits (default: one wave over the SMs)")
+    ap.add_argument("--table", nargs="+", default=["pages"], choices=["pages", "tiles", "runs", "holes", "shuffled"],
+                    help="page 64 (the TMA form) and / or page-size-1 token tables (GATHER and TOKENS forms)")
     ap.add_argument("--rep", type=int, default=50, help="do_bench_cudagraph rep (ms)")
     args = ap.parse_args(argv)
     from op_timing_out import emit

@@ -1,5 +1,6 @@
 """The per-tile steps of kernels/decode_fp8_swapab.py's Gluon kernel (its module docstring has the design): the copies
-of a tile into a staging slot (TMA boxes, or GATHER: 16-byte cp.async row copies through the table, `_fill_slot`),
+of a tile into a staging slot (TMA boxes, or GATHER: 16-byte cp.async row copies through the table, or TOKENS: either,
+as the tile's token-table entries decide, `_fill_slot`),
 the e4m3 -> 16-bit conversion into shared memory, the scores' per-row scales, one tile's scores,
 softmax and P.V (`_tile`, MASKED for a split's partial last tile), a scale group's store of the output."""
 
@@ -16,15 +17,13 @@ if G.gluon is not None:
 
 if G.gluon is not None:
     @gluon.jit
-    def _issue_tile(EDesc, SDesc, RDesc, bar, e_s, sc_s, r_s, st, Table, b, s_tb, t0, PS: gl.constexpr,
-                    GROUPS: gl.constexpr, GW: gl.constexpr, SC_COL: gl.constexpr, RP_COL: gl.constexpr):
-        """TMA copies of the tile at token t0 (inside one page) into staging slot `st`, all on `bar`: the e4m3 bytes
-        as [64, 256] boxes (two scale groups each: the widest box; Triton puts a barrier before every copy), the
-        [64, 4] float32 scales, the [64, 64] bf16 rope."""
+    def _issue_tile(EDesc, SDesc, RDesc, bar, e_s, sc_s, r_s, st, row, GROUPS: gl.constexpr, GW: gl.constexpr,
+                    SC_COL: gl.constexpr, RP_COL: gl.constexpr):
+        """TMA copies of the tile at slot row `row` (its 64 tokens in consecutive slots) into staging slot `st`, all
+        on `bar`: the e4m3 bytes as [64, 256] boxes (two scale groups each: the widest box; Triton puts a barrier
+        before every copy), the [64, 4] float32 scales, the [64, 64] bf16 rope."""
         EB: gl.constexpr = EDesc.block_type.shape[1]
         NB: gl.constexpr = GROUPS * GW // EB  # e4m3 boxes a tile
-        page = gl.load(Table + b * s_tb + t0 // PS)
-        row = page * PS + t0 % PS
         mbarrier.expect(bar, NB * EDesc.block_type.nbytes + SDesc.block_type.nbytes + RDesc.block_type.nbytes)
         for k in gl.static_range(NB):
             tma.async_copy_global_to_shared(EDesc, [row, k * EB], bar, e_s.index(st * NB + k))
@@ -41,18 +40,26 @@ if G.gluon is not None:
         return gl.BlockedLayout(per_thread, lanes, [NW, 1], [1, 0])
 
     @gluon.jit
-    def _gather_pages(Table, b, s_tb, t0, end, BT: gl.constexpr, PS: gl.constexpr, GROUPS: gl.constexpr):
+    def _gather_pages(Table, b, s_tb, t0, end, BT: gl.constexpr, PS: gl.constexpr, GROUPS: gl.constexpr,
+                      TOKENS: gl.constexpr = False):
         """GATHER: the table entries of the tile at t0 in each row-copy layout, loaded a tile before its copies are
         issued: loaded right before them, every tile stalled on the table's latency (H100, H 16 B 8 32K over a
         page-size-1 token table: 164.8 us against 102.7 loaded early; the TMA form on pages of 64: 85.3;
-        benchmarks/RESULTS.md 2026-12-05)."""
+        benchmarks/RESULTS.md 2026-12-05). TOKENS: a fourth copy in `_gluon.run_layout`, for the check that picks
+        the tile's copies (`_fill_slot`; checked when they are issued, so nothing waits for the load before)."""
         NW: gl.constexpr = gl.num_warps()
         EL: gl.constexpr = gl.SliceLayout(1, _gather_layout("e4m3", NW, GROUPS))
         SL: gl.constexpr = gl.SliceLayout(1, _gather_layout("scales", NW, GROUPS))
         RL: gl.constexpr = gl.SliceLayout(1, _gather_layout("rope", NW, GROUPS))
-        return (G.table_entries(Table, b, s_tb, t0, end, BT, PS, EL),
-                G.table_entries(Table, b, s_tb, t0, end, BT, PS, SL),
-                G.table_entries(Table, b, s_tb, t0, end, BT, PS, RL))
+        if TOKENS:
+            return (G.table_entries(Table, b, s_tb, t0, end, BT, PS, EL),
+                    G.table_entries(Table, b, s_tb, t0, end, BT, PS, SL),
+                    G.table_entries(Table, b, s_tb, t0, end, BT, PS, RL),
+                    G.table_entries(Table, b, s_tb, t0, end, BT, PS, G.run_layout(NW)))
+        else:
+            return (G.table_entries(Table, b, s_tb, t0, end, BT, PS, EL),
+                    G.table_entries(Table, b, s_tb, t0, end, BT, PS, SL),
+                    G.table_entries(Table, b, s_tb, t0, end, BT, PS, RL))
 
     @gluon.jit
     def _rows16(page, t0, end, s_p, s_t, PS: gl.constexpr):
@@ -94,17 +101,30 @@ if G.gluon is not None:
 
     @gluon.jit
     def _fill_slot(src, bar, e_s, sc_s, r_s, st, Table, b, s_tb, t0, end, PS: gl.constexpr, GROUPS: gl.constexpr,
-                   GW: gl.constexpr, SC_COL: gl.constexpr, RP_COL: gl.constexpr, GATHER: gl.constexpr, pages=None):
+                   GW: gl.constexpr, SC_COL: gl.constexpr, RP_COL: gl.constexpr, GATHER: gl.constexpr, pages=None,
+                   TOKENS: gl.constexpr = False):
         """Tile at token t0 into staging slot `st`, completing on `bar`: TMA (`_issue_tile`; src: the three
         descriptors) or, GATHER, row copies (`_gather_tile`; `pages` its table entries loaded earlier, or None:
-        loaded here)."""
+        loaded here). TOKENS (GATHER over a token table, src: GATHER's then the three descriptors): the tile's
+        entries decide (`_gluon.run_start`): consecutive rows r0, r0 + 1, ... (tokens past the end aside: a
+        request's tokens in a static cache) are the TMA form's boxes at row r0, and one thread arrives for the rest
+        of the barrier's count (it counts every thread, for the row copies; the expect is one arrival); any other
+        tile is row copies."""
         if GATHER:
             if pages is None:
-                pages = _gather_pages(Table, b, s_tb, t0, end, e_s.shape[1], PS, GROUPS)
-            _gather_tile(src, bar, e_s, sc_s, r_s, st, pages, t0, end, PS, GROUPS, GW)
-        else:
-            _issue_tile(src[0], src[1], src[2], bar, e_s, sc_s, r_s, st, Table, b, s_tb, t0, PS, GROUPS, GW, SC_COL,
-                        RP_COL)
+                pages = _gather_pages(Table, b, s_tb, t0, end, e_s.shape[1], PS, GROUPS, TOKENS)
+            if TOKENS:
+                row0, run = G.run_start(pages[3], t0, end)
+                if run:
+                    _issue_tile(src[9], src[10], src[11], bar, e_s, sc_s, r_s, st, row0, GROUPS, GW, SC_COL, RP_COL)
+                    mbarrier.arrive(bar, count=32 * gl.num_warps() - 1)
+                else:
+                    _gather_tile(src, bar, e_s, sc_s, r_s, st, pages, t0, end, PS, GROUPS, GW)
+            else:
+                _gather_tile(src, bar, e_s, sc_s, r_s, st, pages, t0, end, PS, GROUPS, GW)
+        else:  # the tile lies inside one page
+            row = gl.load(Table + b * s_tb + t0 // PS) * PS + t0 % PS
+            _issue_tile(src[0], src[1], src[2], bar, e_s, sc_s, r_s, st, row, GROUPS, GW, SC_COL, RP_COL)
 
     @gluon.jit
     def _dequant(e_t, sc_t, g: gl.constexpr, row0, lim, CVT: gl.constexpr, MASKED: gl.constexpr,
@@ -168,15 +188,16 @@ if G.gluon is not None:
               scale_log2, uq, m_i, l_i, acc0, acc1, acc2, acc3, top0, top1, top2, top3, PS: gl.constexpr,
               STAGES: gl.constexpr, SC_COL: gl.constexpr, RP_COL: gl.constexpr, PRE: gl.constexpr, SLAB: gl.constexpr,
               P_ROPE: gl.constexpr, EXACT: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr, CVT: gl.constexpr,
-              MASKED: gl.constexpr, GATHER: gl.constexpr):
+              MASKED: gl.constexpr, GATHER: gl.constexpr, TOKENS: gl.constexpr = False):
         """Tile i of the split (tokens start + 64 i ...): its scores, the online softmax, its P.V issued (left in
         flight for the next tile). MASKED: the split's partial last tile (rows r >= end - t0 are no tokens of it:
         zeroed / -inf, their scales 0). GATHER: the slots filled by `_gather_tile` (src its pointers and strides;
-        else src the three TMA descriptors). PRE: rows of scale group 0 converted in registers before waiting for the
-        previous tile's P.V (overlapping them; more rows, more registers). P_ROPE: P^T goes into this tile's staging
-        slot once it is dead (EXACT: the four P^T tiles in the e4m3 boxes, converted by then; else the one P^T in
-        the rope slot, its scores done; p_s is then that view), so the slot is refilled only once this P.V is
-        retired, at the top of the next tile. Returns (m_i, l_i, acc0..acc3 in flight, top0..top3).
+        else src the three TMA descriptors); TOKENS: by either, tile by tile (`_fill_slot`). PRE: rows of scale
+        group 0 converted in registers before waiting for the previous tile's P.V (overlapping them; more rows, more
+        registers). P_ROPE: P^T goes into this tile's staging slot once it is dead (EXACT: the four P^T tiles in the
+        e4m3 boxes, converted by then; else the one P^T in the rope slot, its scores done; p_s is then that view), so
+        the slot is refilled only once this P.V is retired, at the top of the next tile. Returns (m_i, l_i,
+        acc0..acc3 in flight, top0..top3).
 
         EXACT (module docstring): the tile holds the e4m3 values in fp16, q_s q's latent part in fp16 times a power
         of two per head (uq: its inverse times scale_log2, per column), the scales apply to fp32 products:
@@ -207,14 +228,14 @@ if G.gluon is not None:
         if GATHER:  # the table entries of the tile this call's fill copies, loaded now: their latency is hidden
             # behind the wait and this tile's MMAs (all masked, no load, past the split's end)
             nxt = i - 1 + STAGES if P_ROPE else i + STAGES
-            pages = _gather_pages(Table, b, s_tb, start + nxt * BT, end, BT, PS, GROUPS)
+            pages = _gather_pages(Table, b, s_tb, start + nxt * BT, end, BT, PS, GROUPS, TOKENS)
         else:
             pages = None
         mbarrier.wait(bars.index(st), (i // STAGES) & 1)
         r_t = r_s.index(st)
         # rope rows past the end may hold NaN: zeroed before an MMA reads the tile (GATHER: the copies zero-filled
-        # them)
-        if MASKED and not GATHER:
+        # them; TOKENS: a run's boxes did not)
+        if MASKED and (TOKENS or not GATHER):
             RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])  # 8 lanes a row
             rows_r = gl.arange(0, BT, layout=gl.SliceLayout(1, RL))
             r_t.store(gl.where((rows_r < lim)[:, None], r_t.load(RL), 0.0))
@@ -231,7 +252,8 @@ if G.gluon is not None:
         if P_ROPE:  # the previous tile's slot held its P^T until now: it takes tile i - 1 + STAGES
             if (i >= 1) & (i - 1 + STAGES < n_tiles):
                 _fill_slot(src, bars.index((i - 1) % STAGES), e_s, sc_s, r_s, (i - 1) % STAGES, Table, b, s_tb,
-                           start + (i - 1 + STAGES) * BT, end, PS, GROUPS, q_s.shape[2], SC_COL, RP_COL, GATHER, pages)
+                           start + (i - 1 + STAGES) * BT, end, PS, GROUPS, q_s.shape[2], SC_COL, RP_COL, GATHER,
+                           pages, TOKENS)
         s = warpgroup_mma(r_t, qp_s.permute((1, 0)), gl.zeros([BT, N], gl.float32, layout=S_L), use_acc=False,
                           is_async=True)
         if PRE > 0:
@@ -343,7 +365,7 @@ if G.gluon is not None:
         if not P_ROPE:
             if i + STAGES < n_tiles:
                 _fill_slot(src, bars.index(st), e_s, sc_s, r_s, st, Table, b, s_tb, start + (i + STAGES) * BT, end,
-                           PS, GROUPS, q_s.shape[2], SC_COL, RP_COL, GATHER, pages)
+                           PS, GROUPS, q_s.shape[2], SC_COL, RP_COL, GATHER, pages, TOKENS)
         if EXACT:  # acc_g in units of this tile's top_g: times alpha and (previous top) / (this top)
             acc0 = warpgroup_mma(dq_s.index(0 + z).permute((1, 0)), pt0, acc0 * (alpha_o * (top0 / u0)), is_async=True)
             acc1 = warpgroup_mma(dq_s.index(1 + z).permute((1, 0)), pt1, acc1 * (alpha_o * (top1 / u1)), is_async=True)

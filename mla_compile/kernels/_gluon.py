@@ -97,6 +97,24 @@ if gluon is not None:
         t = t0 + gl.arange(0, BT, layout=layout)
         return gl.load(Table + b * s_tb + t // PS, mask=t < end, other=0)
 
+    @gluon.constexpr_function
+    def run_layout(num_warps):
+        """A swap-AB tile's 64 token-table entries with every warp holding all of them (2 a lane): `run_start`'s
+        reductions then stay inside a warp (no shared memory, no barrier)."""
+        return gl.SliceLayout(1, gl.BlockedLayout([2, 1], [32, 1], [1, num_warps], [0, 1]))
+
+    @gluon.jit
+    def run_start(rows, t0, end):
+        """The swap-AB kernels' TOKENS check of a tile of a token table: (row0, whether every token t0 + i < end sits
+        at row row0 + i): the tile is then one TMA box at row row0 (any row: a box needs no tile alignment). `rows`:
+        its entries in `run_layout` (entries past the end are ignored)."""
+        i = gl.arange(0, rows.shape[0], layout=rows.type.layout)
+        valid = t0 + i < end
+        d = rows - i
+        lo = gl.min(gl.where(valid, d, 2147483647), 0)
+        hi = gl.max(gl.where(valid, d, -2147483647), 0)
+        return lo, lo == hi
+
     @gluon.jit
     def swapab_program(Lens, H, n_splits, N: gl.constexpr, BT: gl.constexpr):
         """A swap-AB kernel's program (grid (B * ceil(H / N), n_splits), request-major: a request's head blocks are

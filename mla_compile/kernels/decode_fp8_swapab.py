@@ -45,14 +45,26 @@ table entries are loaded at the top of the tile before the one whose fill copies
 copies never wait for the table: 1.20x the TMA form's time at H 16 B 8 32K (H100: 102.7 vs 85.3 us; 1.93x with
 the loads beside the copies).
 
+TOKENS form (a page-size-1 token table whose views are TMA rows too, `token_rows`: what the HF pass hands over; the
+bf16 kernel's TOKENS form, decode_swapab.py, for this format): GATHER's kernel with the TMA form's descriptors beside
+its pointers. Each tile's 64 entries are loaded a tile ahead in a fourth layout, every warp holding all of them, and
+two in-warp reductions (`_gluon.run_start`) tell whether they are consecutive rows r0, r0 + 1, ... (tokens past the
+end aside: a request's tokens in a static cache, at any offset); such a tile is the TMA form's boxes at row r0 of the
+slot views, one thread arriving for the rest of the barrier's count (it counts every thread, for the row copies);
+any other tile keeps GATHER's row copies. A split's partial last tile has its rope rows past the end zeroed, as the
+TMA form's (a run's boxes read whatever follows it). Taken where decode_swapab.TOKENS_IN_AUTO is on
+(MLA_COMPILE_SWAPAB_TOKENS=1) or `stage1_plan(tokens=True)` asks, until timed on a GPU against GATHER and TMA
+(benchmarks/lab/fp8_swapab.py --table).
+
 Takes: sm_90, Gluon, bf16 q, R 512 / P 64, one query token (`fits`), pages of whole 64-token tiles whose three views
 (fp8.views) are TMA boxes (`eligible`) or, GATHER, views of 16-byte aligned rows at any page size
-(`gather_eligible`); `dispatch.decode_kernel` decides. Found building it (sm_90a, Triton 3.6, tools/aot.py):
-waiting for one P.V at a time made ptxas serialise every wgmma (C7514), so one wait retires a tile's; LLVM hoisted
-~100 loop-invariant wgmma descriptors out of the loop (255 registers and spills at N = 16): an opaque zero in the
-group indices keeps them in the loop (187 registers; exact scores: 187 at N = 16, 177 at N = 32 over two
-warpgroups; GATHER, page 1: 242 and 206 with its table entries loaded early, page 16: 255 and 216, no spills). Measured (the bf16-rounding version):
-benchmarks/RESULTS.md ("FP8 decode, the swap-AB Gluon kernel").
+(`gather_eligible`; TOKENS: `token_rows`); `dispatch.decode_kernel` decides the kernel, `stage1_plan` the form.
+Found building it (sm_90a, Triton 3.6, tools/aot.py): waiting for one P.V at a time made ptxas serialise every wgmma
+(C7514), so one wait retires a tile's; LLVM hoisted ~100 loop-invariant wgmma descriptors out of the loop (255 registers
+and spills at N = 16): an opaque zero in the group indices keeps them in the loop (187 registers; exact scores: 187 at
+N = 16, 177 at N = 32 over two warpgroups; GATHER, page 1: 242 and 206 with its table entries loaded early, page 16: 255
+and 218, no spills; TOKENS: 244 and 201, no spills; at N = 64 every form spills a little: TMA 44 bytes, GATHER 24,
+TOKENS 16). Measured (the bf16-rounding version): benchmarks/RESULTS.md ("FP8 decode, the swap-AB Gluon kernel").
 """
 
 from __future__ import annotations
@@ -65,6 +77,7 @@ import torch
 
 from .. import fp8
 from . import _gluon as G
+from . import decode_swapab as _swapab
 from ._launch import bind, templated_at, without_bases
 from ._util import cdiv, slot_stride, tma_rows
 
@@ -100,9 +113,10 @@ if G.gluon is not None:
                            scale_log2, H,
                            s_qnb, s_qnh, s_qpb, s_qph, s_tb,
                            s_on, s_ob, s_oh, s_ln, s_lb, s_lh, n_splits, s_ep, s_et, s_sp, s_st, s_rp, s_rt,
+                           EPtr, SPtr, RPtr,
                            PS: gl.constexpr, N: gl.constexpr, WG: gl.constexpr, STAGES: gl.constexpr, PRE: gl.constexpr,
                            SLAB: gl.constexpr, P_ROPE: gl.constexpr, EXACT: gl.constexpr = True,
-                           GATHER: gl.constexpr = False):
+                           GATHER: gl.constexpr = False, TOKENS: gl.constexpr = False):
         """Stage 1 over an FP8 token buffer (module docstring). Qn [B, H, 512] / Qp [B, H, 64] bf16; EDesc / SDesc /
         RDesc: TMA descriptors over the buffer's slots [NP * PS, 656] seen as e4m3 ([64, 256] boxes), float32
         ([64, 4]) and bf16 ([64, 64]); Table int32 [B, max_pages]; Lens int32 [B]; O fp32 [n_splits, B, H, 512]
@@ -113,12 +127,14 @@ if G.gluon is not None:
         GATHER: EDesc / SDesc / RDesc are instead pointers to the three views (16-byte aligned), s_ep .. s_rt their
         page and token strides in 16-byte units (a size-1 dimension's: 0), any page size PS; each tile's rows come by
         16-byte cp.async copies through the table into the same staging slots (`_fp8_swapab_tile._gather_tile`).
-        The TMA form ignores s_ep .. s_rt."""
+        The TMA form ignores s_ep .. s_rt. TOKENS (with GATHER, PS 1: a token table): EDesc / SDesc / RDesc are the
+        TMA form's descriptors, EPtr / SPtr / RPtr GATHER's pointers (None in the other forms: constexprs, so their
+        builds are unchanged), and each tile takes the boxes or the row copies as its entries say (`_fill_slot`)."""
         gl.static_assert(gl.num_warps() == 4 * WG, "WG warpgroups")
         GW: gl.constexpr = _GW  # channels per scale group (128)
         SC_COL: gl.constexpr = 0  # the scales' and the rope's descriptors are over their own views (column 0)
         RP_COL: gl.constexpr = 0
-        if GATHER:
+        if GATHER and not TOKENS:
             BT: gl.constexpr = _BLOCK_T  # tokens per tile (64)
             GROUPS: gl.constexpr = _GROUPS  # scale groups (4)
             EB: gl.constexpr = _E_BOX  # e4m3 columns per staging box
@@ -142,8 +158,12 @@ if G.gluon is not None:
             e_l: gl.constexpr = EDesc.layout
             s_l: gl.constexpr = SDesc.layout
             r_l: gl.constexpr = RDesc.layout
-            gl.static_assert(PS % BT == 0, "a tile lies inside one page")
-            src = (EDesc, SDesc, RDesc)
+            if TOKENS:  # GATHER's pointers and strides, then the boxes' descriptors (`_fill_slot`)
+                gl.static_assert(GATHER and PS == 1, "TOKENS: GATHER's machinery over a token table")
+                src = (EPtr, SPtr, RPtr, s_ep, s_et, s_sp, s_st, s_rp, s_rt, EDesc, SDesc, RDesc)
+            else:
+                gl.static_assert(PS % BT == 0, "a tile lies inside one page")
+                src = (EDesc, SDesc, RDesc)
         NB: gl.constexpr = GROUPS * GW // EB  # e4m3 boxes a tile
         # scores [64 tokens, N]: one warpgroup's m64 over the tokens; with two warpgroups each takes half the heads
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
@@ -225,14 +245,14 @@ if G.gluon is not None:
             p1_s, p2_s, p3_s = p_s, p_s, p_s  # unused
         dq_s = gl.allocate_shared_memory(tdt, [GROUPS, BT, GW], gl.NVMMASharedLayout.get_default_for([BT, GW], tdt))
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for j in gl.static_range(STAGES):  # GATHER: every thread's copies arrive
+        for j in gl.static_range(STAGES):  # GATHER, TOKENS: every thread's copies arrive
             mbarrier.init(bars.index(j), count=32 * gl.num_warps() if GATHER else 1)
         fence_async_shared()  # q's stores and the barrier inits before any async-proxy access
         gl.thread_barrier()
         for j in gl.static_range(STAGES):
             if j < n_tiles:
                 _fill_slot(src, bars.index(j), e_s, sc_s, r_s, j, Table, b, s_tb, start + j * BT, end, PS, GROUPS, GW,
-                           SC_COL, RP_COL, GATHER)
+                           SC_COL, RP_COL, GATHER, None, TOKENS)
 
         m_i = gl.full([N], float("-inf"), gl.float32, layout=gl.SliceLayout(0, S_L))  # running max per head
         l_i = gl.zeros([BT, N], gl.float32, layout=S_L)  # per-thread partial column sums (reduced once, at the end)
@@ -253,13 +273,13 @@ if G.gluon is not None:
                 i, start, end, n_tiles, src, bars, e_s, sc_s, r_s, dq_s, q_s, qp_s, p_s, p1_s, p2_s,
                 p3_s, Table, b,
                 s_tb, scale_log2, uq, m_i, l_i, acc0, acc1, acc2, acc3, top0, top1, top2, top3, PS, STAGES, SC_COL,
-                RP_COL, PRE, SLAB, P_ROPE, EXACT, S_L, O_L, CVT, False, GATHER)
+                RP_COL, PRE, SLAB, P_ROPE, EXACT, S_L, O_L, CVT, False, GATHER, TOKENS)
         if n_full < n_tiles:
             m_i, l_i, acc0, acc1, acc2, acc3, top0, top1, top2, top3 = _tile(
                 n_full, start, end, n_tiles, src, bars, e_s, sc_s, r_s, dq_s, q_s, qp_s, p_s, p1_s,
                 p2_s, p3_s, Table, b,
                 s_tb, scale_log2, uq, m_i, l_i, acc0, acc1, acc2, acc3, top0, top1, top2, top3, PS, STAGES, SC_COL,
-                RP_COL, PRE, SLAB, P_ROPE, EXACT, S_L, O_L, CVT, True, GATHER)
+                RP_COL, PRE, SLAB, P_ROPE, EXACT, S_L, O_L, CVT, True, GATHER, TOKENS)
         acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=(acc0, acc1, acc2, acc3))
         for j in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(j))
@@ -297,9 +317,13 @@ class Tiling:
     def p_rope(self) -> bool:
         return smem_bytes(self.N, self.stages, False, self.exact) > G.SMEM_LIMIT and self.N == P
 
-    def constexprs(self, page_size: int, gather: bool = False) -> dict:
+    def constexprs(self, page_size: int, gather: bool = False, tokens: bool = False) -> dict:
+        """The kernel's compile-time arguments for a form: TMA, GATHER or TOKENS (GATHER's machinery too); the
+        other forms' EPtr / SPtr / RPtr are None (the TOKENS form takes them positionally: `run_stage1`)."""
+        form = (dict(GATHER=True, TOKENS=True) if tokens else
+                dict(GATHER=gather, TOKENS=False, EPtr=None, SPtr=None, RPtr=None))
         return dict(PS=page_size, N=self.N, WG=self.warps // 4, STAGES=self.stages, PRE=self.pre, SLAB=self.slab,
-                    P_ROPE=self.p_rope, EXACT=self.exact, GATHER=gather)
+                    P_ROPE=self.p_rope, EXACT=self.exact, **form)
 
 
 def smem_bytes(N: int, stages: int, p_rope: bool, exact: bool = True) -> int:
@@ -363,6 +387,14 @@ def gather_eligible(ckv_cache, kpe_cache, ckv_scale) -> bool:
             and all(_strides16(t) is not None for t in (ckv_cache, ckv_scale, kpe_cache)))
 
 
+def token_rows(ckv_cache, kpe_cache, ckv_scale) -> bool:
+    """The cache layout the TOKENS form reads: GATHER's (`gather_eligible`) at page size 1 (a token table's cache:
+    the HF pass's) whose three views are TMA rows too (`_box_view`: fp8.views of a 16-byte aligned buffer are), so a
+    tile of consecutive rows is the TMA form's boxes."""
+    return (ckv_cache.shape[1] == 1 and gather_eligible(ckv_cache, kpe_cache, ckv_scale)
+            and all(_box_view(t) is not None for t in (ckv_cache, ckv_scale, kpe_cache)))
+
+
 @functools.lru_cache(maxsize=None)
 def _layouts():
     # cached: get_default_for costs ~11 us a call on the host (kernels/_gluon.py _box_layouts)
@@ -381,12 +413,14 @@ def descriptors(ckv_cache, ckv_scale, kpe_cache) -> list:
 
 
 def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, block_table, sm_scale, o, l, s_on, s_ln, ns,
-                tiling: Tiling | None = None):
+                tiling: Tiling | None = None, tokens: bool | None = None):
     """What these tensors' signature fixes (o / l may be meta tensors: their strides are read): (the kernel bound to
     its grid and compile-time arguments, its descriptor templates or None for the GATHER form, the numbers after its
-    tensor arguments); `run_stage1` launches it on a call's tensors. o [ns, B, H, 512] / l [ns, B, H] (s_on = s_ln =
-    0: the final out / lse with one split). The TMA form where the layout is `eligible`, else the GATHER form
-    (`gather_eligible`)."""
+    tensor arguments, whether it is the TOKENS form); `run_stage1` launches it on a call's tensors. o [ns, B, H, 512]
+    / l [ns, B, H] (s_on = s_ln = 0: the final out / lse with one split). The TMA form where the layout is
+    `eligible`, else the GATHER form (`gather_eligible`), or over a token table (`token_rows`) the TOKENS form where
+    `tokens` asks for it (None: where decode_swapab.TOKENS_IN_AUTO does, MLA_COMPILE_SWAPAB_TOKENS=1, the switch of
+    the bf16 kernel's TOKENS form; True on another layout: ValueError)."""
     B, H, _ = q_nope.shape
     t = tiling or default_tiling(H)
     grid = (B * cdiv(H, t.N), ns)
@@ -395,16 +429,25 @@ def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, block_table, sm_s
     if gather and not gather_eligible(ckv_cache, kpe_cache, ckv_scale):
         raise ValueError("decode_fp8_swapab: the cache views are neither TMA rows in pages of whole 64-token tiles "
                          "nor 16-byte aligned rows (`eligible`, `gather_eligible`)")
-    templates = None if gather else without_bases(descriptors(ckv_cache, ckv_scale, kpe_cache))
+    can = gather and token_rows(ckv_cache, kpe_cache, ckv_scale)
+    if tokens and not can:
+        raise ValueError("decode_fp8_swapab: the TOKENS form reads a page-size-1 cache under a token table whose views "
+                         "are TMA rows (`token_rows`)")
+    tokens = can and (_swapab.TOKENS_IN_AUTO if tokens is None else tokens)
+    templates = None if gather and not tokens else without_bases(descriptors(ckv_cache, ckv_scale, kpe_cache))
     bound = bind(_fp8_swapab_kernel, grid, templates and templated_at(2, templates),
-                 **t.constexprs(ckv_cache.shape[1], gather), num_warps=t.warps)
+                 **t.constexprs(ckv_cache.shape[1], gather, tokens), num_warps=t.warps)
     numbers = (sm_scale * G.LOG2E, H, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
                block_table.stride(0), s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1), ns,
                *(x for v in views for x in (_strides16(v) if gather else (0, 0))))
-    return bound, templates, numbers
+    return bound, templates, numbers, tokens
 
 
 def run_stage1(plan, q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, block_table, seq_lens, o, l):
-    bound, _, numbers = plan
-    # the views themselves: pointers (GATHER), or the descriptors' bases (TMA: the bound launch holds the templates)
+    bound, _, numbers, tokens = plan
+    # the views themselves: pointers (GATHER), or the descriptors' bases (TMA: the bound launch holds the templates),
+    # or both (TOKENS: the bases, then the row copies' pointers after the numbers)
+    if tokens:
+        return bound(q_nope, q_pe, ckv_cache, ckv_scale, kpe_cache, block_table, seq_lens, o, l, *numbers, ckv_cache,
+                     ckv_scale, kpe_cache)
     return bound(q_nope, q_pe, ckv_cache, ckv_scale, kpe_cache, block_table, seq_lens, o, l, *numbers)

@@ -68,7 +68,8 @@ TILINGS = ((16, 4), (32, 8), (64, 8))
 STAGES = 2  # staging slots: a 64-token tile is 72 KB, a third slot passes Hopper's 227 KB
 # The TOKENS form (page-size-1 token tables: the HF pass's) is in auto's table only with MLA_COMPILE_SWAPAB_TOKENS=1
 # (read at import) until its GPU tests and timings against the Triton kernel are in benchmarks/RESULTS.md (its sm_90a
-# build is checked offline: tests/kernels/test_kernel_codegen.py); `decode_kernel="swapab"` asks for it either way.
+# build is checked offline: tests/kernels/test_kernel_codegen.py); `decode_kernel="swapab"` asks for it either way. The
+# FP8 kernel's TOKENS form (decode_fp8_swapab.py) follows the same switch until timed.
 TOKENS_IN_AUTO = os.environ.get("MLA_COMPILE_SWAPAB_TOKENS", "0") == "1"
 
 
@@ -89,17 +90,6 @@ if G.gluon is not None:
     def _row_of(Table, b, s_tb, t, PS: gl.constexpr):
         """The cache row of token t of request b (its tile lies inside one page)."""
         return gl.load(Table + b * s_tb + t // PS) * PS + t % PS
-
-    @gluon.jit
-    def _run_start(rows, t0, end):
-        """TOKENS: (row0, whether every token t0 + i < end sits at row row0 + i): the tile is then one TMA box. `rows`
-        in a layout whose every warp holds all of them (the reductions stay inside a warp)."""
-        i = gl.arange(0, rows.shape[0], layout=rows.type.layout)
-        valid = t0 + i < end
-        d = rows - i
-        lo = gl.min(gl.where(valid, d, 2147483647), 0)
-        hi = gl.max(gl.where(valid, d, -2147483647), 0)
-        return lo, lo == hi
 
     @gluon.constexpr_function
     def _gather_layout(num_warps):
@@ -150,7 +140,7 @@ if G.gluon is not None:
         rows (what a request's tokens in a static cache are: the HF pass's tables) are TMA boxes, and the rest of the
         barrier's count arrives at once; others are gathered row by row (`_gather`)."""
         if PS == 1:
-            row0, run = _run_start(rows, t0, end)
+            row0, run = G.run_start(rows, t0, end)
             if run:
                 _issue(CkvDesc, KpeDesc, bar, c0_s, c1_s, k_s, st, row0)
                 mbarrier.arrive(bar, count=32 * gl.num_warps() - 1)
@@ -251,8 +241,7 @@ if G.gluon is not None:
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WG, 1],
                                                       instr_shape=[16, N, 16])
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4 * WG, 1], [1, 0])  # 16-byte loads and stores
-        # TOKENS: a tile's 64 table entries, every warp holding all of them (2 a lane), for `_run_start`
-        CK: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([2, 1], [32, 1], [1, 4 * WG], [0, 1]))
+        CK: gl.constexpr = G.run_layout(4 * WG)  # TOKENS: a tile's 64 table entries, for `_gluon.run_start`
 
         b, hb, split, start, end, n_full, n_tiles = G.swapab_program(Lens, H, n_splits, N, BT)
 

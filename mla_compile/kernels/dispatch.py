@@ -113,8 +113,10 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     (9) the Gluon kernel with the 64 tokens as the warpgroup MMA's M (kernels/decode_fp8_swapab.py) unless switched
         off (`fp8_rows` is false while `decode_fp8_swapab.ENABLED` is off, MLA_COMPILE_FP8_SWAPAB=0); pages of
         whole 64-token tiles take its TMA form, other page sizes (a token table) its GATHER form (cp.async row
-        copies through the table: 102.7 vs 85.3 us for the TMA form, H100 H 16 B 8 32K). H200 2026-12-05: H 16 B 8
-        32K 82.7 us against 171.2 for the Triton FP8 kernel and 89.8 for our bf16 cache; H 64 151.5 vs 450.4.
+        copies through the table: 102.7 vs 85.3 us for the TMA form, H100 H 16 B 8 32K), a token table its TOKENS
+        form with MLA_COMPILE_SWAPAB_TOKENS=1 (runs of rows as TMA boxes; its `stage1_plan` picks the form). H200
+        2026-12-05: H 16 B 8 32K 82.7 us against 171.2 for the Triton FP8 kernel and 89.8 for our bf16 cache; H 64
+        151.5 vs 450.4.
     (10) kernels/decode_fp8.py (bf16 / fp16 q: scales folded into fp16 MMAs; fp32 q: the pointer kernel
         dequantizing its tiles); FlashMLA, FlashInfer and the bf16 Gluon kernels read fp16/bf16 caches only.
     (11) kernels/decode_swapab.py: TMA tiles fed to warpgroup MMAs with the 64 tokens as M, the heads as N (no row

@@ -259,9 +259,13 @@ def test_fp8_swapab_gather_form(H, lens, layout, monkeypatch, swapab_on):
     """The swap-AB kernel's GATHER form (cp.async row copies through the table): pages of 1 and 16 tokens, and a
     page-64 cache seen as the HF pass's page-size-1 token table; table entries past each request's length point at
     NaN slots (never read). Dispatch takes "fp8_swapab", its plan the GATHER form (no TMA templates), and the result
-    matches float64 as the TMA form's does (lse within 1e-3); H 24: a partial head block; 140 requests: one split."""
+    matches float64 as the TMA form's does (lse within 1e-3); H 24: a partial head block; 140 requests: one split.
+    (The TOKENS form switched off, as by default: the page-size-1 layouts would take it with
+    MLA_COMPILE_SWAPAB_TOKENS=1, `test_fp8_swapab_tokens_form`.)"""
     from mla_compile.kernels import decode as D
-    from mla_compile.kernels import dispatch
+    from mla_compile.kernels import decode_swapab, dispatch
+
+    monkeypatch.setattr(decode_swapab, "TOKENS_IN_AUTO", False)
 
     PS = {"page1": 1, "page16": 16, "tokens_of_page64": 64}[layout]
     batch, qn, qp = build(lens, H, PS, seed=H + PS + len(lens))
@@ -283,6 +287,100 @@ def test_fp8_swapab_gather_form(H, lens, layout, monkeypatch, swapab_on):
                                     SCALE, batch.ckv_scale)
     assert len(plans) == 1 and plans[0][1] is None, "not the GATHER form"
     check(out, lse, reference(batch, qn, qp), qn.shape, lse_tol=1e-3)
+
+
+def _fp8_token_table(lens, H, kind, seed, spare=64):
+    """(batch, q_nope, q_pe): a page-size-1 FP8 buffer [N, 1, 656] (fp8.allocate's views, written by
+    mla.cache_write_fp8) under a token table (what the HF pass hands mla.decode) whose rows for request b are:
+    "runs", one run of consecutive rows at an offset (a static cache with left padding: every tile the TOKENS form's
+    TMA boxes); "holes", rows of the request's range with gaps (tiles with and without a gap); "shuffled", rows
+    anywhere (every tile row copies). Every row no token uses holds NaN bytes (0xFF), every table entry past a
+    request's length is far out of range (never to be read)."""
+    g = torch.Generator().manual_seed(seed)
+    B, L = len(lens), max(lens) + 200
+    N = B * L + spare
+    buf, ckv, scale, kpe = fp8.allocate(N, 1, R, P, device=DEV)
+    buf.fill_(0xFF)
+    table = torch.full((B, L), 1 << 30, dtype=torch.int32)
+    perm = torch.randperm(N, generator=g)
+    for b, n in enumerate(lens):
+        if kind == "runs":
+            rows = b * L + int(torch.randint(0, L - n + 1, (1,), generator=g)) + torch.arange(n)
+        elif kind == "holes":
+            rows = b * L + torch.randperm(L, generator=g)[:n].sort().values
+        else:
+            rows = perm[b * L:b * L + n]
+        table[b, :n] = rows.int()
+        if n:
+            torch.ops.mla.cache_write_fp8(ckv, kpe, scale, torch.randn(n, R, generator=g).to(torch.bfloat16).to(DEV),
+                                          torch.randn(n, P, generator=g).to(torch.bfloat16).to(DEV), rows.to(DEV))
+    qn = torch.randn(B, H, R, generator=g).to(torch.bfloat16).to(DEV)
+    qp = torch.randn(B, H, P, generator=g).to(torch.bfloat16).to(DEV)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    return paged.PagedBatch(ckv, kpe, table.to(DEV), lens_t, scale), qn, qp
+
+
+@pytest.mark.parametrize("H,kind", [(16, "runs"), (16, "holes"), (16, "shuffled"), (40, "runs"), (40, "holes"),
+                                    (40, "shuffled"), (32, "holes")])
+def test_fp8_swapab_tokens_form(H, kind, monkeypatch, swapab_on):
+    """The swap-AB kernel's TOKENS form over a page-size-1 token table (the HF pass's): each tile's 64 entries are
+    checked on the device; consecutive rows at any offset are the TMA form's boxes, tiles with a gap or shuffled rows
+    GATHER's row copies. Against float64 (lse within 1e-3, as the other forms): lengths on and off tile edges (a
+    run's partial last tile reads NaN rows past it), empty requests; asked for (`tokens=True`, the switch off) with
+    one split (a whole request in one program); switched on (decode_swapab.TOKENS_IN_AUTO, MLA_COMPILE_SWAPAB_TOKENS=1)
+    through decode's plan at forced and policy split counts and the op (auto). H 16 (N 16, one warpgroup), 32 (N 32,
+    two), 40 (N 64: P^T in the staging slot, a partial head block). At H 16, a CUDA graph replayed after the cache
+    and the table are rewritten in place (runs to shuffled rows and back), then with new lengths."""
+    from mla_compile.kernels import decode as K
+    from mla_compile.kernels import decode_swapab, dispatch
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("warpgroup MMA: sm_90 only")
+    F = K._fp8_swapab
+    lens = [0, 1, 63, 64, 65, 777, 2101, 0, 33, 256, 128, 191]
+    batch, qn, qp = _fp8_token_table(lens, H, kind, seed=H + len(kind))
+    c, k, s, table, sl = batch.ckv_cache, batch.kpe_cache, batch.ckv_scale, batch.block_table, batch.seq_lens
+    assert F.token_rows(c, k, s)
+    assert dispatch.decode_kernel(qn, qp, c, k, block_table=table, ckv_scale=s).name == "fp8_swapab"
+    want = reference(batch, qn, qp)
+    monkeypatch.setattr(decode_swapab, "TOKENS_IN_AUTO", False)
+    out, lse = torch.empty_like(qn), torch.empty(len(lens), H, dtype=torch.float32, device=DEV)
+    plan = F.stage1_plan(qn, qp, c, k, s, table, SCALE, out, lse, 0, 0, 1, tokens=True)
+    assert plan[3], "not the TOKENS form"
+    F.run_stage1(plan, qn, qp, c, k, s, table, sl, out, lse)
+    check(out, lse, want, qn.shape, lse_tol=1e-3)
+
+    monkeypatch.setattr(decode_swapab, "TOKENS_IN_AUTO", True)
+    plans, original = [], F.stage1_plan
+
+    def spy(*args, **kwargs):
+        plans.append(original(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(F, "stage1_plan", spy)
+    cfg = dispatch._config(qn, c, False, "fp8_swapab")
+    for splits in (2, 3, 40, None):
+        out, lse = K.decode(qn, qp, c, k, table, sl, SCALE, cfg=cfg, splits=splits, ckv_scale=s)
+        check(out, lse, want, qn.shape, lse_tol=1e-3)
+    out, lse = torch.ops.mla.decode(qn, qp, c, k, table, sl, SCALE, s)
+    check(out, lse, want, qn.shape, lse_tol=1e-3)
+    assert len(plans) >= 5 and all(p[3] for p in plans), "not the TOKENS form"
+    if H != 16:
+        return
+    tbl, lens_t = table.clone(), sl.clone()
+    graph, (out, lse) = capture(lambda: K.decode(qn, qp, c, k, tbl, lens_t, SCALE, cfg=cfg, ckv_scale=s))
+    for other in ("shuffled", "runs", kind):
+        o = _fp8_token_table(lens, H, other, seed=H + len(other) + 1)[0]  # other values, other rows
+        for dst, src in ((c.view(torch.uint8), o.ckv_cache.view(torch.uint8)), (s, o.ckv_scale), (k, o.kpe_cache),
+                         (tbl, o.block_table)):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, lse, reference(paged.PagedBatch(c, k, tbl, lens_t, s), qn, qp), qn.shape, lse_tol=1e-3)
+    lens_t.copy_(torch.tensor([0, 1, 60, 64, 1, 700, 2000, 0, 0, 255, 127, 191], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, lse, reference(paged.PagedBatch(c, k, tbl, lens_t, s), qn, qp), qn.shape, lse_tol=1e-3)
 
 
 # ------------------------------------------------------------------------------------ HF models, FP8 cache

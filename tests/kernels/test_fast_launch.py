@@ -412,3 +412,68 @@ def test_swapab_plan_over_a_token_table():
     wide = torch.zeros(300, 1, 576, dtype=torch.bfloat16)
     _, templates, _ = plan(wide[..., :512], wide[..., 512:])
     assert [list(t.strides) for t in templates] == [[576, 1], [576, 1]]
+
+
+def test_fp8_swapab_plan_over_a_token_table(fake_gpu, monkeypatch):
+    """decode_fp8_swapab over a page-size-1 token table (the HF pass's): the GATHER form unless its TOKENS form is
+    switched on (decode_swapab.TOKENS_IN_AUTO, MLA_COMPILE_SWAPAB_TOKENS=1: the bf16 TOKENS form's switch) or asked
+    for (`tokens=True`). The TOKENS plan holds the TMA form's descriptor templates ([slots, width] boxes, rows at the
+    656-byte token stride) and launches the kernel with them rebased over the call's views in their place and the same
+    views as the row copies' pointers after the numbers, as Triton's binder types them (descriptors, pointers); the
+    other forms pass those pointers as None (constexprs: their builds unchanged). A TOKENS form asked for over pages
+    (64 or 16 tokens) is refused before any launch."""
+    from mla_compile import fp8
+    from mla_compile.kernels import _gluon as G
+    from mla_compile.kernels import decode_fp8_swapab as F
+    from mla_compile.kernels import decode_swapab as S
+
+    if G.gluon is None:
+        pytest.skip("no Gluon in this Triton")
+    launches, _ = fake_gpu
+    kernel = F._fp8_swapab_kernel
+    kernel.device_caches.clear()
+    kernel.__dict__.pop("_mla_fast_launch", None)
+    _, ckv, scale, kpe = fp8.allocate(300, 1)
+    qn, qp = torch.zeros(2, 16, 512, dtype=torch.bfloat16), torch.zeros(2, 16, 64, dtype=torch.bfloat16)
+    o, l = torch.zeros(4, 2, 16, 512), torch.zeros(4, 2, 16)
+    table, lens = torch.zeros(2, 128, dtype=torch.int32), torch.tensor([100, 7], dtype=torch.int32)
+
+    def plan(tokens=None, views=(ckv, scale, kpe)):
+        c, s, k = views
+        return F.stage1_plan(qn, qp, c, k, s, table, 0.1, o, l, o.stride(0), l.stride(0), 4, tokens=tokens)
+
+    try:
+        assert F.token_rows(ckv, kpe, scale)
+        monkeypatch.setattr(S, "TOKENS_IN_AUTO", False)
+        gather = plan()
+        assert gather[1] is None and gather[3] is False
+        monkeypatch.setattr(S, "TOKENS_IN_AUTO", True)
+        assert plan()[3] is True and plan(False)[3] is False
+        monkeypatch.setattr(S, "TOKENS_IN_AUTO", False)
+        tokens = plan(True)
+        assert tokens[3] is True and tokens[0].kwargs["TOKENS"] and tokens[0].kwargs["GATHER"]
+        assert [(list(t.shape), list(t.strides), list(t.block_shape)) for t in tokens[1]] == [
+            ([300, 512], [656, 1], [64, 256]), ([300, 4], [164, 1], [64, 4]), ([300, 64], [328, 1], [64, 64])]
+        names = kernel.arg_names
+        for p, pointers in ((gather, "constexpr"), (tokens, "*")):
+            for _ in range(2):  # through Triton, then the remembered kernel
+                F.run_stage1(p, qn, qp, ckv, kpe, scale, table, lens, o, l)
+                spec, args = dict(launches[-1][0].spec[0]), launches[-1][6]
+                first = names.index("EPtr")
+                assert names[first:first + 3] == ["EPtr", "SPtr", "RPtr"]
+                if pointers == "*":
+                    assert [spec[n] for n in ("EPtr", "SPtr", "RPtr")] == ["*fp8e4nv", "*fp32", "*bf16"]
+                    assert all(spec[n].startswith("tensordesc<") for n in ("EDesc", "SDesc", "RDesc"))
+                    assert [a.base for a in args[2:5]] == [ckv, scale, kpe]
+                    assert list(args[first:first + 3]) == [ckv, scale, kpe]
+                else:  # GATHER: the views as pointers at the descriptors' place, no more pointers
+                    assert [spec[n] for n in ("EPtr", "SPtr", "RPtr")] == ["constexpr"] * 3
+                    assert list(args[2:5]) == [ckv, scale, kpe] and args[first:first + 3] == (None,) * 3
+        _, c64, s64, k64 = fp8.allocate(4, 64)
+        with pytest.raises(ValueError, match="TOKENS"):
+            plan(True, (c64, s64, k64))
+        with pytest.raises(ValueError, match="TOKENS"):
+            plan(True, tuple(t.view(16, 16, -1) for t in (c64, s64, k64)))  # page 16: GATHER's only
+    finally:
+        kernel.device_caches.clear()
+        kernel.__dict__.pop("_mla_fast_launch", None)

@@ -221,6 +221,37 @@ def test_fp8_swap_ab_kernel_reads_tma_tiles_into_warpgroup_mmas_without_spills(H
     assert "C7514" not in out["advisories"] and "C7515" not in out["advisories"], out["advisories"]
 
 
+@pytest.mark.parametrize("H", [16, 32, 64])
+def test_fp8_swap_ab_kernel_over_a_token_table_takes_tma_boxes_or_row_copies(H):
+    """The FP8 kernel's TOKENS form (a page-size-1 token table, the HF pass's): each tile's 64 entries are checked on
+    the device; a run of consecutive rows is the TMA form's boxes (e4m3, scales, rope) whose barrier gets the rest of
+    its count from one thread, any other tile GATHER's 16-byte cp.async row copies arriving from every thread (the
+    barrier counts every thread). Both paths are in the build, the MMAs are the other forms', nothing spills (at 64
+    heads no more than the other forms' few bytes), shared memory fits, and ptxas does not serialise the MMAs."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mla_compile.kernels import _gluon as G
+    from mla_compile.kernels import decode_fp8_swapab as F
+
+    t = F.default_tiling(H)
+    out = aot.fp8_swapab_sm90(t, page_size=1, tokens=True)
+    ptx = out["ptx"]
+    assert "cp.async.bulk.tensor" in ptx
+    sizes = set(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], (\w+)", ptx))
+    assert sizes == {"0x10"}, f"row copies are not all 16-byte cp.async: {sizes}"
+    assert "cp.async.mbarrier.arrive.noinc.shared.b64" in ptx
+    inits = set(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx))
+    assert inits == {str(32 * t.warps)}, inits  # every thread's row copies arrive
+    counts = set(re.findall(r"mbarrier\.arrive\.shared::cta\.b64 _, \[%r\d+\], (\d+);", ptx))
+    assert counts == {str(32 * t.warps - 1)}, counts  # the TMA path's arrival: every thread but the expect's
+    # the expect: the whole token (656 bytes: e4m3, scales, rope) of each of the tile's 64 rows
+    assert set(re.findall(r"mbarrier\.arrive\.expect_tx\.shared\.b64 _, \[%r\d+\], (\d+);", ptx)) == {str(64 * 656)}
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
+    assert shapes == {f"m64n{t.N // (t.warps // 4)}k16", f"m64n{t.N}k16"}, shapes
+    assert out["spill_bytes"] <= (0 if t.N <= 32 else 64), out["registers"]
+    assert out["shared_bytes"] <= G.SMEM_LIMIT
+    assert "C7514" not in out["advisories"] and "C7515" not in out["advisories"], out["advisories"]
+
+
 @pytest.mark.parametrize("H,dtype", [(16, "bf16"), (32, "bf16"), (16, "fp16"), (64, "bf16")])
 def test_swap_ab_kernel_reads_tma_tiles_into_warpgroup_mmas_without_spills(H, dtype):
     """The few-head Gluon kernel over a bf16 / fp16 cache (kernels/decode_swapab.py): tiles arrive by TMA and feed

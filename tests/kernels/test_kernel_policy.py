@@ -262,8 +262,9 @@ def test_fp8_swapab_asked_for_a_bf16_cache_falls_back_saying_why():
 def test_decode_kernel_reads_the_fp8_layout_from_the_three_views(monkeypatch):
     """`decode_kernel` on an FP8 cache's tensors (fp8.allocate's views): the views of pages of whole 64-token tiles
     are TMA rows (the swap-AB kernel's TMA form), a page-size-1 token view of the same buffer (what the HF pass hands
-    over) and page 16 are 16-byte aligned rows (its GATHER form); a buffer 8 bytes off 16-byte alignment is
-    neither (the Triton FP8 kernels)."""
+    over) and page 16 are 16-byte aligned rows (its GATHER form; the token view's rows are TMA rows too: its TOKENS
+    form, `token_rows`, page size 1 only); a buffer 8 bytes off 16-byte alignment is neither (the Triton FP8
+    kernels)."""
     from mla_compile import fp8
 
     from mla_compile.kernels import decode_fp8_swapab
@@ -279,14 +280,18 @@ def test_decode_kernel_reads_the_fp8_layout_from_the_three_views(monkeypatch):
     assert not decode_fp8_swapab.eligible(tokens[0], tokens[2], tokens[1])
     assert decode_fp8_swapab.gather_eligible(tokens[0], tokens[2], tokens[1])
     assert decode_fp8_swapab._strides16(tokens[1]) == (41, 0)  # 656-byte tokens: 41 chunks of 16 bytes
+    assert decode_fp8_swapab.token_rows(tokens[0], tokens[2], tokens[1])
+    assert not decode_fp8_swapab.token_rows(ckv, kpe, scale)  # pages of 64: the TMA form
     assert D_.decode_kernel(qn, qp, tokens[0], tokens[2], block_table=table, ckv_scale=tokens[1]).name == SWAPAB
     _, c16, s16, k16 = fp8.allocate(16, 16)
     assert decode_fp8_swapab._strides16(k16) == (16 * 41, 41)
+    assert not decode_fp8_swapab.token_rows(c16, k16, s16)  # page 16: GATHER's only
     assert D_.decode_kernel(qn, qp, c16, k16, block_table=table, ckv_scale=s16).name == SWAPAB
     raw = torch.zeros(4 * 64 * fp8.token_bytes() + 16, dtype=torch.uint8)
     off = (8 - raw.data_ptr()) % 16
     bad = fp8.views(raw[off:off + 4 * 64 * fp8.token_bytes()].view(4, 64, -1))  # 8 bytes off 16-byte alignment
     assert not decode_fp8_swapab.gather_eligible(bad[0], bad[2], bad[1])
+    assert not decode_fp8_swapab.token_rows(*(t.reshape(-1, 1, t.shape[-1]) for t in (bad[0], bad[2], bad[1])))
     assert D_.decode_kernel(qn, qp, bad[0], bad[2], block_table=table, ckv_scale=bad[1]).name == "triton"
     assert D_.decode_kernel(qn.half(), qp.half(), ckv, kpe, block_table=table, ckv_scale=scale).name == "triton"
     # what the compiled HF step hands mla.decode over DSAStaticCache's FP8 buffer [B, L, 656] (fp8.read_views, then
@@ -295,6 +300,7 @@ def test_decode_kernel_reads_the_fp8_layout_from_the_three_views(monkeypatch):
     buf = torch.zeros(2, 896, fp8.token_bytes(), dtype=torch.uint8)
     hf_c, hf_s, hf_k = (t.reshape(-1, 1, t.shape[-1]) for t in fp8.read_views(buf))
     hf_q = torch.zeros(16, 2, 512, dtype=BF16).transpose(0, 1)
+    assert decode_fp8_swapab.token_rows(hf_c, hf_k, hf_s)  # the TOKENS form's too, where switched on
     assert D_.decode_kernel(hf_q, qp, hf_c, hf_k, block_table=torch.zeros(2, 896, dtype=torch.int32),
                             ckv_scale=hf_s).name == SWAPAB
     monkeypatch.setattr(decode_fp8_swapab, "ENABLED", False)  # switched off (MLA_COMPILE_FP8_SWAPAB=0)
