@@ -20,13 +20,13 @@ replay medians (do_bench_cudagraph) side by side on the same tokens: the product
 of the same values, FlashMLA's dense bf16 / FP8 decode when `flash_mla` imports (benchmarks/fp8_decode.py's calls),
 and other builds (EXTRA, --configs).
 
---table: "pages" (default: the above, page 64, the TMA form) and page-size-1 token tables (what the HF pass hands
-over), each timed in the GATHER form (row copies through the table) and the TOKENS form (a tile of consecutive rows
-as the TMA form's boxes, others row copies), stage 1 + merge and stage 1 alone, request 0 checked against float64
-first: "tiles" (the pages' buffer through a token table of their slots: every tile one page, so the TOKENS form
-takes boxes throughout, on the very bytes the TMA form reads), "runs" (each request one run of consecutive rows off
-the tile edges: a static cache), "holes" (each request's rows from a range 64 longer: ~64 tiles of its 512 at 32K
-broken), "shuffled" (rows anywhere: every tile row copies, what the check costs the TOKENS form).
+--table: "pages" (default: the above, page 64, the TMA form) and page-size-1 token tables (what the HF pass hands over),
+each timed in the GATHER form (row copies through the table) and the TOKENS form (a tile of consecutive rows as the TMA
+form's boxes, others row copies), stage 1 + merge and stage 1 alone, request 0 checked against float64 first: "tiles" (a
+buffer laid out as the "pages" row's, shuffled pages of 64, through a token table of their slots: every tile one page,
+so the TOKENS form takes boxes throughout, over the layout the TMA form reads), "runs" (each request one run of
+consecutive rows off the tile edges: a static cache), "holes" (each request's rows from a range 64 longer: ~64 tiles of
+its 512 at 32K broken), "shuffled" (rows anywhere: every tile row copies, what the check costs the TOKENS form).
 """
 
 from __future__ import annotations
