@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import reference as ref
-from gpu_util import capture, rel
+from gpu_util import capture, rel, token_table_rows
 
 import mla_compile  # noqa: F401  (registers torch.ops.mla: this file may run alone)
 from mla_compile import fp8, paged
@@ -291,26 +291,14 @@ def test_fp8_swapab_gather_form(H, lens, layout, monkeypatch, swapab_on):
 
 def _fp8_token_table(lens, H, kind, seed, spare=64):
     """(batch, q_nope, q_pe): a page-size-1 FP8 buffer [N, 1, 656] (fp8.allocate's views, written by
-    mla.cache_write_fp8) under a token table (what the HF pass hands mla.decode) whose rows for request b are:
-    "runs", one run of consecutive rows at an offset (a static cache with left padding: every tile the TOKENS form's
-    TMA boxes); "holes", rows of the request's range with gaps (tiles with and without a gap); "shuffled", rows
-    anywhere (every tile row copies). Every row no token uses holds NaN bytes (0xFF), every table entry past a
-    request's length is far out of range (never to be read)."""
+    mla.cache_write_fp8) under a token table (`gpu_util.token_table_rows`: "runs" every tile the TOKENS form's TMA
+    boxes, "holes", "shuffled" every tile row copies). Every row no token uses holds NaN bytes (0xFF)."""
     g = torch.Generator().manual_seed(seed)
-    B, L = len(lens), max(lens) + 200
-    N = B * L + spare
+    table, rows_of, N = token_table_rows(lens, kind, g, spare)
+    B = len(lens)
     buf, ckv, scale, kpe = fp8.allocate(N, 1, R, P, device=DEV)
     buf.fill_(0xFF)
-    table = torch.full((B, L), 1 << 30, dtype=torch.int32)
-    perm = torch.randperm(N, generator=g)
-    for b, n in enumerate(lens):
-        if kind == "runs":
-            rows = b * L + int(torch.randint(0, L - n + 1, (1,), generator=g)) + torch.arange(n)
-        elif kind == "holes":
-            rows = b * L + torch.randperm(L, generator=g)[:n].sort().values
-        else:
-            rows = perm[b * L:b * L + n]
-        table[b, :n] = rows.int()
+    for n, rows in zip(lens, rows_of):
         if n:
             torch.ops.mla.cache_write_fp8(ckv, kpe, scale, torch.randn(n, R, generator=g).to(torch.bfloat16).to(DEV),
                                           torch.randn(n, P, generator=g).to(torch.bfloat16).to(DEV), rows.to(DEV))

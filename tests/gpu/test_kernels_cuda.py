@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu,
 
 import mla_compile  # noqa: E402,F401  (registers the ops)
 import reference as ref  # noqa: E402
-from gpu_util import capture, rel as _rel  # noqa: E402
+from gpu_util import capture, rel as _rel, token_table_rows  # noqa: E402
 from mla_compile import paged  # noqa: E402
 
 DEV = "cuda"
@@ -568,28 +568,16 @@ def test_swapab_kernel(H, PS, dtype):
 
 
 def token_table_batch(lens, H, dtype, kind, seed, spare=64):
-    """A page-size-1 cache [N, 1, width] under a token table (what the HF pass hands mla.decode) whose rows for
-    request b are: "runs", one run of consecutive rows at an offset off every tile edge (a static cache with left
-    padding: every tile one TMA box); "holes", positions of the request's row with gaps (tiles with and without a
-    gap); "shuffled", rows anywhere (every tile gathered). Every row no token uses holds NaN, every table entry past
-    a request's length is garbage far out of range (never to be read)."""
+    """A page-size-1 cache [N, 1, width] under a token table (`gpu_util.token_table_rows`: "runs", "holes",
+    "shuffled"); every row no token uses holds NaN."""
     from types import SimpleNamespace
 
     g = torch.Generator().manual_seed(seed)
-    B, L = len(lens), max(lens) + 200
-    N = B * L + spare
+    table, rows_of, N = token_table_rows(lens, kind, g, spare)
+    B = len(lens)
     ckv = torch.full((N, 1, 512), float("nan"), dtype=dtype)
     kpe = torch.full((N, 1, 64), float("nan"), dtype=dtype)
-    table = torch.full((B, L), 1 << 30, dtype=torch.int32)
-    perm = torch.randperm(N, generator=g)
-    for b, n in enumerate(lens):
-        if kind == "runs":
-            rows = b * L + int(torch.randint(0, L - n + 1, (1,), generator=g)) + torch.arange(n)
-        elif kind == "holes":
-            rows = b * L + torch.randperm(L, generator=g)[:n].sort().values
-        else:
-            rows = perm[b * L:b * L + n]
-        table[b, :n] = rows.int()
+    for n, rows in zip(lens, rows_of):
         ckv[rows, 0] = torch.randn(n, 512, generator=g).to(dtype)
         kpe[rows, 0] = torch.randn(n, 64, generator=g).to(dtype)
     q_nope = torch.randn(B, H, 512, generator=g).to(dtype).to(DEV)
@@ -628,7 +616,7 @@ def test_swapab_kernel_over_a_token_table(H, dtype, kind):
     graph, (out, lse) = capture(lambda: K.decode(qn, qp, b.ckv_cache, b.kpe_cache, table, b.seq_lens, 0.08,
                                                  cfg=cfg))
     for other in ("shuffled", "runs", kind):
-        o = token_table_batch(lens, H, dtype, other, seed=H + len(kind))  # same cache values, other rows
+        o = token_table_batch(lens, H, dtype, other, seed=H + len(kind))  # other rows (and values)
         b.ckv_cache.copy_(o[0].ckv_cache)
         b.kpe_cache.copy_(o[0].kpe_cache)
         table.copy_(o[0].block_table)
