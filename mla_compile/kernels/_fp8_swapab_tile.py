@@ -51,15 +51,12 @@ if G.gluon is not None:
         EL: gl.constexpr = gl.SliceLayout(1, _gather_layout("e4m3", NW, GROUPS))
         SL: gl.constexpr = gl.SliceLayout(1, _gather_layout("scales", NW, GROUPS))
         RL: gl.constexpr = gl.SliceLayout(1, _gather_layout("rope", NW, GROUPS))
+        entries = (G.table_entries(Table, b, s_tb, t0, end, BT, PS, EL),
+                   G.table_entries(Table, b, s_tb, t0, end, BT, PS, SL),
+                   G.table_entries(Table, b, s_tb, t0, end, BT, PS, RL))
         if TOKENS:
-            return (G.table_entries(Table, b, s_tb, t0, end, BT, PS, EL),
-                    G.table_entries(Table, b, s_tb, t0, end, BT, PS, SL),
-                    G.table_entries(Table, b, s_tb, t0, end, BT, PS, RL),
-                    G.table_entries(Table, b, s_tb, t0, end, BT, PS, G.run_layout(NW)))
-        else:
-            return (G.table_entries(Table, b, s_tb, t0, end, BT, PS, EL),
-                    G.table_entries(Table, b, s_tb, t0, end, BT, PS, SL),
-                    G.table_entries(Table, b, s_tb, t0, end, BT, PS, RL))
+            entries = entries + (G.table_entries(Table, b, s_tb, t0, end, BT, PS, G.run_layout(NW)),)
+        return entries
 
     @gluon.jit
     def _rows16(page, t0, end, s_p, s_t, PS: gl.constexpr):
