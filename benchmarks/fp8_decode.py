@@ -17,6 +17,9 @@ decode call, what a captured decode step runs:
     into the products; what token tables, fp16 q and index lists take);
   - `fp8_dequant_ms`: the pointer kernel that dequantizes its tiles in registers (fp32 q takes it), over the same
     FP8 cache;
+  - `fp8_flashmla_ms`: `torch.ops.mla.decode` over the FP8 cache with decode_kernel="flashmla" (H 64 / 128 with
+    FlashMLA installed): FlashMLA's V3.2 FP8 kernel reading our cache in place (kernels/flashmla_fp8.py; each
+    request's slots written as an index list per call, included in the time);
   - `fp8_configs_ms`: decode_fp8.py's kernel at other tilings (`--sweep`).
 `--token-table`: instead, what the HF pass hands `mla.decode` (benchmarks/lab/hf_call_args.py): every cache as a
 page-size-1 view ([slots, 1, width]) read through a token table [B, kv] of each request's slots (its shuffled pages'
@@ -43,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from op_timing_out import emit, row_done  # noqa: E402
 
 import mla_compile  # noqa: F401  (registers the ops)
-from mla_compile import fp8
+from mla_compile import fp8, tuning
 
 R, P, PS = 512, 64, 64
 SCALE = (128 + 64) ** -0.5
@@ -247,6 +250,13 @@ def main(argv):
                 row["flashmla_fp8_ms"] = ms(fm_fp8)
             except Exception as e:  # noqa: BLE001 - a peer's failure is reported, not fatal
                 row["flashmla_error"] = repr(e)[:300]
+        if fm_bf16 is not None and H in (64, 128):
+            try:
+                with tuning.use(tuning.Tuning(decode_kernel="flashmla")):
+                    row["fp8_flashmla_check"] = check_request0(*fp8_call(), qn, qp, fp8_rows, k8, table)
+                    row["fp8_flashmla_ms"] = ms(fp8_call)
+            except Exception as e:  # noqa: BLE001 - reported, not fatal
+                row["fp8_flashmla_error"] = repr(e)[:300]
         if sweep:
             row["fp8_configs_ms"] = {}
             for bh, bn, w, st in SWEEP:
@@ -260,7 +270,7 @@ def main(argv):
         tokens = B * KV
         for key, per_token in (("bf16", 2 * (R + P)), ("fp8", fp8.token_bytes(R, P)),
                                ("fp8_triton", fp8.token_bytes(R, P)), ("fp8_dequant", fp8.token_bytes(R, P)), ("flashmla_bf16", 2 * (R + P)),
-                               ("flashmla_fp8", R + P)):
+                               ("flashmla_fp8", R + P), ("fp8_flashmla", fp8.token_bytes(R, P))):
             if isinstance(row.get(f"{key}_ms"), float):
                 row[f"{key}_gbps"] = tokens * per_token / row[f"{key}_ms"] / 1e6
                 row[f"{key}_bw_frac"] = row[f"{key}_gbps"] / copy_gbps
@@ -268,6 +278,8 @@ def main(argv):
         for peer in ("flashmla_bf16", "flashmla_fp8"):
             if isinstance(row.get(f"{peer}_ms"), float):
                 row[f"fp8_vs_{peer}"] = row[f"{peer}_ms"] / row["fp8_ms"]
+                if isinstance(row.get("fp8_flashmla_ms"), float):
+                    row[f"fp8_flashmla_vs_{peer}"] = row[f"{peer}_ms"] / row["fp8_flashmla_ms"]
         rows.append(row)
         row_done(row)
         del ckv, kpe, c8, s8, k8

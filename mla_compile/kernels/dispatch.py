@@ -30,6 +30,8 @@ from . import decode_swapab as _swapab
 from . import decode_wgmma as _wgmma
 from . import dsa as _dsa
 from . import flashinfer_mla as _fi
+from . import flashmla as _fmla
+from . import flashmla_fp8 as _fm8
 from . import linear as _linear
 from . import merge as _merge
 
@@ -70,7 +72,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     per request. Facts of the call's tensors: `tma_layout` (caches view as [slots, width] with pages of whole
     64-token tiles, `_gluon.tma_layout`), `token_rows` (page size 1 viewing as [slots, width]: a token table's
     cache, `_gluon.token_rows`), `rows_aligned` (16-byte aligned rows, `_gluon.rows_aligned`),
-    `flashmla` (FlashMLA imports, takes these shapes and reads the caches in place), `flashinfer` (FlashInfer
+    `flashmla` (FlashMLA imports and takes the call: in place; FP8, kernels/flashmla_fp8.py), `flashinfer` (FlashInfer
     usable now: installed, R 512, not under CUDA-graph capture), `tokens`: the most tokens the call may read, batch x
     the block table's capacity (shapes only: the lengths live on the device), `fp8_cache`: the latent cache is FP8
     (mla_compile/fp8.py; `dtype` stays q's), `fp8_rows`: the swap-AB kernel can read its layout, the three views
@@ -117,8 +119,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
         form with MLA_COMPILE_SWAPAB_TOKENS=1 (runs of rows as TMA boxes; its `stage1_plan` picks the form). H200
         2026-12-05: H 16 B 8 32K 82.7 us against 171.2 for the Triton FP8 kernel and 89.8 for our bf16 cache; H 64
         151.5 vs 450.4.
-    (10) kernels/decode_fp8.py (bf16 / fp16 q: scales folded into fp16 MMAs; fp32 q: the pointer kernel
-        dequantizing its tiles); FlashMLA, FlashInfer and the bf16 Gluon kernels read fp16/bf16 caches only.
+    (10) kernels/decode_fp8.py (scales folded into fp16 MMAs; fp32 q: the pointer kernel dequantizing its tiles);
+        FlashMLA's V3.2 FP8 kernel (H 64 / 128) serves "flashmla" asked for, never auto (bf16 numerics).
     (11) kernels/decode_swapab.py: TMA tiles fed to warpgroup MMAs with the 64 tokens as M, the heads as N (no row
         padded). H100 2026-12-05, graph replay, H 16: B 8 8K 36.1 us vs 43.1 for the Triton kernel and 37.5 for
         FlashInfer; B 1 32K 17.2 vs 29.9 (FlashInfer 43.4); B 8 32K 108.3 vs 115.1 (110.4); H 32 B 8 32K 112.3
@@ -157,7 +159,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     if capability is None:
         return Choice("torch", "CPU tensors: the op's CPU impl (the plain-torch definition)")
     if fp8_cache:
-        return _select_fp8_kernel(kernel, sm90 and one_dense and fp8_rows and _fp8_swapab.fits(R, P, dtype))
+        return _select_fp8_kernel(kernel, sm90 and one_dense and fp8_rows and _fp8_swapab.fits(R, P, dtype),
+                                  flashmla and sm90 and n_query == 1)
     facts = dict(tma_layout=tma_layout, rows_aligned=rows_aligned, flashmla=flashmla, flashinfer=flashinfer,
                  tokens=tokens, token_rows=token_rows)
     if kernel == "fp8_swapab":
@@ -194,13 +197,19 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
 FP8_SWAPAB_CANNOT = ("fp8_swapab: needs sm_90, Gluon, bf16 q, R 512 / P 64, one query token, a dense (paged) call, "
                      "the three views TMA rows in pages of whole 64-token tiles or 16-byte aligned rows, and the "
                      "kernel not switched off (decode_fp8_swapab.ENABLED, MLA_COMPILE_FP8_SWAPAB=0)")
+FLASHMLA_FP8_CANNOT = ("FlashMLA's FP8 kernel: needs flash_mla on sm_90, bf16 q, 64 or 128 heads, R 512 / P 64, one "
+                       "query token, the three views of one [pages, page_size, 656] buffer (kernels/flashmla_fp8.py)")
 FP8_REASON = ("an FP8 latent cache: the Triton FP8 kernels (bf16 / fp16 q: scales folded into the products, "
-              "decode_fp8.py; fp32 q: the pointer kernel dequantizing its tiles in registers) (FlashMLA, "
-              "FlashInfer and the bf16 Gluon kernels take fp16/bf16 caches only)")
+              "decode_fp8.py; fp32 q: the pointer kernel dequantizing its tiles in registers) (FlashInfer and "
+              "the bf16 Gluon kernels take fp16/bf16 caches only; FlashMLA's FP8 kernel is asked-for only)")
 
 
-def _select_fp8_kernel(kernel: str, swapab: bool) -> Choice:
-    """`select_decode_kernel` for an FP8 cache: the swap-AB Gluon kernel where it serves the call, else Triton's."""
+def _select_fp8_kernel(kernel: str, swapab: bool, flashmla: bool = False) -> Choice:
+    """`select_decode_kernel` for an FP8 cache: the swap-AB Gluon kernel where it serves the call, else Triton's;
+    asked for, FlashMLA's V3.2 FP8 kernel where it serves it (`flashmla`: never auto's, its numerics are a bf16
+    cache's, kernels/flashmla_fp8.py)."""
+    if kernel == "flashmla" and flashmla:
+        return Choice("flashmla", "asked for: FlashMLA's V3.2 FP8 kernel (value x scale rounded to bf16)")
     auto = (Choice("fp8_swapab", "an FP8 cache on sm_90 in a layout it reads (TMA tiles or 16-byte aligned rows): "
                                  "the swap-AB Gluon kernel (the tokens as the warpgroup MMA's M)") if swapab
             else Choice("triton", FP8_REASON + ("" if kernel in ("auto", "triton") else f" ({FP8_SWAPAB_CANNOT})")))
@@ -208,7 +217,8 @@ def _select_fp8_kernel(kernel: str, swapab: bool) -> Choice:
         return auto if kernel == "auto" else Choice(kernel, "asked for")
     if kernel == "triton":
         return Choice("triton", "asked for")
-    why = FP8_SWAPAB_CANNOT if kernel == "fp8_swapab" else f"an FP8 cache: {kernel} reads fp16/bf16 caches only"
+    why = (FP8_SWAPAB_CANNOT if kernel == "fp8_swapab" else FLASHMLA_FP8_CANNOT if kernel == "flashmla"
+           else f"an FP8 cache: {kernel} reads fp16/bf16 caches only")
     return Choice(auto.name, f"asked for {kernel}, which cannot serve this call ({why}); auto: {auto.reason}")
 
 
@@ -217,25 +227,6 @@ def _capability(device: torch.device):
     """What `select_decode_kernel` takes as `capability`: (major, minor) of a CUDA device; CPU tensors reaching
     these CUDA impls are a direct call for the Triton kernels (they run under TRITON_INTERPRET=1)."""
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else "interpreter"
-
-
-@functools.lru_cache(maxsize=None)
-def _flashmla(device: torch.device):
-    """kernels/flashmla.py when FlashMLA is installed and serves `device` (an sm_90 GPU), else None; the module
-    itself is optional. Asked once per device."""
-    try:
-        from . import flashmla
-    except ImportError:
-        return None
-    return flashmla if device.type == "cuda" and _capability(device) == (9, 0) and flashmla.available() else None
-
-
-def _flashmla_in_place(q_nope, ckv_cache, kpe_cache, page_size) -> bool:
-    """FlashMLA takes this call and reads the caches without copying them (P = 0, or one shared buffer)."""
-    fm = _flashmla(q_nope.device)
-    if fm is None or not fm.supported(q_nope, ckv_cache, page_size, kpe_cache)[0]:
-        return False
-    return kpe_cache.shape[-1] == 0 or fm.shares_rows(ckv_cache, kpe_cache)
 
 
 def _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool, n_query: int, block_table=None) -> tuple[tuple, dict]:
@@ -267,6 +258,8 @@ def decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False, n_qu
     sm90, page_size = args[6] == (9, 0), args[3]
     if fp8.is_fp8(ckv_cache):
         return select_decode_kernel(*args, kernel=kernel, **facts, fp8_cache=True,
+                                    flashmla=kernel == "flashmla" and _fm8.supported(q_nope, q_pe, ckv_cache,
+                                                                                     kpe_cache, ckv_scale)[0],
                                     fp8_rows=(sm90 and _fp8_swapab.ENABLED
                                               and (_fp8_swapab.eligible(ckv_cache, kpe_cache, ckv_scale)
                                                    or _fp8_swapab.gather_eligible(ckv_cache, kpe_cache, ckv_scale))))
@@ -274,7 +267,7 @@ def decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False, n_qu
         *args, kernel=kernel, **facts,
         # (auto asks FlashMLA only where it may win: many heads; the in-place test reads storage pointers)
         flashmla=((kernel == "flashmla" or (kernel == "auto" and args[0] >= MANY_HEADS)) and sm90 and not sparse
-                  and _flashmla_in_place(q_nope, ckv_cache, kpe_cache, page_size)),
+                  and _fmla.in_place(q_nope, ckv_cache, kpe_cache, page_size)),
         flashinfer=kernel == "flashinfer" and not sparse and _fi.usable(q_nope, ckv_cache))
 
 
@@ -354,8 +347,13 @@ def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
     they read q by pointer and the strides fixed here), views each call for the peers' (`unfolded`)."""
     name = decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, n_query=n_query, block_table=block_table,
                          ckv_scale=ckv_scale).name
+    if name == "flashmla" and ckv_scale is not None:  # asked for: FlashMLA's FP8 kernel (kernels/flashmla_fp8.py)
+        def fm8(qn, qp, ckv, kpe, table, lens, scale):
+            return _fm8.run_decode(qn, qp, ckv, table, lens, sm_scale)
+
+        return (fm8 if outer is None else unfolded(fm8, outer)), True
     if name in ("flashmla", "flashinfer"):  # FlashInfer's plan depends on whether a graph is being captured: not kept
-        peer = _flashmla(q_nope.device).decode if name == "flashmla" else _fi.decode
+        peer = _fmla.decode if name == "flashmla" else _fi.decode
 
         def plan(qn, qp, ckv, kpe, table, lens, scale):
             return peer(qn, qp, ckv, kpe, table, lens, sm_scale)
@@ -396,7 +394,10 @@ def sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ck
     lengths' place empty: an index list bounds itself). An FP8 cache (ckv_scale given): the Triton pointer kernel
     (`decode_kernel`). `outer`: q's own shape [B, S, H, R] where q_nope / q_pe / indices are views of [B, S, ...]
     folded to B*S requests; the plan then takes them unfolded and gives out / lse in q's shape."""
-    if decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse=True, ckv_scale=ckv_scale).name == "wgmma":
+    name = decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse=True, ckv_scale=ckv_scale).name
+    if name == "flashmla":  # an FP8 cache, asked for: FlashMLA's V3.2 kernel (q / indices [B, S, ...] as they are)
+        return (lambda qn, qp, ckv, kpe, idx, lens, scale: _fm8.run_sparse(qn, qp, ckv, idx, sm_scale)), True
+    if name == "wgmma":
         return _decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
                                           cfg=_config(q_nope, ckv_cache, True, "wgmma"), outer=outer).run, True
     zero = rope_less(q_pe)

@@ -103,6 +103,13 @@ def supported(q_nope, ckv_cache, page_size, kpe_cache=None) -> tuple[bool, str]:
     return True, ""
 
 
+def in_place(q_nope, ckv_cache, kpe_cache, page_size) -> bool:
+    """FlashMLA takes this call and reads the caches without copying them (P = 0, or one shared buffer)."""
+    if not supported(q_nope, ckv_cache, page_size, kpe_cache)[0]:
+        return False
+    return kpe_cache.shape[-1] == 0 or shares_rows(ckv_cache, kpe_cache)
+
+
 def _tma_aligned(cache) -> bool:
     """Base address and page / row strides in 16-byte units, a unit last stride: what a TMA descriptor takes."""
     es = cache.element_size()

@@ -220,7 +220,8 @@ SWAPAB = "fp8_swapab" if GLUON else "triton"
 
 @pytest.mark.parametrize("case,want", [
     # an FP8 cache: the swap-AB Gluon kernel where its layout, shapes and device allow, else the Triton FP8 kernels;
-    # never a kernel that reads fp16/bf16 caches (FlashMLA, FlashInfer, the bf16 Gluon kernels)
+    # never a kernel that reads fp16/bf16 caches (FlashInfer, the bf16 Gluon kernels), nor FlashMLA's FP8 kernel
+    # (`flashmla`: it takes the call; bf16 numerics, asked-for only)
     (dict(H=16, fp8_rows=True), SWAPAB),
     (dict(H=128, fp8_rows=True, flashmla=True, flashinfer=True), SWAPAB),
     (dict(H=16), "triton"),  # views that are neither TMA rows in whole-tile pages nor 16-byte aligned rows
@@ -243,13 +244,17 @@ def test_fp8_cache_takes_the_fp8_kernels(case, want):
     ("fp8_swapab", dict(fp8_rows=True), SWAPAB),
     ("fp8_swapab", dict(), "triton"),
     ("seesaw", dict(fp8_rows=True), SWAPAB),
-    ("flashmla", dict(fp8_rows=True, flashmla=True), SWAPAB),
+    ("flashmla", dict(fp8_rows=True), SWAPAB),  # FlashMLA's FP8 kernel does not take the call
+    ("flashmla", dict(fp8_rows=True, flashmla=True), "flashmla"),  # it does: FlashMLA's V3.2 FP8 kernel
+    ("flashmla", dict(fp8_rows=True, flashmla=True, n_query=2), "triton"),  # one query token a request only
+    ("flashmla", dict(flashmla=True, cap=A100), "triton"),
 ])
 def test_fp8_an_asked_for_kernel_runs_where_it_can_else_auto_says_why(asked, case, want):
-    choice = D_.select_decode_kernel(*_args(H=16), kernel=asked, fp8_cache=True, **case)
+    choice = D_.select_decode_kernel(*_args(H=16, **{k: case.pop(k) for k in ("n_query", "cap") if k in case}),
+                                     kernel=asked, fp8_cache=True, **case)
     assert choice.name == want
     if want == asked:
-        assert choice.reason == "asked for"
+        assert choice.reason == "asked for" or (asked == "flashmla" and choice.reason.startswith("asked for: "))
     else:
         assert choice.reason.startswith(f"asked for {asked}, which cannot serve this call")
 
@@ -453,8 +458,7 @@ def test_a_swapab_config_for_calls_it_cannot_serve_is_refused():
 @pytest.mark.parametrize("choice", ["flashmla", "flashinfer", "seesaw", "wgmma", "triton"])
 def test_dispatch_decode_runs_the_selected_kernel(choice, monkeypatch):
     ran = []
-    fake_fm = mock.Mock(decode=lambda *a: ran.append("flashmla"))
-    monkeypatch.setattr(D_, "_flashmla", lambda device: fake_fm)
+    monkeypatch.setattr(D_._fmla, "decode", lambda *a: ran.append("flashmla"))
     monkeypatch.setattr(D_._fi, "decode", lambda *a: ran.append("flashinfer"))
     monkeypatch.setattr(D_._decode, "decode_plan",
                         lambda *a, cfg=None, **k: SimpleNamespace(run=lambda *x: ran.append(cfg.kernel if cfg else
@@ -518,9 +522,8 @@ def test_flashmla_only_where_it_reads_the_caches_in_place(monkeypatch):
     # takes it for one shared [NP, PS, R + P] buffer (flashmla.fused_caches) or P = 0, and never without it
     from mla_compile.kernels import flashmla
 
-    fake = mock.Mock(supported=lambda *a: (True, ""), shares_rows=flashmla.shares_rows)
     monkeypatch.setattr(D_, "_capability", lambda device: H200)
-    monkeypatch.setattr(D_, "_flashmla", lambda device: fake)
+    monkeypatch.setattr(flashmla, "supported", lambda *a: (True, ""))  # installed, and the CPU stands in for sm_90
     q_nope, q_pe, ckv, kpe = _cpu_call()
     assert D_.decode_kernel(q_nope, q_pe, ckv, kpe).name != "flashmla"
     ckv2, kpe2 = flashmla.fused_caches(4, 64, 512, 64, BF16, "cpu")
@@ -533,7 +536,5 @@ def test_flashmla_only_where_it_reads_the_caches_in_place(monkeypatch):
     assert D_.decode_kernel(*_cpu_call(H=16)[:2], ckv2, kpe2).name == FEW  # few heads: ours, TMA rows of the buffer
     assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2, kernel="triton").name == "triton"
     assert D_.decode_kernel(q_nope, q_pe[..., :0], ckv, kpe[..., :0], block_table=big).name == "flashmla"  # P = 0
-    fake.supported = lambda *a: (False, "page size")
-    assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2).name != "flashmla"
-    monkeypatch.setattr(D_, "_flashmla", lambda device: None)  # not installed
+    monkeypatch.setattr(flashmla, "supported", lambda *a: (False, "page size"))  # or not installed
     assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2).name != "flashmla"

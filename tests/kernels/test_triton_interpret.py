@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, rea
               pytest.mark.xdist_group("test_triton_interpret")]
 
 CHECKS = ["decode", "decode_tma", "decode_strided_q", "decode_fp32_odd_dims", "decode_multi_token", "sparse_decode",
-          "merge_states", "flashmla_empty_rows", "cache_write", "fp8_write", "indexer_topk", "k_only_indices", "fused_linear",
+          "merge_states", "flashmla_empty_rows", "flashmla_fp8_slots", "cache_write", "fp8_write", "indexer_topk", "k_only_indices", "fused_linear",
           "linear_partials", "per_head_linear"]
 
 
@@ -221,6 +221,34 @@ def check_flashmla_empty_rows():
         K.empty_rows_to_contract(out, lse, seq_lens)
         assert torch.equal(out.isnan(), want_out.isnan()) and torch.equal(out.nan_to_num(), want_out.nan_to_num())
         assert torch.equal(lse, want_lse)
+
+
+def check_flashmla_fp8_slots():
+    """kernels/flashmla_fp8.py's two kernels: each request's token slots as an index list (-1 past its length,
+    garbage table entries past its pages never read) against the plain-torch definition; rows with lse +inf
+    become (0, -inf) in place, every other row untouched."""
+    import torch
+
+    import reference as ref
+    from mla_compile.kernels import flashmla_fp8 as K
+
+    gen = torch.Generator().manual_seed(7)
+    for lens, PS in [([0, 1, 63, 64, 65, 300], 64), ([5, 0, 2000], 1), ([17, 40], 16)]:
+        _, _, table, seq_lens, _ = ref.build_paged(lens, PS, (8, 2), generator=gen, extra_cols=2)
+        got = K.token_slots(table, seq_lens, PS)
+        assert got.shape == (len(lens), 1, table.shape[1] * PS) and got.dtype == torch.int32
+        for b, n in enumerate(lens):
+            assert got[b, 0, :n].tolist() == ref.request_slots(table, PS, b, n), (lens, PS, b)
+            assert bool((got[b, 0, n:] == -1).all())
+    for B, H, dtype in [(3, 64, torch.bfloat16), (2, 128, torch.bfloat16)]:
+        out = torch.randn(B, H, 512, generator=gen).to(dtype)
+        lse = torch.randn(B, H, generator=gen)
+        lse[0], lse[1, 5:40] = float("inf"), float("inf")
+        out[0, :3] = float("nan")  # an empty row's output is overwritten, never read
+        want_out = torch.where((lse == float("inf"))[..., None], torch.zeros((), dtype=dtype), out)
+        want_lse = torch.where(lse == float("inf"), float("-inf"), lse)
+        K.inf_rows_to_contract(out, lse)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 
 def check_merge_states():
