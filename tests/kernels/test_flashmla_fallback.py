@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import reference as ref
+from flashmla_stand_in import StandIn
 from mla_compile.kernels import flashmla as FM
 
 R, P, PS = 512, 64, 64
@@ -71,30 +72,16 @@ def test_ops_keep_working_on_cpu():
 
 
 # ------------------------------------------------------------------------- the adapter, on a stand-in FlashMLA
-class _SchedMeta:
-    """An empty schedule: FlashMLA fills it during the call when it arrives empty."""
-
-    filled = False
-
-
-class FakeFlashMLA:
+class FakeFlashMLA(StandIn):
     """`flash_mla`'s dense-decode API (use_legacy=True) as its docstring and C++ interface define it, in float64:
     q [B, 1, H, D], k_cache [NB, 64, 1, D] (D = 576 = latent | rope, or 512), head_dim_v 512 -> out [B, 1, H, dv]
     (q's dtype), lse float32 [B, H, 1], natural log. A row with seq_len 0: lse +inf and an unwritten output
     (NaN here), which the adapter must overwrite."""
 
-    def __init__(self):
-        self.calls = []
-
-    @staticmethod
-    def get_mla_metadata(*args, **kwargs):
-        return _SchedMeta(), None
-
     def flash_mla_with_kvcache(self, q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                num_splits=None, softmax_scale=None, causal=False, use_legacy=False):
         assert use_legacy and not causal and num_splits is None
-        assert not tile_scheduler_metadata.filled, "a schedule reused across calls would be stale"
-        tile_scheduler_metadata.filled = True
+        self.fill(tile_scheduler_metadata)
         B, s_q, H, D = q.shape
         assert s_q == 1 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
         assert k_cache.shape[1:3] == (64, 1) and k_cache.shape[3] == D and head_dim_v == 512

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import reference as ref
+from flashmla_stand_in import StandIn
 from mla_compile import fp8
 from mla_compile.kernels import dispatch as D_
 from mla_compile.kernels import flashmla as FM
@@ -45,29 +46,17 @@ def dequantized(c, s, as_flashmla=False):
     return v.to(torch.bfloat16).double() if as_flashmla else v
 
 
-class _SchedMeta:
-    filled = False
-
-
-class FakeFlashMLA:
+class FakeFlashMLA(StandIn):
     """`flash_mla.flash_mla_with_kvcache`'s sparse FP8 path (use_legacy=True, kv_format "V32") as its interface and C++
     checks define it: q [B, s_q, H, 576] bf16, k_cache [NB, PS, 1, 656] e4m3 bytes with token stride 656, indices
     [B, s_q, K] int32 (-1 invalid), topk_length [B] -> out [B, s_q, H, 512] bf16, lse float32 [B, H, s_q] (natural
     log). Each token dequantized to bf16 (value x scale rounded), the attention in float64."""
 
-    def __init__(self):
-        self.calls = []
-
-    @staticmethod
-    def get_mla_metadata(*args, **kwargs):
-        return _SchedMeta(), None
-
     def flash_mla_with_kvcache(self, q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=None, indices=None,
                                topk_length=None, use_legacy=False, kv_format=None):
         assert use_legacy and is_fp8_kvcache and not causal and kv_format == "V32" and head_dim_v == 512
-        assert not tile_scheduler_metadata.filled, "a schedule reused across calls would be stale"
-        tile_scheduler_metadata.filled = True
+        self.fill(tile_scheduler_metadata)
         B, S, H, D = q.shape
         assert q.dtype == torch.bfloat16 and D == 576 and q.stride(-1) == 1 and H in (64, 128)
         NB, PS, one, W = k_cache.shape
