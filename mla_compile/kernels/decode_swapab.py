@@ -16,9 +16,9 @@ decode_fp8_swapab.py, the FP8 cache's kernel of the same shape, must do). B is q
 ([64, N]). The online softmax runs per head = per COLUMN of S^T (base 2); the row sums stay per thread and are reduced
 once at the end.
 
-One program per (request, block of N heads, KV split), grid (B * ceil(H / N), n_splits); N 16 (one warpgroup) or 32
-(two: the scores split by heads, P.V by channels); 64 (two) when a config asks for it (`TILINGS`). Shared memory: q
-18-36 KB, two staging slots of 72 KB (a third does not fit), P^T. A slot is refilled once the P.V that reads it has
+One program per (request, block of N heads, KV split), grid (B * ceil(H / N), n_splits); N 16 (one warpgroup), 32 or
+64 (two: the scores split by heads, P.V by channels). Shared memory: q 18-72 KB, two staging slots of 72 KB (a third
+does not fit), P^T. A slot is refilled once the P.V that reads it has
 retired (in the next tile, after its scores), with the page of the tile it takes loaded before the waits so the copy
 never waits for the table. A split's partial last tile is a second instance of the tile step (MASKED): latent rows past
 the end are zeroed before P.V reads them (unused slots may hold NaN), their scores -inf. Each split writes the
@@ -60,16 +60,17 @@ if G.gluon is not None:
 
 R, P = 512, 64  # latent and rope widths this kernel takes
 BLOCK_T = G.BLOCK_N  # tokens per tile: the MMA's M
-BLOCK_HS = (16, 32)  # heads per program (the MMA's N) auto's tilings take
-# every build a config may ask for (N 64, two warpgroups: the cache read once at 33-64 heads where blocks of 32 read it
-# twice; its sm_90a build fits (224 KB of shared memory, no spill) but is not yet timed: benchmarks/lab/swapab.py
-# --tiling 64:8)
-TILINGS = ((16, 4), (32, 8), (64, 8))
+# heads per program (the MMA's N) auto's tilings take: the smallest covering H. N 64 reads the cache once for 33-63
+# heads where blocks of 32 read it twice: H 40 B 8 32K 116.9 against 142.4 us over pages of 64, 116.6 against 149.1
+# over a token table (H100, benchmarks/RESULTS.md 2026-12-06); at 16 heads N 16 stays faster (107.7 vs 113.3 us)
+BLOCK_HS = (16, 32, 64)
+TILINGS = ((16, 4), (32, 8), (64, 8))  # every build a config may ask for
 STAGES = 2  # staging slots: a 64-token tile is 72 KB, a third slot passes Hopper's 227 KB
 # The TOKENS form (page-size-1 token tables: the HF pass's) is in auto's table only with MLA_COMPILE_SWAPAB_TOKENS=1
-# (read at import) until its GPU tests and timings against the Triton kernel are in benchmarks/RESULTS.md (its sm_90a
-# build is checked offline: tests/kernels/test_kernel_codegen.py); `decode_kernel="swapab"` asks for it either way. The
-# FP8 kernel's TOKENS form (decode_fp8_swapab.py) follows the same switch until timed.
+# (read at import): its GPU tests pass and alone it beats the Triton kernel on the HF layout (H100, H 16 B 8 32K 107.3 vs
+# 116.1 us), but the HF step it serves measured 2% slower (0.867 vs 0.849 ms; benchmarks/RESULTS.md 2026-12-06), so it
+# waits for that step's profile; `decode_kernel="swapab"` asks for it either way. The FP8 kernel's TOKENS form
+# (decode_fp8_swapab.py, GPU tests passed, not yet timed) follows the same switch.
 TOKENS_IN_AUTO = os.environ.get("MLA_COMPILE_SWAPAB_TOKENS", "0") == "1"
 
 
@@ -314,7 +315,7 @@ def smem_bytes(N: int, itemsize: int = 2) -> int:
 
 @functools.lru_cache(maxsize=None)
 def default_tiling(H: int) -> Tiling:
-    """N: the smallest of BLOCK_HS covering H (more heads: blocks of 32); one warpgroup at N = 16, two at 32."""
+    """N: the smallest of BLOCK_HS covering H (more heads: blocks of 64); one warpgroup at N = 16, two from 32."""
     N = next((n for n in BLOCK_HS if n >= H), BLOCK_HS[-1])
     return Tiling(N, 4 if N == 16 else 8)
 
