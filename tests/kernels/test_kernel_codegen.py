@@ -252,7 +252,7 @@ def test_fp8_swap_ab_kernel_over_a_token_table_takes_tma_boxes_or_row_copies(H):
     assert "C7514" not in out["advisories"] and "C7515" not in out["advisories"], out["advisories"]
 
 
-@pytest.mark.parametrize("H,dtype", [(16, "bf16"), (32, "bf16"), (16, "fp16"), (64, "bf16")])
+@pytest.mark.parametrize("H,dtype", [(16, "bf16"), (32, "bf16"), (16, "fp16"), (40, "bf16")])
 def test_swap_ab_kernel_reads_tma_tiles_into_warpgroup_mmas_without_spills(H, dtype):
     """The few-head Gluon kernel over a bf16 / fp16 cache (kernels/decode_swapab.py): tiles arrive by TMA and feed
     warpgroup MMAs as they landed (no copy or conversion in shared memory, so no shared-memory stores of a tile),
@@ -263,7 +263,7 @@ def test_swap_ab_kernel_reads_tma_tiles_into_warpgroup_mmas_without_spills(H, dt
     from mla_compile.kernels import _gluon as G
     from mla_compile.kernels import decode_swapab as S
 
-    t = S.default_tiling(H) if H < 64 else S.Tiling(64, 8)  # (the N 64 build: asked for only)
+    t = S.default_tiling(H)  # 64: the tiling of 33-63 heads
     out = aot.swapab_sm90(t, dtype=dtype)
     ptx = out["ptx"]
     assert "cp.async.bulk.tensor" in ptx, "tiles are not TMA copies"
@@ -275,7 +275,7 @@ def test_swap_ab_kernel_reads_tma_tiles_into_warpgroup_mmas_without_spills(H, dt
     assert "C7514" not in out["advisories"] and "C7515" not in out["advisories"], out["advisories"]
 
 
-@pytest.mark.parametrize("H", [16, 32, 64])
+@pytest.mark.parametrize("H", [16, 32, 40])
 def test_swap_ab_kernel_over_a_token_table_takes_tma_boxes_or_row_copies(H):
     """swapab's TOKENS form (a page-size-1 token table, the HF pass's): each tile's 64 entries are checked on the
     device; a run of consecutive rows is three TMA boxes whose barrier gets the rest of its count from one thread, any
@@ -285,7 +285,7 @@ def test_swap_ab_kernel_over_a_token_table_takes_tma_boxes_or_row_copies(H):
     from mla_compile.kernels import _gluon as G
     from mla_compile.kernels import decode_swapab as S
 
-    t = S.default_tiling(H) if H < 64 else S.Tiling(64, 8)  # (the N 64 build: asked for only)
+    t = S.default_tiling(H)  # 64: the tiling of 33-63 heads
     out = aot.swapab_sm90(t, page_size=1)
     ptx = out["ptx"]
     assert "cp.async.bulk.tensor" in ptx and "cp.async.cg.shared.global" in ptx
