@@ -85,6 +85,8 @@ VARIANTS = {
     "static+lone_linears": (True, {}, tuning.Tuning(lone_linear_max_n=1 << 30), {}),
     # our own many-head kernels instead of `auto` (FlashMLA where it is installed and the caches share rows)
     "static+triton_decode": (True, {}, tuning.Tuning(decode_kernel="triton"), {}),
+    # the swap-AB kernel's TOKENS form over the pass's token table (off in auto: decode_swapab.TOKENS_IN_AUTO)
+    "static+swapab_decode": (True, {}, tuning.Tuning(decode_kernel="swapab"), {}),
 }
 
 
