@@ -1,7 +1,7 @@
 """FP8 latent cache decode (mla_compile/fp8.py, issue 25) vs the bf16 cache and the peers, side by side on the same
 tokens.
 
-    python benchmarks/fp8_decode.py [out.json]
+    python benchmarks/fp8_decode.py [out.json] [--shapes H:B:KV ...]
 
 Shapes (H, B, kv per request): issue 25's acceptance grid, R 512 / P 64, page 64, shuffled pages, bf16 q. The bf16
 cache is random bf16 tokens; the FP8 cache holds the same tokens quantized by `mla::cache_write_fp8` (656 bytes a
@@ -207,9 +207,15 @@ def main(argv):
              [a for a in argv if a != "--whole-page"])
         return
     argv = [a for a in argv if a != "--sweep"]
+    cases = CASES
+    if "--shapes" in argv:  # --shapes H:B:KV ...: these shapes instead of CASES
+        i = argv.index("--shapes")
+        shapes = [a for a in argv[i + 1:] if a.count(":") == 2]
+        cases = [tuple(int(x) for x in a.split(":")) for a in shapes]
+        argv = argv[:i] + argv[i + 1 + len(shapes):]
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for H, B, KV in CASES:
+    for H, B, KV in cases:
         ckv, kpe, (c8, s8, k8), table, lens = caches(B, KV, gen)
         qn = torch.randn(B, H, R, generator=gen, device="cuda").to(torch.bfloat16)
         qp = torch.randn(B, H, P, generator=gen, device="cuda").to(torch.bfloat16)
