@@ -397,9 +397,10 @@ def test_swapab_plan_over_a_token_table():
     ckv, kpe = torch.zeros(300, 1, 512, dtype=torch.bfloat16), torch.zeros(300, 1, 64, dtype=torch.bfloat16)
     bound, templates, numbers = plan(ckv, kpe)
     assert [(list(t.shape), list(t.block_shape)) for t in templates] == [([300, 512], [64, 256]), ([300, 64], [64, 64])]
-    assert bound.kwargs["PS"] == 1 and bound.kwargs["N"] == 32 and bound.g == (2 * 2, 4, 1)  # blocks of 32 heads
-    bound, _, _ = plan(ckv, kpe, S.Tiling(64, 8))
-    assert bound.kwargs["N"] == 64 and bound.kwargs["WG"] == 2 and bound.g == (2, 4, 1)
+    assert bound.kwargs["PS"] == 1 and bound.kwargs["N"] == 64 and bound.g == (2, 4, 1)  # 40 heads: one block of 64
+    assert bound.kwargs["WG"] == 2
+    bound, _, _ = plan(ckv, kpe, S.Tiling(32, 8))
+    assert bound.kwargs["N"] == 32 and bound.kwargs["WG"] == 2 and bound.g == (2 * 2, 4, 1)  # blocks of 32 heads
     with pytest.raises(ValueError, match="tiling"):
         plan(ckv, kpe, S.Tiling(16, 8))
     with pytest.raises(ValueError, match="token table"):
