@@ -87,6 +87,9 @@ VARIANTS = {
     "static+triton_decode": (True, {}, tuning.Tuning(decode_kernel="triton"), {}),
     # the swap-AB kernel's TOKENS form over the pass's token table (off in auto: decode_swapab.TOKENS_IN_AUTO)
     "static+swapab_decode": (True, {}, tuning.Tuning(decode_kernel="swapab"), {}),
+    # the same with the Gluon kernels launched with programmatic dependent launch (kernels/_gluon.py pdl_launch)
+    "static+swapab_decode+gluon_pdl": (True, {}, tuning.Tuning(decode_kernel="swapab"), {tuning.GLUON_PDL_ENV: "1"}),
+    "static+gluon_pdl": (True, {}, DEFAULT, {tuning.GLUON_PDL_ENV: "1"}),
 }
 
 

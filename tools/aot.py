@@ -93,10 +93,11 @@ GLUON_KERNELS = ("wgmma", "gather", "seesaw")
 
 
 def wgmma_stage1_sm90(R: int = 512, P: int = 64, page_size: int = 64, dtype: str = "bf16", kernel: str = "wgmma",
-                      sparse: bool = False, multi: bool = False) -> dict:
+                      sparse: bool = False, multi: bool = False, pdl: bool = False) -> dict:
     """A Gluon many-head stage-1 kernel compiled for sm_90a: `kernel` "wgmma" decode_wgmma.py's TMA kernel,
     "gather" its gather kernel (pages smaller than a tile; `sparse` index lists), "seesaw" the warp-specialised
-    one (decode_seesaw.py); `multi`: the build for several query tokens per request (a limit per row)."""
+    one (decode_seesaw.py); `multi`: the build for several query tokens per request (a limit per row); `pdl`: the
+    build launched with programmatic dependent launch (not the seesaw's: _gluon.pdl_launch)."""
     from triton.experimental.gluon import language as gl
 
     from mla_compile.kernels import decode_seesaw as S
@@ -109,13 +110,16 @@ def wgmma_stage1_sm90(R: int = 512, P: int = 64, page_size: int = 64, dtype: str
             for name, width in (("CkvDesc", R // 2), ("KpeDesc", P))}
     desc.update({name: f"*{dtype}" for name in ("Qn", "Qp", "Ckv", "Kpe")})
     if kernel == "seesaw":  # 4 + 4 + 1 warps
+        if pdl:
+            raise ValueError("pdl: the seesaw kernel is warp-specialised and takes no PDL (kernels/_gluon.py)")
         return compile_sm90(S._stage1_seesaw_kernel, S.constexprs(R, P, page_size, multi), desc, S.NUM_WARPS, 1,
                             gluon=True)
+    extra = {"PDL": pdl}  # a constexpr: left out, the compile would take it as a runtime argument
     if kernel == "gather":
-        return compile_sm90(W._stage1_gather_kernel, W.gather_constexprs(R, P, page_size, sparse, multi), desc,
-                            W.NUM_WARPS, 1, gluon=True)
-    return compile_sm90(W._stage1_wgmma_kernel, W.constexprs(R, P, page_size, multi), desc, W.NUM_WARPS, 1,
-                        gluon=True)
+        return compile_sm90(W._stage1_gather_kernel, {**W.gather_constexprs(R, P, page_size, sparse, multi), **extra},
+                            desc, W.NUM_WARPS, 1, gluon=True)
+    return compile_sm90(W._stage1_wgmma_kernel, {**W.constexprs(R, P, page_size, multi), **extra}, desc, W.NUM_WARPS,
+                        1, gluon=True)
 
 
 def linear_sm90(M: int, K: int, N: int, cfg=None, pdl: bool = False) -> dict:
@@ -148,7 +152,7 @@ def per_head_linear_sm90(transposed: bool, block_n: int = 16, K: int = 512, pdl:
 
 
 
-def swapab_sm90(tiling=None, H: int = 16, page_size: int = 64, dtype: str = "bf16") -> dict:
+def swapab_sm90(tiling=None, H: int = 16, page_size: int = 64, dtype: str = "bf16", pdl: bool = False) -> dict:
     """kernels/decode_swapab.py's few-head stage-1 kernel over a bf16 / fp16 cache at `tiling` (default: the one `H`
     heads get), compiled for sm_90a (`compile_sm90`'s answer)."""
     from triton.experimental.gluon import language as gl
@@ -161,11 +165,12 @@ def swapab_sm90(tiling=None, H: int = 16, page_size: int = 64, dtype: str = "bf1
                   f"{gl.NVMMASharedLayout.get_default_for([S.BLOCK_T, width], gdt)!r}>"
             for name, width in (("CkvDesc", S.R // 2), ("KpeDesc", S.P))}
     desc.update({name: f"*{dtype}" for name in ("Qn", "Qp", "Ckv", "Kpe")})
-    return compile_sm90(S._swapab_kernel, t.constexprs(page_size), desc, t.warps, 1, gluon=True)
+    extra = {"PDL": pdl}  # a constexpr: left out, the compile would take it as a runtime argument
+    return compile_sm90(S._swapab_kernel, {**t.constexprs(page_size), **extra}, desc, t.warps, 1, gluon=True)
 
 
 def fp8_swapab_sm90(tiling=None, H: int = 16, page_size: int = 64, gather: bool = False,
-                    tokens: bool = False) -> dict:
+                    tokens: bool = False, pdl: bool = False) -> dict:
     """kernels/decode_fp8_swapab.py's stage-1 kernel for an FP8 cache at `tiling` (default: the one `H` heads get),
     compiled for sm_90a (`compile_sm90`'s answer); `gather`: its GATHER form (cp.async row copies through the table,
     any page size: the three views as 16-byte aligned pointers, their strides in 16-byte units unspecialised, as
@@ -187,5 +192,6 @@ def fp8_swapab_sm90(tiling=None, H: int = 16, page_size: int = 64, gather: bool 
     if tokens:
         desc.update(EPtr="*fp8e4nv", SPtr="*fp32", RPtr="*bf16")
         divisible |= {"EPtr", "SPtr", "RPtr"}
-    return compile_sm90(F._fp8_swapab_kernel, t.constexprs(page_size, gather, tokens), desc, t.warps, 1, divisible,
-                        gluon=True)
+    extra = {"PDL": pdl}  # a constexpr: left out, the compile would take it as a runtime argument
+    return compile_sm90(F._fp8_swapab_kernel, {**t.constexprs(page_size, gather, tokens), **extra}, desc, t.warps, 1,
+                        divisible, gluon=True)

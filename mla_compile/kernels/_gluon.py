@@ -10,11 +10,14 @@ decided in one place: `dispatch.select_decode_kernel`.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from ._launch import without_bases
 from ._util import caches_view_as_slots, slot_stride
+from ._util import pdl_launch as _util_pdl_launch
+from ..tuning import GLUON_PDL_ENV
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every shape
     from triton.experimental import gluon
@@ -22,6 +25,19 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve ever
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - depends on the Triton build
     gluon = None
+
+# Programmatic dependent launch for the Gluon kernels (the Triton ones have it on by default: _util.pdl_launch), only
+# with MLA_COMPILE_GLUON_PDL=1 until timed on a GPU: in a CUDA graph it lets a kernel's launch overlap the tail of the
+# one before it, which the Triton pointer kernel these kernels replace gets and they do not (a lead for the HF step
+# that measured 2% slower with the swap-AB TOKENS form: benchmarks/RESULTS.md 2026-12-06). Read when a plan is made
+# (ops/_plans.py keys plans by it). Not for warp-specialised kernels (decode_seesaw.py): griddepcontrol.wait holds
+# only the thread that runs it, and their worker partitions start past the kernel's first statement.
+
+
+def pdl_launch(device) -> dict:
+    """A Gluon kernel's launch arguments for PDL (its PDL constexpr and the launch attribute), {} while off."""
+    return _util_pdl_launch(device) if os.environ.get(GLUON_PDL_ENV) == "1" else {}
+
 
 BLOCK_H = 64  # one warpgroup MMA's M: heads per program
 BLOCK_N = 64  # tokens per tile
@@ -83,6 +99,16 @@ def strides(q_nope, q_pe, ckv_cache, kpe_cache, table, o, l, s_on, s_ln, ns) -> 
 
 
 if gluon is not None:
+
+    @gluon.jit
+    def pdl_enter(PDL: gl.constexpr):
+        """First statement of a Gluon kernel launched with `pdl_launch` (what _util.pdl_enter is for the Triton
+        kernels): every thread waits until the previous kernel on the stream has completed and its writes are
+        visible, before any memory access, then lets the next kernel launch. Nothing while PDL is off."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
 
     @gluon.jit
     def load_rows(base, rows, offs_c, valid, WIDTH: gl.constexpr):

@@ -116,7 +116,7 @@ if G.gluon is not None:
                            EPtr, SPtr, RPtr,
                            PS: gl.constexpr, N: gl.constexpr, WG: gl.constexpr, STAGES: gl.constexpr, PRE: gl.constexpr,
                            SLAB: gl.constexpr, P_ROPE: gl.constexpr, EXACT: gl.constexpr = True,
-                           GATHER: gl.constexpr = False, TOKENS: gl.constexpr = False):
+                           GATHER: gl.constexpr = False, TOKENS: gl.constexpr = False, PDL: gl.constexpr = False):
         """Stage 1 over an FP8 token buffer (module docstring). Qn [B, H, 512] / Qp [B, H, 64] bf16; EDesc / SDesc /
         RDesc: TMA descriptors over the buffer's slots [NP * PS, 656] seen as e4m3 ([64, 256] boxes), float32
         ([64, 4]) and bf16 ([64, 64]); Table int32 [B, max_pages]; Lens int32 [B]; O fp32 [n_splits, B, H, 512]
@@ -129,7 +129,9 @@ if G.gluon is not None:
         16-byte cp.async copies through the table into the same staging slots (`_fp8_swapab_tile._gather_tile`).
         The TMA form ignores s_ep .. s_rt. TOKENS (with GATHER, PS 1: a token table): EDesc / SDesc / RDesc are the
         TMA form's descriptors, EPtr / SPtr / RPtr GATHER's pointers (None in the other forms: constexprs, so their
-        builds are unchanged), and each tile takes the boxes or the row copies as its entries say (`_fill_slot`)."""
+        builds are unchanged), and each tile takes the boxes or the row copies as its entries say (`_fill_slot`).
+        PDL: launched with programmatic dependent launch (`_gluon.pdl_launch`)."""
+        G.pdl_enter(PDL)
         gl.static_assert(gl.num_warps() == 4 * WG, "WG warpgroups")
         GW: gl.constexpr = _GW  # channels per scale group (128)
         SC_COL: gl.constexpr = 0  # the scales' and the rope's descriptors are over their own views (column 0)
@@ -436,7 +438,7 @@ def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, block_table, sm_s
     tokens = can and (_swapab.TOKENS_IN_AUTO if tokens is None else tokens)
     templates = None if gather and not tokens else without_bases(descriptors(ckv_cache, ckv_scale, kpe_cache))
     bound = bind(_fp8_swapab_kernel, grid, templates and templated_at(2, templates),
-                 **t.constexprs(ckv_cache.shape[1], gather, tokens), num_warps=t.warps)
+                 **t.constexprs(ckv_cache.shape[1], gather, tokens), num_warps=t.warps, **G.pdl_launch(q_nope.device))
     numbers = (sm_scale * G.LOG2E, H, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
                block_table.stride(0), s_on, o.stride(-3), o.stride(-2), s_ln, l.stride(-2), l.stride(-1), ns,
                *(x for v in views for x in (_strides16(v) if gather else (0, 0))))

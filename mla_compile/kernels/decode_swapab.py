@@ -67,10 +67,10 @@ BLOCK_HS = (16, 32, 64)
 TILINGS = ((16, 4), (32, 8), (64, 8))  # every build a config may ask for
 STAGES = 2  # staging slots: a 64-token tile is 72 KB, a third slot passes Hopper's 227 KB
 # The TOKENS form (page-size-1 token tables: the HF pass's) is in auto's table only with MLA_COMPILE_SWAPAB_TOKENS=1
-# (read at import): its GPU tests pass and alone it beats the Triton kernel on the HF layout (H100, H 16 B 8 32K 107.3 vs
-# 116.1 us), but the HF step it serves measured 2% slower (0.867 vs 0.849 ms; benchmarks/RESULTS.md 2026-12-06), so it
-# waits for that step's profile; `decode_kernel="swapab"` asks for it either way. The FP8 kernel's TOKENS form
-# (decode_fp8_swapab.py, GPU tests passed, not yet timed) follows the same switch.
+# (read at import): its GPU tests pass and alone it beats the Triton kernel on the HF layout (H100, H 16 B 8 32K
+# 107.3 vs 116.1 us), but the HF step it serves measured 2% slower (0.867 vs 0.849 ms; benchmarks/RESULTS.md
+# 2026-12-06), so it waits for that step's profile; `decode_kernel="swapab"` asks for it either way. The FP8 kernel's
+# TOKENS form (decode_fp8_swapab.py, GPU tests passed, not yet timed) follows the same switch.
 TOKENS_IN_AUTO = os.environ.get("MLA_COMPILE_SWAPAB_TOKENS", "0") == "1"
 
 
@@ -221,13 +221,14 @@ if G.gluon is not None:
                        scale_log2, H,
                        s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
                        s_on, s_ob, s_oh, s_ln, s_lb, s_lh, n_splits,
-                       PS: gl.constexpr, N: gl.constexpr, WG: gl.constexpr):
+                       PS: gl.constexpr, N: gl.constexpr, WG: gl.constexpr, PDL: gl.constexpr = False):
         """Stage 1 (module docstring). Qn [B, H, 512] / Qp [B, H, 64]; CkvDesc / KpeDesc: TMA descriptors over the
         caches as slots ([NP * PS, 512] in [64, 256] boxes, [NP * PS, 64] in [64, 64] boxes; Ckv / Kpe: the same
         caches as pointers, read by TOKENS' gathered tiles: the argument order of the other Gluon stage-1 kernels,
         decode_wgmma.run_stage1); Table int32 [B, max_pages] (PS 1: a token table, each token's cache row); Lens
         int32 [B]; O fp32 [n_splits, B, H, 512] and L fp32 [n_splits, B, H] (normalised partial out, natural-log lse;
         with one split the final out in q's dtype and lse, s_on = s_ln = 0). N heads per program, WG warpgroups."""
+        G.pdl_enter(PDL)
         gl.static_assert(gl.num_warps() == 4 * WG, "WG warpgroups")
         BT: gl.constexpr = CkvDesc.block_type.shape[0]
         RH: gl.constexpr = CkvDesc.block_type.shape[1]
@@ -340,7 +341,7 @@ def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l,
     t = tiling or default_tiling(H)
     templates = G.descriptor_templates(ckv_cache, kpe_cache)
     bound = bind(_swapab_kernel, (B * cdiv(H, t.N), ns), templated_at(2, templates),
-                 **t.constexprs(ckv_cache.shape[1]), num_warps=t.warps)
+                 **t.constexprs(ckv_cache.shape[1]), num_warps=t.warps, **G.pdl_launch(q_nope.device))
     numbers = (sm_scale * G.LOG2E, H, *G.strides(q_nope, q_pe, ckv_cache, kpe_cache, block_table, o, l, s_on, s_ln,
                                                   ns))
     return bound, templates, numbers

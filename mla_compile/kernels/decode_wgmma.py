@@ -141,9 +141,10 @@ if G.gluon is not None:
                              n_splits, n_query, heads_per_query, s_lenb, s_lenq, causal,
                              PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                             MULTI: gl.constexpr = False):
+                             MULTI: gl.constexpr = False, PDL: gl.constexpr = False):
         """MULTI: several query tokens per request folded into the rows, each row with its own limit
         (`_gluon.query_rows`): every tile is masked per row. Else one length per request, full tiles unmasked."""
+        G.pdl_enter(PDL)
         gl.static_assert(gl.num_warps() == 8, "two warpgroups")
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, BLOCK_N // 2, 16])
@@ -281,11 +282,12 @@ if G.gluon is not None:
                               n_splits, n_query, heads_per_query, s_lenb, s_lenq, causal,
                               SPARSE: gl.constexpr, PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
                               BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                              MULTI: gl.constexpr = False):
+                              MULTI: gl.constexpr = False, PDL: gl.constexpr = False):
         """The same MMAs for tiles that are not TMA boxes: pages smaller than a tile (a page-1 token table, page 16)
         and sparse index lists (`mla::sparse_decode`). Each token's row comes by a 16-byte async copy (cp.async)
         through the table; tile i + 1's copies run while tile i computes. MULTI (paged only): a limit per row, as
         in the TMA kernel."""
+        G.pdl_enter(PDL)
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, BLOCK_N // 2, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -389,10 +391,11 @@ def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
     limits = query_limit_args(seq_lens, n_query, H)
     if not G.tma_layout(ckv_cache, kpe_cache, sparse):
         return (bind(_stage1_gather_kernel, grid, **gather_constexprs(R, P, PS, sparse, n_query > 1),
-                     num_warps=NUM_WARPS), None, (scale, H, table.shape[1] if sparse else 0, *strides, *limits))
+                     num_warps=NUM_WARPS, **G.pdl_launch(q_nope.device)), None,
+                (scale, H, table.shape[1] if sparse else 0, *strides, *limits))
     templates = G.descriptor_templates(ckv_cache, kpe_cache)
     return (bind(_stage1_wgmma_kernel, grid, templated_at(2, templates), **constexprs(R, P, PS, n_query > 1),
-                 num_warps=NUM_WARPS), templates, (scale, H, *strides, *limits))
+                 num_warps=NUM_WARPS, **G.pdl_launch(q_nope.device)), templates, (scale, H, *strides, *limits))
 
 
 def run_stage1(plan, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, o, l, indices=None):

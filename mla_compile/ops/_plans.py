@@ -32,7 +32,7 @@ from .. import tuning
 from . import _checks as C
 
 # the environment a plan's choices read when it is made: a change makes new plans
-_ENV = (tuning.DECODE_KERNEL_ENV, tuning.PDL_ENV, C.DATA_ENV)  # data checks last
+_ENV = (tuning.DECODE_KERNEL_ENV, tuning.PDL_ENV, tuning.GLUON_PDL_ENV, C.DATA_ENV)  # data checks last
 # os.environ.get decodes and re-encodes per call (~1.7 us each on the H200 host): the switches are read from its
 # encoded table instead (what os.environ itself keeps current on every write); elsewhere, through os.environ
 _TABLE = getattr(os.environ, "_data", None)

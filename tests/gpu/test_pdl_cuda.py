@@ -107,6 +107,26 @@ def test_decode_right_after_the_q_producer_and_the_cache_write(H, PS):
     """`cache_write` of each request's newest token, then the kernel that makes q, then stage 1 -> merge -> a torch
     consumer; lengths, q and the new token change between replays. The reference reads the cache as the replay
     left it: a stage 1 that ran ahead of the write would have seen the old row."""
+    _decode_chain(H, PS)
+
+
+@pytest.mark.parametrize("H,PS,backend,kernel", [(16, 64, "auto", "swapab"), (16, 1, "swapab", "swapab"),
+                                                 (64, 1, "auto", "gather"), (64, 64, "wgmma", "wgmma")])
+def test_gluon_decode_with_pdl_right_after_the_q_producer_and_the_cache_write(H, PS, backend, kernel, monkeypatch):
+    """The same chain with the Gluon stage-1 kernels launched with PDL (MLA_COMPILE_GLUON_PDL=1, off by default):
+    the swap-AB kernel over pages and over a token table (its TOKENS form), decode_wgmma's gather and TMA kernels."""
+    from mla_compile import tuning
+    from mla_compile.kernels import decode_swapab, decode_wgmma
+
+    monkeypatch.setenv(tuning.GLUON_PDL_ENV, "1")
+    monkeypatch.setenv(tuning.DECODE_KERNEL_ENV, backend)
+    _decode_chain(H, PS)
+    fn = {"swapab": decode_swapab._swapab_kernel, "gather": decode_wgmma._stage1_gather_kernel,
+          "wgmma": decode_wgmma._stage1_wgmma_kernel}[kernel]
+    assert True in _compiled_with_pdl(fn), f"{kernel} was not launched with PDL"
+
+
+def _decode_chain(H, PS):
     g = torch.Generator().manual_seed(H + PS)
     full = [1500, 700, 2100, 64]
     R, P, B = 512, 64, len(full)

@@ -141,16 +141,23 @@ def test_per_head_linear_compiles_to_tensor_core_mma_without_spills(transposed):
 
 
 @pytest.mark.parametrize("kernel", ["stage1 page 1", "stage1 page 64", "stage1 H=128 tma", "linear split-K",
-                                    "per-head linear"])
+                                    "per-head linear", "gluon swapab tokens", "gluon fp8 swapab gather",
+                                    "gluon wgmma gather"])
 def test_pdl_kernels_wait_for_the_previous_kernel_before_any_memory_access(kernel):
-    """Launched with programmatic dependent launch (MLA_COMPILE_PDL=1), a kernel may start while its predecessor
-    still runs: `griddepcontrol.wait` must come before every global load / store / async copy (RAW and WAR), and
-    dependents are released only after it (kernels/_util.py pdl_enter). Without PDL, neither instruction."""
+    """Launched with programmatic dependent launch (MLA_COMPILE_PDL=1; the Gluon kernels with MLA_COMPILE_GLUON_PDL=1),
+    a kernel may start while its predecessor still runs: `griddepcontrol.wait` must come before every global load /
+    store / async copy (RAW and WAR), and dependents are released only after it (kernels/_util.py pdl_enter,
+    kernels/_gluon.py pdl_enter). Without PDL, neither instruction."""
+    if kernel.startswith("gluon"):
+        pytest.importorskip("triton.experimental.gluon")
     build = {"stage1 page 1": lambda pdl: aot.stage1_sm90(D.default_config(16, 512, 1), page_size=1, pdl=pdl),
              "stage1 page 64": lambda pdl: aot.stage1_sm90(D.default_config(16, 512, 64), page_size=64, pdl=pdl),
              "stage1 H=128 tma": lambda pdl: aot.stage1_sm90(D.default_config(128, 512, 64), page_size=64, pdl=pdl),
              "linear split-K": lambda pdl: aot.linear_sm90(8, 8192, 2048, pdl=pdl),
-             "per-head linear": lambda pdl: aot.per_head_linear_sm90(True, K=128, pdl=pdl)}[kernel]
+             "per-head linear": lambda pdl: aot.per_head_linear_sm90(True, K=128, pdl=pdl),
+             "gluon swapab tokens": lambda pdl: aot.swapab_sm90(H=16, page_size=1, pdl=pdl),
+             "gluon fp8 swapab gather": lambda pdl: aot.fp8_swapab_sm90(H=16, page_size=1, gather=True, pdl=pdl),
+             "gluon wgmma gather": lambda pdl: aot.wgmma_stage1_sm90(page_size=1, kernel="gather", pdl=pdl)}[kernel]
     ptx = build(True)["ptx"]
     wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     first_access = _MEMORY_OP.search(ptx)

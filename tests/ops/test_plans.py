@@ -13,21 +13,22 @@ from mla_compile.ops import _plans
 
 
 def test_the_switches_follow_the_environment(monkeypatch):
-    """A plan's choices read MLA_COMPILE_DECODE_BACKEND / MLA_COMPILE_PDL: a change must change the key."""
-    monkeypatch.delenv(tuning.DECODE_KERNEL_ENV, raising=False)
-    monkeypatch.delenv(tuning.PDL_ENV, raising=False)
-    monkeypatch.delenv(C.DATA_ENV, raising=False)
+    """A plan's choices read MLA_COMPILE_DECODE_BACKEND / MLA_COMPILE_PDL / MLA_COMPILE_GLUON_PDL: a change must
+    change the key."""
+    for name in (tuning.DECODE_KERNEL_ENV, tuning.PDL_ENV, tuning.GLUON_PDL_ENV, C.DATA_ENV):
+        monkeypatch.delenv(name, raising=False)
     before = _plans._switches()
     monkeypatch.setenv(tuning.DECODE_KERNEL_ENV, "triton")
     with_backend = _plans._switches()
     monkeypatch.setenv(tuning.PDL_ENV, "0")
     with_pdl = _plans._switches()
-    assert len({before, with_backend, with_pdl}) == 3
+    monkeypatch.setenv(tuning.GLUON_PDL_ENV, "1")
+    with_gluon_pdl = _plans._switches()
+    assert len({before, with_backend, with_pdl, with_gluon_pdl}) == 4
     monkeypatch.setenv(C.DATA_ENV, "1")
     assert _plans._switches()[-1] == _plans._DATA_ON
-    monkeypatch.delenv(tuning.DECODE_KERNEL_ENV)
-    monkeypatch.delenv(tuning.PDL_ENV)
-    monkeypatch.delenv(C.DATA_ENV)
+    for name in (tuning.DECODE_KERNEL_ENV, tuning.PDL_ENV, tuning.GLUON_PDL_ENV, C.DATA_ENV):
+        monkeypatch.delenv(name)
     assert _plans._switches() == before
 
 
