@@ -18,8 +18,9 @@ H 64 or 128 (its two instantiations), the three views of one buffer (`one_buffer
 only: `sparse_decode` hands it the call's indices ([B, S, K], S query tokens as its s_q; -1 is its only invalid
 index, as ours); `decode` writes each request's slots (page * page_size + offset, -1 past its length) into a fresh
 [B, 1, capacity] index list on the device (`_slots_kernel`: 4 bytes a token against the 656 the attention reads) and
-passes the lengths as FlashMLA's `topk_length`, so its schedule follows the real lengths. Its split-KV schedule is made in the call from an empty
-`FlashMLASchedMeta` (as kernels/flashmla.py does for the dense kernel): no host sync, CUDA-graph capturable.
+passes the lengths as FlashMLA's `topk_length`, so its schedule follows the real lengths. Its split-KV schedule is
+made in the call from an empty `FlashMLASchedMeta` (as kernels/flashmla.py does for the dense kernel): no host sync,
+CUDA-graph capturable.
 Results: out [B, H, 512] bf16, lse float32 [B, H], natural log. A row without a valid index gets lse +inf from
 FlashMLA (its softmax sum is 0); `_inf_rows_kernel` makes those (0, -inf), our contract.
 """
