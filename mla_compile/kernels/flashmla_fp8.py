@@ -40,6 +40,9 @@ R, P = _flashmla.LATENT, _flashmla.ROPE
 HEADS = (64, 128)  # FlashMLA's SM90 sparse decode instantiations
 TOKEN = fp8.token_bytes(R, P)  # 656
 KV_FORMAT = "V32"
+# index-list lengths FlashMLA's sparse decode takes: whole blocks of its 64-token tile (vLLM asserts the same before
+# calling it); shorter lists are padded with -1
+TOPK_MULTIPLE = 64
 
 
 def one_buffer(ckv_cache, kpe_cache, ckv_scale) -> bool:
@@ -117,6 +120,9 @@ def run_sparse(q_nope, q_pe, ckv_cache, indices, sm_scale):
         return _nothing(q_nope)
     one = q_nope.dim() == 3  # one query token a request: FlashMLA's s_q = 1
     idx = indices.unsqueeze(1) if one else indices
+    pad = -idx.shape[-1] % TOPK_MULTIPLE
+    if pad:  # a copy: FlashMLA reads whole 64-entry blocks
+        idx = torch.nn.functional.pad(idx, (0, pad), value=-1)
     out, lse = _run(q_nope.unsqueeze(1) if one else q_nope, q_pe.unsqueeze(1) if one else q_pe, ckv_cache,
                     idx if idx.stride(-1) == 1 else idx.contiguous(), sm_scale)
     return (out.squeeze(1), lse.squeeze(1)) if one else (out, lse)
@@ -164,15 +170,16 @@ _SLOTS_BLOCK = 1024
 
 
 def token_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
-    """[B, 1, MP * page_size] int32: request b's token t at slot block_table[b, t // page_size] * page_size
-    + t % page_size for t < seq_lens[b], -1 after (entries past a request's pages never read)."""
+    """[B, 1, K] int32, K = MP * page_size rounded up to TOPK_MULTIPLE: request b's token t at slot
+    block_table[b, t // page_size] * page_size + t % page_size for t < seq_lens[b], -1 after (entries past a
+    request's pages never read)."""
     B, MP = block_table.shape
-    K = MP * page_size
+    K = -(-MP * page_size // TOPK_MULTIPLE) * TOPK_MULTIPLE
     idx = torch.empty(B, 1, K, dtype=torch.int32, device=block_table.device)
     if not (idx.is_cuda or _INTERPRETED):  # CPU tensors (the tests' stand-in FlashMLA): the same in torch
         t = torch.arange(K, device=idx.device)
         live = t[None, :] < seq_lens[:, None].long()
-        pages = block_table.long().gather(1, (t // page_size).expand(B, K).clamp(max=max(MP - 1, 0)))
+        pages = block_table.long().gather(1, (t // page_size).clamp(max=max(MP - 1, 0)).expand(B, K))
         idx[:, 0] = torch.where(live, pages * page_size + t % page_size, -1).int()
     elif B * K:
         fast(_slots_kernel)[(B, cdiv(K, _SLOTS_BLOCK))](block_table, seq_lens, idx, block_table.stride(0), K,

@@ -63,6 +63,7 @@ class FakeFlashMLA(StandIn):
         assert one == 1 and W == 656 and k_cache.stride(1) == 656 and k_cache.stride(-1) == 1
         assert k_cache.dtype == torch.float8_e4m3fn
         assert indices.dtype == torch.int32 and indices.shape[:2] == (B, S) and indices.stride(-1) == 1
+        assert indices.shape[-1] % 64 == 0, "index lists of whole 64-entry blocks (vLLM asserts it too)"
         assert topk_length is None or (topk_length.dtype == torch.int32 and topk_length.shape == (B,)
                                        and topk_length.is_contiguous())
         self.calls.append(dict(S=S, K=indices.shape[-1], topk_length=topk_length is not None))
@@ -147,7 +148,7 @@ def test_sparse_decode_matches_the_reference(fake, pow2):
     idx[0, :40] = torch.randperm(96, generator=g)[:40].int()
     idx[2, 5:12] = torch.tensor([3, 90, 17, 44, 60, 61, 2], dtype=torch.int32)  # row 1: no valid index
     out, lse = FM8.sparse_decode(qn, qp, c, k, idx, s, SCALE)
-    assert fake.calls == [dict(S=1, K=40, topk_length=False)]
+    assert fake.calls == [dict(S=1, K=64, topk_length=False)]  # padded with -1 to a whole block
     want_out, want_lse = ref.ref_sparse_decode(qn.double(), qp.double(), dequantized(c, s, as_flashmla=True),
                                                k.double(), idx, SCALE)
     assert out.shape == (3, 64, R) and out.dtype == torch.bfloat16 and lse.shape == (3, 64)
@@ -170,12 +171,13 @@ def test_paged_decode_hands_flashmla_each_requests_slots(fake):
     c, s, k = fp8_cache(pages, PS, g)
     qn, qp = _queries(g, 4, 128)
     slots = FM8.token_slots(table, seq_lens, PS)
-    assert slots.shape == (4, 1, table.shape[1] * PS)
+    K = -(-table.shape[1] * PS // 64) * 64
+    assert slots.shape == (4, 1, K)
     for b, n in enumerate(lens):
         assert slots[b, 0, :n].tolist() == ref.request_slots(table, PS, b, n)
         assert bool((slots[b, 0, n:] == -1).all())
     out, lse = FM8.decode(qn, qp, c, k, table, seq_lens, s, SCALE)
-    assert fake.calls == [dict(S=1, K=table.shape[1] * PS, topk_length=True)]
+    assert fake.calls == [dict(S=1, K=K, topk_length=True)]
     want_out, want_lse = ref.ref_decode(qn.double(), qp.double(), dequantized(c, s, as_flashmla=True), k.double(),
                                         table, seq_lens, SCALE)
     empty = seq_lens == 0
@@ -216,7 +218,7 @@ def test_dispatch_runs_it_asked_for_only(fake, monkeypatch):
     plan, keep = D_.sparse_decode_plan(qn3.view(6, 128, R), qp3.view(6, 128, P), c, k, idx.view(6, 50), SCALE,
                                        ckv_scale=s, outer=qn3.shape)
     out, lse = plan(qn3, qp3, c, k, idx, None, s)
-    assert keep and fake.calls[-1] == dict(S=3, K=50, topk_length=False)
+    assert keep and fake.calls[-1] == dict(S=3, K=64, topk_length=False)
     assert out.shape == (2, 3, 128, R) and lse.shape == (2, 3, 128) and lse.is_contiguous()
     want = ref.ref_sparse_decode(qn3.view(6, 128, R).double(), qp3.view(6, 128, P).double(),
                                  dequantized(c, s, True), k.double(), idx.view(6, 50), SCALE)
