@@ -21,8 +21,8 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, rea
               pytest.mark.xdist_group("test_triton_interpret")]
 
 CHECKS = ["decode", "decode_tma", "decode_strided_q", "decode_fp32_odd_dims", "decode_multi_token", "sparse_decode",
-          "merge_states", "flashmla_empty_rows", "flashmla_fp8_slots", "cache_write", "fp8_write", "indexer_topk", "k_only_indices", "fused_linear",
-          "linear_partials", "per_head_linear"]
+          "merge_states", "flashmla_empty_rows", "flashmla_fp8_slots", "cache_write", "fp8_write", "indexer_topk",
+          "k_only_indices", "fused_linear", "linear_partials", "per_head_linear"]
 
 
 @pytest.fixture(scope="module")
