@@ -136,7 +136,7 @@ def test_cuda_graph_replay_with_changed_lengths():
     g = torch.Generator().manual_seed(13)
     c, s, k, table, lens, (qn, qp) = paged(128, g)
     graph, (out, lse) = capture(lambda: FM8.decode(qn, qp, c, k, table, lens, s, SCALE))
-    for new in ([5, 0, 1000, 64, 1, 0, 3000, 128], [0] * 8, LENS):
+    for new in ([0, 5, 64, 1, 100, 1000, 3000, 0], [0] * 8, LENS):  # within each request's pages (LENS's)
         lens.copy_(torch.tensor(new, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()
