@@ -15,8 +15,7 @@ import os
 import torch
 
 from ._launch import without_bases
-from ._util import caches_view_as_slots, slot_stride
-from ._util import pdl_launch as _util_pdl_launch
+from ._util import caches_view_as_slots, slot_stride, pdl_launch as _util_pdl_launch
 from ..tuning import GLUON_PDL_ENV
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every shape

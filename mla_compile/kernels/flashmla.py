@@ -192,10 +192,13 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
 
 @triton.jit
 def _empty_rows_kernel(Out, Lse, SeqLens, rows, H, R: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                       BLOCK_R: tl.constexpr):
+                       BLOCK_R: tl.constexpr, BY_LSE: tl.constexpr = False):
     offs = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # (b, h) rows
     live = offs < rows
-    empty = live & (tl.load(SeqLens + offs // H, mask=live, other=1) == 0)
+    if BY_LSE:  # no lengths (index lists): FlashMLA's sparse kernel gives +inf exactly where its softmax sum is 0
+        empty = live & (tl.load(Lse + offs, mask=live, other=0.0) == float("inf"))
+    else:
+        empty = live & (tl.load(SeqLens + offs // H, mask=live, other=1) == 0)
     tl.store(Lse + offs, tl.full([BLOCK_ROWS], float("-inf"), tl.float32), mask=empty)
     cols = tl.arange(0, BLOCK_R)
     zero = tl.zeros([BLOCK_ROWS, BLOCK_R], Out.dtype.element_ty)
@@ -205,17 +208,19 @@ def _empty_rows_kernel(Out, Lse, SeqLens, rows, H, R: tl.constexpr, BLOCK_ROWS: 
 _ROWS_PER_PROGRAM = 16
 
 
-def empty_rows_to_contract(out: torch.Tensor, lse: torch.Tensor, seq_lens: torch.Tensor) -> None:
+def empty_rows_to_contract(out: torch.Tensor, lse: torch.Tensor, seq_lens: torch.Tensor | None = None) -> None:
     """In place: the rows of requests with seq_len 0 (FlashMLA: lse +inf, out undocumented) become out 0,
     lse -inf; every other row is left as FlashMLA wrote it (a row it found NaN in keeps its +inf lse: a fault
-    stays visible). out [B, H, R] and lse float32 [B, H], both contiguous; seq_lens int32 [B]."""
+    stays visible). out [B, H, R] and lse float32 [B, H], both contiguous; seq_lens int32 [B], or None: the rows
+    whose lse is +inf (FlashMLA's sparse FP8 kernel, kernels/flashmla_fp8.py: a row without a valid index)."""
     B, H, R = out.shape
     assert out.is_contiguous() and lse.is_contiguous() and lse.dtype == torch.float32 and lse.shape == (B, H)
+    by_lse = seq_lens is None
     if not (out.is_cuda or _INTERPRETED):  # a CPU stand-in for flash_mla (tests): the same fix-up in torch
-        empty = (seq_lens == 0)[:, None]
+        empty = lse == float("inf") if by_lse else (seq_lens == 0)[:, None]
         out.masked_fill_(empty.unsqueeze(-1), 0)
         lse.masked_fill_(empty, float("-inf"))
     elif B * H:
         fast(_empty_rows_kernel)[(cdiv(B * H, _ROWS_PER_PROGRAM),)](
-            out, lse, seq_lens, B * H, H, R=R, BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_R=next_power_of_2(max(R, 1)),
-            num_warps=4)
+            out, lse, lse if by_lse else seq_lens, B * H, H, R=R, BLOCK_ROWS=_ROWS_PER_PROGRAM,
+            BLOCK_R=next_power_of_2(max(R, 1)), BY_LSE=by_lse, num_warps=4)

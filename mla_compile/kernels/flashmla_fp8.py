@@ -22,7 +22,8 @@ passes the lengths as FlashMLA's `topk_length`, so its schedule follows the real
 made in the call from an empty `FlashMLASchedMeta` (as kernels/flashmla.py does for the dense kernel): no host sync,
 CUDA-graph capturable.
 Results: out [B, H, 512] bf16, lse float32 [B, H], natural log. A row without a valid index gets lse +inf from
-FlashMLA (its softmax sum is 0); `_inf_rows_kernel` makes those (0, -inf), our contract.
+FlashMLA (its softmax sum is 0); kernels/flashmla.py `empty_rows_to_contract` makes those (0, -inf), our
+contract.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def _run(q_nope, q_pe, ckv_cache, indices, sm_scale, topk_length=None):
                                          use_legacy=True, kv_format=KV_FORMAT)
     lse = lse.transpose(1, 2)  # FlashMLA's [B, H, S]
     lse = lse if lse.is_contiguous() else lse.contiguous()
-    inf_rows_to_contract(out.view(-1, q.shape[-2], R), lse.view(-1, q.shape[-2]))
+    _flashmla.empty_rows_to_contract(out.view(-1, q.shape[-2], R), lse.view(-1, q.shape[-2]))
     return out, lse
 
 
@@ -185,32 +186,3 @@ def token_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: in
         fast(_slots_kernel)[(B, cdiv(K, _SLOTS_BLOCK))](block_table, seq_lens, idx, block_table.stride(0), K,
                                                         page_size, BLOCK=_SLOTS_BLOCK, num_warps=4)
     return idx
-
-
-@triton.jit
-def _inf_rows_kernel(Out, Lse, rows, R: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    live = offs < rows
-    empty = live & (tl.load(Lse + offs, mask=live, other=0.0) == float("inf"))
-    tl.store(Lse + offs, tl.full([BLOCK_ROWS], float("-inf"), tl.float32), mask=empty)
-    cols = tl.arange(0, BLOCK_R)
-    zero = tl.zeros([BLOCK_ROWS, BLOCK_R], Out.dtype.element_ty)
-    tl.store(Out + offs.to(tl.int64)[:, None] * R + cols[None, :], zero, mask=empty[:, None] & (cols < R)[None, :])
-
-
-_ROWS_PER_PROGRAM = 16
-
-
-def inf_rows_to_contract(out: torch.Tensor, lse: torch.Tensor) -> None:
-    """In place: rows FlashMLA's sparse kernel gave lse +inf (no valid index: its softmax sum is 0) become out 0,
-    lse -inf. out [B, H, R] and lse float32 [B, H], both contiguous."""
-    B, H, R_ = out.shape
-    assert out.is_contiguous() and lse.is_contiguous() and lse.dtype == torch.float32 and lse.shape == (B, H)
-    if not (out.is_cuda or _INTERPRETED):
-        empty = lse == float("inf")
-        out.masked_fill_(empty.unsqueeze(-1), 0)
-        lse.masked_fill_(empty, float("-inf"))
-    elif B * H:
-        fast(_inf_rows_kernel)[(cdiv(B * H, _ROWS_PER_PROGRAM),)](
-            out, lse, B * H, R=R_, BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_R=triton.next_power_of_2(max(R_, 1)),
-            num_warps=4)
