@@ -24,6 +24,15 @@ Quantization of one token's latent x [R] (float32 math), per group g of 128 chan
     scale_g = 1 where amax is 0          (an all-zero group: any scale stores zeros; 1 keeps dequantize finite)
     q_g     = e4m3(clamp(x_g / scale_g, -448, 448))   (round to nearest even; the clamp keeps the division's last
                                                        ulp from overflowing to NaN, e4m3fn has no infinity)
+Power-of-two scales (`scale_fmt="ue8m0"`, DeepSeek's own quantizer: FlashMLA's tests/quant.py, V3.2's `scale_fmt`),
+per group: scale_g = 2^ceil(log2(max(amax / 448, 1e-4))), the smallest power of two >= max(amax / 448, 1e-4) taken
+exactly from the float32 bits (a float32 log2 may round a quotient a few ulps above a power of two down to it; the
+quantizer's torch code then takes the lower power and its values round back to 448: the bytes differ only there);
+q_g = e4m3(x_g / scale_g) (exact division; |x_g / scale_g| <= 448). An all-zero group gets 2^-13. Same token layout
+(the scales stay float32), so every reader reads both; value x scale is then exact in bf16, which is what FlashMLA's
+FP8 kernels assume. Costs: a group's largest value lands in (224, 448] instead of at 448; e4m3's relative step is
+the same there, so only values near its subnormal range lose bits.
+
 Dequantization, the definition every decode implementation reads the cache by: float32(q) * scale (a float32
 product; the float64 reference precision computes it in float64). A non-finite x gives a non-finite scale: NaN in,
 NaN out, never a silently finite token.
@@ -50,6 +59,16 @@ GROUP = 128  # latent channels per scale
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 SCALE_DTYPE = torch.float32
 ROPE_DTYPE = torch.bfloat16
+UE8M0 = "ue8m0"  # power-of-two scales (the module docstring); None: amax / 448
+SCALE_FMTS = (None, UE8M0)
+UE8M0_MIN_SCALE = 1e-4  # DeepSeek's quantizer's floor under amax / 448 (its FP8_AMAX_MARGIN), before the power of two
+
+
+def check_scale_fmt(scale_fmt, name: str = "scale_fmt") -> None:
+    """ValueError naming the argument (`name`) unless scale_fmt is one of SCALE_FMTS."""
+    if not (scale_fmt is None or isinstance(scale_fmt, str) and scale_fmt in SCALE_FMTS):
+        raise ValueError(f"{name}: expected None (amax / 448 scales) or {UE8M0!r} (power-of-two scales), got "
+                         f"{scale_fmt!r}")
 
 
 def is_fp8(t: torch.Tensor) -> bool:
@@ -113,18 +132,33 @@ def read_views(buf: torch.Tensor, R: int = 512, rope_dtype: torch.dtype = ROPE_D
     return buf.view(DTYPE)[..., :R], buf.view(SCALE_DTYPE)[..., R // 4:R // 4 + G], buf.view(rope_dtype)[..., rope:]
 
 
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, scale_fmt: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., R] (any float dtype) -> (q e4m3 [..., R], scale float32 [..., R / 128]) as the module docstring
-    defines. Device ops only (no host sync: usable inside a captured CUDA graph)."""
+    defines; scale_fmt "ue8m0": power-of-two scales. Device ops only (no host sync: usable inside a captured CUDA
+    graph)."""
+    check_scale_fmt(scale_fmt)
     R = x.shape[-1]
     G = groups(R)
     xg = x.to(torch.float32).reshape(*x.shape[:-1], G, GROUP)
     amax = xg.abs().amax(-1)
     # a tensor divisor: CUDA divides by a Python scalar as a product with its reciprocal (1 ulp off the correctly
     # rounded quotient the format defines, and unlike the CPU), an elementwise division rounds correctly everywhere
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, E4M3_MAX))
+    ratio = amax / torch.full_like(amax, E4M3_MAX)
+    if scale_fmt == UE8M0:
+        scale = pow2_ceil(torch.where(ratio < UE8M0_MIN_SCALE, torch.full_like(ratio, UE8M0_MIN_SCALE), ratio))
+    else:
+        scale = torch.where(amax == 0, torch.ones_like(amax), ratio)
     q = (xg / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(DTYPE)
     return q.reshape(x.shape), scale
+
+
+def pow2_ceil(s: torch.Tensor) -> torch.Tensor:
+    """float32 s (positive normal, inf or NaN) -> the smallest power of two >= s, read off its bits (exact: no log2);
+    inf and NaN stay."""
+    bits = s.view(torch.int32)
+    up = (bits & 0x7F800000) + 0x00800000  # the next exponent, mantissa 0
+    out = torch.where((bits & 0x007FFFFF) == 0, bits, up).view(torch.float32)
+    return torch.where(torch.isfinite(s), out, s)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -51,16 +51,17 @@ def make_block_table(seq_lens: list[int], page_size: int, max_pages: int | None 
 
 def fill_paged(ckv: list[torch.Tensor], kpe: list[torch.Tensor], page_size: int, *, max_pages: int | None = None,
                shuffle: bool = True, spare_pages: int = 0, generator: torch.Generator | None = None,
-               kv_cache_dtype: str = "auto") -> PagedBatch:
+               kv_cache_dtype: str = "auto", fp8_scale_fmt: str | None = None) -> PagedBatch:
     """Lay out request b's tokens ckv[b] [L_b, R] / kpe[b] [L_b, P] in a fresh paged cache.
 
     Unused cache slots hold NaN so a kernel that reads outside the valid tokens is caught by tests.
     kv_cache_dtype "fp8_e4m3": the FP8 format (mla_compile/fp8.py: one [NP, PS, 656]-byte buffer for R 512 / P 64,
-    ckv quantized on write, kpe kept in its dtype), its scales in `ckv_scale`; every byte
-    of an unused slot is 0xFF (NaN in all three views).
+    ckv quantized on write, kpe kept in its dtype), its scales in `ckv_scale` (fp8_scale_fmt "ue8m0": powers of two,
+    `fp8.quantize`); every byte of an unused slot is 0xFF (NaN in all three views).
     """
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    fp8.check_scale_fmt(fp8_scale_fmt, "fp8_scale_fmt")
     lens = [x.shape[0] for x in ckv]
     device, dtype = ckv[0].device, ckv[0].dtype
     table, num_pages = make_block_table(lens, page_size, max_pages, shuffle=shuffle, spare_pages=spare_pages,
@@ -80,7 +81,8 @@ def fill_paged(ckv: list[torch.Tensor], kpe: list[torch.Tensor], page_size: int,
         if ckv_scale is None:
             torch.ops.mla.cache_write(ckv_cache, kpe_cache, torch.cat(ckv), torch.cat(kpe), slots)
         else:
-            torch.ops.mla.cache_write_fp8(ckv_cache, kpe_cache, ckv_scale, torch.cat(ckv), torch.cat(kpe), slots)
+            torch.ops.mla.cache_write_fp8(ckv_cache, kpe_cache, ckv_scale, torch.cat(ckv), torch.cat(kpe), slots,
+                                          fp8_scale_fmt)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     return PagedBatch(ckv_cache, kpe_cache, table, seq_lens, ckv_scale)
 

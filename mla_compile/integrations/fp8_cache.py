@@ -41,10 +41,20 @@ def allocate(num_pages: int, page_size: int, R: int, P: int, dtype: torch.dtype,
     return fp8.allocate(num_pages, page_size, R, P, device, dtype)[0]
 
 
-def write(buf: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, slots: torch.Tensor) -> None:
+def write(buf: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, slots: torch.Tensor, scale_fmt=None) -> None:
     """Quantize and write tokens ckv [T, R] / kpe [T, P] (in the buffer's rope dtype) at slots int64 [T] (-1
-    skipped)."""
-    torch.ops.mla.cache_write_fp8_tokens(buf, ckv, kpe, slots)
+    skipped); scale_fmt "ue8m0": power-of-two scales (`fp8.quantize`)."""
+    torch.ops.mla.cache_write_fp8_tokens(buf, ckv, kpe, slots, scale_fmt)
+
+
+def check_scale_fmt(fp8_scale_fmt, is_fp8: bool):
+    """fp8_scale_fmt for a cache: None, or "ue8m0" with the FP8 cache (ValueError naming the argument else)."""
+    if fp8_scale_fmt is not None:
+        fp8.check_scale_fmt(fp8_scale_fmt, "fp8_scale_fmt")
+        if not is_fp8:
+            raise ValueError(f"fp8_scale_fmt: {fp8_scale_fmt!r} is for kv_cache_dtype={FP8!r} (a cache in the "
+                             f"model's dtype has no scales)")
+    return fp8_scale_fmt
 
 
 def gather(buf: torch.Tensor, R: int, kpe_dtype: torch.dtype, block_table: torch.Tensor, max_len: int,

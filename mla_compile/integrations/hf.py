@@ -159,13 +159,15 @@ if _BaseLayer is not None:
 
         def __init__(self, max_cache_len: int, page_size: int = 64, dcp_size: int = 1, dcp_rank: int = 0,
                      group_name: str = "", shuffle_pages: bool = False, kv_cache_dtype: str | None = None,
-                     heads_sharded: bool = False, fused_rows: bool = False, **kwargs):
+                     heads_sharded: bool = False, fused_rows: bool = False, fp8_scale_fmt: str | None = None,
+                     **kwargs):
             super().__init__(max_cache_len=max_cache_len)
             self.fused_rows = fused_rows
             self.page_size, self.dcp_size, self.dcp_rank, self.group_name = page_size, dcp_size, dcp_rank, group_name
             self.heads_sharded = heads_sharded
             self.shuffle_pages = shuffle_pages
             self.fp8 = fp8_cache.check_kv_cache_dtype(kv_cache_dtype)
+            self.fp8_scale_fmt = fp8_cache.check_scale_fmt(fp8_scale_fmt, self.fp8)
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             self.dtype, self.device = key_states.dtype, key_states.device
@@ -216,7 +218,7 @@ if _BaseLayer is not None:
                                        self.dcp_size, self.dcp_rank)
             ckv, kpe = key_states.reshape(B * T, R), value_states.reshape(B * T, value_states.shape[-1])
             if self.fp8:
-                fp8_cache.write(self.keys, ckv, kpe, slots)
+                fp8_cache.write(self.keys, ckv, kpe, slots, self.fp8_scale_fmt)
                 return fp8_cache.gather(self.keys, R, self.dtype, self.block_table, self.max_cache_len,
                                         self.dcp_size, self.dcp_rank, self.group_name, self.heads_sharded)
             torch.ops.mla.cache_write(self.keys, self.values, ckv, kpe, slots)
@@ -296,7 +298,8 @@ if _BaseLayer is not None:
         dcp: None (single rank) or an object with `size`, `rank`, `group_name` (e.g.
         `mla_compile.distributed.init_dcp()`), one process per rank, every rank running the same model on the
         same inputs. kv_cache_dtype: None / "auto" (the model's dtype) or "fp8_e4m3" (the FP8 latent cache,
-        `mla_compile/fp8.py`: quantized on write, 656 bytes a token for a bf16 model; DCP shards too). Use it
+        `mla_compile/fp8.py`: quantized on write, 656 bytes a token for a bf16 model; DCP shards too);
+        fp8_scale_fmt with it: None (scales amax / 448) or "ue8m0" (power-of-two scales, DeepSeek's own). Use it
         like HF's StaticCache: `model(ids, **cache_kwargs(model, cache), ...)`.
         TP x DCP: dcp from `init_dcp(tp_size=...)` and the model sharded with `integrations.tp.shard_mla_heads`
         (the same group; a mismatch is a ValueError). DSA models under DCP keep the indexer keys sharded too.
@@ -309,7 +312,8 @@ if _BaseLayer is not None:
         """
 
         def __init__(self, config, max_cache_len: int, *, page_size: int = 64, dcp=None,
-                     shuffle_pages: bool = False, kv_cache_dtype: str | None = None, fused_rows: bool = False):
+                     shuffle_pages: bool = False, kv_cache_dtype: str | None = None, fused_rows: bool = False,
+                     fp8_scale_fmt: str | None = None):
             if fused_rows and fp8_cache.check_kv_cache_dtype(kv_cache_dtype):
                 raise ValueError("fused_rows: an FP8 cache is one token buffer already (mla_compile/fp8.py); "
                                  "fused_rows=True is for model-dtype caches")
@@ -318,7 +322,7 @@ if _BaseLayer is not None:
             kw = dict(page_size=page_size, dcp_size=n, dcp_rank=getattr(dcp, "rank", 0) if dcp is not None else 0,
                       group_name=getattr(dcp, "group_name", "") if n > 1 else "", shuffle_pages=shuffle_pages,
                       kv_cache_dtype=kv_cache_dtype, heads_sharded=check_cache_group(config, dcp),
-                      fused_rows=fused_rows)
+                      fused_rows=fused_rows, fp8_scale_fmt=fp8_scale_fmt)
             layers = [MLAPagedLayer(max_cache_len=max_cache_len, **kw) for _ in range(text.num_hidden_layers)]
             super().__init__(layers=layers)
             self.dcp_size = n
@@ -338,13 +342,16 @@ if _BaseLayer is not None:
 
             kv_cache_dtype="fp8_e4m3": each full-attention layer's latent is an FP8 token buffer of one page per
             request ([B, max_cache_len, 656] bytes for a bf16 model; `MLAPagedLayer` with page_size = max_cache_len,
-            an identity block table); None / "auto": HF's own layers."""
+            an identity block table; fp8_scale_fmt as for `MLAPagedCache`); None / "auto": HF's own layers."""
 
-            def __init__(self, config, max_cache_len: int, kv_cache_dtype: str | None = None, **kwargs):
+            def __init__(self, config, max_cache_len: int, kv_cache_dtype: str | None = None,
+                         fp8_scale_fmt: str | None = None, **kwargs):
                 fp8 = fp8_cache.check_kv_cache_dtype(kv_cache_dtype)
+                fp8_cache.check_scale_fmt(fp8_scale_fmt, fp8)
                 super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
                 if fp8:
-                    self.layers = [MLAPagedLayer(max_cache_len, page_size=max_cache_len, kv_cache_dtype=kv_cache_dtype)
+                    self.layers = [MLAPagedLayer(max_cache_len, page_size=max_cache_len, kv_cache_dtype=kv_cache_dtype,
+                                                 fp8_scale_fmt=fp8_scale_fmt)
                                    if isinstance(layer, StaticLayer) and not layer.is_sliding else layer
                                    for layer in self.layers]
                 self._init_dsa(config, max_cache_len)

@@ -14,10 +14,12 @@ from ._launch import bind
 def _cache_write_kernel(Ckv, Kpe, SrcC, SrcK, Slots, Scale, R, P, PS, G,
                         s_cp, s_cs, s_kp, s_ks, s_sc, s_sk, s_gp, s_gs,
                         BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr,
-                        FP8: tl.constexpr = False, TOKENS: tl.constexpr = False, PDL: tl.constexpr = False):
+                        FP8: tl.constexpr = False, TOKENS: tl.constexpr = False, UE8M0: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     """FP8: each row of SrcC quantized here exactly as `fp8.quantize` (the format's one definition) does
     (`_quantize_row`; R a multiple of 128, BLOCK_G = BLOCK_R / 128), its e4m3 values into Ckv and its G float32
-    scales into Scale: one launch, no quantize ops before it. Otherwise Scale is an unread placeholder.
+    scales into Scale: one launch, no quantize ops before it (UE8M0: power-of-two scales, `fp8.quantize`'s
+    scale_fmt "ue8m0"). Otherwise Scale is an unread placeholder.
     TOKENS (with FP8): Ckv is the token buffer itself (uint8 [NP, PS, W], s_cp / s_cs in bytes; mla_compile/fp8.py:
     a token's R e4m3 bytes, its G float32 scales, its P rope values in SrcK's dtype), the scales' and the rope's
     addresses taken inside it, so a call needs no typed views of it; Kpe and Scale are unread placeholders."""
@@ -30,7 +32,7 @@ def _cache_write_kernel(Ckv, Kpe, SrcC, SrcK, Slots, Scale, R, P, PS, G,
         offs_r = tl.arange(0, BLOCK_R)
         offs_p = tl.arange(0, BLOCK_P)
         if FP8:
-            q, s = _quantize_row(SrcC, t, s_sc, R, BLOCK_R, BLOCK_G)
+            q, s = _quantize_row(SrcC, t, s_sc, R, BLOCK_R, BLOCK_G, UE8M0)
             c = q.to(Ckv.dtype.element_ty, bitcast=True)
         else:
             c = tl.load(SrcC + t * s_sc + offs_r, mask=offs_r < R)
@@ -75,15 +77,24 @@ def _e4m3_bits(x):
 
 
 @triton.jit
-def _quantize_row(SrcC, t, s_sc, R, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+def _quantize_row(SrcC, t, s_sc, R, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, UE8M0: tl.constexpr):
     """Token t's latent row as `fp8.quantize` defines it: (e4m3 bytes [BLOCK_R] as uint8, float32 scales [BLOCK_G]):
     per 128 channels, scale = amax / 448 (1 where amax is 0; NaN propagates), value = clamp(x / scale, +-448),
-    both divisions correctly rounded."""
+    both divisions correctly rounded. UE8M0: scale = the smallest power of two >= max(amax / 448, 1e-4), from its
+    bits as `fp8.pow2_ceil`."""
     offs = tl.arange(0, BLOCK_R)
     x = tl.load(SrcC + t * s_sc + offs, mask=offs < R, other=0.0).to(tl.float32)
     xg = tl.reshape(x, (BLOCK_G, 128))
     amax = tl.reduce(tl.abs(xg), 1, _max_nan)
-    scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+    ratio = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    if UE8M0:
+        ratio = tl.where(ratio < fp8.UE8M0_MIN_SCALE, fp8.UE8M0_MIN_SCALE, ratio)  # NaN compares false: kept
+        bits = ratio.to(tl.int32, bitcast=True)
+        up = ((bits & 0x7F800000) + 0x00800000).to(tl.float32, bitcast=True)
+        # inf (mantissa 0) stays; NaN stays (its exponent bits are inf's: `up` would be wrong)
+        scale = tl.where(((bits & 0x007FFFFF) == 0) | (ratio != ratio), ratio, up)
+    else:
+        scale = tl.where(amax == 0, 1.0, ratio)
     q = tl.math.div_rn(xg, tl.broadcast_to(scale[:, None], xg.shape))
     q = tl.where(q != q, q, tl.minimum(tl.maximum(q, -448.0), 448.0))  # clamp, NaN kept
     return tl.reshape(_e4m3_bits(q), (BLOCK_R,)).to(tl.uint8), scale
@@ -94,15 +105,17 @@ def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
-def _write_launch(ckv_cache, kpe_cache, ckv, kpe, ckv_scale=None, tokens: bool = False):
+def _write_launch(ckv_cache, kpe_cache, ckv, kpe, ckv_scale=None, tokens: bool = False, scale_fmt=None):
     """(`_cache_write_kernel` bound for these tensors' signature, the numbers after its six tensor arguments):
     `bound(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale or ckv_cache, *numbers)`; ckv_scale given: an FP8 cache,
-    the rows quantized in the kernel; tokens: ckv_cache is an FP8 token buffer (the kernel's TOKENS)."""
+    the rows quantized in the kernel (scale_fmt: `fp8.quantize`'s); tokens: ckv_cache is an FP8 token buffer (the
+    kernel's TOKENS)."""
     R, P = ckv.shape[1], kpe.shape[1]
     fp8_cache = ckv_scale is not None
     block_r = next_power_of_2(max(R, 1))
     bound = bind(_cache_write_kernel, (ckv.shape[0],), BLOCK_R=block_r, BLOCK_P=next_power_of_2(max(P, 1)),
-                 BLOCK_G=block_r // fp8.GROUP if fp8_cache else 1, FP8=fp8_cache, TOKENS=tokens, num_warps=4,
+                 BLOCK_G=block_r // fp8.GROUP if fp8_cache else 1, FP8=fp8_cache, TOKENS=tokens,
+                 UE8M0=fp8_cache and scale_fmt == fp8.UE8M0, num_warps=4,
                  **pdl_launch(ckv.device))
     scale_strides = (ckv_scale.stride(0), ckv_scale.stride(1)) if fp8_cache else (0, 0)
     return bound, (R, P, ckv_cache.shape[1], fp8.groups(R) if fp8_cache else 1, ckv_cache.stride(0),
@@ -126,14 +139,15 @@ def cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots):
     return plan
 
 
-def cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
+def cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots, scale_fmt=None):
     """`plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots)` writes any FP8 call of this signature (ops/_plans.py):
-    one launch that quantizes each row as `fp8.quantize` defines (`_quantize_row`, bit-exact) and scatters it."""
+    one launch that quantizes each row as `fp8.quantize(row, scale_fmt)` defines (`_quantize_row`, bit-exact) and
+    scatters it."""
     if ckv.shape[0] == 0:
         return lambda *tensors: None
     copy_c, copy_k = ckv.stride(-1) != 1, kpe.stride(-1) != 1
     bound, numbers = _write_launch(ckv_cache, kpe_cache, ckv.contiguous() if copy_c else ckv,
-                                   kpe.contiguous() if copy_k else kpe, ckv_scale)
+                                   kpe.contiguous() if copy_k else kpe, ckv_scale, scale_fmt=scale_fmt)
 
     def plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
         ckv = ckv.contiguous() if copy_c else ckv
@@ -142,7 +156,7 @@ def cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
     return plan
 
 
-def cache_write_fp8_tokens_plan(token_buf, ckv, kpe, slots):
+def cache_write_fp8_tokens_plan(token_buf, ckv, kpe, slots, scale_fmt=None):
     """`plan(token_buf, ckv, kpe, slots)` writes any `mla::cache_write_fp8_tokens` call of this signature into the
     contiguous token buffer uint8 [NP, PS, W] itself (the kernel's TOKENS: no views of it a call), quantizing as
     `cache_write_fp8_plan` does. P > 0."""
@@ -151,7 +165,7 @@ def cache_write_fp8_tokens_plan(token_buf, ckv, kpe, slots):
     copy_c, copy_k = ckv.stride(-1) != 1, kpe.stride(-1) != 1
     # the buffer stands in for the three caches: its strides are the rows' (bytes), the scales' and rope's unread
     bound, numbers = _write_launch(token_buf, token_buf, ckv.contiguous() if copy_c else ckv,
-                                   kpe.contiguous() if copy_k else kpe, token_buf, tokens=True)
+                                   kpe.contiguous() if copy_k else kpe, token_buf, tokens=True, scale_fmt=scale_fmt)
 
     def plan(token_buf, ckv, kpe, slots):
         ckv = ckv.contiguous() if copy_c else ckv
@@ -160,10 +174,10 @@ def cache_write_fp8_tokens_plan(token_buf, ckv, kpe, slots):
     return plan
 
 
-def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None) -> None:
+def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None, scale_fmt=None) -> None:
     """One call: its plan made and run (ckv_scale given: an FP8 cache, the rows quantized in the kernel)."""
     if ckv_scale is None:
         cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots)(ckv_cache, kpe_cache, ckv, kpe, slots)
     else:
-        cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots)(ckv_cache, kpe_cache, ckv_scale, ckv,
-                                                                              kpe, slots)
+        cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots, scale_fmt)(
+            ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots)

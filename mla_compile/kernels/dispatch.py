@@ -422,14 +422,14 @@ def cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots):
     return _cache.cache_write_plan(ckv_cache, kpe_cache, ckv, kpe, slots), True
 
 
-def cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
+def cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots, scale_fmt=None):
     """(plan, keep): `plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots)` for an FP8 cache (quantized on write)."""
     if rope_less(kpe):
-        return (lambda c, k, s, ckv, kpe, slots: cache_write(c, k, ckv, kpe, slots, s)), True
-    return _cache.cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots), True
+        return (lambda c, k, s, ckv, kpe, slots: cache_write(c, k, ckv, kpe, slots, s, scale_fmt)), True
+    return _cache.cache_write_fp8_plan(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots, scale_fmt), True
 
 
-def cache_write_fp8_tokens_plan(token_buf, ckv, kpe, slots):
+def cache_write_fp8_tokens_plan(token_buf, ckv, kpe, slots, scale_fmt=None):
     """(plan, keep): `plan(token_buf, ckv, kpe, slots)` for an FP8 token buffer (kernels/cache.py: one launch writing
     into the buffer itself); a rope-less call through the buffer's views (`cache_write_fp8_plan`'s zero column)."""
     if rope_less(kpe):
@@ -437,23 +437,20 @@ def cache_write_fp8_tokens_plan(token_buf, ckv, kpe, slots):
 
         def through_views(token_buf, ckv, kpe, slots):
             c, s, k = fp8.views(token_buf, R, kpe.dtype)
-            cache_write(c, k, ckv, kpe, slots, s)
+            cache_write(c, k, ckv, kpe, slots, s, scale_fmt)
 
         return through_views, True
-    return _cache.cache_write_fp8_tokens_plan(token_buf, ckv, kpe, slots), True
+    return _cache.cache_write_fp8_tokens_plan(token_buf, ckv, kpe, slots, scale_fmt), True
 
 
-def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None):
+def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None, scale_fmt=None):
     """ckv_scale given: an FP8 cache, ckv quantized on the way in (kernels/cache.py)."""
     if rope_less(kpe):
         # P = 0: nothing to write for the rope part; the kernel (which always writes both) copies a zero element
         # onto itself instead of touching a zero-width (possibly null) buffer
         zero = kpe_cache.new_zeros(1)
         kpe_cache, kpe = zero_rope_column(zero, *ckv_cache.shape[:2]), zero_rope_column(zero, ckv.shape[0])
-    if ckv_scale is None:  # the bf16 call as it always was
-        _cache.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots)
-    else:
-        _cache.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
+    _cache.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale, scale_fmt)
 
 
 def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):

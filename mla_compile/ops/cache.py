@@ -55,14 +55,14 @@ def _slot_rows(cache: torch.Tensor) -> torch.Tensor:
     return cache.as_strided((cache.shape[0] * cache.shape[1], cache.shape[2]), (cache.stride(1), cache.stride(2)))
 
 
-def _write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale):
+def _write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale, scale_fmt=None):
     keep = slots >= 0
     idx = slots[keep]
     writes = [(kpe_cache, kpe[keep])]
     if ckv_scale is None:
         writes.append((ckv_cache, ckv[keep]))
     else:
-        values, scales = fp8.quantize(ckv[keep])
+        values, scales = fp8.quantize(ckv[keep], scale_fmt)
         writes += [(ckv_cache, values), (ckv_scale, scales)]
     for cache, new in writes:
         _slot_rows(cache)[idx] = new
@@ -124,32 +124,35 @@ _PLANS = Plans()  # one plan per call signature (ops/_plans.py)
     mutates_args=("ckv_cache", "kpe_cache", "ckv_scale"),
     device_types="cpu",
     schema="(Tensor(a!) ckv_cache, Tensor(b!) kpe_cache, Tensor(c!) ckv_scale, Tensor ckv, Tensor kpe, "
-           "Tensor slots) -> ()",
+           "Tensor slots, str? scale_fmt=None) -> ()",
 )
-def cache_write_fp8(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
+def cache_write_fp8(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots, scale_fmt=None):
     """`mla::cache_write` into an FP8 cache (mla_compile/fp8.py), quantizing on write.
 
     Shapes: ckv_cache float8_e4m3fn [NP, PS, R] (R a multiple of 128), kpe_cache [NP, PS, P], ckv_scale float32
     [NP, PS, R / 128] (all mutated; the three views of one token buffer, or separate tensors); ckv [T, R] in any
     float dtype, quantized per token and 128 channels (`fp8.quantize`), its scales written beside the values;
-    kpe [T, P] in kpe_cache's dtype; slots int64 [T] as for `mla::cache_write` (-1 skipped).
+    kpe [T, P] in kpe_cache's dtype; slots int64 [T] as for `mla::cache_write` (-1 skipped). scale_fmt None: scales
+    amax / 448; "ue8m0": powers of two, as DeepSeek's own quantizer writes them (exact for FlashMLA's FP8 kernels;
+    mla_compile/fp8.py). Every reader reads either.
     """
-    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
-    _write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
+    _check_fp8_write(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots, scale_fmt)
+    _write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale, scale_fmt)
 
 
 @cache_write_fp8.register_fake
-def _(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
-    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
+def _(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots, scale_fmt=None):
+    _check_fp8_write(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots, scale_fmt)
 
 
 @cache_write_fp8.register_kernel("cuda")
-def _(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
+def _(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots, scale_fmt=None):
     args = (ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots)
-    _FP8_PLANS.run(args, (), _check_fp8_write, _make_fp8_write_plan, args)
+    _FP8_PLANS.run(args, (scale_fmt,), _check_fp8_write, _make_fp8_write_plan, (*args, scale_fmt))
 
 
-def _check_fp8_write(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots):
+def _check_fp8_write(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots, scale_fmt=None):
+    fp8.check_scale_fmt(scale_fmt)
     check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
 
 
@@ -165,21 +168,22 @@ _make_fp8_write_plan = dispatch_plan("cache_write_fp8_plan")
     "mla::cache_write_fp8_tokens",
     mutates_args=("token_buf",),
     device_types="cpu",
-    schema="(Tensor(a!) token_buf, Tensor ckv, Tensor kpe, Tensor slots) -> ()",
+    schema="(Tensor(a!) token_buf, Tensor ckv, Tensor kpe, Tensor slots, str? scale_fmt=None) -> ()",
 )
-def cache_write_fp8_tokens(token_buf, ckv, kpe, slots):
+def cache_write_fp8_tokens(token_buf, ckv, kpe, slots, scale_fmt=None):
     """`mla::cache_write_fp8` into an FP8 cache given as its token buffer (mla_compile/fp8.py), quantizing on write.
 
     Shapes: token_buf uint8 [NP, PS, W] (mutated), W = fp8.token_bytes(R, P, kpe.dtype) (656 for R 512, P 64,
     bf16 rope); ckv [T, R] in any float dtype (R a multiple of 128); kpe [T, P] in the rope dtype the buffer holds;
-    slots int64 [T] as for `mla::cache_write` (-1 skipped). Same bytes as `mla::cache_write_fp8` over
-    `fp8.views(token_buf, R, kpe.dtype)`.
+    slots int64 [T] as for `mla::cache_write` (-1 skipped); scale_fmt as for `mla::cache_write_fp8`. Same bytes as
+    `mla::cache_write_fp8` over `fp8.views(token_buf, R, kpe.dtype)`.
     """
-    _write(*_token_views(token_buf, ckv, kpe, slots))
+    _write(*_token_views(token_buf, ckv, kpe, slots, scale_fmt), scale_fmt)
 
 
-def _token_views(token_buf, ckv, kpe, slots):
-    """(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale) for `_write`, after checking the buffer against ckv / kpe."""
+def _token_views(token_buf, ckv, kpe, slots, scale_fmt=None):
+    """(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale) for `_write`, after checking the buffer against ckv / kpe
+    and scale_fmt."""
     C.check_tensor(token_buf, "token_buf", 3, (torch.uint8,))
     C.check_tensor(ckv, "ckv", 2, C.FLOAT_DTYPES)
     C.check_tensor(kpe, "kpe", 2, C.FLOAT_DTYPES)
@@ -194,19 +198,19 @@ def _token_views(token_buf, ckv, kpe, slots):
                                                   f"scales + {P} {kpe.dtype} rope), got {token_buf.shape[2]}")
     C.check(token_buf.is_contiguous(), "token_buf", f"must be contiguous, got strides {token_buf.stride()}")
     ckv_cache, ckv_scale, kpe_cache = fp8.views(token_buf, R, kpe.dtype)
-    check_cache_write_args(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale)
+    _check_fp8_write(ckv_cache, kpe_cache, ckv_scale, ckv, kpe, slots, scale_fmt)
     return ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale
 
 
 @cache_write_fp8_tokens.register_fake
-def _(token_buf, ckv, kpe, slots):
-    _token_views(token_buf, ckv, kpe, slots)
+def _(token_buf, ckv, kpe, slots, scale_fmt=None):
+    _token_views(token_buf, ckv, kpe, slots, scale_fmt)
 
 
 @cache_write_fp8_tokens.register_kernel("cuda")
-def _(token_buf, ckv, kpe, slots):
-    _TOKEN_PLANS.run((token_buf, ckv, kpe, slots), (), _token_views, _make_token_write_plan, (token_buf, ckv, kpe,
-                                                                                             slots))
+def _(token_buf, ckv, kpe, slots, scale_fmt=None):
+    args = (token_buf, ckv, kpe, slots)
+    _TOKEN_PLANS.run(args, (scale_fmt,), _token_views, _make_token_write_plan, (*args, scale_fmt))
 
 
 _TOKEN_PLANS = Plans()  # mla::cache_write_fp8_tokens (ops/_plans.py)

@@ -27,18 +27,15 @@ OUT_TOL = 2e-2
 
 
 def fp8_cache(pages, page_size, g, pow2):
-    """(ckv, scale, kpe) FP8 views of one buffer on the GPU, random tokens written by mla.cache_write_fp8; pow2:
-    each group re-quantized with DeepSeek's power-of-two scale (2^ceil(log2(amax / 448)), FlashMLA's tests)."""
+    """(ckv, scale, kpe) FP8 views of one buffer on the GPU, random tokens written by mla.cache_write_fp8 (the
+    Triton write); pow2: with scale_fmt "ue8m0" (DeepSeek's power-of-two scales, FlashMLA's tests)."""
     _, c, s, k = fp8.allocate(pages, page_size, R, P, device=DEV)
     n = pages * page_size
     x = torch.randn(n, R, generator=g) * torch.rand(n, 1, generator=g) * 4
     torch.ops.mla.cache_write_fp8(c, k, s, x.to(DEV), torch.randn(n, P, generator=g).to(DEV, torch.bfloat16),
-                                  torch.arange(n, device=DEV))
+                                  torch.arange(n, device=DEV), fp8.UE8M0 if pow2 else None)
     if pow2:
-        v = fp8.dequantize(c.view(-1, R), s.view(-1, R // 128)).view(-1, R // 128, 128)
-        p2 = torch.exp2(torch.ceil(torch.log2(v.abs().amax(-1).clamp_min(1e-4) / 448)))
-        c.view(-1, R).copy_((v / p2[..., None]).view(-1, R).to(fp8.DTYPE))
-        s.view(-1, R // 128).copy_(p2)
+        assert torch.equal(s, torch.exp2(torch.log2(s).round()))
     return c, s, k
 
 

@@ -61,7 +61,8 @@ def check(out, lse, want, shape, dtype=torch.bfloat16, lse_tol=LSE_TOL):
     assert float((lse[~empty].double() - ref_lse[~empty]).abs().max()) < lse_tol
 
 
-def test_cache_write_kernel_matches_cpu_op_bytes():
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_cache_write_kernel_matches_cpu_op_bytes(scale_fmt):
     g = torch.Generator().manual_seed(0)
     x, kp = torch.randn(9, R, generator=g).to(torch.bfloat16), torch.randn(9, P, generator=g).to(torch.bfloat16)
     slots = torch.tensor([5, -1, 0, 130, 64, 7, -1, 255, 1])
@@ -69,10 +70,10 @@ def test_cache_write_kernel_matches_cpu_op_bytes():
     for dev in ("cpu", DEV):
         buf, c, s, k = fp8.allocate(4, 64, device=dev)
         buf.fill_(0x5A)
-        torch.ops.mla.cache_write_fp8(c, k, s, x.to(dev), kp.to(dev), slots.to(dev))
+        torch.ops.mla.cache_write_fp8(c, k, s, x.to(dev), kp.to(dev), slots.to(dev), scale_fmt)
         bufs.append(buf.cpu())
         whole = torch.full_like(buf, 0x5A)  # the buffer-level write the HF caches use
-        torch.ops.mla.cache_write_fp8_tokens(whole, x.to(dev), kp.to(dev), slots.to(dev))
+        torch.ops.mla.cache_write_fp8_tokens(whole, x.to(dev), kp.to(dev), slots.to(dev), scale_fmt)
         bufs.append(whole.cpu())
     for other in bufs[1:]:
         diff = (bufs[0] != other).nonzero().tolist()

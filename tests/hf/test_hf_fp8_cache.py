@@ -42,6 +42,15 @@ def test_bad_kv_cache_dtype_is_refused_naming_the_argument(bad):
             make()
 
 
+@pytest.mark.parametrize("kv_cache_dtype, bad", [(FP8, "e8m0"), (FP8, "UE8M0"), (FP8, 1), (None, "ue8m0"),
+                                                  ("auto", "ue8m0")])
+def test_bad_fp8_scale_fmt_is_refused_naming_the_argument(kv_cache_dtype, bad):
+    cfg = M.deepseek_v32(num_layers=1).config
+    for make in (MLAPagedCache, DSAStaticCache):
+        with pytest.raises(ValueError, match="^fp8_scale_fmt: "):
+            make(cfg, 16, kv_cache_dtype=kv_cache_dtype, fp8_scale_fmt=bad)
+
+
 def test_default_cache_dtype_is_the_models():
     model = M.deepseek_v32(num_layers=1, dtype=torch.bfloat16)
     ids, mask = M.batch(T=5, L=8)
@@ -62,15 +71,17 @@ def test_float64_model_is_refused_naming_the_argument():
 
 
 # ------------------------------------------------------------------------------------------------ the write
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
 @pytest.mark.parametrize("cache_kind", ["paged", "dsa_static"])
-def test_hf_writes_quantized_656_byte_tokens(cache_kind):
+def test_hf_writes_quantized_656_byte_tokens(cache_kind, scale_fmt):
     """Prefill a bf16 V3.2 into an FP8 cache and into HF's StaticCache: every written token of the FP8 buffer is
-    fp8.quantize(HF's latent) and HF's rope latent, byte for byte; unwritten slots stay zero."""
+    fp8.quantize(HF's latent, fp8_scale_fmt) and HF's rope latent, byte for byte; unwritten slots stay zero."""
     model = M.deepseek_v32(num_layers=1, dtype=torch.bfloat16)
     T, L = 7, 16
     ids, mask = M.batch(T=T, L=L)
-    cache = (MLAPagedCache(model.config, L, page_size=4, shuffle_pages=True, kv_cache_dtype=FP8)
-             if cache_kind == "paged" else DSAStaticCache(model.config, L, kv_cache_dtype=FP8))
+    kw = dict(kv_cache_dtype=FP8, fp8_scale_fmt=scale_fmt)
+    cache = (MLAPagedCache(model.config, L, page_size=4, shuffle_pages=True, **kw)
+             if cache_kind == "paged" else DSAStaticCache(model.config, L, **kw))
     ref = StaticCache(config=model.config, max_cache_len=L)
     with torch.no_grad():
         for c in (cache, ref):
@@ -82,7 +93,9 @@ def test_hf_writes_quantized_656_byte_tokens(cache_kind):
     PS = buf.shape[1]
     written = torch.zeros(buf.shape[:2], dtype=torch.bool)
     for b in range(ids.shape[0]):
-        q, s = fp8.quantize(ref.layers[0].keys[b, 0, :T])
+        q, s = fp8.quantize(ref.layers[0].keys[b, 0, :T], scale_fmt)
+        if scale_fmt:
+            assert torch.equal(s, torch.exp2(torch.log2(s).round()))  # powers of two
         for t in range(T):
             page, off = int(layer.block_table[b, t // PS]), t % PS
             assert torch.equal(ckv[page, off].view(torch.uint8), q[t].view(torch.uint8))
@@ -175,10 +188,12 @@ def _compiled_vs_eager(model, cache_fn, T: int, steps: int):
     return eager, compiled, plain, counters
 
 
-def test_compiled_v3_over_fp8_paged_cache_is_eager():
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_compiled_v3_over_fp8_paged_cache_is_eager(scale_fmt):
     model = M.deepseek_v3(num_layers=1)
     eager, compiled, plain, c = _compiled_vs_eager(
-        model, lambda cfg, L: MLAPagedCache(cfg, L, page_size=4, shuffle_pages=True, kv_cache_dtype=FP8), 9, 4)
+        model, lambda cfg, L: MLAPagedCache(cfg, L, page_size=4, shuffle_pages=True, kv_cache_dtype=FP8,
+                                            fp8_scale_fmt=scale_fmt), 9, 4)
     assert M.rel_err(compiled, eager) < TOL
     assert M.rel_err(eager, plain) > 30 * TOL  # the FP8 cache is what both read (not an fp32 copy)
     assert c.get(mla_attention.COUNTER) == 1 and not c.get(mla_attention.SKIP_COUNTER), c

@@ -305,7 +305,9 @@ def check_fp8_write():
     zeros, NaN and random values, as torch's cast gives it; then whole writes (R 128 and 384: a masked fourth group;
     rows of zeros, of subnormal-range values, strided rows, skipped slots; bf16 and fp32 rope) byte for byte as
     `fp8.quantize` + scatter, through the three views (`cache_write_fp8_plan`) and into the token buffer itself
-    (`cache_write_fp8_tokens_plan`: the scales' and rope's addresses taken in the kernel)."""
+    (`cache_write_fp8_tokens_plan`: the scales' and rope's addresses taken in the kernel); each with amax / 448 and
+    with power-of-two ("ue8m0") scales (groups whose amax / 448 is a power of two, just above one, under the 1e-4
+    floor)."""
     import torch
     import triton
     import triton.language as tl
@@ -339,21 +341,25 @@ def check_fp8_write():
         rows[1] = 0  # amax 0: scale 1
         rows[2] *= 1e-4  # values in e4m3's subnormal range after scaling by a larger group's amax
         rows[2, :5] = 7.0
+        rows[3, :128] *= 56 / rows[3, :128].abs().max()  # amax / 448 = 2^-3 exactly
+        rows[5, :128] *= 56.4375 / rows[5, :128].abs().max()  # just above it (a bf16 value)
+        rows[5, 128:] *= 0.001  # amax / 448 under the 1e-4 floor
         ckv = rows.to(torch.bfloat16).t().contiguous().t()  # a strided [T, R] (column-major): the copy path
         kpe = torch.randn(6, P, generator=gen).to(rope)
         slots = torch.tensor([3, -1, 20, 9, -1, 0])
-        buf = fp8.allocate(4, 8, R, P, torch.device("cpu"), rope)[0]
-        ref, views, tokens = buf.zero_().clone(), buf.zero_().clone(), buf.zero_().clone()
-        rc, rs, rk = fp8.views(ref, R, rope)
-        q, scales = fp8.quantize(ckv)
-        for t, slot in enumerate(slots.tolist()):
-            if slot >= 0:
-                rc.view(-1, R)[slot], rs.view(-1, R // 128)[slot], rk.view(-1, P)[slot] = q[t], scales[t], kpe[t]
-        c8, sc, kp = fp8.views(views, R, rope)
-        K.cache_write_fp8_plan(c8, kp, sc, ckv, kpe, slots)(c8, kp, sc, ckv, kpe, slots)
-        assert torch.equal(views, ref), f"R {R}: {int((views != ref).sum())} bytes differ (views)"
-        K.cache_write_fp8_tokens_plan(tokens, ckv, kpe, slots)(tokens, ckv, kpe, slots)
-        assert torch.equal(tokens, ref), f"R {R}: {int((tokens != ref).sum())} bytes differ (token buffer)"
+        for scale_fmt in (None, fp8.UE8M0):
+            buf = fp8.allocate(4, 8, R, P, torch.device("cpu"), rope)[0]
+            ref, views, tokens = buf.zero_().clone(), buf.zero_().clone(), buf.zero_().clone()
+            rc, rs, rk = fp8.views(ref, R, rope)
+            q, scales = fp8.quantize(ckv, scale_fmt)
+            for t, slot in enumerate(slots.tolist()):
+                if slot >= 0:
+                    rc.view(-1, R)[slot], rs.view(-1, R // 128)[slot], rk.view(-1, P)[slot] = q[t], scales[t], kpe[t]
+            c8, sc, kp = fp8.views(views, R, rope)
+            K.cache_write_fp8_plan(c8, kp, sc, ckv, kpe, slots, scale_fmt)(c8, kp, sc, ckv, kpe, slots)
+            assert torch.equal(views, ref), f"R {R} {scale_fmt}: {int((views != ref).sum())} bytes differ (views)"
+            K.cache_write_fp8_tokens_plan(tokens, ckv, kpe, slots, scale_fmt)(tokens, ckv, kpe, slots)
+            assert torch.equal(tokens, ref), f"R {R} {scale_fmt}: {int((tokens != ref).sum())} bytes differ (tokens)"
 
 
 def check_indexer_topk():
