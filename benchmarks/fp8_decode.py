@@ -1,11 +1,12 @@
 """FP8 latent cache decode (mla_compile/fp8.py, issue 25) vs the bf16 cache and the peers, side by side on the same
 tokens.
 
-    python benchmarks/fp8_decode.py [out.json] [--shapes H:B:KV ...]
+    python benchmarks/fp8_decode.py [out.json] [--shapes H:B:KV ...] [--scale-fmt ue8m0]
 
 Shapes (H, B, kv per request): issue 25's acceptance grid, R 512 / P 64, page 64, shuffled pages, bf16 q. The bf16
 cache is random bf16 tokens; the FP8 cache holds the same tokens quantized by `mla::cache_write_fp8` (656 bytes a
-token, one [NP, PS, 656] buffer). Timing: CUDA-graph replay (triton.testing.do_bench_cudagraph, median) of one
+token, one [NP, PS, 656] buffer; `--scale-fmt ue8m0`: with power-of-two scales, which FlashMLA's V3.2 kernel reads
+exactly). Timing: CUDA-graph replay (triton.testing.do_bench_cudagraph, median) of one
 decode call, what a captured decode step runs:
   - `bf16_ms`: `torch.ops.mla.decode` over the bf16 caches (what the dispatch picks for separate caches);
   - `flashmla_bf16_ms`: FlashMLA's dense bf16 decode on its fused [pages, 64, 576] layout (schedule made per call);
@@ -55,14 +56,15 @@ CASES = [(16, 8, 32768), (16, 32, 32768), (16, 8, 131072), (128, 8, 32768), (128
 SWEEP = [(16, 64, 8, 3), (16, 32, 8, 2), (16, 64, 4, 2), (32, 64, 8, 2), (32, 32, 4, 2)]
 
 
-def caches(B, KV, gen):
-    """(bf16 ckv, bf16 kpe, FP8 buffer views (ckv, scale, kpe), block table, lengths) of the same tokens."""
+def caches(B, KV, gen, scale_fmt=None):
+    """(bf16 ckv, bf16 kpe, FP8 buffer views (ckv, scale, kpe), block table, lengths) of the same tokens; scale_fmt:
+    the FP8 write's (`fp8.quantize`)."""
     pages = B * KV // PS
     ckv = torch.randn(pages, PS, R, generator=gen, device="cuda").to(torch.bfloat16)
     kpe = torch.randn(pages, PS, P, generator=gen, device="cuda").to(torch.bfloat16)
     _, c8, s8, k8 = fp8.allocate(pages, PS, R, P, device="cuda")
     slots = torch.arange(pages * PS, device="cuda")
-    torch.ops.mla.cache_write_fp8(c8, k8, s8, ckv.view(-1, R), kpe.view(-1, P), slots)
+    torch.ops.mla.cache_write_fp8(c8, k8, s8, ckv.view(-1, R), kpe.view(-1, P), slots, scale_fmt)
     table = torch.randperm(pages, generator=gen, device="cuda").view(B, KV // PS).int()
     return ckv, kpe, (c8, s8, k8), table, torch.full((B,), KV, dtype=torch.int32, device="cuda")
 
@@ -213,10 +215,15 @@ def main(argv):
         shapes = [a for a in argv[i + 1:] if a.count(":") == 2]
         cases = [tuple(int(x) for x in a.split(":")) for a in shapes]
         argv = argv[:i] + argv[i + 1 + len(shapes):]
+    scale_fmt = None
+    if "--scale-fmt" in argv:  # --scale-fmt ue8m0: the FP8 cache written with power-of-two scales
+        i = argv.index("--scale-fmt")
+        scale_fmt = argv[i + 1]
+        argv = argv[:i] + argv[i + 2:]
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for H, B, KV in cases:
-        ckv, kpe, (c8, s8, k8), table, lens = caches(B, KV, gen)
+        ckv, kpe, (c8, s8, k8), table, lens = caches(B, KV, gen, scale_fmt)
         qn = torch.randn(B, H, R, generator=gen, device="cuda").to(torch.bfloat16)
         qp = torch.randn(B, H, P, generator=gen, device="cuda").to(torch.bfloat16)
 
@@ -232,7 +239,7 @@ def main(argv):
         def fp8_rows(s):
             return fp8.dequantize(c8.reshape(-1, R)[s], s8.reshape(-1, 4)[s], torch.float64)
 
-        row = dict(H=H, B=B, kv_len=KV)
+        row = dict(H=H, B=B, kv_len=KV, scale_fmt=scale_fmt)
         row["bf16_check"] = check_request0(*bf16_call(), qn, qp, lambda s: ckv.view(-1, R)[s].double(), kpe, table)
         row["fp8_check"] = check_request0(*fp8_call(), qn, qp, fp8_rows, k8, table)
         o8, o16 = fp8_call()[0].double(), bf16_call()[0].double()

@@ -17,8 +17,9 @@ What it needs: an SM90 GPU with flash_mla's legacy kernels (kernels/flashmla.py 
 H 64 or 128 (its two instantiations), the three views of one buffer (`one_buffer`). FlashMLA takes index lists
 only: `sparse_decode` hands it the call's indices ([B, S, K], S query tokens as its s_q; -1 is its only invalid
 index, as ours); `decode` writes each request's slots (page * page_size + offset, -1 past its length) into a fresh
-[B, 1, capacity] index list on the device (`_slots_kernel`: 4 bytes a token against the 656 the attention reads) and
-passes the lengths as FlashMLA's `topk_length`, so its schedule follows the real lengths. Its split-KV schedule is
+[B, 1, capacity] index list on the device (`_slots_kernel`: 4 bytes a token against the 656 the attention reads);
+the lengths cannot go in as FlashMLA's `topk_length` (its V3.2 kernel asserts "V3.2 does not support dynamic topk
+length", sgl-flash-mla 1.0.0 on an H100), so the -1 entries past a length are what ends a request. Its split-KV schedule is
 made in the call from an empty `FlashMLASchedMeta` (as kernels/flashmla.py does for the dense kernel): no host sync,
 CUDA-graph capturable.
 Results: out [B, H, 512] bf16, lse float32 [B, H], natural log. A row without a valid index gets lse +inf from
@@ -95,14 +96,14 @@ def _kv(ckv_cache) -> torch.Tensor:
     return ckv_cache.as_strided((NP, PS, 1, TOKEN), (ckv_cache.stride(0), TOKEN, TOKEN, 1))
 
 
-def _run(q_nope, q_pe, ckv_cache, indices, sm_scale, topk_length=None):
+def _run(q_nope, q_pe, ckv_cache, indices, sm_scale):
     """FlashMLA's call: q [B, S, H, *] (S query tokens a request), indices [B, S, K] int32, K >= 1 -> out
     [B, S, H, R], lse [B, S, H] (contiguous, our contract for rows without a valid index)."""
     fm = _flashmla._flash_mla()
     sched, _ = fm.get_mla_metadata()  # empty: filled on the device during the call
     q = torch.cat((q_nope, q_pe), dim=-1)  # [B, S, H, 576], contiguous
     out, lse = fm.flash_mla_with_kvcache(q, _kv(ckv_cache), None, None, R, sched, softmax_scale=sm_scale,
-                                         causal=False, is_fp8_kvcache=True, indices=indices, topk_length=topk_length,
+                                         causal=False, is_fp8_kvcache=True, indices=indices,
                                          use_legacy=True, kv_format=KV_FORMAT)
     lse = lse.transpose(1, 2)  # FlashMLA's [B, H, S]
     lse = lse if lse.is_contiguous() else lse.contiguous()
@@ -144,13 +145,13 @@ def run_decode(q_nope, q_pe, ckv_cache, block_table, seq_lens, sm_scale):
         return _nothing(q_nope)
     lens = seq_lens if seq_lens.is_contiguous() else seq_lens.contiguous()
     out, lse = _run(q_nope.unsqueeze(1), q_pe.unsqueeze(1), ckv_cache,
-                    token_slots(block_table, lens, ckv_cache.shape[1]), sm_scale, topk_length=lens)
+                    token_slots(block_table, lens, ckv_cache.shape[1]), sm_scale)
     return out.squeeze(1), lse.squeeze(1)
 
 
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, ckv_scale, sm_scale):
     """`mla::decode` (one query token a request) over an FP8 cache through FlashMLA: each request's slots written as
-    an index list, its length as FlashMLA's topk_length (module docstring)."""
+    an index list, -1 past its length (module docstring)."""
     ok, why = supported(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale)
     if not ok:
         raise ValueError(why)

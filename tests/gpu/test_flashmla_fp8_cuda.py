@@ -1,8 +1,9 @@
 """FlashMLA's FP8 kernel over our FP8 cache (`mla_compile.kernels.flashmla_fp8`, asked for with
-decode_kernel="flashmla") on an SM90 GPU: that FlashMLA reads our 656-byte token as DeepSeek-V3.2's (with
-power-of-two scales its bf16 dequantization is exact, so any layout mismatch would show against the float64
-reference), index lists with -1 and empty rows, paged calls through the op (each request's slots written on the
-device), several query tokens, CUDA-graph replay with changed lengths. Skipped unless `flash_mla` imports on SM90."""
+decode_kernel="flashmla") on an SM90 GPU: that FlashMLA reads our 656-byte token as DeepSeek-V3.2's (over a cache
+written with power-of-two scales, `scale_fmt="ue8m0"`, its bf16 dequantization is exact, so any layout mismatch
+would show against the float64 reference), index lists with -1 and empty rows, paged calls through the op (each
+request's slots written on the device), several query tokens, CUDA-graph replay with changed lengths; with amax / 448
+scales its error is a bf16 cache's, not fp32 accumulation's. Skipped unless `flash_mla` imports on SM90."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ LSE_TOL = 1e-3  # fp32 accumulation of bf16 products, as tests/gpu/test_flashmla
 OUT_TOL = 2e-2
 
 
-def fp8_cache(pages, page_size, g, pow2):
+def fp8_cache(pages, page_size, g, pow2=True):
     """(ckv, scale, kpe) FP8 views of one buffer on the GPU, random tokens written by mla.cache_write_fp8 (the
     Triton write); pow2: with scale_fmt "ue8m0" (DeepSeek's power-of-two scales, FlashMLA's tests)."""
     _, c, s, k = fp8.allocate(pages, page_size, R, P, device=DEV)
@@ -39,10 +40,9 @@ def fp8_cache(pages, page_size, g, pow2):
     return c, s, k
 
 
-def latent(c, s, as_flashmla):
-    """The cache's latent values in float64 on the host; as_flashmla: rounded to bf16 first (FlashMLA's kernel)."""
-    v = fp8.dequantize(c.reshape(-1, R).cpu(), s.reshape(-1, R // 128).cpu(), torch.float64).view(*c.shape[:2], R)
-    return v.to(torch.bfloat16).double() if as_flashmla else v
+def latent(c, s):
+    """The cache's latent values in float64 on the host (the exact dequantization)."""
+    return fp8.dequantize(c.reshape(-1, R).cpu(), s.reshape(-1, R // 128).cpu(), torch.float64).view(*c.shape[:2], R)
 
 
 def check(out, lse, want_out, want_lse, lse_tol=LSE_TOL):
@@ -61,10 +61,9 @@ def queries(g, *lead):
             torch.randn(*lead, P, generator=g).to(DEV, torch.bfloat16))
 
 
-@pytest.mark.parametrize("pow2", [True, False])
-@pytest.mark.parametrize("H", [64, 128])
-def test_sparse_decode_matches_float64(H, pow2):
-    g = torch.Generator().manual_seed(H + pow2)
+def sparse_case(H, pow2, seed):
+    """(out, lse, float64 reference over the exact dequantized cache) of one FlashMLA sparse call."""
+    g = torch.Generator().manual_seed(seed)
     c, s, k = fp8_cache(40, PS, g, pow2)
     B, K = 6, 2048
     idx = torch.stack([torch.randperm(40 * PS, generator=g)[:K] for _ in range(B)]).int()
@@ -73,19 +72,32 @@ def test_sparse_decode_matches_float64(H, pow2):
     idx[3, ::3] = -1
     idx, (qn, qp) = idx.to(DEV), queries(g, B, H)
     out, lse = FM8.sparse_decode(qn, qp, c, k, idx, s, SCALE)
-    args = (qn.cpu().double(), qp.cpu().double())
-    want = ref.ref_sparse_decode(*args, latent(c, s, as_flashmla=True), k.cpu().double(), idx.cpu(), SCALE)
+    want = ref.ref_sparse_decode(qn.cpu().double(), qp.cpu().double(), latent(c, s), k.cpu().double(), idx.cpu(),
+                                 SCALE)
+    return out, lse, want
+
+
+@pytest.mark.parametrize("H", [64, 128])
+def test_sparse_decode_matches_float64(H):
+    """Power-of-two scales: FlashMLA's bf16 dequantization is exact, so our token layout is V3.2's byte for byte."""
+    out, lse, want = sparse_case(H, True, H)
     check(out, lse, *want)
-    # against the exact dequantized cache: power-of-two scales make FlashMLA's bf16 dequantization exact, so our
-    # token layout is V3.2's byte for byte; ours (amax / 448) round like a bf16 cache of the values
-    exact = ref.ref_sparse_decode(*args, latent(c, s, as_flashmla=False), k.cpu().double(), idx.cpu(), SCALE)
-    check(out, lse, *exact, lse_tol=LSE_TOL if pow2 else 0.1)
+
+
+def test_amax_scales_err_like_a_bf16_cache():
+    """amax / 448 scales (our default): FlashMLA's result is off the exact dequantization by a bf16 cache's rounding
+    (lse 0.04-0.09 at scores ~20, H100 2026-12-06; the float32 scale and the products rounded), far above fp32
+    accumulation: why the op takes FlashMLA's FP8 kernel only for caches written with power-of-two scales."""
+    out, lse, (want_out, want_lse) = sparse_case(64, False, 3)
+    check(out, lse, want_out, want_lse, lse_tol=0.2)
+    live = want_lse > -math.inf
+    assert float((lse.cpu().double() - want_lse)[live].abs().max()) > 10 * LSE_TOL
 
 
 LENS = [0, 1, 63, 64, 65, 1000, 4097, 0]
 
 
-def paged(H, g, pow2=False, page_size=PS):
+def paged(H, g, pow2=True, page_size=PS):
     pages = sum(-(-n // page_size) for n in LENS) + 16
     c, s, k = fp8_cache(pages, page_size, g, pow2)
     cols = max(-(-n // page_size) for n in LENS) + 1
@@ -109,14 +121,14 @@ def test_paged_decode_through_the_op(H, page_size):
 
         assert dispatch.decode_kernel(qn, qp, c, k, block_table=table, ckv_scale=s).name == "flashmla"
         out, lse = torch.ops.mla.decode(qn, qp, c, k, table, lens, SCALE, s)
-    want = ref.ref_decode(qn.cpu().double(), qp.cpu().double(), latent(c, s, True), k.cpu().double(), table.cpu(),
+    want = ref.ref_decode(qn.cpu().double(), qp.cpu().double(), latent(c, s), k.cpu().double(), table.cpu(),
                           lens.cpu(), SCALE)
     check(out, lse, *want)
 
 
 def test_sparse_decode_several_query_tokens_through_the_op():
     g = torch.Generator().manual_seed(9)
-    c, s, k = fp8_cache(20, PS, g, False)
+    c, s, k = fp8_cache(20, PS, g)
     B, S, H, K = 3, 2, 128, 300
     idx = torch.randint(-1, 20 * PS, (B, S, K), generator=g, dtype=torch.int32).to(DEV)
     qn, qp = queries(g, B, S, H)
@@ -124,7 +136,7 @@ def test_sparse_decode_several_query_tokens_through_the_op():
         out, lse = torch.ops.mla.sparse_decode(qn, qp, c, k, idx, SCALE, s)
     assert out.shape == (B, S, H, R) and lse.shape == (B, S, H)
     want = ref.ref_sparse_decode(qn.view(B * S, H, R).cpu().double(), qp.view(B * S, H, P).cpu().double(),
-                                 latent(c, s, True), k.cpu().double(), idx.view(B * S, K).cpu(), SCALE)
+                                 latent(c, s), k.cpu().double(), idx.view(B * S, K).cpu(), SCALE)
     check(out.view(B * S, H, R), lse.view(B * S, H), *want)
 
 
@@ -137,7 +149,7 @@ def test_cuda_graph_replay_with_changed_lengths():
         lens.copy_(torch.tensor(new, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()
-        want = ref.ref_decode(qn.cpu().double(), qp.cpu().double(), latent(c, s, True), k.cpu().double(),
+        want = ref.ref_decode(qn.cpu().double(), qp.cpu().double(), latent(c, s), k.cpu().double(),
                               table.cpu(), lens.cpu(), SCALE)
         check(out, lse, *want)
 

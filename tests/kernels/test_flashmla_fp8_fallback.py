@@ -64,8 +64,7 @@ class FakeFlashMLA(StandIn):
         assert k_cache.dtype == torch.float8_e4m3fn
         assert indices.dtype == torch.int32 and indices.shape[:2] == (B, S) and indices.stride(-1) == 1
         assert indices.shape[-1] % 64 == 0, "index lists of whole 64-entry blocks (vLLM asserts it too)"
-        assert topk_length is None or (topk_length.dtype == torch.int32 and topk_length.shape == (B,)
-                                       and topk_length.is_contiguous())
+        assert topk_length is None, "V3.2 does not support dynamic topk length"  # its kernel's assert (H100 run)
         self.calls.append(dict(S=S, K=indices.shape[-1], topk_length=topk_length is not None))
         out = torch.full((B, S, H, head_dim_v), math.nan, dtype=q.dtype)
         lse = torch.full((B, H, S), math.inf, dtype=torch.float32)
@@ -177,7 +176,7 @@ def test_paged_decode_hands_flashmla_each_requests_slots(fake):
         assert slots[b, 0, :n].tolist() == ref.request_slots(table, PS, b, n)
         assert bool((slots[b, 0, n:] == -1).all())
     out, lse = FM8.decode(qn, qp, c, k, table, seq_lens, s, SCALE)
-    assert fake.calls == [dict(S=1, K=K, topk_length=True)]
+    assert fake.calls == [dict(S=1, K=K, topk_length=False)]
     want_out, want_lse = ref.ref_decode(qn.double(), qp.double(), dequantized(c, s, as_flashmla=True), k.double(),
                                         table, seq_lens, SCALE)
     empty = seq_lens == 0
@@ -210,7 +209,7 @@ def test_dispatch_runs_it_asked_for_only(fake, monkeypatch):
     monkeypatch.setenv("MLA_COMPILE_DECODE_BACKEND", "flashmla")
     plan, keep = D_.decode_plan(qn, qp, c, k, table, lens, SCALE, ckv_scale=s)
     out, lse = plan(qn, qp, c, k, table, lens, s)
-    assert keep and fake.calls[-1] == dict(S=1, K=128, topk_length=True)
+    assert keep and fake.calls[-1] == dict(S=1, K=128, topk_length=False)
     want = ref.ref_decode(qn.double(), qp.double(), dequantized(c, s, True), k.double(), table, lens, SCALE)
     assert ref.rel_err(out.double(), want[0]) < 1e-2
     idx = torch.randint(-1, 256, (2, 3, 50), generator=g, dtype=torch.int32)
