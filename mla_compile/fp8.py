@@ -1,7 +1,8 @@
 """The FP8 latent cache format: one home for its layout, quantization and dequantization.
 
 Per token (DeepSeek-V3.2's 656-byte token, the layout FlashMLA's FP8 sparse kernels read: kernels/flashmla_fp8.py hands
-our caches to them in place when decode_kernel="flashmla" is asked for):
+our caches to them in place when decode_kernel="flashmla" is asked for, or by auto at 128 heads for caches written with
+power-of-two scales under Tuning.fp8_scale_fmt "ue8m0"):
 
     bytes   0 .. 511   the R = 512 latent values as float8_e4m3fn
     bytes 512 .. 527   R / 128 = 4 float32 scales, one per group of 128 latent channels
@@ -41,9 +42,9 @@ Readers: the ops' CPU impls dequantize exactly as above; with bf16 / fp16 q the 
 kernels/decode_fp8.py never forms the product: value x scale enters as scale x (q . values) and
 (p x scale) . values, the scales applied in float32 to the products (fp16 MMAs on the exact e4m3 values); with fp32
 q the pointer kernel (kernels/decode_stage1.py) forms the float32 product in registers for fp32 MMAs; the swap-AB
-Gluon kernel (kernels/decode_fp8_swapab.py) applies the scales to fp32 products too; FlashMLA's V3.2 kernel (asked
-for: kernels/flashmla_fp8.py) rounds value x scale to bf16 (exact only for power-of-two scales, which DeepSeek's own
-quantizer uses and this one does not: amax / 448 maps each group's largest value to 448, the top of the range).
+Gluon kernel (kernels/decode_fp8_swapab.py) applies the scales to fp32 products too; FlashMLA's V3.2 kernel
+(kernels/flashmla_fp8.py) dequantizes in bf16 (exact only for power-of-two scales, `scale_fmt="ue8m0"`, which
+DeepSeek's own quantizer uses; amax / 448 maps each group's largest value to 448, the top of the range, and is not).
 Under torch.compile, pass the buffer and take the views inside the compiled function (`views`: why there).
 
 Capacity: 656 bytes a token against 1152 for a bf16 cache (2 * (512 + 64)): 1.76x the tokens per GiB (the scales

@@ -58,6 +58,13 @@ class Tuning:
         slower (744 vs 727 us).
     split_argmax_max_rows: passes/split_argmax.py splits argmax / argmin of at most this many rows (more rows fill
         the GPU already).
+
+    fp8_scale_fmt: what the FP8 latent caches read under this tuning hold (mla_compile/fp8.py): None (any scales,
+        e.g. amax / 448) or "ue8m0" (power-of-two scales: caches written with scale_fmt / fp8_scale_fmt "ue8m0").
+        A promise about the data, read per op call: with "ue8m0" auto takes FlashMLA's V3.2 FP8 kernel at 128 heads
+        where it takes the call (exact for such scales; H100 2026-12-06, H 128 32K: 190.9 vs 276.0 us at B 8, 698
+        vs 1063 at B 32 for our FP8 kernel). Over a cache with other scales that kernel errs like a bf16 cache
+        (lse off by ~0.05 at scores ~20), so promise it only for caches written that way.
     """
 
     decode_kernel: str = "auto"
@@ -65,12 +72,15 @@ class Tuning:
     lone_linear_min_k: int = 1024
     lone_linear_max_n: int = 8192
     split_argmax_max_rows: int = 256
+    fp8_scale_fmt: str | None = None
 
     def __post_init__(self):
         if self.decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"decode_kernel: expected one of {', '.join(DECODE_KERNELS)}, got {self.decode_kernel!r}")
         if self.absorb not in ABSORB:
             raise ValueError(f"absorb: expected one of {', '.join(ABSORB)}, got {self.absorb!r}")
+        if self.fp8_scale_fmt not in (None, "ue8m0"):
+            raise ValueError(f"fp8_scale_fmt: expected None or 'ue8m0', got {self.fp8_scale_fmt!r}")
         for name in ("lone_linear_min_k", "lone_linear_max_n", "split_argmax_max_rows"):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):

@@ -34,6 +34,7 @@ from . import flashmla as _fmla
 from . import flashmla_fp8 as _fm8
 from . import linear as _linear
 from . import merge as _merge
+from .rope_less import rope_less, with_zero_rope, zero_rope_column, zero_rope_run
 
 MANY_HEADS = 64  # the Gluon kernels' head block (one warpgroup MMA's M): fewer heads would leave it part empty
 # several query tokens per request (rows = S x heads): the Gluon kernels from 32 rows (H 16 x S 2) on, a limit per
@@ -50,6 +51,7 @@ MULTI_TOKEN_GLUON_ROWS = 32
 # empty-row fix cost ~10 us a call). At H 16 ours is faster or within 3% of the adapter at every shape, so few heads
 # keep ours
 FLASHMLA_MIN_TOKENS = 256 * 1024
+FLASHMLA_FP8_MIN_HEADS = 128  # FlashMLA's FP8 kernel over power-of-two scales: footnote (13) of the table below
 HALF = (torch.float16, torch.bfloat16)
 
 
@@ -63,7 +65,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
                          n_query: int = 1, *, kernel: str = "auto", tma_layout: bool = True,
                          rows_aligned: bool = True, flashmla: bool = False, flashinfer: bool = False,
                          tokens: int = FLASHMLA_MIN_TOKENS, fp8_cache: bool = False, fp8_rows: bool = False,
-                         token_rows: bool = False) -> Choice:
+                         token_rows: bool = False, pow2_scales: bool = False) -> Choice:
     """The decode kernel for one call's shape class: Choice(name, reason).
 
     H heads (rows) per request, R latent and P rope width, `page_size` (1 for a sparse index list), `sparse`
@@ -78,7 +80,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     (mla_compile/fp8.py; `dtype` stays q's), `fp8_rows`: the swap-AB kernel can read its layout, the three views
     runs of TMA rows in pages of whole 64-token tiles (`decode_fp8_swapab.eligible`: its TMA form) or rows of 16-byte
     chunks at 16-byte aligned addresses at any page size (`decode_fp8_swapab.gather_eligible`: its GATHER form,
-    e.g. the HF pass's page-size-1 token table), and that kernel is switched on (`decode_fp8_swapab.ENABLED`).
+    e.g. the HF pass's page-size-1 token table), and that kernel is switched on (`decode_fp8_swapab.ENABLED`);
+    `pow2_scales`: the FP8 cache's scales are powers of two (the tuning's promise, `Tuning.fp8_scale_fmt`).
     `kernel`: "auto" or the one asked for (mla_compile/tuning.py); one that cannot serve the call falls back to
     auto's choice, saying why.
 
@@ -88,6 +91,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     | shape class (first match)                                          | kernel   | why |
     |--------------------------------------------------------------------|----------|-----|
     | CPU tensors at the op                                              | torch    | the op's CPU impl (definition) |
+    | FP8 cache of power-of-two scales (13), FlashMLA FP8 takes it, H 128 | flashmla | 1.45-1.52x ours (13) |
     | FP8 cache, sm_90, bf16 q, R 512 / P 64, 1 query token, dense,      | fp8_swapab | 2x Triton's FP8 (9) |
     |   views it reads: TMA tiles or 16-byte aligned rows (fp8_rows)     |          |     |
     | FP8 cache otherwise                                                | triton   | the only other FP8 reader (10) |
@@ -128,6 +132,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     (12) a page-size-1 cache under a token table (the HF pass's): swapab's TOKENS form checks each tile's 64
         entries on the device; consecutive rows (a request's tokens in a static cache) are TMA boxes, other tiles
         16-byte cp.async row copies. Auto's only with MLA_COMPILE_SWAPAB_TOKENS=1 (decode_swapab.TOKENS_IN_AUTO).
+    (13) `pow2_scales`: FlashMLA's V3.2 FP8 kernel is exact for them; H 64 / 8K within 3% of ours (Tuning's docs).
 
     FlashInfer is never auto's: at H 128 it is faster than ours but slower than FlashMLA, and its cached
     workspace broke torch.compile's cudagraph-tree pool check (H200 2026-11-30); asked for, it serves eager calls.
@@ -160,7 +165,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
         return Choice("torch", "CPU tensors: the op's CPU impl (the plain-torch definition)")
     if fp8_cache:
         return _select_fp8_kernel(kernel, sm90 and one_dense and fp8_rows and _fp8_swapab.fits(R, P, dtype),
-                                  flashmla and sm90 and n_query == 1)
+                                  flashmla and sm90 and n_query == 1, pow2_scales and H >= FLASHMLA_FP8_MIN_HEADS)
     facts = dict(tma_layout=tma_layout, rows_aligned=rows_aligned, flashmla=flashmla, flashinfer=flashinfer,
                  tokens=tokens, token_rows=token_rows)
     if kernel == "fp8_swapab":
@@ -204,12 +209,14 @@ FP8_REASON = ("an FP8 latent cache: the Triton FP8 kernels (bf16 / fp16 q: scale
               "the bf16 Gluon kernels take fp16/bf16 caches only; FlashMLA's FP8 kernel is asked-for only)")
 
 
-def _select_fp8_kernel(kernel: str, swapab: bool, flashmla: bool = False) -> Choice:
-    """`select_decode_kernel` for an FP8 cache: the swap-AB Gluon kernel where it serves the call, else Triton's;
-    asked for, FlashMLA's V3.2 FP8 kernel where it serves it (`flashmla`: never auto's, its numerics are a bf16
-    cache's, kernels/flashmla_fp8.py)."""
+def _select_fp8_kernel(kernel: str, swapab: bool, flashmla: bool = False, pow2_many_heads: bool = False) -> Choice:
+    """`select_decode_kernel` for an FP8 cache: FlashMLA's V3.2 FP8 kernel (`flashmla`: it serves the call) asked
+    for, or auto's at 128 heads over power-of-two scales; else the swap-AB Gluon kernel where it serves, else Triton's."""
     if kernel == "flashmla" and flashmla:
-        return Choice("flashmla", "asked for: FlashMLA's V3.2 FP8 kernel (value x scale rounded to bf16)")
+        return Choice("flashmla", "asked for: FlashMLA's V3.2 FP8 kernel (bf16 dequantization)")
+    if kernel == "auto" and flashmla and pow2_many_heads:
+        return Choice("flashmla", "power-of-two scales (Tuning.fp8_scale_fmt), 128 heads: FlashMLA's V3.2 FP8 "
+                                  "kernel, exact for them and faster than ours there")
     auto = (Choice("fp8_swapab", "an FP8 cache on sm_90 in a layout it reads (TMA tiles or 16-byte aligned rows): "
                                  "the swap-AB Gluon kernel (the tokens as the warpgroup MMA's M)") if swapab
             else Choice("triton", FP8_REASON + ("" if kernel in ("auto", "triton") else f" ({FP8_SWAPAB_CANNOT})")))
@@ -257,9 +264,11 @@ def decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False, n_qu
     args, facts = _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse, n_query, block_table)
     sm90, page_size = args[6] == (9, 0), args[3]
     if fp8.is_fp8(ckv_cache):
-        return select_decode_kernel(*args, kernel=kernel, **facts, fp8_cache=True,
-                                    flashmla=kernel == "flashmla" and _fm8.supported(q_nope, q_pe, ckv_cache,
-                                                                                     kpe_cache, ckv_scale)[0],
+        pow2 = _tuning.current().fp8_scale_fmt == fp8.UE8M0
+        wanted = kernel == "flashmla" or (kernel == "auto" and pow2 and args[0] >= FLASHMLA_FP8_MIN_HEADS)
+        return select_decode_kernel(*args, kernel=kernel, **facts, fp8_cache=True, pow2_scales=pow2,
+                                    flashmla=wanted and _fm8.supported(q_nope, q_pe, ckv_cache, kpe_cache,
+                                                                       ckv_scale)[0],
                                     fp8_rows=(sm90 and _fp8_swapab.ENABLED
                                               and (_fp8_swapab.eligible(ckv_cache, kpe_cache, ckv_scale)
                                                    or _fp8_swapab.gather_eligible(ckv_cache, kpe_cache, ckv_scale))))
@@ -289,30 +298,6 @@ def _config(q_nope, ckv_cache, sparse: bool, name: str) -> _decode.DecodeConfig:
     rows = q_nope.shape[1] if name == "triton" else max(q_nope.shape[1], MANY_HEADS)
     cfg = _decode.default_config(rows, q_nope.shape[2], 1 if sparse else ckv_cache.shape[1], q_nope.dtype)
     return cfg if name == "triton" else dataclasses.replace(cfg, kernel=name)
-
-
-# Rope-less MLA (P = 0: glm5_next, mistral_large4's no_rope_layers). The kernels are written and tuned for P > 0
-# (a rope tile of width block(P), TMA boxes of P columns), so a P = 0 call is handed to them as P = 1 with a zero
-# rope column: q_pe and kpe become stride-0 views of ONE zero element. Exactly equivalent (every score gains
-# q_pe . kpe = 0 * 0 = +0, and kpe is never NaN), and cheap: one 1-element fill, no cache-sized copy, no host
-# sync (CUDA graphs keep working), and the Triton kernels' speed instead of the plain-torch reference, which would
-# gather the whole block-table capacity in fp32. The cost: P = 1 is no TMA box width, so every P = 0 call takes
-# the pointer kernel (not TMA / Gluon: slower at >= 64 heads), and FlashInfer (built for P = 64) is skipped.
-def rope_less(q_pe: torch.Tensor) -> bool:
-    return q_pe.shape[-1] == 0
-
-
-def zero_rope_column(zero: torch.Tensor, *lead: int) -> torch.Tensor:
-    """[*lead, 1] view of the one-element tensor `zero`: strides 0 but a unit last stride (the kernels require
-    it), so any number of rows costs one element."""
-    return zero.as_strided((*lead, 1), (0,) * len(lead) + (1,))
-
-
-def _with_zero_rope(q_nope, ckv_cache):
-    """(q_pe [B, H, 1], kpe_cache [NP, PS, 1]) of zeros, both views of one fresh zero element (all strides 0: the
-    kernels read it by pointer, so q [B, S, H, R] handed to an `outer` plan gives a [B, S, 1] view of it, as good)."""
-    zero = q_nope.new_zeros(1)
-    return zero_rope_column(zero, *q_nope.shape[:2]), zero_rope_column(zero, *ckv_cache.shape[:2])
 
 
 def unfolded(plan, outer: tuple, first_limit: bool = False):
@@ -365,22 +350,9 @@ def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
                                    ckv_scale=ckv_scale, outer=outer).run, True
     # the Triton kernels; a rope-less call (see above) with a zero rope column
     zero = rope_less(q_pe)
-    q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache) if zero else (q_pe, kpe_cache)
-    return _zero_rope_run(_decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
+    q_pe, kpe_cache = with_zero_rope(q_nope, ckv_cache) if zero else (q_pe, kpe_cache)
+    return zero_rope_run(_decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
                                               n_query=n_query, ckv_scale=ckv_scale, outer=outer).run, zero), True
-
-
-def _zero_rope_run(plan, zero: bool):
-    """A plan as it is, or (rope-less calls) one that hands it a fresh zero rope column per call in place of the
-    call's empty q_pe / kpe_cache."""
-    if not zero:
-        return plan
-
-    def with_zero_rope(qn, qp, ckv, kpe, table, lens, scale):
-        qp, kpe = _with_zero_rope(qn, ckv)
-        return plan(qn, qp, ckv, kpe, table, lens, scale)
-
-    return with_zero_rope
 
 
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, n_query=1, ckv_scale=None):
@@ -401,8 +373,8 @@ def sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ck
         return _decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
                                           cfg=_config(q_nope, ckv_cache, True, "wgmma"), outer=outer).run, True
     zero = rope_less(q_pe)
-    q_pe, kpe_cache = _with_zero_rope(q_nope, ckv_cache) if zero else (q_pe, kpe_cache)
-    return _zero_rope_run(_decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
+    q_pe, kpe_cache = with_zero_rope(q_nope, ckv_cache) if zero else (q_pe, kpe_cache)
+    return zero_rope_run(_decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
                                                      ckv_scale=ckv_scale, outer=outer).run, zero), True
 
 

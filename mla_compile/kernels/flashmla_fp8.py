@@ -1,17 +1,20 @@
 """FlashMLA's FP8 decode (DeepSeek-V3.2's kernel, `sgl-flash-mla`'s legacy SM90 sparse decode, kv_format "V32") over
 our FP8 latent cache, for `mla::sparse_decode` and `mla::decode` at 64 or 128 heads when asked for
-(`decode_kernel="flashmla"`).
+(`decode_kernel="flashmla"`), and auto's at 128 heads over caches promised to hold power-of-two scales
+(`Tuning.fp8_scale_fmt="ue8m0"`, written with scale_fmt "ue8m0").
 
 Why it can read our cache in place: mla_compile/fp8.py's token IS V3.2's (512 e4m3 values, 4 float32 scales, one per
 128 channels, 64 bf16 rope values: 656 bytes). FlashMLA takes it as one [NP, PS, 1, 656] byte tensor whose token
 stride is 656 (its check: `kv.stride(1) == bytes_per_token`); the three views of one buffer written by
 `fp8.allocate` / the HF FP8 cache are exactly that (`one_buffer`), so nothing is copied.
 
-What it computes: FlashMLA dequantizes each token to bf16 (value x scale rounded to bf16) and runs bf16 MMAs with
-fp32 accumulation. With DeepSeek's own power-of-two (ue8m0) scales that product is exact; with ours (amax / 448,
-mla_compile/fp8.py) it is rounded like a bf16 cache of the dequantized values: scores then differ from the float64
-reference over the dequantized cache by about a bf16 cache's rounding, more than our own FP8 kernels (scales folded
-into fp32 products) allow. That is why `auto` does not take it: asked for, it is V3.2's production numerics.
+What it computes: FlashMLA dequantizes each token to bf16 and runs bf16 MMAs with fp32 accumulation. With DeepSeek's
+own power-of-two (ue8m0) scales the dequantization is exact (H100 2026-12-06: lse within 1e-3 of float64 over the
+dequantized cache); with amax / 448 scales (mla_compile/fp8.py's default) it rounds in bf16 (the scale and the
+product; not reproduced by rounding value x scale alone: benchmarks/lab/flashmla_fp8_scales.py): lse off by 0.04-0.09
+at scores ~20, a bf16 cache's error, more than our own FP8 kernels (scales folded into fp32 products) allow. So auto
+takes it only under the power-of-two promise (measured there 1.45-1.52x faster than our FP8 kernel at H 128, 32K);
+asked for over other scales, it is V3.2's production numerics.
 
 What it needs: an SM90 GPU with flash_mla's legacy kernels (kernels/flashmla.py `available`), bf16 q, R 512 / P 64,
 H 64 or 128 (its two instantiations), the three views of one buffer (`one_buffer`). FlashMLA takes index lists

@@ -59,6 +59,9 @@ def test_readme_snippet_runs(name, capsys):
 
         assert scope["out"].shape == (2, 16) and fp8.token_bytes(512, 64) == 656
         assert scope["cache"].layers[0].keys.dtype == torch.uint8 and scope["cache"].layers[0].keys.shape[-1] == 656
+        scales = fp8.views(scope["cache"].layers[0].keys, 512)[1]
+        written = scales[scales != 0]  # unwritten slots stay zero
+        assert written.numel() and torch.equal(written, torch.exp2(torch.log2(written).round()))  # ue8m0
         assert counters["mla_compile"]["mla_attention_rewritten"] == 2
         stated = f"{(1 << 30) // 656:,} tokens per GiB against {(1 << 30) // 1152:,}"  # computed, scales counted
         assert stated in TEXT, stated

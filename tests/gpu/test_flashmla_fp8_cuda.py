@@ -164,3 +164,21 @@ def test_other_shapes_fall_back_saying_why():
 
     choice = dispatch.decode_kernel(qn, qp, c, k, ckv_scale=s, kernel="flashmla")
     assert choice.name != "flashmla" and "asked for flashmla, which cannot serve this call" in choice.reason
+
+
+@pytest.mark.parametrize("page_size", [PS, 1])
+def test_auto_takes_it_over_promised_power_of_two_scales(page_size):
+    """Tuning.fp8_scale_fmt "ue8m0" over a cache written with those scales: auto runs FlashMLA's FP8 kernel at 128
+    heads (page size 1: the HF pass's token table), exact against float64, also replayed as a CUDA graph."""
+    from mla_compile.kernels import dispatch
+
+    g = torch.Generator().manual_seed(21 + page_size)
+    c, s, k, table, lens, (qn, qp) = paged(128, g, page_size=page_size)
+    with tuning.use(tuning.Tuning(fp8_scale_fmt="ue8m0")):
+        assert dispatch.decode_kernel(qn, qp, c, k, block_table=table, ckv_scale=s).name == "flashmla"
+        graph, (out, lse) = capture(lambda: torch.ops.mla.decode(qn, qp, c, k, table, lens, SCALE, s))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = ref.ref_decode(qn.cpu().double(), qp.cpu().double(), latent(c, s), k.cpu().double(), table.cpu(),
+                          lens.cpu(), SCALE)
+    check(out, lse, *want)

@@ -16,7 +16,7 @@ import torch
 
 import reference as ref
 from flashmla_stand_in import StandIn
-from mla_compile import fp8
+from mla_compile import fp8, tuning
 from mla_compile.kernels import dispatch as D_
 from mla_compile.kernels import flashmla as FM
 from mla_compile.kernels import flashmla_fp8 as FM8
@@ -223,3 +223,31 @@ def test_dispatch_runs_it_asked_for_only(fake, monkeypatch):
                                  dequantized(c, s, True), k.double(), idx.view(6, 50), SCALE)
     assert ref.rel_err(out.view(6, 128, R).double(), want[0]) < 1e-2
     assert float((lse.view(6, 128).double() - want[1]).abs().max()) < 1e-5
+
+
+def test_auto_takes_it_at_128_heads_over_promised_power_of_two_scales(fake, monkeypatch):
+    """Tuning.fp8_scale_fmt "ue8m0" (the caches hold power-of-two scales, FlashMLA-exact): auto takes FlashMLA's FP8
+    kernel at 128 heads, keeps ours at 64 (within 3% there) and without the promise; an asked-for kernel stays."""
+    monkeypatch.setattr(D_, "_capability", lambda device: (9, 0))
+    g = torch.Generator().manual_seed(6)
+    c, s, k = fp8_cache(4, 64, g)
+    qn, qp = _queries(g, 2, 128)
+    promised = tuning.Tuning(fp8_scale_fmt="ue8m0")
+    with tuning.use(promised):
+        choice = D_.decode_kernel(qn, qp, c, k, ckv_scale=s)
+        assert choice.name == "flashmla" and "power-of-two" in choice.reason
+        assert D_.decode_kernel(qn, qp, c, k, ckv_scale=s, sparse=True).name == "flashmla"
+        assert D_.decode_kernel(qn[:, :64], qp[:, :64], c, k, ckv_scale=s).name != "flashmla"
+        assert D_.decode_kernel(qn, qp, c, k, ckv_scale=s, kernel="triton").name == "triton"
+        table, lens = torch.arange(4, dtype=torch.int32).view(2, 2), torch.tensor([100, 7], dtype=torch.int32)
+        out, lse = torch.ops.mla.decode(qn, qp, c, k, table, lens, SCALE, s)  # the CPU impl: the definition
+        plan, keep = D_.decode_plan(qn, qp, c, k, table, lens, SCALE, ckv_scale=s)
+        got, got_lse = plan(qn, qp, c, k, table, lens, s)
+        assert keep and fake.calls[-1]["S"] == 1
+        assert ref.rel_err(got.double(), out.double()) < 1e-2
+    assert D_.decode_kernel(qn, qp, c, k, ckv_scale=s).name != "flashmla"  # no promise: ours
+    monkeypatch.setattr(FM, "available", lambda: False)  # promised, but FlashMLA absent: ours, no error
+    with tuning.use(promised):
+        assert D_.decode_kernel(qn, qp, c, k, ckv_scale=s).name != "flashmla"
+    with pytest.raises(ValueError, match="^fp8_scale_fmt: "):
+        tuning.Tuning(fp8_scale_fmt="e8m0")
