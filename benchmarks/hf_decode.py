@@ -32,6 +32,8 @@ through the quantizing write. eager / default then run HF's attention over the d
 mla.decode over the FP8 pages. The fp32 reference runs over the FP8 cache's dequantized latent (so
 max_rel_err_vs_fp32 leaves out the filled tokens' quantization and counts only that of the steps' own new tokens;
 the quantization itself is measured by tests/hf/test_hf_fp8_cache.py).
+"fp8_ue8m0": the same FP8 cache written with power-of-two scales (`fp8_scale_fmt="ue8m0"`) and promised to mla
+(`options={"fp8_scale_fmt": "ue8m0"}`: at 128 heads auto then runs FlashMLA's FP8 kernel).
 E.g. the FP8 acceptance case (issue 25): --heads 16 --kv 32768 --batch 8 --modes mla --kv-cache-dtype auto fp8_e4m3
 
 The attention mask is one tensor for the whole run (all ones: no padding). `--mask input` hands it over as a
@@ -99,10 +101,11 @@ def filled_cache(model, B: int, kv_len: int, max_len: int, device, seed: int = 1
     with FP8 layers, the tokens quantized on write)."""
     from transformers import StaticCache
 
+    scale_fmt = "ue8m0" if kv_cache_dtype == "fp8_ue8m0" else None
     if kv_cache_dtype != "auto":
         from mla_compile.integrations.hf import DSAStaticCache
 
-        cache = DSAStaticCache(model.config, max_len, kv_cache_dtype=kv_cache_dtype)
+        cache = DSAStaticCache(model.config, max_len, kv_cache_dtype="fp8_e4m3", fp8_scale_fmt=scale_fmt)
     else:
         cache = StaticCache(config=model.config, max_cache_len=max_len)
     with torch.no_grad():  # one short forward allocates the buffers (lazy init)
@@ -111,7 +114,7 @@ def filled_cache(model, B: int, kv_len: int, max_len: int, device, seed: int = 1
               cache_position=torch.arange(1, device=device))
     g = torch.Generator(device=device).manual_seed(seed)
     if kv_cache_dtype != "auto":
-        _fill_fp8(cache, B, kv_len, max_len, device, g, model.dtype)
+        _fill_fp8(cache, B, kv_len, max_len, device, g, model.dtype, scale_fmt)
         return cache
     for layer in cache.layers:
         for buf in (layer.keys, layer.values):  # [B, 1, max_len, R] / [B, 1, max_len, P]
@@ -122,7 +125,7 @@ def filled_cache(model, B: int, kv_len: int, max_len: int, device, seed: int = 1
     return cache
 
 
-def _fill_fp8(cache, B, kv_len, max_len, device, g, dtype):
+def _fill_fp8(cache, B, kv_len, max_len, device, g, dtype, scale_fmt=None):
     from mla_compile.integrations import fp8_cache
 
     for layer in cache.layers:  # one page per request: token t of request b at slot block_table[b, 0] * max_len + t
@@ -134,7 +137,7 @@ def _fill_fp8(cache, B, kv_len, max_len, device, g, dtype):
             n = part.numel()
             ckv = torch.randn(n, R, generator=g, device=device, dtype=torch.float32).to(dtype)
             kpe = torch.randn(n, P, generator=g, device=device, dtype=torch.float32).to(dtype)
-            fp8_cache.write(buf, ckv, kpe, part)
+            fp8_cache.write(buf, ckv, kpe, part, scale_fmt)
     rewind(cache, kv_len)
 
 
@@ -258,6 +261,8 @@ def run_case(H, kv_len, args, device, dtype, modes, log, result, save, kv_cache_
                 fn = torch.compile(target, mode="reduce-overhead", fullgraph=True)
             elif mode == "mla" or mode.startswith("mla:"):
                 asked = {"decode_kernel": mode[4:]} if mode.startswith("mla:") else {}
+                if kv_cache_dtype == "fp8_ue8m0":
+                    asked["fp8_scale_fmt"] = "ue8m0"
                 fn = torch.compile(target, backend="mla_dcp",
                                    options={"mode": "reduce-overhead", **args.mla_options, **asked}, fullgraph=True)
             else:
@@ -346,9 +351,9 @@ def main(argv=None):
                     help="what each mode compiles: the HF model (the greedy pick runs eagerly after it), or a step "
                          "function = model + greedy pick (one graph, as serving loops compile it)")
     ap.add_argument("--mla-options", type=json.loads, default={}, help="JSON dict of extra mla_dcp options")
-    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"],
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3", "fp8_ue8m0"],
                     help="latent cache dtypes, one case each: auto (HF StaticCache, model dtype), fp8_e4m3 (the FP8 "
-                         "latent cache, DSAStaticCache)")
+                         "latent cache, DSAStaticCache), fp8_ue8m0 (that cache with power-of-two scales, promised to mla)")
     ap.add_argument("--tokens", type=int, default=1, choices=range(1, 9), metavar="S",
                     help="query tokens per request a step: 2 .. 8 times a speculative-verification step")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU ok, fp32): checks the script")

@@ -97,17 +97,18 @@ def test_hf_decode_smoke_both_step_kinds(tmp_path, step, capsys):
     assert modes["mla"]["token_steps_agree"] == "2/2"
 
 
-def test_hf_decode_smoke_fp8_cache(tmp_path):
-    """`--kv-cache-dtype fp8_e4m3`: the FP8 latent cache filled through the quantizing write; mla rewrites the layer
-    over it and matches eager HF over the same cache."""
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_ue8m0"])
+def test_hf_decode_smoke_fp8_cache(tmp_path, kv_cache_dtype):
+    """`--kv-cache-dtype fp8_e4m3` (and fp8_ue8m0: power-of-two scales, promised to mla): the FP8 latent cache filled
+    through the quantizing write; mla rewrites the layer over it and matches eager HF over the same cache."""
     import hf_decode
 
     out = tmp_path / "hf.json"
     torch._dynamo.reset()
-    assert hf_decode.main([str(out), "--smoke", "--modes", "eager", "mla", "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    assert hf_decode.main([str(out), "--smoke", "--modes", "eager", "mla", "--kv-cache-dtype", kv_cache_dtype]) == 0
     (case,) = json.loads(out.read_text())["cases"]
     modes = case["modes"]
-    assert case["kv_cache_dtype"] == "fp8_e4m3" and not any("error" in m for m in modes.values())
+    assert case["kv_cache_dtype"] == kv_cache_dtype and not any("error" in m for m in modes.values())
     assert modes["mla"]["rewrites"] == 1 and modes["mla"]["ok"] and modes["mla"]["token_steps_agree"] == "2/2"
 
 
