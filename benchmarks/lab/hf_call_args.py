@@ -39,7 +39,7 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--kv", type=int, default=256)
-    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3", "fp8_ue8m0"], default="auto")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     B, kv = args.batch, args.kv

@@ -61,13 +61,20 @@ def one_buffer(ckv_cache, kpe_cache, ckv_scale) -> bool:
             and ckv_scale.shape[-1] == R // fp8.GROUP and kpe_cache.shape[-1] == P
             and ckv_cache.shape[:2] == ckv_scale.shape[:2] == kpe_cache.shape[:2]):
         return False
-    s0, s1 = ckv_cache.stride(0), ckv_cache.stride(1)
+    strides = [_byte_strides(t) for t in (ckv_cache, ckv_scale, kpe_cache)]
+    pages, tokens = strides[0]
     base = ckv_cache.data_ptr()
-    return (ckv_cache.stride(2) == 1 and (s1 == TOKEN or ckv_cache.shape[1] == 1) and s0 % 16 == 0 and base % 16 == 0
-            and ckv_scale.stride() == (s0 // 4, s1 // 4, 1) and kpe_cache.stride() == (s0 // 2, s1 // 2, 1)
+    return (strides[0] == strides[1] == strides[2] and tokens in (TOKEN, None) and (pages or 0) % 16 == 0
+            and base % 16 == 0 and ckv_cache.stride(2) == ckv_scale.stride(2) == kpe_cache.stride(2) == 1
             and ckv_scale.data_ptr() == base + R and kpe_cache.data_ptr() == base + R + 4 * (R // fp8.GROUP)
             and ckv_scale.untyped_storage().data_ptr() == kpe_cache.untyped_storage().data_ptr()
             == ckv_cache.untyped_storage().data_ptr())
+
+
+def _byte_strides(t: torch.Tensor) -> tuple:
+    """A view's page and token strides in bytes, None for a dimension of size 1 (its stride is never used: the HF
+    pass's [N, 1, width] token views carry arbitrary ones there)."""
+    return tuple(None if n == 1 else s * t.element_size() for n, s in zip(t.shape[:2], t.stride()[:2]))
 
 
 def _on_sm90(t: torch.Tensor) -> bool:
@@ -96,7 +103,7 @@ def supported(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale) -> tuple[bool, str]
 def _kv(ckv_cache) -> torch.Tensor:
     """[NP, PS, 1, 656] e4m3 bytes over the buffer the three views share (`one_buffer` holds)."""
     NP, PS, _ = ckv_cache.shape
-    return ckv_cache.as_strided((NP, PS, 1, TOKEN), (ckv_cache.stride(0), TOKEN, TOKEN, 1))
+    return ckv_cache.as_strided((NP, PS, 1, TOKEN), (ckv_cache.stride(0) if NP > 1 else PS * TOKEN, TOKEN, TOKEN, 1))
 
 
 def _run(q_nope, q_pe, ckv_cache, indices, sm_scale):

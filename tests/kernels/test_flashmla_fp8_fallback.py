@@ -106,6 +106,16 @@ def test_one_buffer_is_the_views_of_one_allocation():
     assert not FM8.one_buffer(c, k.float(), s)  # rope kept in float32: not V3.2's token
     _, c2, s2, k2 = fp8.allocate(3, 64, 256, P)  # R 256: a 336-byte token
     assert not FM8.one_buffer(c2, k2, s2)
+    # what the HF pass hands mla.decode (benchmarks/lab/hf_call_args.py): read_views of a [B, max_len, 656] buffer
+    # reshaped to [N, 1, width]; the size-1 token dimension's strides are the reshape's (512 / 64 / 4 elements)
+    buf = fp8.allocate(2, 40, R, P)[0]
+    hc, hs, hk = (t.reshape(80, 1, t.shape[-1]) for t in fp8.read_views(buf, R))
+    assert hc.stride() == (656, 512, 1) and FM8.one_buffer(hc, hk, hs)
+    assert FM8._kv(hc).stride() == (656, 656, 656, 1)
+    other = fp8.read_views(fp8.allocate(2, 40, R, P)[0], R)[2].reshape(80, 1, P)
+    assert not FM8.one_buffer(hc, other, hs)  # rope of another buffer
+    one = fp8.allocate(1, 40, R, P)  # one page: its page stride unused
+    assert FM8.one_buffer(one[1], one[3], one[2]) and FM8._kv(one[1]).stride() == (40 * 656, 656, 656, 1)
 
 
 def test_without_flash_mla_it_refuses_with_a_reason():
