@@ -64,7 +64,8 @@ class Tuning:
         A promise about the data, read per op call: with "ue8m0" auto takes FlashMLA's V3.2 FP8 kernel at 128 heads
         where it takes the call (exact for such scales; H100 2026-12-06, H 128 32K: 190.9 vs 276.0 us at B 8, 698
         vs 1063 at B 32 for our FP8 kernel). Over a cache with other scales that kernel errs like a bf16 cache
-        (lse off by ~0.05 at scores ~20), so promise it only for caches written that way.
+        (lse off by ~0.05 at scores ~20), so promise it only for caches written that way; the data checks
+        (MLA_COMPILE_CHECK_DATA=1 on CUDA, always on CPU tensors) hold every op reading an FP8 cache to it.
     """
 
     decode_kernel: str = "auto"

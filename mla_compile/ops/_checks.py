@@ -225,3 +225,19 @@ def check_ckv_scale(ckv_cache, ckv_scale, cache_name: str = "ckv_cache", scale_n
                                                       f"{tuple(ckv_scale.shape)}")
     check(ckv_scale.device == ckv_cache.device, scale_name, f"is on {ckv_scale.device} but {cache_name} is on "
                                                             f"{ckv_cache.device}")
+    _check_promised_scales(ckv_scale, scale_name)
+
+
+def _check_promised_scales(ckv_scale, scale_name: str) -> None:
+    """Under Tuning.fp8_scale_fmt "ue8m0" (the caller's promise that lets auto read with FlashMLA's FP8 kernel, exact
+    only then), with data checks on: every finite nonzero scale a power of two (unwritten slots may hold anything
+    else: zeros, NaN bytes)."""
+    from .. import tuning
+
+    if tuning.current().fp8_scale_fmt != "ue8m0" or is_fake(ckv_scale) or not data_checks_enabled(ckv_scale.device):
+        return
+    written = ckv_scale[torch.isfinite(ckv_scale) & (ckv_scale != 0)]
+    off = written[torch.frexp(written).mantissa.abs() != 0.5]
+    check(off.numel() == 0, scale_name, f"Tuning.fp8_scale_fmt 'ue8m0' promises power-of-two scales, but "
+                                        f"{off.numel()} are not (e.g. {off[:1].tolist()}): write the cache with "
+                                        f"scale_fmt / fp8_scale_fmt 'ue8m0', or drop the promise")

@@ -158,3 +158,30 @@ def test_decode_over_a_ue8m0_cache_matches_reference(PS):
                                   b.kpe_cache.double(), b.block_table, b.seq_lens, 0.1)
     torch.testing.assert_close(out.double(), r_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.double(), r_lse.double(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_broken_power_of_two_promise_is_caught_by_the_data_checks():
+    """Tuning.fp8_scale_fmt "ue8m0" lets auto read with FlashMLA's FP8 kernel, exact only for power-of-two scales; the
+    data checks (always on CPU tensors, MLA_COMPILE_CHECK_DATA=1 on CUDA) hold every op reading the cache to it."""
+    from mla_compile import tuning
+
+    g = torch.Generator().manual_seed(10)
+    lens, R, P = [5, 0, 9], 128, 16
+    ckv = [torch.randn(n, R, generator=g) for n in lens]
+    kpe = [torch.randn(n, P, generator=g) for n in lens]
+    qn, qp = torch.randn(3, 2, R, generator=g), torch.randn(3, 2, P, generator=g)
+    idx = torch.tensor([[0, 3, -1], [-1, -1, -1], [7, 8, 2]], dtype=torch.int32)
+    with tuning.use(tuning.Tuning(fp8_scale_fmt=UE8M0)):
+        for scale_fmt, kept in ((UE8M0, True), (None, False)):
+            b = paged.fill_paged(ckv, kpe, 4, kv_cache_dtype="fp8_e4m3", fp8_scale_fmt=scale_fmt)
+            calls = (lambda: torch.ops.mla.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.2,
+                                                  b.ckv_scale),
+                     lambda: torch.ops.mla.sparse_decode(qn, qp, b.ckv_cache, b.kpe_cache, idx, 0.2, b.ckv_scale))
+            for call in calls:
+                if kept:
+                    call()
+                else:
+                    with pytest.raises(ValueError, match="^ckv_scale: Tuning.fp8_scale_fmt 'ue8m0' promises"):
+                        call()
+    b = paged.fill_paged(ckv, kpe, 4, kv_cache_dtype="fp8_e4m3")
+    torch.ops.mla.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.2, b.ckv_scale)  # no promise
