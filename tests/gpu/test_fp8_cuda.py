@@ -373,7 +373,7 @@ def test_fp8_swapab_tokens_form(H, kind, monkeypatch, swapab_on):
 
 
 # ------------------------------------------------------------------------------------ HF models, FP8 cache
-def _hf_compiled_vs_eager(model, cache_fn, T=7, steps=10):
+def _hf_compiled_vs_eager(model, cache_fn, T=7, steps=10, **options):
     """(compiled logits, eager logits, eager logits over HF's unquantized StaticCache, counters): the same tokens
     teacher-forced through eager HF over an FP8 cache and through the model compiled with mla_dcp under
     reduce-overhead over another FP8 cache (both prefilled eagerly)."""
@@ -388,7 +388,7 @@ def _hf_compiled_vs_eager(model, cache_fn, T=7, steps=10):
     ids, mask = ids.cuda(), mask.cuda()
     toks = torch.randint(1, 128, (4, steps), generator=torch.Generator().manual_seed(7)).cuda()
     eager = M.forced(model, model, ids, mask, cache_fn(model.config, L), toks)
-    compiled = torch.compile(model, backend="mla_dcp", mode="reduce-overhead", fullgraph=True)
+    compiled = torch.compile(model, backend="mla_dcp", options={"mode": "reduce-overhead", **options}, fullgraph=True)
     got = M.forced(compiled, model, ids, mask, cache_fn(model.config, L), toks)
     plain = M.forced(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), toks)
     return got, eager, plain, dict(torch._dynamo.utils.counters["mla_compile"])
@@ -406,6 +406,29 @@ def test_hf_v3_over_fp8_paged_cache_reduce_overhead(dtype, tol):
     assert (got.argmax(-1) == eager.argmax(-1)).float().mean() >= (1.0 if dtype == torch.float32 else 0.9)
     assert M.rel_err(eager, plain) > 5e-3  # the FP8 cache is what both read (e4m3: ~3% noise a value)
     assert c.get("mla_attention_rewritten") == 2 and not c.get("mla_attention_not_rewritten"), c
+
+
+def test_hf_v3_128_heads_over_a_promised_ue8m0_cache_runs_flashmla_fp8(monkeypatch):
+    """A ue8m0 FP8 cache (`fp8_scale_fmt="ue8m0"`) promised to the compiled model (options fp8_scale_fmt): at 128
+    heads the HF step's mla.decode runs FlashMLA's FP8 kernel (the pass's token views read in place), and the
+    logits follow eager HF over the same cache as closely as our own FP8 kernel's do (bf16 model)."""
+    import hf_models as M
+    from mla_compile.integrations.hf import MLAPagedCache
+    from mla_compile.kernels import flashmla as FM
+    from mla_compile.kernels import flashmla_fp8 as FM8
+
+    if not FM.available():
+        pytest.skip("needs flash_mla on an SM90 GPU")
+    runs = []
+    real = FM8._run
+    monkeypatch.setattr(FM8, "_run", lambda *a, **k: runs.append(1) or real(*a, **k))
+    model = M.deepseek_v3(num_layers=2, heads=128, hidden=256, dtype=torch.bfloat16)
+    cache = lambda cfg, L: MLAPagedCache(cfg, L, page_size=64, kv_cache_dtype="fp8_e4m3",  # noqa: E731
+                                         fp8_scale_fmt="ue8m0")
+    got, eager, _, c = _hf_compiled_vs_eager(model, cache, fp8_scale_fmt="ue8m0")
+    assert runs, "FlashMLA's FP8 kernel was not run"
+    assert M.rel_err(got, eager) < 2e-2 and (got.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.9
+    assert c.get("mla_attention_rewritten") == 2, c
 
 
 def test_hf_v32_over_fp8_dsa_static_cache_reduce_overhead_both_graphs():
