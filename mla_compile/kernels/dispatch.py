@@ -422,7 +422,10 @@ def cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale=None, scale_fmt
         # onto itself instead of touching a zero-width (possibly null) buffer
         zero = kpe_cache.new_zeros(1)
         kpe_cache, kpe = zero_rope_column(zero, *ckv_cache.shape[:2]), zero_rope_column(zero, ckv.shape[0])
-    _cache.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale, scale_fmt)
+    if ckv_scale is None:  # the bf16 call as it always was
+        _cache.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots)
+    else:
+        _cache.cache_write(ckv_cache, kpe_cache, ckv, kpe, slots, ckv_scale, scale_fmt)
 
 
 def indexer_topk(q, weights, k_cache, block_table, seq_lens, topk, sm_scale):
