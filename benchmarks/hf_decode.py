@@ -353,7 +353,8 @@ def main(argv=None):
     ap.add_argument("--mla-options", type=json.loads, default={}, help="JSON dict of extra mla_dcp options")
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3", "fp8_ue8m0"],
                     help="latent cache dtypes, one case each: auto (HF StaticCache, model dtype), fp8_e4m3 (the FP8 "
-                         "latent cache, DSAStaticCache), fp8_ue8m0 (that cache with power-of-two scales, promised to mla)")
+                         "latent cache, DSAStaticCache), fp8_ue8m0 (that cache with power-of-two scales, promised "
+                         "to mla)")
     ap.add_argument("--tokens", type=int, default=1, choices=range(1, 9), metavar="S",
                     help="query tokens per request a step: 2 .. 8 times a speculative-verification step")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU ok, fp32): checks the script")

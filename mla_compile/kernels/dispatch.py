@@ -211,7 +211,8 @@ FP8_REASON = ("an FP8 latent cache: the Triton FP8 kernels (bf16 / fp16 q: scale
 
 def _select_fp8_kernel(kernel: str, swapab: bool, flashmla: bool = False, pow2_many_heads: bool = False) -> Choice:
     """`select_decode_kernel` for an FP8 cache: FlashMLA's V3.2 FP8 kernel (`flashmla`: it serves the call) asked
-    for, or auto's at 128 heads over power-of-two scales; else the swap-AB Gluon kernel where it serves, else Triton's."""
+    for, or auto's at 128 heads over power-of-two scales; else the swap-AB Gluon kernel where it serves, else
+    Triton's."""
     if kernel == "flashmla" and flashmla:
         return Choice("flashmla", "asked for: FlashMLA's V3.2 FP8 kernel (bf16 dequantization)")
     if kernel == "auto" and flashmla and pow2_many_heads:
