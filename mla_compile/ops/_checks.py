@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from .. import tuning as _tuning
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the attention ops' plain-torch impls also take float64: the precision of references and gradcheck
 REFERENCE_DTYPES = FLOAT_DTYPES + (torch.float64,)
@@ -232,9 +234,7 @@ def _check_promised_scales(ckv_scale, scale_name: str) -> None:
     """Under Tuning.fp8_scale_fmt "ue8m0" (the caller's promise that lets auto read with FlashMLA's FP8 kernel, exact
     only then), with data checks on: every finite nonzero scale a power of two (unwritten slots may hold anything
     else: zeros, NaN bytes)."""
-    from .. import tuning
-
-    if tuning.current().fp8_scale_fmt != "ue8m0" or is_fake(ckv_scale) or not data_checks_enabled(ckv_scale.device):
+    if _tuning.current().fp8_scale_fmt != "ue8m0" or is_fake(ckv_scale) or not data_checks_enabled(ckv_scale.device):
         return
     written = ckv_scale[torch.isfinite(ckv_scale) & (ckv_scale != 0)]
     off = written[torch.frexp(written).mantissa.abs() != 0.5]
