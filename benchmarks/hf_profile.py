@@ -85,7 +85,11 @@ VARIANTS = {
     "static+lone_linears": (True, {}, tuning.Tuning(lone_linear_max_n=1 << 30), {}),
     # our own many-head kernels instead of `auto` (FlashMLA where it is installed and the caches share rows)
     "static+triton_decode": (True, {}, tuning.Tuning(decode_kernel="triton"), {}),
-    # the swap-AB kernel's TOKENS form over the pass's token table (off in auto: decode_swapab.TOKENS_IN_AUTO)
+    # the swap-AB kernels' TOKENS form over the pass's token table, switched on / off whatever the kernels' defaults
+    # (decode_swapab / decode_fp8_swapab TOKENS_IN_AUTO): with an FP8 cache the FP8 kernel's TOKENS vs GATHER forms
+    "static+tokens": (True, {}, DEFAULT, {tuning.SWAPAB_TOKENS_ENV: "1"}),
+    "static+notokens": (True, {}, DEFAULT, {tuning.SWAPAB_TOKENS_ENV: "0"}),
+    # the bf16 TOKENS form asked for by name
     "static+swapab_decode": (True, {}, tuning.Tuning(decode_kernel="swapab"), {}),
     # the same with the Gluon kernels launched with programmatic dependent launch (kernels/_gluon.py pdl_launch)
     "static+swapab_decode+gluon_pdl": (True, {}, tuning.Tuning(decode_kernel="swapab"), {tuning.GLUON_PDL_ENV: "1"}),

@@ -13,6 +13,8 @@ switch, read at each call so a test may set it):
 - MLA_COMPILE_DECODE_BACKEND = auto | flashmla | seesaw | wgmma | swapab | fp8_swapab | triton | flashinfer: the
   decode kernel wherever `Tuning.decode_kernel` is left at "auto" (`decode_kernel()`);
 - MLA_COMPILE_PDL = auto | 1 | 0: programmatic dependent launch of our kernels (kernels/_util.py);
+- MLA_COMPILE_SWAPAB_TOKENS = auto | 1 | 0: the swap-AB kernels' TOKENS form over page-size-1 token tables (the HF
+  pass's caches) on or off; auto (or unset): each kernel's measured default (`swapab_tokens()`);
 - MLA_COMPILE_CHECK_DATA = 1: value checks (host syncs) on CUDA too (ops/_checks.py).
 """
 
@@ -29,6 +31,7 @@ from typing import Any
 DECODE_KERNEL_ENV = "MLA_COMPILE_DECODE_BACKEND"
 PDL_ENV = "MLA_COMPILE_PDL"  # read by kernels/_util.pdl_launch
 GLUON_PDL_ENV = "MLA_COMPILE_GLUON_PDL"  # read by kernels/_gluon.pdl_launch (off unless "1")
+SWAPAB_TOKENS_ENV = "MLA_COMPILE_SWAPAB_TOKENS"  # read by swapab_tokens() when a plan is made
 # what `mla::decode` / `mla::sparse_decode` may run on CUDA (kernels/dispatch.select_decode_kernel has the table)
 DECODE_KERNELS = ("auto", "flashmla", "seesaw", "wgmma", "swapab", "fp8_swapab", "triton", "flashinfer")
 ABSORB = ("auto", "per_head_linear", "bmm")  # how the attention pass writes the absorbed W_UK / W_UV products
@@ -148,3 +151,14 @@ def decode_kernel() -> str:
     if env not in DECODE_KERNELS:
         raise ValueError(f"{DECODE_KERNEL_ENV}: expected one of {', '.join(DECODE_KERNELS)}, got {env!r}")
     return env
+
+
+def swapab_tokens(default: bool) -> bool:
+    """Whether a swap-AB kernel reads a page-size-1 token table in its TOKENS form (runs of consecutive rows as TMA
+    boxes) rather than auto's other choice there: MLA_COMPILE_SWAPAB_TOKENS = 1 / 0, or, unset or "auto", `default`
+    (the kernel's measured default: decode_swapab / decode_fp8_swapab `TOKENS_IN_AUTO`). Read when a plan is made
+    (ops/_plans.py keys plans on this variable), so a test or an A/B run may set it per call."""
+    env = os.environ.get(SWAPAB_TOKENS_ENV, "auto").lower() or "auto"
+    if env not in ("auto", "1", "0"):
+        raise ValueError(f"{SWAPAB_TOKENS_ENV}: expected auto, 1 or 0, got {env!r}")
+    return default if env == "auto" else env == "1"

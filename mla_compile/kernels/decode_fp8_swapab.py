@@ -52,9 +52,9 @@ two in-warp reductions (`_gluon.run_start`) tell whether they are consecutive ro
 end aside: a request's tokens in a static cache, at any offset); such a tile is the TMA form's boxes at row r0 of the
 slot views, one thread arriving for the rest of the barrier's count (it counts every thread, for the row copies);
 any other tile keeps GATHER's row copies. A split's partial last tile has its rope rows past the end zeroed, as the
-TMA form's (a run's boxes read whatever follows it). Taken where decode_swapab.TOKENS_IN_AUTO is on
-(MLA_COMPILE_SWAPAB_TOKENS=1) or `stage1_plan(tokens=True)` asks, until timed on a GPU against GATHER and TMA
-(benchmarks/lab/fp8_swapab.py --table).
+TMA form's (a run's boxes read whatever follows it). Taken by default for blocks of 16 heads (`TOKENS_IN_AUTO`,
+`TOKENS_MAX_N`: measured below), or where MLA_COMPILE_SWAPAB_TOKENS=1 (mla_compile/tuning.swapab_tokens) or
+`stage1_plan(tokens=True)` asks.
 
 Takes: sm_90, Gluon, bf16 q, R 512 / P 64, one query token (`fits`), pages of whole 64-token tiles whose three views
 (fp8.views) are TMA boxes (`eligible`) or, GATHER, views of 16-byte aligned rows at any page size
@@ -76,8 +76,8 @@ import os
 import torch
 
 from .. import fp8
+from .. import tuning as _tuning
 from . import _gluon as G
-from . import decode_swapab as _swapab
 from ._launch import bind, templated_at, without_bases
 from ._util import cdiv, slot_stride, tma_rows
 
@@ -102,6 +102,13 @@ W_TOKEN = fp8.token_bytes(R, P)  # 656 bytes a token
 BLOCK_T = 64  # tokens per tile: the MMA's M
 E_BOX = 256  # e4m3 columns per TMA box: two scale groups (a box side is at most 256 elements)
 BLOCK_HS = (16, 32, 64)  # heads per program (the MMA's N): more heads, blocks of 64 (a few spilled bytes, see above)
+# The TOKENS form over token tables (the HF pass's caches) by default, for blocks of at most TOKENS_MAX_N heads
+# (MLA_COMPILE_SWAPAB_TOKENS = 1 / 0 overrides both: tuning.swapab_tokens). H100 2026-12-06 (benchmarks/RESULTS.md,
+# tenth session), B 8 32K, us against GATHER's: N 16 97.8 vs 102.9 on a static cache's runs, 105.4 vs 102.5 on
+# shuffled rows, B 1 19.8 vs 21.8; the HF step (H 16 B 8 32K, hf_profile --ab 3) 813.6 vs 835.9 us. N 32: 129.1 vs
+# 123.7 on runs (two warpgroups: GATHER's copies spread over both), so blocks of 32 and 64 keep GATHER
+TOKENS_IN_AUTO = True
+TOKENS_MAX_N = 16
 
 
 if G.gluon is not None:
@@ -421,8 +428,8 @@ def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, block_table, sm_s
     tensor arguments, whether it is the TOKENS form); `run_stage1` launches it on a call's tensors. o [ns, B, H, 512]
     / l [ns, B, H] (s_on = s_ln = 0: the final out / lse with one split). The TMA form where the layout is
     `eligible`, else the GATHER form (`gather_eligible`), or over a token table (`token_rows`) the TOKENS form where
-    `tokens` asks for it (None: where decode_swapab.TOKENS_IN_AUTO does, MLA_COMPILE_SWAPAB_TOKENS=1, the switch of
-    the bf16 kernel's TOKENS form; True on another layout: ValueError)."""
+    `tokens` asks for it (None: MLA_COMPILE_SWAPAB_TOKENS, else this kernel's default: `TOKENS_IN_AUTO` for blocks
+    of at most TOKENS_MAX_N heads; True on another layout: ValueError)."""
     B, H, _ = q_nope.shape
     t = tiling or default_tiling(H)
     grid = (B * cdiv(H, t.N), ns)
@@ -435,7 +442,7 @@ def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, block_table, sm_s
     if tokens and not can:
         raise ValueError("decode_fp8_swapab: the TOKENS form reads a page-size-1 cache under a token table whose views "
                          "are TMA rows (`token_rows`)")
-    tokens = can and (_swapab.TOKENS_IN_AUTO if tokens is None else tokens)
+    tokens = can and (_tuning.swapab_tokens(TOKENS_IN_AUTO and t.N <= TOKENS_MAX_N) if tokens is None else tokens)
     templates = None if gather and not tokens else without_bases(descriptors(ckv_cache, ckv_scale, kpe_cache))
     bound = bind(_fp8_swapab_kernel, grid, templates and templated_at(2, templates),
                  **t.constexprs(ckv_cache.shape[1], gather, tokens), num_warps=t.warps, **G.pdl_launch(q_nope.device))

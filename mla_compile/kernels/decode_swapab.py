@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 from . import _gluon as G
 from ._launch import bind, templated_at
@@ -66,12 +65,11 @@ BLOCK_T = G.BLOCK_N  # tokens per tile: the MMA's M
 BLOCK_HS = (16, 32, 64)
 TILINGS = ((16, 4), (32, 8), (64, 8))  # every build a config may ask for
 STAGES = 2  # staging slots: a 64-token tile is 72 KB, a third slot passes Hopper's 227 KB
-# The TOKENS form (page-size-1 token tables: the HF pass's) is in auto's table only with MLA_COMPILE_SWAPAB_TOKENS=1
-# (read at import): its GPU tests pass and alone it beats the Triton kernel on the HF layout (H100, H 16 B 8 32K
-# 107.3 vs 116.1 us), but the HF step it serves measured 2% slower (0.867 vs 0.849 ms; benchmarks/RESULTS.md
-# 2026-12-06), so it waits for that step's profile; `decode_kernel="swapab"` asks for it either way. The FP8 kernel's
-# TOKENS form (decode_fp8_swapab.py, GPU tests passed, not yet timed) follows the same switch.
-TOKENS_IN_AUTO = os.environ.get("MLA_COMPILE_SWAPAB_TOKENS", "0") == "1"
+# The TOKENS form (page-size-1 token tables: the HF pass's) is not auto's by default: its GPU tests pass and alone it
+# beats the Triton kernel on the HF layout (H100, H 16 B 8 32K 107.3 vs 116.1 us), but the HF step it serves measured
+# on par (847.0 vs 846.2 us, hf_profile --ab, benchmarks/RESULTS.md 2026-12-06 ninth session); `decode_kernel=
+# "swapab"` asks for it, MLA_COMPILE_SWAPAB_TOKENS=1 puts it in auto's table (tuning.swapab_tokens)
+TOKENS_IN_AUTO = False
 
 
 if G.gluon is not None:

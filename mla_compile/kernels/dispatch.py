@@ -65,7 +65,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
                          n_query: int = 1, *, kernel: str = "auto", tma_layout: bool = True,
                          rows_aligned: bool = True, flashmla: bool = False, flashinfer: bool = False,
                          tokens: int = FLASHMLA_MIN_TOKENS, fp8_cache: bool = False, fp8_rows: bool = False,
-                         token_rows: bool = False, pow2_scales: bool = False) -> Choice:
+                         token_rows: bool = False, tokens_form: bool = False, pow2_scales: bool = False) -> Choice:
     """The decode kernel for one call's shape class: Choice(name, reason).
 
     H heads (rows) per request, R latent and P rope width, `page_size` (1 for a sparse index list), `sparse`
@@ -73,7 +73,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     handed to the kernels: Triton's interpreter) or None (CPU tensors: the op's CPU impl), n_query query tokens
     per request. Facts of the call's tensors: `tma_layout` (caches view as [slots, width] with pages of whole
     64-token tiles, `_gluon.tma_layout`), `token_rows` (page size 1 viewing as [slots, width]: a token table's
-    cache, `_gluon.token_rows`), `rows_aligned` (16-byte aligned rows, `_gluon.rows_aligned`),
+    cache, `_gluon.token_rows`; `tokens_form`: swapab's TOKENS form may take such a call in auto,
+    `tuning.swapab_tokens`), `rows_aligned` (16-byte aligned rows, `_gluon.rows_aligned`),
     `flashmla` (FlashMLA imports and takes the call: in place; FP8, kernels/flashmla_fp8.py), `flashinfer` (FlashInfer
     usable now: installed, R 512, not under CUDA-graph capture), `tokens`: the most tokens the call may read, batch x
     the block table's capacity (shapes only: the lengths live on the device), `fp8_cache`: the latent cache is FP8
@@ -131,7 +132,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
         vs 148.8 (111.3). Index lists keep the Triton kernels.
     (12) a page-size-1 cache under a token table (the HF pass's): swapab's TOKENS form checks each tile's 64
         entries on the device; consecutive rows (a request's tokens in a static cache) are TMA boxes, other tiles
-        16-byte cp.async row copies. Auto's only with MLA_COMPILE_SWAPAB_TOKENS=1 (decode_swapab.TOKENS_IN_AUTO).
+        16-byte cp.async row copies. Auto's only with `tokens_form` (MLA_COMPILE_SWAPAB_TOKENS=1 or
+        decode_swapab.TOKENS_IN_AUTO).
     (13) `pow2_scales`: FlashMLA's V3.2 FP8 kernel is exact for them; H 64 / 8K within 3% of ours (Tuning's docs).
 
     FlashInfer is never auto's: at H 128 it is faster than ours but slower than FlashMLA, and its cached
@@ -167,7 +169,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
         return _select_fp8_kernel(kernel, sm90 and one_dense and fp8_rows and _fp8_swapab.fits(R, P, dtype),
                                   flashmla and sm90 and n_query == 1, pow2_scales and H >= FLASHMLA_FP8_MIN_HEADS)
     facts = dict(tma_layout=tma_layout, rows_aligned=rows_aligned, flashmla=flashmla, flashinfer=flashinfer,
-                 tokens=tokens, token_rows=token_rows)
+                 tokens=tokens, token_rows=token_rows, tokens_form=tokens_form)
     if kernel == "fp8_swapab":
         auto = select_decode_kernel(H, R, P, page_size, sparse, dtype, capability, n_query, **facts)
         return Choice(auto.name, f"asked for fp8_swapab, which cannot serve this call (it reads FP8 caches only); "
@@ -187,7 +189,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
         return Choice("wgmma", ("several query tokens, a limit per row" if n_query > 1 else "many heads")
                       + " on sm_90: the Gluon warpgroup-MMA kernel ("
                       + ("TMA boxes" if tma_layout and not sparse else "16-byte row copies") + ")")
-    if not cannot["swapab"] and H < MANY_HEADS and (tma_layout or _swapab.TOKENS_IN_AUTO):
+    if not cannot["swapab"] and H < MANY_HEADS and (tma_layout or tokens_form):
         return Choice("swapab", f"few heads on sm_90, {'TMA layout' if tma_layout else 'a token table'}: the swap-AB "
                                 "Gluon kernel (the tokens as the MMA's M)")
     why = ("rope-less (P = 0): a zero rope column" if P == 0
@@ -246,13 +248,15 @@ def _facts(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool, n_query: int, block
     # swap-AB kernel), or several in >= 32 rows
     gluon_device = cap == (9, 0) and (n_query == 1 or H >= MULTI_TOKEN_GLUON_ROWS)
     tma = gluon_device and _gluon.tma_layout(ckv_cache, kpe_cache, sparse)
+    token_rows = gluon_device and _gluon.token_rows(ckv_cache, kpe_cache, sparse)
     tokens = (q_nope.shape[0] * block_table.shape[1] if block_table is not None else ckv_cache.shape[0]) \
         * ckv_cache.shape[1]
     return ((H, q_nope.shape[2], q_pe.shape[-1], 1 if sparse else ckv_cache.shape[1], sparse, q_nope.dtype, cap,
              n_query),
             # TMA boxes are 16-byte aligned rows too: the row check only where the gather kernel would copy them
             dict(tma_layout=tma, rows_aligned=tma or (gluon_device and _gluon.rows_aligned(ckv_cache, kpe_cache)),
-                 tokens=tokens, token_rows=gluon_device and _gluon.token_rows(ckv_cache, kpe_cache, sparse)))
+                 tokens=tokens, token_rows=token_rows,
+                 tokens_form=token_rows and _tuning.swapab_tokens(_swapab.TOKENS_IN_AUTO)))
 
 
 def decode_kernel(q_nope, q_pe, ckv_cache, kpe_cache, sparse: bool = False, n_query: int = 1,

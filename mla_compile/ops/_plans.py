@@ -8,7 +8,7 @@ is skipped on a hit because the key holds everything a metadata check reads (dty
 every tensor; each scalar's type and value: `_checks.once_per_signature`'s signature) and more:
   * each tensor's 16-byte alignment (Triton specializes on it: a plan's launches replay its first call's kernels);
   * the current CUDA device (whose stream the launches go to), the tuning in effect (mla_compile/tuning.py) and
-    the environment variables the choices read (the decode backend, PDL).
+    the environment variables the choices read (the decode backend, PDL, the swap-AB TOKENS form).
 No plan is kept where a call must be checked each time: a CPU tensor (the data checks read its values), a tensor
 of another kind (a FakeTensor or subclass), or data checks switched on (MLA_COMPILE_CHECK_DATA=1).
 
@@ -32,7 +32,8 @@ from .. import tuning
 from . import _checks as C
 
 # the environment a plan's choices read when it is made: a change makes new plans
-_ENV = (tuning.DECODE_KERNEL_ENV, tuning.PDL_ENV, tuning.GLUON_PDL_ENV, C.DATA_ENV)  # data checks last
+_ENV = (tuning.DECODE_KERNEL_ENV, tuning.PDL_ENV, tuning.GLUON_PDL_ENV, tuning.SWAPAB_TOKENS_ENV,
+        C.DATA_ENV)  # data checks last
 # os.environ.get decodes and re-encodes per call (~1.7 us each on the H200 host): the switches are read from its
 # encoded table instead (what os.environ itself keeps current on every write); elsewhere, through os.environ
 _TABLE = getattr(os.environ, "_data", None)

@@ -84,9 +84,11 @@ def test_readme_snippet_runs(name, capsys):
         lines = out.splitlines()
         assert "name='seesaw'" in lines[0], lines
         few = "swapab" if importlib.util.find_spec("triton.experimental.gluon") else "triton"
+        from mla_compile import tuning
         from mla_compile.kernels import decode_swapab
 
-        tokens = few if decode_swapab.TOKENS_IN_AUTO else "triton"  # swapab's TOKENS form: auto's when switched on
+        # swapab's TOKENS form: auto's when switched on
+        tokens = few if tuning.swapab_tokens(decode_swapab.TOKENS_IN_AUTO) else "triton"
         assert lines[1:] == ["flashmla", "seesaw", few, "triton", tokens,
                              "fp8_swapab" if few == "swapab" else "triton", "triton"], lines
 

@@ -261,12 +261,12 @@ def test_fp8_swapab_gather_form(H, lens, layout, monkeypatch, swapab_on):
     page-64 cache seen as the HF pass's page-size-1 token table; table entries past each request's length point at
     NaN slots (never read). Dispatch takes "fp8_swapab", its plan the GATHER form (no TMA templates), and the result
     matches float64 as the TMA form's does (lse within 1e-3); H 24: a partial head block; 140 requests: one split.
-    (The TOKENS form switched off, as by default: the page-size-1 layouts would take it with
+    (The TOKENS form switched off (MLA_COMPILE_SWAPAB_TOKENS=0): the page-size-1 layouts would take it with
     MLA_COMPILE_SWAPAB_TOKENS=1, `test_fp8_swapab_tokens_form`.)"""
     from mla_compile.kernels import decode as D
-    from mla_compile.kernels import decode_swapab, dispatch
+    from mla_compile.kernels import dispatch
 
-    monkeypatch.setattr(decode_swapab, "TOKENS_IN_AUTO", False)
+    monkeypatch.setenv("MLA_COMPILE_SWAPAB_TOKENS", "0")
 
     PS = {"page1": 1, "page16": 16, "tokens_of_page64": 64}[layout]
     batch, qn, qp = build(lens, H, PS, seed=H + PS + len(lens))
@@ -316,12 +316,12 @@ def test_fp8_swapab_tokens_form(H, kind, monkeypatch, swapab_on):
     checked on the device; consecutive rows at any offset are the TMA form's boxes, tiles with a gap or shuffled rows
     GATHER's row copies. Against float64 (lse within 1e-3, as the other forms): lengths on and off tile edges (a
     run's partial last tile reads NaN rows past it), empty requests; asked for (`tokens=True`, the switch off) with
-    one split (a whole request in one program); switched on (decode_swapab.TOKENS_IN_AUTO, MLA_COMPILE_SWAPAB_TOKENS=1)
+    one split (a whole request in one program); switched on (MLA_COMPILE_SWAPAB_TOKENS=1)
     through decode's plan at forced and policy split counts and the op (auto). H 16 (N 16, one warpgroup), 32 (N 32,
     two), 40 (N 64: P^T in the staging slot, a partial head block). At H 16, a CUDA graph replayed after the cache
     and the table are rewritten in place (runs to shuffled rows and back), then with new lengths."""
     from mla_compile.kernels import decode as K
-    from mla_compile.kernels import decode_swapab, dispatch
+    from mla_compile.kernels import dispatch
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("warpgroup MMA: sm_90 only")
@@ -332,14 +332,14 @@ def test_fp8_swapab_tokens_form(H, kind, monkeypatch, swapab_on):
     assert F.token_rows(c, k, s)
     assert dispatch.decode_kernel(qn, qp, c, k, block_table=table, ckv_scale=s).name == "fp8_swapab"
     want = reference(batch, qn, qp)
-    monkeypatch.setattr(decode_swapab, "TOKENS_IN_AUTO", False)
+    monkeypatch.setenv("MLA_COMPILE_SWAPAB_TOKENS", "0")
     out, lse = torch.empty_like(qn), torch.empty(len(lens), H, dtype=torch.float32, device=DEV)
     plan = F.stage1_plan(qn, qp, c, k, s, table, SCALE, out, lse, 0, 0, 1, tokens=True)
     assert plan[3], "not the TOKENS form"
     F.run_stage1(plan, qn, qp, c, k, s, table, sl, out, lse)
     check(out, lse, want, qn.shape, lse_tol=1e-3)
 
-    monkeypatch.setattr(decode_swapab, "TOKENS_IN_AUTO", True)
+    monkeypatch.setenv("MLA_COMPILE_SWAPAB_TOKENS", "1")
     plans, original = [], F.stage1_plan
 
     def spy(*args, **kwargs):

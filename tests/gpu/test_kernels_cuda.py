@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu,
 import mla_compile  # noqa: E402,F401  (registers the ops)
 import reference as ref  # noqa: E402
 from gpu_util import capture, rel as _rel, token_table_rows  # noqa: E402
-from mla_compile import paged  # noqa: E402
+from mla_compile import paged, tuning  # noqa: E402
 
 DEV = "cuda"
 
@@ -602,7 +602,7 @@ def test_swapab_kernel_over_a_token_table(H, dtype, kind):
     lens = [0, 1, 63, 64, 65, 777, 2101, 0, 33, 256, 128, 191]
     b, qn, qp = token_table_batch(lens, H, dtype, kind, seed=H + len(kind))
     auto = dispatch.decode_kernel(qn, qp, b.ckv_cache, b.kpe_cache).name
-    assert auto == ("swapab" if decode_swapab.TOKENS_IN_AUTO else "triton")
+    assert auto == ("swapab" if tuning.swapab_tokens(decode_swapab.TOKENS_IN_AUTO) else "triton")
     assert_decodes(b, qn, qp, dtype, (1, 2, 3, 40, None),
                    ([0, 1, 60, 64, 1, 700, 2000, 0, 0, 255, 127, 191], [0, 1, 5, 5, 5, 5, 5, 0, 5, 5, 5, 5]), "swapab")
     out, lse = torch.ops.mla.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.08)
@@ -658,7 +658,7 @@ def test_tma_kernels_over_one_buffers_column_ranges(H, PS, kernel):
     assert b.ckv_cache.stride(-2 if PS > 1 else 0) == 576
     assert G.tma_layout(b.ckv_cache, b.kpe_cache, False) or G.token_rows(b.ckv_cache, b.kpe_cache, False)
     auto = dispatch.decode_kernel(qn, qp, b.ckv_cache, b.kpe_cache).name
-    tokens_off = PS == 1 and not decode_swapab.TOKENS_IN_AUTO
+    tokens_off = PS == 1 and not tuning.swapab_tokens(decode_swapab.TOKENS_IN_AUTO)
     assert auto == ("triton" if tokens_off else "seesaw" if H >= 64 else "swapab")
     assert_decodes(b, qn, qp, torch.bfloat16, (1, 3, None),
                    ([0, 1, 60, 64, 1, 700, 2000, 0, 0, 255, 127, 191], [0, 1, 5, 5, 5, 5, 5, 0, 5, 5, 5, 5]), kernel)

@@ -416,9 +416,9 @@ def test_swapab_plan_over_a_token_table():
 
 
 def test_fp8_swapab_plan_over_a_token_table(fake_gpu, monkeypatch):
-    """decode_fp8_swapab over a page-size-1 token table (the HF pass's): the GATHER form unless its TOKENS form is
-    switched on (decode_swapab.TOKENS_IN_AUTO, MLA_COMPILE_SWAPAB_TOKENS=1: the bf16 TOKENS form's switch) or asked
-    for (`tokens=True`). The TOKENS plan holds the TMA form's descriptor templates ([slots, width] boxes, rows at the
+    """decode_fp8_swapab over a page-size-1 token table (the HF pass's): the TOKENS form by default for blocks of 16
+    heads (TOKENS_IN_AUTO, TOKENS_MAX_N), MLA_COMPILE_SWAPAB_TOKENS = 1 / 0 over that default, or asked for
+    (`tokens=True`); else the GATHER form. The TOKENS plan holds the TMA form's descriptor templates ([slots, width] boxes, rows at the
     656-byte token stride) and launches the kernel with them rebased over the call's views in their place and the same
     views as the row copies' pointers after the numbers, as Triton's binder types them (descriptors, pointers); the
     other forms pass those pointers as None (constexprs: their builds unchanged). A TOKENS form asked for over pages
@@ -426,7 +426,6 @@ def test_fp8_swapab_plan_over_a_token_table(fake_gpu, monkeypatch):
     from mla_compile import fp8
     from mla_compile.kernels import _gluon as G
     from mla_compile.kernels import decode_fp8_swapab as F
-    from mla_compile.kernels import decode_swapab as S
 
     if G.gluon is None:
         pytest.skip("no Gluon in this Triton")
@@ -445,12 +444,22 @@ def test_fp8_swapab_plan_over_a_token_table(fake_gpu, monkeypatch):
 
     try:
         assert F.token_rows(ckv, kpe, scale)
-        monkeypatch.setattr(S, "TOKENS_IN_AUTO", False)
+        monkeypatch.setattr(F, "TOKENS_IN_AUTO", False)
+        monkeypatch.delenv("MLA_COMPILE_SWAPAB_TOKENS", raising=False)
         gather = plan()
         assert gather[1] is None and gather[3] is False
-        monkeypatch.setattr(S, "TOKENS_IN_AUTO", True)
+        monkeypatch.setattr(F, "TOKENS_IN_AUTO", True)
         assert plan()[3] is True and plan(False)[3] is False
-        monkeypatch.setattr(S, "TOKENS_IN_AUTO", False)
+        q32 = torch.zeros(2, 32, 512, dtype=torch.bfloat16), torch.zeros(2, 32, 64, dtype=torch.bfloat16)
+        o32, l32 = torch.zeros(4, 2, 32, 512), torch.zeros(4, 2, 32)
+        wide = F.stage1_plan(*q32, ckv, kpe, scale, table, 0.1, o32, l32, o32.stride(0), l32.stride(0), 4)
+        assert wide[3] is False  # blocks of 32 heads keep GATHER by default (TOKENS_MAX_N)
+        monkeypatch.setenv("MLA_COMPILE_SWAPAB_TOKENS", "0")  # the switch over the default
+        assert plan()[3] is False
+        monkeypatch.setattr(F, "TOKENS_IN_AUTO", False)
+        monkeypatch.setenv("MLA_COMPILE_SWAPAB_TOKENS", "1")
+        assert plan()[3] is True
+        monkeypatch.delenv("MLA_COMPILE_SWAPAB_TOKENS")
         tokens = plan(True)
         assert tokens[3] is True and tokens[0].kwargs["TOKENS"] and tokens[0].kwargs["GATHER"]
         assert [(list(t.shape), list(t.strides), list(t.block_shape)) for t in tokens[1]] == [

@@ -166,10 +166,12 @@ def select(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_quer
     (dict(H=63), FEW),
     (dict(H=1, PS=128, dtype=torch.float16), FEW),
     (dict(H=16, PS=1, tma_layout=False), "triton"),  # a token table over caches that are no [slots, width] view
-    # the HF pass's token table: swapab's TOKENS form serves it, auto's only when switched on (decode_swapab's
-    # TOKENS_IN_AUTO, MLA_COMPILE_SWAPAB_TOKENS=1: test_the_token_table_form_is_in_auto_only_when_switched_on)
-    (dict(H=16, PS=1, tma_layout=False, token_rows=True), FEW if SW.TOKENS_IN_AUTO else "triton"),
-    (dict(H=40, PS=1, tma_layout=False, token_rows=True), FEW if SW.TOKENS_IN_AUTO else "triton"),
+    # the HF pass's token table: swapab's TOKENS form serves it, auto's only where `tokens_form` says so
+    # (tuning.swapab_tokens: test_the_token_table_form_is_in_auto_only_when_switched_on)
+    (dict(H=16, PS=1, tma_layout=False, token_rows=True), "triton"),
+    (dict(H=16, PS=1, tma_layout=False, token_rows=True, tokens_form=True), FEW),
+    (dict(H=40, PS=1, tma_layout=False, token_rows=True, tokens_form=True), FEW),
+    (dict(H=16, PS=1, tma_layout=False, token_rows=False, tokens_form=True), "triton"),
     (dict(H=16, PS=1, tma_layout=False, token_rows=True, n_query=2), "triton"),
     (dict(H=16, PS=1, tma_layout=False, token_rows=True, cap=A100), "triton"),
     (dict(H=16, PS=1, tma_layout=False, token_rows=True, P=0), "triton"),
@@ -194,25 +196,33 @@ def test_auto_is_the_fastest_measured_kernel_per_shape_class(case, want):
     assert select(**case) == want
 
 
-@pytest.fixture
-def fresh_selection():
-    # select_decode_kernel is cached on its arguments (the switch is read once, at import): forget what it chose
-    D_.select_decode_kernel.cache_clear()
-    yield
-    D_.select_decode_kernel.cache_clear()
-
-
-def test_the_token_table_form_is_in_auto_only_when_switched_on(monkeypatch, fresh_selection):
+def test_the_token_table_form_is_in_auto_only_when_switched_on(monkeypatch):
+    """The TOKENS form's switch: decode_swapab.TOKENS_IN_AUTO (the measured default, off), overridden per plan by
+    MLA_COMPILE_SWAPAB_TOKENS (tuning.swapab_tokens, read where dispatch gathers the call's facts); a bad value is a
+    ValueError naming the variable."""
     case = dict(H=16, PS=1, tma_layout=False, token_rows=True)
-    monkeypatch.setattr(SW, "TOKENS_IN_AUTO", False)
     choice = D_.select_decode_kernel(*_args(**case), **_facts(**case))
     assert choice.name == "triton" and "MLA_COMPILE_SWAPAB_TOKENS" in choice.reason
     assert D_.select_decode_kernel(*_args(**case), kernel="swapab", **_facts(**case)).name == FEW
-    monkeypatch.setattr(SW, "TOKENS_IN_AUTO", True)
-    D_.select_decode_kernel.cache_clear()
-    choice = D_.select_decode_kernel(*_args(**case), **_facts(**case))
+    choice = D_.select_decode_kernel(*_args(**case), tokens_form=True, **_facts(**case))
     assert choice.name == FEW and (not GLUON or "token table" in choice.reason)
+    monkeypatch.delenv(tuning.SWAPAB_TOKENS_ENV, raising=False)
+    assert tuning.swapab_tokens(False) is False and tuning.swapab_tokens(True) is True
+    for env, want in (("1", True), ("0", False), ("auto", SW.TOKENS_IN_AUTO), ("", SW.TOKENS_IN_AUTO)):
+        monkeypatch.setenv(tuning.SWAPAB_TOKENS_ENV, env)
+        assert tuning.swapab_tokens(SW.TOKENS_IN_AUTO) is want
+    monkeypatch.setenv(tuning.SWAPAB_TOKENS_ENV, "yes")
+    with pytest.raises(ValueError, match=tuning.SWAPAB_TOKENS_ENV):
+        tuning.swapab_tokens(False)
     assert select(H=16, PS=1, tma_layout=False) == "triton"  # caches that are no [slots, width] view
+    # through dispatch's facts: the HF pass's page-size-1 views of one [tokens, 576] buffer on an sm_90
+    monkeypatch.setattr(D_, "_capability", lambda device: H200)
+    buf = torch.zeros(256, 1, 576, dtype=BF16)
+    call = (torch.zeros(2, 16, 512, dtype=BF16), torch.zeros(2, 16, 64, dtype=BF16), buf[..., :512], buf[..., 512:])
+    table = torch.zeros(2, 128, dtype=torch.int32)
+    for env, want in (("0", "triton"), ("1", FEW), ("auto", FEW if SW.TOKENS_IN_AUTO else "triton")):
+        monkeypatch.setenv(tuning.SWAPAB_TOKENS_ENV, env)
+        assert D_.decode_kernel(*call, block_table=table).name == want, env
 
 
 SWAPAB = "fp8_swapab" if GLUON else "triton"
@@ -354,7 +364,7 @@ def _args(H=128, R=512, P=64, PS=64, sparse=False, dtype=BF16, cap=H200, n_query
 
 def _facts(**case):
     return {k: v for k, v in case.items() if k in ("tma_layout", "rows_aligned", "flashmla", "flashinfer", "tokens",
-                                                   "fp8_cache", "fp8_rows", "token_rows")}
+                                                   "fp8_cache", "fp8_rows", "token_rows", "tokens_form")}
 
 
 def test_unknown_kernel_is_a_value_error_naming_it():
