@@ -211,7 +211,7 @@ def mla_dcp(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None
     def compile_graph(gm, example_inputs):
         from .passes.fused_linear import compiling_for_cuda_graphs
 
-        with tuning_.use(opts.tuning), compiling_for_cuda_graphs(
+        with tuning_.use(tuning_.within(opts.tuning)), compiling_for_cuda_graphs(
                 patches.get("triton.cudagraphs", torch._inductor.config.triton.cudagraphs)):
             gm = rewrite_graph(gm, example_inputs, opts)
             # host-int bookkeeping (e.g. the DSA cache's max_kv_len += 1) stays out of the Inductor graph: no int input

@@ -68,7 +68,9 @@ class Tuning:
         where it takes the call (exact for such scales; H100 2026-12-06, H 128 32K: 190.9 vs 276.0 us at B 8, 698
         vs 1063 at B 32 for our FP8 kernel). Over a cache with other scales that kernel errs like a bf16 cache
         (lse off by ~0.05 at scores ~20), so promise it only for caches written that way; the data checks
-        (MLA_COMPILE_CHECK_DATA=1 on CUDA, always on CPU tensors) hold every op reading an FP8 cache to it.
+        (MLA_COMPILE_CHECK_DATA=1 on CUDA, always on CPU tensors) hold every op reading an FP8 cache to it. A
+        generate() call under optimize_generate over a cache written with fp8_scale_fmt "ue8m0" makes the promise
+        itself; a compiled graph's own Tuning keeps a promise made around it (`within`).
     """
 
     decode_kernel: str = "auto"
@@ -113,15 +115,27 @@ def use(tuning: Tuning):
         _current.reset(token)
 
 
+def within(tuning: Tuning) -> Tuning:
+    """`tuning` as it applies inside the one in effect now: a promise about the data (`fp8_scale_fmt`) made outside
+    holds inside too (e.g. a cache of power-of-two scales handed to generate(), integrations/generate.py, around a
+    model compiled with options of other fields)."""
+    outer = _current.get().fp8_scale_fmt
+    return tuning if outer is None or tuning.fp8_scale_fmt is not None else dataclasses.replace(tuning,
+                                                                                                fp8_scale_fmt=outer)
+
+
 def bind(fn, tuning: Tuning):
     """fn, called under `tuning` every time (a compiled graph: its ops choose kernels when they run, and under
-    CUDA graphs when they are recorded). The defaults: fn itself, nothing added per call."""
+    CUDA graphs when they are recorded), as `within` it applies (a data promise made where fn is called holds). The
+    defaults: fn itself, nothing added per call."""
     if tuning == DEFAULT:
         return fn
+    # `within`, without a new Tuning per call ("ue8m0" is the only promise there is)
+    promised = tuning if tuning.fp8_scale_fmt is not None else dataclasses.replace(tuning, fp8_scale_fmt="ue8m0")
 
     @functools.wraps(fn)
     def under_tuning(*args, **kwargs):
-        token = _current.set(tuning)
+        token = _current.set(tuning if _current.get().fp8_scale_fmt is None else promised)
         try:
             return fn(*args, **kwargs)
         finally:

@@ -19,11 +19,15 @@ kept and reset instead (`reuse_cache`).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import dataclasses
 import functools
 import logging
 
 import torch
+
+from .. import fp8, tuning
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +197,19 @@ _DEFERS = "_mla_compile_defers_stop_check"  # on our wrapper: whether it defers 
 _CACHE_KWARGS = ("cache", "past_key_values")
 
 
+def _cache_promise(kwargs: dict):
+    """The tuning promise a generate() call's own cache makes, as a context: a cache whose FP8 layers were all
+    written with power-of-two scales (`MLAPagedCache` / `DSAStaticCache(..., kv_cache_dtype="fp8_e4m3",
+    fp8_scale_fmt="ue8m0")`) runs the call under `Tuning.fp8_scale_fmt="ue8m0"` (kernels that are exact only for
+    such scales may take it: FlashMLA's FP8 kernel at 128 heads), so the cache's setting is the only one to make.
+    Any other cache, or none: nothing changes."""
+    cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+    fp8_layers = [layer for layer in getattr(cache, "layers", ()) if getattr(layer, "fp8", False)]
+    if not fp8_layers or any(getattr(layer, "fp8_scale_fmt", None) != fp8.UE8M0 for layer in fp8_layers):
+        return contextlib.nullcontext()
+    return tuning.use(dataclasses.replace(tuning.current(), fp8_scale_fmt=fp8.UE8M0))
+
+
 def _beam_search(model, kwargs: dict) -> bool:
     """Whether this generate() call asks for beam search (num_beams > 1), from the call or its generation config."""
     config = kwargs.get("generation_config") or model.generation_config
@@ -214,7 +231,7 @@ def _wrap_generate(model, generate, defer: bool, dynamo: dict | None = None):
         returns = _RETURNS_CACHE.set(_returns_cache(model, kwargs))
         config = {"recompile_limit": max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT), **(dynamo or {})}
         try:
-            with torch._dynamo.config.patch(**config):
+            with torch._dynamo.config.patch(**config), _cache_promise(kwargs):
                 return generate(*args, **kwargs)
         finally:
             _RETURNS_CACHE.reset(returns)

@@ -431,6 +431,44 @@ def test_hf_v3_128_heads_over_a_promised_ue8m0_cache_runs_flashmla_fp8(monkeypat
     assert c.get("mla_attention_rewritten") == 2, c
 
 
+def test_hf_generate_at_128_heads_over_a_ue8m0_cache_runs_flashmla_fp8(monkeypatch):
+    """The generate() road with one setting: optimize_generate (no option) over a passed cache written with
+    power-of-two scales (`fp8_scale_fmt="ue8m0"`): the call promises them itself, so at 128 heads the decode steps
+    run FlashMLA's FP8 kernel (recorded under CUDA graphs, then replayed), and the first compiled step's logits
+    follow eager generate()'s over the same cache (bf16 model: within 2e-2; the prefill is eager in both, so the
+    first new token is the same)."""
+    import hf_models as M
+    from mla_compile.integrations.hf import MLAPagedCache, cache_kwargs, optimize_generate
+    from mla_compile.kernels import flashmla as FM
+    from mla_compile.kernels import flashmla_fp8 as FM8
+
+    if not FM.available():
+        pytest.skip("needs flash_mla on an SM90 GPU")
+    runs = []
+    real = FM8._run
+    monkeypatch.setattr(FM8, "_run", lambda *a, **k: runs.append(1) or real(*a, **k))
+    torch._dynamo.reset()
+    model = M.deepseek_v3(num_layers=2, heads=128, hidden=256, dtype=torch.bfloat16).cuda()
+    ids, mask = M.batch(B=4, T=9, L=9, pad=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+              return_dict_in_generate=True, output_logits=True)
+
+    def cache():
+        return cache_kwargs(model, MLAPagedCache(model.config, 32, page_size=64, kv_cache_dtype="fp8_e4m3",
+                                                 fp8_scale_fmt="ue8m0"))
+
+    with torch.no_grad():
+        ref = model.generate(ids, cache_implementation=None, disable_compile=True, **cache(), **kw)
+        assert not runs  # eager HF dequantizes (mla_hf::gather_latent): no decode kernel
+        optimize_generate(model)
+        out = model.generate(ids, **cache(), **kw)
+    assert runs, "FlashMLA's FP8 kernel was not run"
+    assert torch.equal(out.sequences[:, ids.shape[1]], ref.sequences[:, ids.shape[1]])
+    assert M.rel_err(out.logits[1].float(), ref.logits[1].float()) < 2e-2
+    torch._dynamo.reset()
+
+
 def test_hf_v32_over_fp8_dsa_static_cache_reduce_overhead_both_graphs():
     """kv length 8 .. 17 crosses index_topk 12: the dense graph, then the sparse one (mla.sparse_decode over FP8)."""
     import hf_models as M

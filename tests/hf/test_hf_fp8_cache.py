@@ -232,6 +232,40 @@ def test_generate_over_an_fp8_cache():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_generate_takes_the_power_of_two_promise_from_its_cache(scale_fmt, monkeypatch):
+    """A cache written with power-of-two scales (fp8_scale_fmt="ue8m0") is the only setting a generate() user
+    makes: optimize_generate's wrapper runs the call under Tuning.fp8_scale_fmt "ue8m0" (what lets auto take
+    FlashMLA's FP8 kernel at 128 heads), seen by every FP8 read of the compiled step; a cache of amax scales promises
+    nothing. The tokens stay eager generate()'s over the same cache."""
+    from mla_compile import tuning
+    from mla_compile.ops import _checks
+
+    model = M.deepseek_v3(num_layers=1)
+    ids, mask = M.batch(B=2, T=6, L=6, pad=2)
+    kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    seen, check = [], _checks._check_promised_scales
+
+    def spy(ckv_scale, scale_name):
+        seen.append(tuning.current().fp8_scale_fmt)
+        return check(ckv_scale, scale_name)
+
+    def cache():
+        return cache_kwargs(model, MLAPagedCache(model.config, 16, page_size=4, kv_cache_dtype=FP8,
+                                                 fp8_scale_fmt=scale_fmt))
+
+    with torch.no_grad():
+        ref = model.generate(ids, cache_implementation=None, disable_compile=True, **cache(), **kw)
+        torch._dynamo.reset()
+        monkeypatch.setattr(_checks, "_check_promised_scales", spy)
+        optimize_generate(model)
+        out = model.generate(ids, **cache(), **kw)
+    assert torch.equal(out, ref)
+    assert seen and set(seen) == {scale_fmt}, seen
+    assert tuning.current() == tuning.DEFAULT  # only for the call
+    torch._dynamo.reset()
+
+
 # -------------------------------------------------------------------------------------------- DCP, 2 ranks
 def cmd_hf_fp8_dcp(ctx, steps: int):
     """This rank: single-rank eager HF over a whole FP8 cache (the reference), eager HF over this rank's FP8 shard

@@ -432,6 +432,23 @@ def test_backend_options_carry_a_tuning():
     assert tuning.bind(plain, tuning.DEFAULT) is plain  # the defaults add nothing per call
 
 
+def test_a_bound_tuning_keeps_a_data_promise_made_outside():
+    """fp8_scale_fmt is a promise about the data (a cache of power-of-two scales handed to generate()): a compiled
+    graph's bound Tuning of other fields keeps it where its caller made it, and makes none where nobody did."""
+    seen = []
+    fn = tuning.bind(lambda: seen.append(tuning.current()), tuning.Tuning(decode_kernel="triton"))
+    fn()
+    with tuning.use(tuning.Tuning(fp8_scale_fmt="ue8m0")):
+        fn()
+    promising = tuning.bind(lambda: seen.append(tuning.current()), tuning.Tuning(fp8_scale_fmt="ue8m0"))
+    promising()
+    assert seen == [tuning.Tuning(decode_kernel="triton"), tuning.Tuning(decode_kernel="triton", fp8_scale_fmt="ue8m0"),
+                    tuning.Tuning(fp8_scale_fmt="ue8m0")]
+    assert tuning.within(tuning.Tuning(absorb="bmm")) == tuning.Tuning(absorb="bmm")
+    with tuning.use(tuning.Tuning(fp8_scale_fmt="ue8m0", decode_kernel="wgmma")):
+        assert tuning.within(tuning.Tuning(absorb="bmm")) == tuning.Tuning(absorb="bmm", fp8_scale_fmt="ue8m0")
+
+
 # ================================================================================ the choice is what runs
 @pytest.mark.parametrize("kernel", ["seesaw", "wgmma", "swapab", "triton-tma", "triton-pointer"])
 def test_decode_runs_exactly_the_configured_stage1_kernel(kernel, monkeypatch):
