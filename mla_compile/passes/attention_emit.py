@@ -188,7 +188,7 @@ def _physical(b: Builder, table: fx.Node, src: LatentSource, B, L: int, device, 
     """Logical positions -> physical slots of the flat (page size 1) latent view."""
     if src.kind == "tensor":
         return b.call(aten.add.Tensor, table, _row_base(b, B, L, device, memo))
-    return _paged_slots(b, table, src)
+    return _paged_slots(b, table, src, L)
 
 
 def _flat_latent(b: Builder, src: LatentSource, B, L: int, R: int, P: int):
@@ -253,14 +253,25 @@ def _emit_sparse_indices(b: Builder, site: Site, src: LatentSource, B, L: int, m
         keep = b.call(aten.ge.Scalar, idx, 0)
         t = b.call(aten.sub.Tensor, idx, _row_base(b, B, L, device, memo))
         t = b.call(aten.where.ScalarOther, keep, t, 0)
-        return b.call(aten.where.ScalarOther, keep, _paged_slots(b, t, src), -1)
+        return b.call(aten.where.ScalarOther, keep, _paged_slots(b, t, src, L), -1)
 
     return memo.get(b, ("indexer_paged", sp.topk, src.block_table), paged), counts
 
 
-def _paged_slots(b: Builder, t: fx.Node, src: LatentSource) -> fx.Node:
-    """int32 physical slots of logical token positions t [B, K] of a paged latent (`layout.page_slots`)."""
-    slot = layout.page_slots(src.block_table, t, _shape(src.ckv)[1], aten=b.aten)
+def _paged_slots(b: Builder, t: fx.Node, src: LatentSource, bound: int | None = None) -> fx.Node:
+    """int32 physical slots of logical token positions t [B, K] of a paged latent (`layout.page_slots`). `bound`:
+    every t lies in [0, bound) (the positions of a [B, L] mask: L). One page per request that holds them all (a
+    [B, 1] block table of pages of >= bound tokens: DSAStaticCache's FP8 layers) makes t // PS = 0 and t % PS = t,
+    so the slots are block_table[:, :1] * PS + t: no gather, division or remainder per element (over the HF pass's
+    [B, L] token table they made its one reduction kernel 15.9 us a step against 4.8 for a bf16 cache, H100 H 16
+    B 8 32K, benchmarks/RESULTS.md 2026-12-06 tenth session)."""
+    PS = _shape(src.ckv)[1]
+    pages = _shape(src.block_table)[1]
+    if bound is not None and isinstance(pages, int) and pages == 1 and isinstance(PS, int) and bound <= PS:
+        first = b.call(aten.slice.Tensor, src.block_table, 1, 0, 1)
+        slot = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, first, PS), t)
+    else:
+        slot = layout.page_slots(src.block_table, t, PS, aten=b.aten)
     return b.call(aten._to_copy.default, slot, dtype=torch.int32)
 
 
