@@ -45,17 +45,20 @@ if G.gluon is not None:
         """GATHER: the table entries of the tile at t0 in each row-copy layout, loaded a tile before its copies are
         issued: loaded right before them, every tile stalled on the table's latency (H100, H 16 B 8 32K over a
         page-size-1 token table: 164.8 us against 102.7 loaded early; the TMA form on pages of 64: 85.3;
-        benchmarks/RESULTS.md 2026-12-05). TOKENS: a fourth copy in `_gluon.run_layout`, for the check that picks
-        the tile's copies (`_fill_slot`; checked when they are issued, so nothing waits for the load before)."""
+        benchmarks/RESULTS.md 2026-12-05). TOKENS: only the entries in `_gluon.run_layout`, for the check that picks
+        the tile's copies (`_fill_slot`): a tile of consecutive rows (a static cache's: nearly every tile) needs no
+        other, and a tile that is not loads the row copies' entries when it issues them (a 1-tuple then; holding all
+        four copies a tile ahead cost registers and three loads a tile that runs never read)."""
         NW: gl.constexpr = gl.num_warps()
-        EL: gl.constexpr = gl.SliceLayout(1, _gather_layout("e4m3", NW, GROUPS))
-        SL: gl.constexpr = gl.SliceLayout(1, _gather_layout("scales", NW, GROUPS))
-        RL: gl.constexpr = gl.SliceLayout(1, _gather_layout("rope", NW, GROUPS))
-        entries = (G.table_entries(Table, b, s_tb, t0, end, BT, PS, EL),
-                   G.table_entries(Table, b, s_tb, t0, end, BT, PS, SL),
-                   G.table_entries(Table, b, s_tb, t0, end, BT, PS, RL))
-        if TOKENS:
-            entries = entries + (G.table_entries(Table, b, s_tb, t0, end, BT, PS, G.run_layout(NW)),)
+        if TOKENS:  # (a constexpr branch: one return of either type)
+            entries = (G.table_entries(Table, b, s_tb, t0, end, BT, PS, G.run_layout(NW)),)
+        else:
+            EL: gl.constexpr = gl.SliceLayout(1, _gather_layout("e4m3", NW, GROUPS))
+            SL: gl.constexpr = gl.SliceLayout(1, _gather_layout("scales", NW, GROUPS))
+            RL: gl.constexpr = gl.SliceLayout(1, _gather_layout("rope", NW, GROUPS))
+            entries = (G.table_entries(Table, b, s_tb, t0, end, BT, PS, EL),
+                       G.table_entries(Table, b, s_tb, t0, end, BT, PS, SL),
+                       G.table_entries(Table, b, s_tb, t0, end, BT, PS, RL))
         return entries
 
     @gluon.jit
@@ -111,12 +114,13 @@ if G.gluon is not None:
             if pages is None:
                 pages = _gather_pages(Table, b, s_tb, t0, end, e_s.shape[1], PS, GROUPS, TOKENS)
             if TOKENS:
-                row0, run = G.run_start(pages[3], t0, end)
+                row0, run = G.run_start(pages[0], t0, end)
                 if run:
                     _issue_tile(src[9], src[10], src[11], bar, e_s, sc_s, r_s, st, row0, GROUPS, GW, SC_COL, RP_COL)
                     mbarrier.arrive(bar, count=32 * gl.num_warps() - 1)
-                else:
-                    _gather_tile(src, bar, e_s, sc_s, r_s, st, pages, t0, end, PS, GROUPS, GW)
+                else:  # the row copies' entries, loaded now (`_gather_pages`)
+                    _gather_tile(src, bar, e_s, sc_s, r_s, st, _gather_pages(Table, b, s_tb, t0, end, e_s.shape[1], PS,
+                                                                             GROUPS), t0, end, PS, GROUPS, GW)
             else:
                 _gather_tile(src, bar, e_s, sc_s, r_s, st, pages, t0, end, PS, GROUPS, GW)
         else:  # the tile lies inside one page

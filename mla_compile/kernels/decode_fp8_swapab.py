@@ -47,12 +47,13 @@ the loads beside the copies).
 
 TOKENS form (a page-size-1 token table whose views are TMA rows too, `token_rows`: what the HF pass hands over; the
 bf16 kernel's TOKENS form, decode_swapab.py, for this format): GATHER's kernel with the TMA form's descriptors beside
-its pointers. Each tile's 64 entries are loaded a tile ahead in a fourth layout, every warp holding all of them, and
-two in-warp reductions (`_gluon.run_start`) tell whether they are consecutive rows r0, r0 + 1, ... (tokens past the
-end aside: a request's tokens in a static cache, at any offset); such a tile is the TMA form's boxes at row r0 of the
-slot views, one thread arriving for the rest of the barrier's count (it counts every thread, for the row copies);
-any other tile keeps GATHER's row copies. A split's partial last tile has its rope rows past the end zeroed, as the
-TMA form's (a run's boxes read whatever follows it). Taken by default for blocks of 16 heads (`TOKENS_IN_AUTO`,
+its pointers. Each tile's 64 entries are loaded a tile ahead in a layout of their own, every warp holding all of
+them, and two in-warp reductions (`_gluon.run_start`) tell whether they are consecutive rows r0, r0 + 1, ... (tokens
+past the end aside: a request's tokens in a static cache, at any offset); such a tile is the TMA form's boxes at row
+r0 of the slot views, one thread arriving for the rest of the barrier's count (it counts every thread, for the row
+copies); any other tile keeps GATHER's row copies, their entries loaded when it issues them (not a tile ahead: that
+held registers and three loads a tile for the rare tile that is no run). A split's partial last tile has its rope
+rows past the end zeroed, as the TMA form's (a run's boxes read whatever follows it). Taken by default for blocks of 16 heads (`TOKENS_IN_AUTO`,
 `TOKENS_MAX_N`: measured below), or where MLA_COMPILE_SWAPAB_TOKENS=1 (mla_compile/tuning.swapab_tokens) or
 `stage1_plan(tokens=True)` asks.
 
@@ -63,8 +64,9 @@ Found building it (sm_90a, Triton 3.6, tools/aot.py): waiting for one P.V at a t
 (C7514), so one wait retires a tile's; LLVM hoisted ~100 loop-invariant wgmma descriptors out of the loop (255 registers
 and spills at N = 16): an opaque zero in the group indices keeps them in the loop (187 registers; exact scores: 187 at
 N = 16, 177 at N = 32 over two warpgroups; GATHER, page 1: 242 and 206 with its table entries loaded early, page 16: 255
-and 218, no spills; TOKENS: 244 and 201, no spills; at N = 64 every form spills a little: TMA 44 bytes, GATHER 24,
-TOKENS 16). Measured (the bf16-rounding version): benchmarks/RESULTS.md ("FP8 decode, the swap-AB Gluon kernel").
+and 218, no spills; TOKENS: 215 and 192 with only the run check's entries loaded a tile ahead (244 and 201 with all
+four), no spills; at N = 64 every form spills a little: TMA 44 bytes, GATHER 24, TOKENS 16). Measured (the
+bf16-rounding version): benchmarks/RESULTS.md ("FP8 decode, the swap-AB Gluon kernel").
 """
 
 from __future__ import annotations
@@ -104,9 +106,11 @@ E_BOX = 256  # e4m3 columns per TMA box: two scale groups (a box side is at most
 BLOCK_HS = (16, 32, 64)  # heads per program (the MMA's N): more heads, blocks of 64 (a few spilled bytes, see above)
 # The TOKENS form over token tables (the HF pass's caches) by default, for blocks of at most TOKENS_MAX_N heads
 # (MLA_COMPILE_SWAPAB_TOKENS = 1 / 0 overrides both: tuning.swapab_tokens). H100 2026-12-06 (benchmarks/RESULTS.md,
-# tenth session), B 8 32K, us against GATHER's: N 16 97.8 vs 102.9 on a static cache's runs, 105.4 vs 102.5 on
-# shuffled rows, B 1 19.8 vs 21.8; the HF step (H 16 B 8 32K, hf_profile --ab 3) 813.6 vs 835.9 us. N 32: 129.1 vs
-# 123.7 on runs (two warpgroups: GATHER's copies spread over both), so blocks of 32 and 64 keep GATHER
+# tenth session), B 8 32K, us against GATHER's, with the row copies' entries loaded only for tiles that are no run:
+# N 16 94.1 vs 101.0 on a static cache's runs (tiles of consecutive rows: also pages of >= 64 tokens), 97.1 vs
+# 101.3 with holes, 108.5 vs 101.7 on shuffled rows (pages under 64 tokens), B 1 19.5 vs 21.8; the HF step (H 16
+# B 8 32K, hf_profile --ab 3) 795.5 vs 826.4 us. N 32: 124.9 vs 122.7 on runs (two warpgroups spread GATHER's
+# copies), so blocks of 32 and 64 keep GATHER
 TOKENS_IN_AUTO = True
 TOKENS_MAX_N = 16
 
