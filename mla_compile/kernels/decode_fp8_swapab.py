@@ -53,9 +53,9 @@ past the end aside: a request's tokens in a static cache, at any offset); such a
 r0 of the slot views, one thread arriving for the rest of the barrier's count (it counts every thread, for the row
 copies); any other tile keeps GATHER's row copies, their entries loaded when it issues them (not a tile ahead: that
 held registers and three loads a tile for the rare tile that is no run). A split's partial last tile has its rope
-rows past the end zeroed, as the TMA form's (a run's boxes read whatever follows it). Taken by default for blocks of 16 heads (`TOKENS_IN_AUTO`,
-`TOKENS_MAX_N`: measured below), or where MLA_COMPILE_SWAPAB_TOKENS=1 (mla_compile/tuning.swapab_tokens) or
-`stage1_plan(tokens=True)` asks.
+rows past the end zeroed, as the TMA form's (a run's boxes read whatever follows it). Taken by default for blocks
+of 16 heads (`TOKENS_IN_AUTO`, `TOKENS_MAX_N`: measured below), or where MLA_COMPILE_SWAPAB_TOKENS=1
+(mla_compile/tuning.swapab_tokens) or `stage1_plan(tokens=True)` asks.
 
 Takes: sm_90, Gluon, bf16 q, R 512 / P 64, one query token (`fits`), pages of whole 64-token tiles whose three views
 (fp8.views) are TMA boxes (`eligible`) or, GATHER, views of 16-byte aligned rows at any page size
