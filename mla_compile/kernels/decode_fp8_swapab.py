@@ -105,8 +105,8 @@ BLOCK_T = 64  # tokens per tile: the MMA's M
 E_BOX = 256  # e4m3 columns per TMA box: two scale groups (a box side is at most 256 elements)
 BLOCK_HS = (16, 32, 64)  # heads per program (the MMA's N): more heads, blocks of 64 (a few spilled bytes, see above)
 # The TOKENS form over token tables (the HF pass's caches) by default, for blocks of at most TOKENS_MAX_N heads
-# (MLA_COMPILE_SWAPAB_TOKENS = 1 / 0 overrides both: tuning.swapab_tokens). H100 2026-12-06 (benchmarks/RESULTS.md,
-# tenth session), B 8 32K, us against GATHER's, with the row copies' entries loaded only for tiles that are no run:
+# (MLA_COMPILE_SWAPAB_TOKENS = 1 / 0 overrides both: tuning.swapab_tokens). H100 2026-12-06 (benchmarks/RESULTS.md, the
+# FP8 TOKENS form), B 8 32K, us against GATHER's, with the row copies' entries loaded only for tiles that are no run:
 # N 16 94.1 vs 101.0 on a static cache's runs (tiles of consecutive rows: also pages of >= 64 tokens), 97.1 vs
 # 101.3 with holes, 108.5 vs 101.7 on shuffled rows (pages under 64 tokens), B 1 19.5 vs 21.8; the HF step (H 16
 # B 8 32K, hf_profile --ab 3) 795.5 vs 826.4 us. N 32: 124.9 vs 122.7 on runs (two warpgroups spread GATHER's

@@ -264,7 +264,7 @@ def _paged_slots(b: Builder, t: fx.Node, src: LatentSource, bound: int | None = 
     [B, 1] block table of pages of >= bound tokens: DSAStaticCache's FP8 layers) makes t // PS = 0 and t % PS = t,
     so the slots are block_table[:, :1] * PS + t: no gather, division or remainder per element (over the HF pass's
     [B, L] token table they made its one reduction kernel 15.9 us a step against 4.8 for a bf16 cache, H100 H 16
-    B 8 32K, benchmarks/RESULTS.md 2026-12-06 tenth session)."""
+    B 8 32K, benchmarks/RESULTS.md 2026-12-06, "Where the FP8 HF step's time goes")."""
     PS = _shape(src.ckv)[1]
     pages = _shape(src.block_table)[1]
     if bound is not None and isinstance(pages, int) and pages == 1 and isinstance(PS, int) and bound <= PS:
