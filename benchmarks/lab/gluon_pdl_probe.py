@@ -24,4 +24,10 @@ for PS in (64, 1):
     for name in dir(S):
         fn = getattr(S, name)
         if hasattr(fn, "device_caches"):
-            print(" ", name, {d: [k.metadata.launch_pdl for k in c[0].values()] for d, c in fn.device_caches.items()})
+            print(" ", name, type(fn).__name__, {d: (len(c), [type(x).__name__ for x in c][:5]) for d, c in
+                                                 fn.device_caches.items()})
+            for d, c in fn.device_caches.items():
+                for k in c[0].values():
+                    print("    compiled:", type(k).__name__, "launch_pdl", getattr(k.metadata, "launch_pdl", None))
+            fl = fn.__dict__.get("_mla_fast_launch")
+            print("    fast launch entries:", None if fl is None else len(fl._entries))

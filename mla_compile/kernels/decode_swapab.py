@@ -66,9 +66,10 @@ BLOCK_HS = (16, 32, 64)
 TILINGS = ((16, 4), (32, 8), (64, 8))  # every build a config may ask for
 STAGES = 2  # staging slots: a 64-token tile is 72 KB, a third slot passes Hopper's 227 KB
 # The TOKENS form (page-size-1 token tables: the HF pass's) is not auto's by default: its GPU tests pass and alone it
-# beats the Triton kernel on the HF layout (H100, H 16 B 8 32K 107.3 vs 116.1 us), but the HF step it serves measured
-# on par (847.0 vs 846.2 us, hf_profile --ab, benchmarks/RESULTS.md 2026-12-06, Gluon PDL); `decode_kernel=
-# "swapab"` asks for it, MLA_COMPILE_SWAPAB_TOKENS=1 puts it in auto's table (tuning.swapab_tokens)
+# beats the Triton kernel on the HF layout (H100, H 16 B 8 32K 107.3 vs 116.1 us), but its effect on the HF step is
+# unmeasured: the step A/Bs that asked for it (benchmarks/RESULTS.md 2026-12-06) ran the Triton kernel both times,
+# since dispatch.decode_plan sent a "swapab" choice to the Triton kernels' plan. `decode_kernel="swapab"` asks for
+# it, MLA_COMPILE_SWAPAB_TOKENS=1 puts it in auto's table (tuning.swapab_tokens)
 TOKENS_IN_AUTO = False
 
 

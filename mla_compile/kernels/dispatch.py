@@ -349,7 +349,7 @@ def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
             return peer(qn, qp, ckv, kpe, table, lens, sm_scale)
 
         return (plan if outer is None else unfolded(plan, outer)), name == "flashmla"
-    if name in ("seesaw", "wgmma", "fp8_swapab"):  # the Gluon kernels (fp8_swapab: an FP8 cache, one query token)
+    if name in ("seesaw", "wgmma", "swapab", "fp8_swapab"):  # the Gluon kernels (the swap-AB ones: one query token)
         return _decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
                                    cfg=_config(q_nope, ckv_cache, False, name), n_query=n_query,
                                    ckv_scale=ckv_scale, outer=outer).run, True
