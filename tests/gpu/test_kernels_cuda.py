@@ -555,16 +555,27 @@ def test_wgmma_gather_sparse(splits):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H,PS", [(16, 64), (1, 128), (12, 64), (32, 64), (40, 128)])
-def test_swapab_kernel(H, PS, dtype):
+def test_swapab_kernel(H, PS, dtype, monkeypatch):
     # the few-head swap-AB Gluon kernel (tokens as the MMA's M, decode_swapab.py) on the TMA layout: one head, a
     # partial head block (12, 40: blocks of 16 / 32), one and two warpgroups; lengths on and off tile edges, empty
     # requests, several tiles per split (the two slots wrap), forced and policy split counts, unused slots NaN; then
-    # a CUDA graph replayed with new lengths
+    # a CUDA graph replayed with new lengths; and torch.ops.mla.decode runs it (auto's choice here: its plan is the
+    # swap-AB kernel's, which dispatch once sent to the Triton kernels instead)
+    from mla_compile.kernels import decode_swapab, dispatch
+    from mla_compile.ops import attention
+
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("warpgroup MMA: sm_90 only")
     b, qn, qp = make_batch([0, 1, 63, 64, 65, 777, 4101, 0, 33, 256, 128, 192], H, 512, 64, PS, dtype, seed=H + PS)
     assert_decodes(b, qn, qp, dtype, (1, 2, 3, 40, None),
                    ([0, 1, 60, 64, 1, 700, 4000, 0, 0, 255, 127, 191], [0, 1, 5, 5, 5, 5, 5, 0, 5, 5, 5, 5]), "swapab")
+    assert dispatch.decode_kernel(qn, qp, b.ckv_cache, b.kpe_cache, block_table=b.block_table).name == "swapab"
+    made, real = [], decode_swapab.stage1_plan
+    monkeypatch.setattr(decode_swapab, "stage1_plan", lambda *a, **k: made.append(1) or real(*a, **k))
+    attention._DECODE_PLANS.clear()
+    out, lse = torch.ops.mla.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.08)
+    assert made, "the op's plan is not the swap-AB kernel's"
+    assert_attention(out, lse, *ref_of(b, qn, qp, 0.08), dtype)
 
 
 def token_table_batch(lens, H, dtype, kind, seed, spare=64):
