@@ -487,3 +487,41 @@ def test_fp8_swapab_plan_over_a_token_table(fake_gpu, monkeypatch):
     finally:
         kernel.device_caches.clear()
         kernel.__dict__.pop("_mla_fast_launch", None)
+
+
+def test_decode_plan_at_few_heads_launches_the_swap_ab_kernel(fake_gpu, monkeypatch):
+    """What `mla.decode` runs where dispatch picks swapab (few heads on sm_90, pages of whole 64-token tiles): the
+    op's plan (`dispatch.decode_plan`) launches decode_swapab's kernel, its descriptors' bases the two caches, then
+    the merge. (The plan once fell through to the Triton kernels' default config: the choice never reached the op.)"""
+    from mla_compile.kernels import _gluon as G
+    from mla_compile.kernels import decode_swapab as S
+    from mla_compile.kernels import dispatch, merge
+
+    if G.gluon is None:
+        pytest.skip("no Gluon in this Triton")
+    launches, _ = fake_gpu
+    monkeypatch.setattr(dispatch, "_capability", lambda device: (9, 0))
+    kernels = (S._swapab_kernel, merge._merge_kernel)
+    for k in kernels:
+        k.device_caches.clear()
+        k.__dict__.pop("_mla_fast_launch", None)
+    try:
+        ckv, kpe = torch.zeros(4, 64, 512, dtype=torch.bfloat16), torch.zeros(4, 64, 64, dtype=torch.bfloat16)
+        qn, qp = torch.zeros(2, 16, 512, dtype=torch.bfloat16), torch.zeros(2, 16, 64, dtype=torch.bfloat16)
+        table, lens = torch.arange(4, dtype=torch.int32).view(2, 2), torch.tensor([100, 7], dtype=torch.int32)
+        assert dispatch.decode_kernel(qn, qp, ckv, kpe, block_table=table).name == "swapab"
+        plan, keep = dispatch.decode_plan(qn, qp, ckv, kpe, table, lens, 0.1)
+        assert keep
+        out, lse = plan(qn, qp, ckv, kpe, table, lens, None)
+        assert out.shape == (2, 16, 512) and lse.shape == (2, 16)
+        names = set(S._swapab_kernel.arg_names)  # the swap-AB kernel's launches: its arguments, its descriptors
+        stage1 = [x for x in launches if set(dict(x[0].spec[0])) <= names and "CkvDesc" in dict(x[0].spec[0])]
+        assert len(stage1) == 1, [dict(x[0].spec[0]).keys() for x in launches]
+        spec, args = dict(stage1[0][0].spec[0]), stage1[0][6]
+        assert spec["CkvDesc"].startswith("tensordesc<") and spec["KpeDesc"].startswith("tensordesc<")
+        assert args[2].base is ckv and args[3].base is kpe
+        assert len(launches) == 2  # stage 1, then the merge of its splits
+    finally:
+        for k in kernels:
+            k.device_caches.clear()
+            k.__dict__.pop("_mla_fast_launch", None)
