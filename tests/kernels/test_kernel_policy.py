@@ -567,3 +567,36 @@ def test_flashmla_only_where_it_reads_the_caches_in_place(monkeypatch):
     assert D_.decode_kernel(q_nope, q_pe[..., :0], ckv, kpe[..., :0], block_table=big).name == "flashmla"  # P = 0
     monkeypatch.setattr(flashmla, "supported", lambda *a: (False, "page size"))  # or not installed
     assert D_.decode_kernel(q_nope, q_pe, ckv2, kpe2).name != "flashmla"
+
+
+def test_every_choice_has_a_plan(monkeypatch):
+    """Whatever select_decode_kernel chooses (every kernel asked for, every layout fact, FP8 or not, dense or sparse),
+    dispatch's plan functions have a branch for it: none reaches their last (Triton) branch as another kernel, which
+    would silently run the Triton kernels instead (`_planned` raises there; a "swapab" choice once did that)."""
+    import itertools
+
+    dense_planned = {"flashmla", "flashinfer", "seesaw", "wgmma", "swapab", "fp8_swapab", "triton"}
+    sparse_planned = {"flashmla", "wgmma", "triton"}
+    seen = set()
+    facts = ("tma_layout", "rows_aligned", "flashmla", "flashinfer", "fp8_cache", "fp8_rows", "token_rows",
+             "tokens_form", "pow2_scales")
+    for H, PS, sparse, n_query, cap, kernel in itertools.product(
+            (1, 16, 40, 64, 128), (1, 64), (False, True), (1, 2), (H200, A100, "interpreter"), tuning.DECODE_KERNELS):
+        for flags in itertools.product((False, True), repeat=len(facts)):
+            kw = dict(zip(facts, flags))
+            if sparse and (kw["tma_layout"] or kw["token_rows"]):  # never true of an index list (_gluon)
+                continue
+            name = D_.select_decode_kernel(H, 512, 64, 1 if sparse else PS, sparse, BF16, cap, n_query,
+                                           kernel=kernel, **kw).name
+            seen.add((sparse, name))
+            assert name in (sparse_planned if sparse else dense_planned), (H, PS, sparse, n_query, cap, kernel, kw)
+            # the branches read the cache as the kernel does: FP8 kernels for FP8 caches (a sparse "flashmla" is
+            # FlashMLA's FP8 kernel), bf16 ones for the rest
+            if name == "fp8_swapab" or (sparse and name == "flashmla"):
+                assert kw["fp8_cache"], (name, kw)
+            if name in ("seesaw", "wgmma", "swapab", "flashinfer"):
+                assert not kw["fp8_cache"], (name, kw)
+    assert {n for s, n in seen if not s} == dense_planned  # the grid reaches every branch
+    assert {n for s, n in seen if s} == sparse_planned
+    with pytest.raises(RuntimeError, match="no plan for the kernel 'swapab'"):
+        D_._planned("swapab", "triton", "decode_plan")
