@@ -419,10 +419,10 @@ def test_fp8_swapab_plan_over_a_token_table(fake_gpu, monkeypatch):
     """decode_fp8_swapab over a page-size-1 token table (the HF pass's): the TOKENS form by default for blocks of 16
     heads (TOKENS_IN_AUTO, TOKENS_MAX_N), MLA_COMPILE_SWAPAB_TOKENS = 1 / 0 over that default, or asked for
     (`tokens=True`); else the GATHER form. The TOKENS plan holds the TMA form's descriptor templates ([slots, width]
-    boxes, rows at the 656-byte token stride) and launches the kernel with them rebased over the call's views in their place and the same
-    views as the row copies' pointers after the numbers, as Triton's binder types them (descriptors, pointers); the
-    other forms pass those pointers as None (constexprs: their builds unchanged). A TOKENS form asked for over pages
-    (64 or 16 tokens) is refused before any launch."""
+    boxes, rows at the 656-byte token stride) and launches the kernel with them rebased over the call's views in
+    their place and the same views as the row copies' pointers after the numbers, as Triton's binder types them
+    (descriptors, pointers); the other forms pass those pointers as None (constexprs: their builds unchanged). A
+    TOKENS form asked for over pages (64 or 16 tokens) is refused before any launch."""
     from mla_compile import fp8
     from mla_compile.kernels import _gluon as G
     from mla_compile.kernels import decode_fp8_swapab as F
