@@ -15,7 +15,8 @@ FlashMLA (when `flash_mla` imports on SM90) reads one [pages, 64, 576] K cache; 
 time in that layout (`flashmla.fused_caches`). Timed: FlashMLA alone on it (`flashmla_graph_ms`, FlashMLA's own
 cost), our adapter `kernels/flashmla.decode` on it (`flashmla_fused_graph_ms`: + q concat + empty-row fix-up)
 and on our two separate caches (`flashmla_copied_graph_ms`: + the per-call copy into 576-wide rows, also timed
-alone as `kv_copy_graph_ms`).
+alone as `kv_copy_graph_ms`). "ours" is auto's choice driven through its config (`dispatch.own_decode_config`);
+"op" is `torch.ops.mla.decode` itself on the same tensors (`op_graph_ms`, `op_kernel`: what users' calls run).
 Every decode row is checked numerically: each peer against a float64 reference of request 0 and against ours
 over the whole batch (`check`: "ok" or what failed).
 Data is random (never zeros); each (batch, kv_len) gets a shuffled block table over one shared page pool.
@@ -139,6 +140,13 @@ def bench_decode(results, copy_bw, sweep, shapes, heads=HEADS):
                             else dataclasses.replace(cfg, kernel="triton"))
                 row["triton_tma_graph_ms"] = ms(lambda: run(replaced), graph=True)
             peers = {}  # name -> (out, lse) of one call, for the numerical check
+            # the users' road: the op itself (its plan: dispatch's choice for these tensors, FlashMLA's adapter where
+            # it reads them in place), beside `ours` (auto's choice driven through its config). A plan that ran
+            # another kernel than the choice once hid behind the config-driven column alone
+            row["op_kernel"] = dispatch.decode_kernel(qn, qp, ckv, kpe, block_table=table).name
+            op = lambda: torch.ops.mla.decode(qn, qp, ckv, kpe, table, lens, scale)  # noqa: E731
+            peers["op"] = op()
+            row["op_graph_ms"] = ms(op, graph=True)
             if FI.available():
                 try:
                     fi_run = FI.plan(qn, qp, ckv, table, lens, scale).raw
@@ -279,7 +287,9 @@ DECODE_COLUMNS = SHAPE_COLUMNS + [
     ("bw frac FI", ratio("flashinfer_bw_frac")), ("TFLOP/s T", lambda r: cell(r, "triton_tflops", 1, "{:.0f}")),
     ("best sweep cfg", lambda r: r.get("best_cfg", "-")), ("best", lambda r: cell(r, "best_ms"))]
 PEER_COLUMNS = SHAPE_COLUMNS + [
-    ("ours", lambda r: cell(r, "triton_graph_ms")), ("FlashInfer", lambda r: cell(r, "flashinfer_graph_ms")),
+    ("ours", lambda r: cell(r, "triton_graph_ms")),
+    ("op (kernel)", lambda r: f"{cell(r, 'op_graph_ms')} ({r.get('op_kernel', '-')})"),
+    ("FlashInfer", lambda r: cell(r, "flashinfer_graph_ms")),
     ("FlashMLA", lambda r: cell(r, "flashmla_graph_ms")), ("ours/FlashMLA", ratio("ratio_flashmla_graph")),
     ("via decode fused", lambda r: cell(r, "flashmla_fused_graph_ms")),
     ("via decode copied", lambda r: cell(r, "flashmla_copied_graph_ms")),
