@@ -143,10 +143,13 @@ def bench_decode(results, copy_bw, sweep, shapes, heads=HEADS):
             # the users' road: the op itself (its plan: dispatch's choice for these tensors, FlashMLA's adapter where
             # it reads them in place), beside `ours` (auto's choice driven through its config). A plan that ran
             # another kernel than the choice once hid behind the config-driven column alone
-            row["op_kernel"] = dispatch.decode_kernel(qn, qp, ckv, kpe, block_table=table).name
-            op = lambda: torch.ops.mla.decode(qn, qp, ckv, kpe, table, lens, scale)  # noqa: E731
-            peers["op"] = op()
-            row["op_graph_ms"] = ms(op, graph=True)
+            try:
+                row["op_kernel"] = dispatch.decode_kernel(qn, qp, ckv, kpe, block_table=table).name
+                op = lambda: torch.ops.mla.decode(qn, qp, ckv, kpe, table, lens, scale)  # noqa: E731
+                peers["op"] = op()
+                row["op_graph_ms"] = ms(op, graph=True)
+            except Exception as e:  # report, keep going
+                row["op_error"] = repr(e)[:300]
             if FI.available():
                 try:
                     fi_run = FI.plan(qn, qp, ckv, table, lens, scale).raw
