@@ -120,8 +120,13 @@ def within(tuning: Tuning) -> Tuning:
     holds inside too (e.g. a cache of power-of-two scales handed to generate(), integrations/generate.py, around a
     model compiled with options of other fields)."""
     outer = _current.get().fp8_scale_fmt
-    return tuning if outer is None or tuning.fp8_scale_fmt is not None else dataclasses.replace(tuning,
-                                                                                                fp8_scale_fmt=outer)
+    return tuning if outer is None or tuning.fp8_scale_fmt is not None else _promising(tuning, outer)
+
+
+@functools.lru_cache(maxsize=64)
+def _promising(tuning: Tuning, fp8_scale_fmt: str) -> Tuning:
+    """`tuning` with a promise added, one object per pair (a bound graph asks on every call)."""
+    return dataclasses.replace(tuning, fp8_scale_fmt=fp8_scale_fmt)
 
 
 def bind(fn, tuning: Tuning):
@@ -130,12 +135,10 @@ def bind(fn, tuning: Tuning):
     defaults: fn itself, nothing added per call."""
     if tuning == DEFAULT:
         return fn
-    # `within`, without a new Tuning per call ("ue8m0" is the only promise there is)
-    promised = tuning if tuning.fp8_scale_fmt is not None else dataclasses.replace(tuning, fp8_scale_fmt="ue8m0")
 
     @functools.wraps(fn)
     def under_tuning(*args, **kwargs):
-        token = _current.set(tuning if _current.get().fp8_scale_fmt is None else promised)
+        token = _current.set(within(tuning))
         try:
             return fn(*args, **kwargs)
         finally:

@@ -353,7 +353,7 @@ def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
         return _decode.decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale,
                                    cfg=_config(q_nope, ckv_cache, False, name), n_query=n_query,
                                    ckv_scale=ckv_scale, outer=outer).run, True
-    _planned(name, "triton", "decode_plan")
+    _planned(name, "decode_plan")
     # the Triton kernels; a rope-less call (see above) with a zero rope column
     zero = rope_less(q_pe)
     q_pe, kpe_cache = with_zero_rope(q_nope, ckv_cache) if zero else (q_pe, kpe_cache)
@@ -361,10 +361,10 @@ def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
                                               n_query=n_query, ckv_scale=ckv_scale, outer=outer).run, zero), True
 
 
-def _planned(name: str, last: str, where: str) -> None:
-    """A plan function's last branch takes `last` only: any other choice reaching it is a kernel that branch would
-    silently replace (a "swapab" choice once ran the Triton kernels this way): an error, not a fallback."""
-    if name != last:
+def _planned(name: str, where: str) -> None:
+    """A plan function's last branch takes the Triton kernels only: any other choice reaching it is a kernel that
+    branch would silently replace (a "swapab" choice once ran the Triton kernels this way): an error, not a fallback."""
+    if name != "triton":
         raise RuntimeError(f"dispatch.{where}: no plan for the kernel {name!r} select_decode_kernel chose")
 
 
@@ -385,7 +385,7 @@ def sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, ck
     if name == "wgmma":
         return _decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,
                                           cfg=_config(q_nope, ckv_cache, True, "wgmma"), outer=outer).run, True
-    _planned(name, "triton", "sparse_decode_plan")
+    _planned(name, "sparse_decode_plan")
     zero = rope_less(q_pe)
     q_pe, kpe_cache = with_zero_rope(q_nope, ckv_cache) if zero else (q_pe, kpe_cache)
     return zero_rope_run(_decode.sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale,

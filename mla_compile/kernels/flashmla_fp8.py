@@ -23,8 +23,8 @@ index, as ours); `decode` writes each request's slots (page * page_size + offset
 [B, 1, capacity] index list on the device (`_slots_kernel`: 4 bytes a token against the 656 the attention reads);
 the lengths cannot go in as FlashMLA's `topk_length` (its V3.2 kernel asserts "V3.2 does not support dynamic topk
 length", sgl-flash-mla 1.0.0 on an H100), so the -1 entries past a length are what ends a request. Its split-KV
-schedule is made in the call from an empty `FlashMLASchedMeta` (as kernels/flashmla.py does for the dense kernel): no host sync,
-CUDA-graph capturable.
+schedule is made in the call from an empty `FlashMLASchedMeta` (as kernels/flashmla.py does for the dense kernel): no
+host sync, CUDA-graph capturable.
 Results: out [B, H, 512] bf16, lse float32 [B, H], natural log. A row without a valid index gets lse +inf from
 FlashMLA (its softmax sum is 0); kernels/flashmla.py `empty_rows_to_contract` makes those (0, -inf), our
 contract.

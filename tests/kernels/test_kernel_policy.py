@@ -599,4 +599,4 @@ def test_every_choice_has_a_plan(monkeypatch):
     assert {n for s, n in seen if not s} == dense_planned  # the grid reaches every branch
     assert {n for s, n in seen if s} == sparse_planned
     with pytest.raises(RuntimeError, match="no plan for the kernel 'swapab'"):
-        D_._planned("swapab", "triton", "decode_plan")
+        D_._planned("swapab", "decode_plan")
