@@ -65,12 +65,11 @@ BLOCK_T = G.BLOCK_N  # tokens per tile: the MMA's M
 BLOCK_HS = (16, 32, 64)
 TILINGS = ((16, 4), (32, 8), (64, 8))  # every build a config may ask for
 STAGES = 2  # staging slots: a 64-token tile is 72 KB, a third slot passes Hopper's 227 KB
-# The TOKENS form (page-size-1 token tables: the HF pass's) is not auto's by default: its GPU tests pass and alone it
-# beats the Triton kernel on the HF layout (H100, H 16 B 8 32K 107.3 vs 116.1 us), but its effect on the HF step is
-# unmeasured: the step A/Bs that asked for it (benchmarks/RESULTS.md 2026-12-06) ran the Triton kernel both times,
-# since dispatch.decode_plan sent a "swapab" choice to the Triton kernels' plan. `decode_kernel="swapab"` asks for
-# it, MLA_COMPILE_SWAPAB_TOKENS=1 puts it in auto's table (tuning.swapab_tokens)
-TOKENS_IN_AUTO = False
+# The TOKENS form (page-size-1 token tables: the HF pass's) is auto's: alone it beats the Triton kernel on the HF
+# layout (H100, H 16 B 8 32K 107.3 vs 116.1 us; B 1 16.7 vs 30.4), and the HF step with it (H 16 B 8 32K, hf_profile
+# --ab 3, the op running this kernel) measured 820.7 vs 870.2 us (benchmarks/RESULTS.md 2026-12-06, eleventh
+# session). MLA_COMPILE_SWAPAB_TOKENS=0 takes it out of auto's table (tuning.swapab_tokens)
+TOKENS_IN_AUTO = True
 
 
 if G.gluon is not None:

@@ -121,7 +121,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
         off (`fp8_rows` is false while `decode_fp8_swapab.ENABLED` is off, MLA_COMPILE_FP8_SWAPAB=0); pages of
         whole 64-token tiles take its TMA form, other page sizes (a token table) its GATHER form (cp.async row
         copies through the table: 102.7 vs 85.3 us for the TMA form, H100 H 16 B 8 32K), a token table its TOKENS
-        form with MLA_COMPILE_SWAPAB_TOKENS=1 (runs of rows as TMA boxes; its `stage1_plan` picks the form). H200
+        form at 16 heads (runs of rows as TMA boxes; its `stage1_plan` picks the form, tuning.swapab_tokens). H200
         2026-12-05: H 16 B 8 32K 82.7 us against 171.2 for the Triton FP8 kernel and 89.8 for our bf16 cache; H 64
         151.5 vs 450.4.
     (10) kernels/decode_fp8.py (scales folded into fp16 MMAs; fp32 q: the pointer kernel dequantizing its tiles);
@@ -132,8 +132,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
         vs 148.8 (111.3). Index lists keep the Triton kernels.
     (12) a page-size-1 cache under a token table (the HF pass's): swapab's TOKENS form checks each tile's 64
         entries on the device; consecutive rows (a request's tokens in a static cache) are TMA boxes, other tiles
-        16-byte cp.async row copies. Auto's only with `tokens_form` (MLA_COMPILE_SWAPAB_TOKENS=1 or
-        decode_swapab.TOKENS_IN_AUTO).
+        16-byte cp.async row copies. Auto's with `tokens_form` (decode_swapab.TOKENS_IN_AUTO: on, the HF step
+        H 16 B 8 32K 820.7 vs 870.2 us with the Triton kernel; MLA_COMPILE_SWAPAB_TOKENS=0 takes it out).
     (13) `pow2_scales`: FlashMLA's V3.2 FP8 kernel is exact for them; H 64 / 8K within 3% of ours (Tuning's docs).
 
     FlashInfer is never auto's: at H 128 it is faster than ours but slower than FlashMLA, and its cached
@@ -194,7 +194,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
                                 "Gluon kernel (the tokens as the MMA's M)")
     why = ("rope-less (P = 0): a zero rope column" if P == 0
            else "several query tokens of few rows" if n_query > 1 and H < MULTI_TOKEN_GLUON_ROWS
-           else f"few heads ({cannot['swapab'] or 'a token table: swapab asked-for only, MLA_COMPILE_SWAPAB_TOKENS'})"
+           else f"few heads ({cannot['swapab'] or 'a token table: swapab switched off there, MLA_COMPILE_SWAPAB_TOKENS'})"
            if H < MANY_HEADS and n_query == 1 and sm90
            else "few heads" if H < MANY_HEADS and n_query == 1 else "not an sm_90 GPU" if not sm90 else
            "not fp16/bf16" if dtype not in HALF else "a shape or layout the Gluon kernels do not take")

@@ -196,8 +196,8 @@ def test_auto_is_the_fastest_measured_kernel_per_shape_class(case, want):
     assert select(**case) == want
 
 
-def test_the_token_table_form_is_in_auto_only_when_switched_on(monkeypatch):
-    """The TOKENS form's switch: decode_swapab.TOKENS_IN_AUTO (the measured default, off), overridden per plan by
+def test_the_token_table_form_is_in_auto_unless_switched_off(monkeypatch):
+    """The TOKENS form's switch: decode_swapab.TOKENS_IN_AUTO (the measured default, on), overridden per plan by
     MLA_COMPILE_SWAPAB_TOKENS (tuning.swapab_tokens, read where dispatch gathers the call's facts); a bad value is a
     ValueError naming the variable."""
     case = dict(H=16, PS=1, tma_layout=False, token_rows=True)
