@@ -74,7 +74,8 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
     per request. Facts of the call's tensors: `tma_layout` (caches view as [slots, width] with pages of whole
     64-token tiles, `_gluon.tma_layout`), `token_rows` (page size 1 viewing as [slots, width]: a token table's
     cache, `_gluon.token_rows`; `tokens_form`: swapab's TOKENS form may take such a call in auto,
-    `tuning.swapab_tokens`: on by default, what `decode_kernel` passes; a fact here so this table stays cached), `rows_aligned` (16-byte aligned rows, `_gluon.rows_aligned`),
+    `tuning.swapab_tokens`: on by default, what `decode_kernel` passes; a fact here so this table stays cached),
+    `rows_aligned` (16-byte aligned rows, `_gluon.rows_aligned`),
     `flashmla` (FlashMLA imports and takes the call: in place; FP8, kernels/flashmla_fp8.py), `flashinfer` (FlashInfer
     usable now: installed, R 512, not under CUDA-graph capture), `tokens`: the most tokens the call may read, batch x
     the block table's capacity (shapes only: the lengths live on the device), `fp8_cache`: the latent cache is FP8
