@@ -195,7 +195,7 @@ def select_decode_kernel(H: int, R: int, P: int, page_size: int, sparse: bool, d
                                 "Gluon kernel (the tokens as the MMA's M)")
     why = ("rope-less (P = 0): a zero rope column" if P == 0
            else "several query tokens of few rows" if n_query > 1 and H < MULTI_TOKEN_GLUON_ROWS
-           else f"few heads ({cannot['swapab'] or 'a token table: swapab switched off there, MLA_COMPILE_SWAPAB_TOKENS'})"
+           else f"few heads ({cannot['swapab'] or 'a token table: the TOKENS form off, MLA_COMPILE_SWAPAB_TOKENS'})"
            if H < MANY_HEADS and n_query == 1 and sm90
            else "few heads" if H < MANY_HEADS and n_query == 1 else "not an sm_90 GPU" if not sm90 else
            "not fp16/bf16" if dtype not in HALF else "a shape or layout the Gluon kernels do not take")
