@@ -67,8 +67,8 @@ TILINGS = ((16, 4), (32, 8), (64, 8))  # every build a config may ask for
 STAGES = 2  # staging slots: a 64-token tile is 72 KB, a third slot passes Hopper's 227 KB
 # The TOKENS form (page-size-1 token tables: the HF pass's) is auto's: alone it beats the Triton kernel on the HF
 # layout (H100, H 16 B 8 32K 107.3 vs 116.1 us; B 1 16.7 vs 30.4), and the HF step with it (H 16 B 8 32K, hf_profile
-# --ab 3, the op running this kernel) measured 820.7 vs 870.2 us (benchmarks/RESULTS.md 2026-12-06, eleventh
-# session). MLA_COMPILE_SWAPAB_TOKENS=0 takes it out of auto's table (tuning.swapab_tokens)
+# --ab 3, the op running this kernel) measured 820.7 vs 870.2 us (H100, benchmarks/RESULTS.md 2026-12-06).
+# MLA_COMPILE_SWAPAB_TOKENS=0 takes it out of auto's table (tuning.swapab_tokens)
 TOKENS_IN_AUTO = True
 
 

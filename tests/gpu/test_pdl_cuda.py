@@ -121,7 +121,7 @@ def test_gluon_decode_with_pdl_right_after_the_q_producer_and_the_cache_write(H,
     monkeypatch.setenv(tuning.GLUON_PDL_ENV, "1")
     monkeypatch.setenv(tuning.DECODE_KERNEL_ENV, backend)
     _decode_chain(H, PS)
-    # (no swap-AB build showed here while dispatch.decode_plan sent a "swapab" choice to the Triton kernels' plan)
+    # the swap-AB build itself, not only the values: a "swapab" choice once ran the Triton kernels' plan unseen
     fn = {"swapab": decode_swapab._swapab_kernel, "gather": decode_wgmma._stage1_gather_kernel,
           "wgmma": decode_wgmma._stage1_wgmma_kernel}[kernel]
     assert True in _compiled_with_pdl(fn), f"{kernel} was not launched with PDL"
