@@ -432,3 +432,12 @@ def test_host_cpu_probe_times_every_op_through_its_cuda_impl(tmp_path):
 
     rows = host_ab.table(tmp_path)
     assert len(rows) == 2 + len(d["ops"]) and all(r.split(" | ")[3] == "0.50" for r in rows[2:])
+    # the base run twice as slow on every row: relative to the rows' median, no row changed
+    assert all(r.split(" | ")[4] == "1.00" for r in rows[2:]), rows
+    # a slower host on the new side (every row 2x) and one row slower still: only that row's relative ratio moves
+    ops = json.loads(out.read_text())["ops"]
+    (tmp_path / "hostab_base_1.json").write_text(json.dumps({"ops": ops}))
+    (tmp_path / "hostab_new_1.json").write_text(json.dumps(
+        {"ops": {k: v * (3 if k == "mla.decode" else 2) for k, v in ops.items()}}))
+    rel = {r.split(" | ")[0].strip("| "): r.split(" | ")[4] for r in host_ab.table(tmp_path)[2:]}
+    assert rel.pop("mla.decode") == "1.50" and set(rel.values()) == {"1.00"}, rel
