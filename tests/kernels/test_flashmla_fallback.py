@@ -87,6 +87,7 @@ class FakeFlashMLA(StandIn):
         assert k_cache.shape[1:3] == (64, 1) and k_cache.shape[3] == D and head_dim_v == 512
         assert block_table.dtype == torch.int32 and block_table.shape[0] == B and block_table.stride(-1) == 1
         self.calls.append(dict(k_rows=k_cache.shape[0], D=D))
+        self.last_q = q
         out = torch.full((B, 1, H, head_dim_v), math.nan, dtype=q.dtype)
         lse = torch.full((B, H, 1), math.inf, dtype=torch.float32)
         for b in range(B):
@@ -148,6 +149,29 @@ def test_adapter_rope_less_and_strided_q(fake):
     assert fake.calls == [dict(k_rows=c.shape[0], D=R)]  # the 512-wide head over the latent cache alone
     assert torch.allclose(out.double(), ref_out, atol=1e-5)
     assert torch.equal(lse == -math.inf, ref_lse == -math.inf)
+
+
+@pytest.mark.parametrize("joined", [True, False])
+def test_adapter_hands_one_q_buffer_over_as_it_is(fake, joined):
+    """q_nope / q_pe as the two column ranges of one [B, H, R + P (+ pad)] buffer (SGLang's absorbed q, here with
+    heads strided across batch rows) reach FlashMLA as that buffer, no copy; a gap between them, or two tensors,
+    take the concatenation. Either way the result is the reference's."""
+    qn, qp, c, k, table, lens = _batch("fused", seed=2)
+    buf = torch.randn(qn.shape[1], qn.shape[0], R + P + 8).transpose(0, 1)  # [B, H, 584], head-major memory
+    gap = 0 if joined else 8
+    buf[..., :R], buf[..., R + gap:R + gap + P] = qn, qp
+    qn_v, qp_v = buf[..., :R], buf[..., R + gap:R + gap + P]
+    assert (FM.joined_q(qn_v, qp_v).data_ptr() == buf.data_ptr()) == joined
+    assert torch.equal(FM.joined_q(qn_v, qp_v), torch.cat((qn, qp), dim=-1))
+    out, lse = FM.decode(qn_v, qp_v, c, k, table, lens, SCALE)
+    assert (fake.last_q.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()) == joined
+    ref_out, ref_lse = ref.ref_decode(qn, qp, c, k, table, lens, SCALE)
+    live = lens > 0
+    assert torch.allclose(out[live].double(), ref_out[live], atol=1e-5)
+    assert torch.allclose(lse[live].double(), ref_lse[live], atol=1e-5)
+    # two tensors, or q_pe ahead of q_nope in the row: never a view
+    assert FM.joined_q(qn, qp).data_ptr() not in (qn.data_ptr(), qp.data_ptr())
+    assert FM.joined_q(buf[..., P:P + R], buf[..., :P]).data_ptr() != buf.data_ptr()
 
 
 def test_adapter_no_pages_means_all_empty(fake):
