@@ -16,8 +16,8 @@ What FlashMLA reads, and what that costs with our caches:
 - q: [B, 1, H, R + P] with a unit last stride; its batch and head strides are read as given (FlashMLA's C++
   interface checks only the last stride and passes the others to the kernel). Where q_nope / q_pe are the two
   column ranges of one buffer (SGLang's absorbed q: the bmm written into the first R columns of a [B, H, R + P]
-  tensor) that buffer is handed over as it is (`joined_q`); otherwise q_nope | q_pe are concatenated (a copy of
-  B * H * 576 elements, ~12 us at B 128 H 128).
+  tensor) that buffer can be handed over as it is (`joined_q`, while `Q_IN_PLACE`); otherwise q_nope | q_pe are
+  concatenated (a copy of B * H * 576 elements, ~12 us at B 128 H 128).
 - P = 0 (rope-less MLA): FlashMLA's 512-wide head reads ckv alone, in place.
 - Results: out [B, 1, H, 512] in q's dtype, lse float32 [B, H, 1], natural log. A row with seq_len 0 gets
   lse +inf (its output is no documented value); `_empty_rows_kernel` turns those rows into (0, -inf), our
@@ -193,10 +193,18 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
     return out, lse
 
 
+# q handed to FlashMLA at its own strides (`joined_q`): off until tests/gpu/test_flashmla_cuda.py's one-buffer and
+# strided rope-less cases have run on an SM90 GPU (FlashMLA's C++ interface, read: it checks only q's last stride
+# and passes the batch / head strides to the kernel; a build that assumed a contiguous q would answer wrongly)
+Q_IN_PLACE = False
+
+
 def joined_q(q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
-    """q_nope [B, H, R] | q_pe [B, H, P] as one [B, H, R + P] tensor with a unit last stride: a view of the buffer
-    they are the two column ranges of (rope right after the latent in every row, the same batch and head strides),
-    else their concatenation. P = 0: q_nope itself where its last stride is 1."""
+    """q_nope [B, H, R] | q_pe [B, H, P] as one [B, H, R + P] tensor with a unit last stride: with `Q_IN_PLACE` a
+    view of the buffer they are the two column ranges of (rope right after the latent in every row, the same batch
+    and head strides; P = 0: q_nope itself where its last stride is 1), else their contiguous concatenation."""
+    if not Q_IN_PLACE:
+        return torch.cat((q_nope, q_pe), dim=-1) if q_pe.shape[-1] else q_nope.contiguous()
     if not q_pe.shape[-1]:
         return q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
     R, P = q_nope.shape[-1], q_pe.shape[-1]

@@ -103,9 +103,10 @@ def test_decode_strided_q():
     assert_contract(*FM.decode(qn_t, qp_t, c, k, table, lens, SCALE), *want(qn, qp, c, k, table, lens), qn)
 
 
-def test_decode_one_q_buffer():
+def test_decode_one_q_buffer(monkeypatch):
     # q_nope / q_pe as column ranges of one padded [B, H, R + P + 8] buffer (SGLang's absorbed q): FlashMLA reads it
-    # in place at its batch / head strides (`joined_q`), bit for bit what the concatenated copy gives
+    # in place at its batch / head strides (`joined_q` with Q_IN_PLACE), bit for bit what the concatenated copy gives
+    monkeypatch.setattr(FM, "Q_IN_PLACE", True)
     qn, qp, c, k, table, lens = build(LENS[8], 128, torch.bfloat16, "fused", seed=11)
     buf = torch.empty(qn.shape[1], qn.shape[0], R + P + 8, dtype=qn.dtype, device=DEV).transpose(0, 1)
     buf[..., :R], buf[..., R:R + P] = qn, qp
@@ -116,13 +117,14 @@ def test_decode_one_q_buffer():
     assert_contract(out, lse, *want(qn, qp, c, k, table, lens), qn)
 
 
-def test_decode_rope_less():
+def test_decode_rope_less(monkeypatch):
     # P = 0: FlashMLA's 512-wide head over the latent cache alone, in place
     qn, qp, c, k, table, lens = build(LENS[8], 128, torch.bfloat16, "pool", seed=13, rope=0)
     assert FM.supported(qn, c, PS, k) == (True, "")
     assert not FM.kv_cache(c, k, table)[2]
     assert_contract(*FM.decode(qn, qp, c, k, table, lens, SCALE), *want(qn, qp, c, k, table, lens), qn)
-    # a transposed q reaches FlashMLA as it is (no copy: P = 0 needs no concatenation)
+    # a transposed q reaches FlashMLA as it is with Q_IN_PLACE (no copy: P = 0 needs no concatenation)
+    monkeypatch.setattr(FM, "Q_IN_PLACE", True)
     qn_t = qn.transpose(0, 1).contiguous().transpose(0, 1)
     assert FM.joined_q(qn_t, qp).data_ptr() == qn_t.data_ptr()
     assert_contract(*FM.decode(qn_t, qp, c, k, table, lens, SCALE), *want(qn, qp, c, k, table, lens), qn)

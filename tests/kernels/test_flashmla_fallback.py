@@ -151,11 +151,14 @@ def test_adapter_rope_less_and_strided_q(fake):
     assert torch.equal(lse == -math.inf, ref_lse == -math.inf)
 
 
+@pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("joined", [True, False])
-def test_adapter_hands_one_q_buffer_over_as_it_is(fake, joined):
+def test_adapter_hands_one_q_buffer_over_as_it_is(fake, joined, in_place, monkeypatch):
     """q_nope / q_pe as the two column ranges of one [B, H, R + P (+ pad)] buffer (SGLang's absorbed q, here with
-    heads strided across batch rows) reach FlashMLA as that buffer, no copy; a gap between them, or two tensors,
-    take the concatenation. Either way the result is the reference's."""
+    heads strided across batch rows) reach FlashMLA as that buffer, no copy, where `Q_IN_PLACE` allows; a gap
+    between them, or two tensors, take the concatenation. Either way the result is the reference's."""
+    monkeypatch.setattr(FM, "Q_IN_PLACE", in_place)
+    joined = joined and in_place
     qn, qp, c, k, table, lens = _batch("fused", seed=2)
     buf = torch.randn(qn.shape[1], qn.shape[0], R + P + 8).transpose(0, 1)  # [B, H, 584], head-major memory
     gap = 0 if joined else 8
