@@ -17,7 +17,7 @@ What FlashMLA reads, and what that costs with our caches:
   interface checks only the last stride and passes the others to the kernel). Where q_nope / q_pe are the two
   column ranges of one buffer (SGLang's absorbed q: the bmm written into the first R columns of a [B, H, R + P]
   tensor) that buffer can be handed over as it is (`joined_q`, while `Q_IN_PLACE`); otherwise q_nope | q_pe are
-  concatenated (a copy of B * H * 576 elements, ~12 us at B 128 H 128).
+  concatenated (a copy of B * H * 576 elements: 19 MB read and written at B 128, H 128).
 - P = 0 (rope-less MLA): FlashMLA's 512-wide head reads ckv alone, in place.
 - Results: out [B, 1, H, 512] in q's dtype, lse float32 [B, H, 1], natural log. A row with seq_len 0 gets
   lse +inf (its output is no documented value); `_empty_rows_kernel` turns those rows into (0, -inf), our
