@@ -121,15 +121,21 @@ def _tma_aligned(cache) -> bool:
             and (cache.stride(1) * es) % 16 == 0)
 
 
+def _follows_in_rows(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """`second` is the column range right after `first`'s in the same rows of one buffer: unit last strides, the
+    same leading strides and dtype, one storage, second's first element R = first.shape[-1] columns after first's
+    (so a view over the rows at first's strides, R + P wide, reads first | second)."""
+    return (first.stride(-1) == 1 and second.stride(-1) == 1 and first.stride()[:-1] == second.stride()[:-1]
+            and first.dtype == second.dtype
+            and first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+            and second.data_ptr() == first.data_ptr() + first.shape[-1] * first.element_size())
+
+
 def shares_rows(ckv_cache, kpe_cache) -> bool:
     """kpe_cache is the column range [R, R + P) of the rows ckv_cache is [0, R) of: one [NP, PS, >= R + P]
     buffer, 16-byte aligned, which FlashMLA reads as its K cache without a copy."""
-    R = ckv_cache.shape[-1]
-    return (_tma_aligned(ckv_cache) and kpe_cache.stride(-1) == 1
-            and ckv_cache.stride()[:2] == kpe_cache.stride()[:2]
-            and ckv_cache.stride(1) >= R + kpe_cache.shape[-1]
-            and ckv_cache.untyped_storage().data_ptr() == kpe_cache.untyped_storage().data_ptr()
-            and kpe_cache.data_ptr() == ckv_cache.data_ptr() + R * ckv_cache.element_size())
+    return (_tma_aligned(ckv_cache) and _follows_in_rows(ckv_cache, kpe_cache)
+            and ckv_cache.stride(1) >= ckv_cache.shape[-1] + kpe_cache.shape[-1])
 
 
 def fused_caches(num_pages: int, page_size: int, R: int, P: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,16 +209,11 @@ def joined_q(q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
     """q_nope [B, H, R] | q_pe [B, H, P] as one [B, H, R + P] tensor with a unit last stride: with `Q_IN_PLACE` a
     view of the buffer they are the two column ranges of (rope right after the latent in every row, the same batch
     and head strides; P = 0: q_nope itself where its last stride is 1), else their contiguous concatenation."""
-    if not Q_IN_PLACE:
-        return torch.cat((q_nope, q_pe), dim=-1) if q_pe.shape[-1] else q_nope.contiguous()
     if not q_pe.shape[-1]:
-        return q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
-    R, P = q_nope.shape[-1], q_pe.shape[-1]
-    (sb, sh, sr) = q_nope.stride()
-    if (sr == 1 and q_pe.stride() == (sb, sh, 1) and q_pe.dtype == q_nope.dtype and q_pe.device == q_nope.device
-            and q_pe.untyped_storage().data_ptr() == q_nope.untyped_storage().data_ptr()
-            and q_pe.data_ptr() == q_nope.data_ptr() + R * q_nope.element_size()):
-        return q_nope.as_strided((*q_nope.shape[:2], R + P), (sb, sh, 1))
+        return q_nope if Q_IN_PLACE and q_nope.stride(-1) == 1 else q_nope.contiguous()
+    if Q_IN_PLACE and _follows_in_rows(q_nope, q_pe):
+        B, H, R = q_nope.shape
+        return q_nope.as_strided((B, H, R + q_pe.shape[-1]), (q_nope.stride(0), q_nope.stride(1), 1))
     return torch.cat((q_nope, q_pe), dim=-1)
 
 
