@@ -199,10 +199,11 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale):
     return out, lse
 
 
-# q handed to FlashMLA at its own strides (`joined_q`): off until tests/gpu/test_flashmla_cuda.py's one-buffer and
-# strided rope-less cases have run on an SM90 GPU (FlashMLA's C++ interface, read: it checks only q's last stride
-# and passes the batch / head strides to the kernel; a build that assumed a contiguous q would answer wrongly)
-Q_IN_PLACE = False
+# q handed to FlashMLA at its own strides (`joined_q`). FlashMLA's C++ interface checks only q's last stride and
+# passes the batch / head strides to the kernel; tests/gpu/test_flashmla_cuda.py's one-buffer and strided
+# rope-less cases check the installed build against the concatenated copy (bit for bit) and float64. False: every
+# q concatenated, for a build that assumed a contiguous q
+Q_IN_PLACE = True
 
 
 def joined_q(q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:

@@ -441,3 +441,32 @@ def test_host_cpu_probe_times_every_op_through_its_cuda_impl(tmp_path):
         {"ops": {k: v * (3 if k == "mla.decode" else 2) for k, v in ops.items()}}))
     rel = {r.split(" | ")[0].strip("| "): r.split(" | ")[4] for r in host_ab.table(tmp_path)[2:]}
     assert rel.pop("mla.decode") == "1.50" and set(rel.values()) == {"1.00"}, rel
+
+
+def test_bench_ops_times_competing_columns_abba_and_judges_auto_on_the_one_buffer_cache(monkeypatch):
+    import bench_ops
+
+    order = []
+    monkeypatch.setattr(bench_ops, "ms", lambda fn, graph=False: fn())
+    clock = iter(range(1, 100))
+
+    def timed(name):
+        return lambda: (order.append(name), float(next(clock)))[1]
+
+    got = bench_ops.graph_times_abba({"a": timed("a"), "b": timed("b"), "c": timed("c")})
+    assert order == ["a", "b", "c", "c", "b", "a"]
+    # a clock that rises by one a measurement gives every column the same mean: no column favoured by its slot
+    assert got == {"a": 3.5, "b": 3.5, "c": 3.5}
+
+    rows = [dict(H=128, B=8, L=8192, op_fused_graph_ms=0.060, op_fused_kernel="seesaw", op_graph_ms=0.062,
+                 op_kernel="seesaw", flashinfer_graph_ms=0.047, flashmla_graph_ms=0.061),
+            dict(H=128, B=8, L=32768, op_fused_graph_ms=0.150, op_fused_kernel="flashmla", op_graph_ms=0.182,
+                 op_kernel="seesaw", flashinfer_graph_ms=0.152, flashmla_graph_ms=0.151,
+                 flashmla_oneq_graph_ms=0.1505),
+            dict(H=16, B=8, L=32768, op_graph_ms=0.110, op_kernel="swapab", flashinfer_graph_ms=0.112),
+            dict(H=16, B=1, L=1024, op_graph_ms=0.007, op_kernel="swapab")]  # no peer ran: not judged
+    text = bench_ops.auto_vs_peers_table({"decode": rows})
+    assert "| 128 | 8 | 8K | 60.0 (seesaw) | 62.0 (seesaw) | - | 47.0 (FlashInfer) | 1.277 |" in text
+    assert "| 128 | 8 | 32K | 150.0 (flashmla) | 182.0 (seesaw) | 150.5 | 151.0 (FlashMLA) | 0.993 |" in text
+    assert "| 16 | 8 | 32K | 110.0 (swapab) | 110.0 (swapab) | - | 112.0 (FlashInfer) | 0.982 |" in text
+    assert text.endswith("auto <= 1.00x the faster peer on 2 of 3 shapes")
