@@ -91,9 +91,8 @@ VARIANTS = {
     "static+notokens": (True, {}, DEFAULT, {tuning.SWAPAB_TOKENS_ENV: "0"}),
     # the bf16 TOKENS form asked for by name
     "static+swapab_decode": (True, {}, tuning.Tuning(decode_kernel="swapab"), {}),
-    # the same with the Gluon kernels launched with programmatic dependent launch (kernels/_gluon.py pdl_launch)
-    "static+swapab_decode+gluon_pdl": (True, {}, tuning.Tuning(decode_kernel="swapab"), {tuning.GLUON_PDL_ENV: "1"}),
-    "static+gluon_pdl": (True, {}, DEFAULT, {tuning.GLUON_PDL_ENV: "1"}),
+    # the Gluon kernels without programmatic dependent launch (kernels/_gluon.py pdl_launch; on by default)
+    "static+no_gluon_pdl": (True, {}, DEFAULT, {tuning.GLUON_PDL_ENV: "0"}),
 }
 
 

@@ -25,17 +25,17 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve ever
 except ImportError:  # pragma: no cover - depends on the Triton build
     gluon = None
 
-# Programmatic dependent launch for the Gluon kernels (the Triton ones have it on by default: _util.pdl_launch), only
-# with MLA_COMPILE_GLUON_PDL=1 until timed on a GPU: in a CUDA graph it lets a kernel's launch overlap the tail of the
-# one before it, which the Triton pointer kernel these kernels replace gets and they do not (a lead for the HF step
-# that measured 2% slower with the swap-AB TOKENS form: benchmarks/RESULTS.md 2026-12-06). Read when a plan is made
+# Programmatic dependent launch for the Gluon kernels, as for the Triton ones (_util.pdl_launch): in a CUDA graph a
+# kernel's launch overlaps the tail of the one before it. The HF step (H 16, B 8, 32K, bf16; H100, the swap-AB
+# TOKENS form) took 793.7 vs 817.3 us with it (benchmarks/RESULTS.md 2026-12-06, twelfth session).
+# `MLA_COMPILE_GLUON_PDL=0` (or `MLA_COMPILE_PDL=0`, every kernel's) turns it off. Read when a plan is made
 # (ops/_plans.py keys plans by it). Not for warp-specialised kernels (decode_seesaw.py): griddepcontrol.wait holds
 # only the thread that runs it, and their worker partitions start past the kernel's first statement.
 
 
 def pdl_launch(device) -> dict:
-    """A Gluon kernel's launch arguments for PDL (its PDL constexpr and the launch attribute), {} while off."""
-    return _util_pdl_launch(device) if os.environ.get(GLUON_PDL_ENV) == "1" else {}
+    """A Gluon kernel's launch arguments for PDL (its PDL constexpr and the launch attribute), {} where it is off."""
+    return {} if os.environ.get(GLUON_PDL_ENV) == "0" else _util_pdl_launch(device)
 
 
 BLOCK_H = 64  # one warpgroup MMA's M: heads per program

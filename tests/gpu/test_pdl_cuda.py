@@ -113,12 +113,13 @@ def test_decode_right_after_the_q_producer_and_the_cache_write(H, PS):
 @pytest.mark.parametrize("H,PS,backend,kernel", [(16, 64, "auto", "swapab"), (16, 1, "swapab", "swapab"),
                                                  (64, 1, "auto", "gather"), (64, 64, "wgmma", "wgmma")])
 def test_gluon_decode_with_pdl_right_after_the_q_producer_and_the_cache_write(H, PS, backend, kernel, monkeypatch):
-    """The same chain with the Gluon stage-1 kernels launched with PDL (MLA_COMPILE_GLUON_PDL=1, off by default):
+    """The same chain with the Gluon stage-1 kernels launched with PDL (their default; MLA_COMPILE_GLUON_PDL=0 is off):
     the swap-AB kernel over pages and over a token table (its TOKENS form), decode_wgmma's gather and TMA kernels."""
     from mla_compile import tuning
     from mla_compile.kernels import decode_swapab, decode_wgmma
 
-    monkeypatch.setenv(tuning.GLUON_PDL_ENV, "1")
+    monkeypatch.delenv(tuning.GLUON_PDL_ENV, raising=False)
+    monkeypatch.delenv(tuning.PDL_ENV, raising=False)
     monkeypatch.setenv(tuning.DECODE_KERNEL_ENV, backend)
     _decode_chain(H, PS)
     # the swap-AB build itself, not only the values: a "swapab" choice once ran the Triton kernels' plan unseen

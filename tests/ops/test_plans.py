@@ -22,7 +22,7 @@ def test_the_switches_follow_the_environment(monkeypatch):
     with_backend = _plans._switches()
     monkeypatch.setenv(tuning.PDL_ENV, "0")
     with_pdl = _plans._switches()
-    monkeypatch.setenv(tuning.GLUON_PDL_ENV, "1")
+    monkeypatch.setenv(tuning.GLUON_PDL_ENV, "0")
     with_gluon_pdl = _plans._switches()
     assert len({before, with_backend, with_pdl, with_gluon_pdl}) == 4
     monkeypatch.setenv(C.DATA_ENV, "1")
