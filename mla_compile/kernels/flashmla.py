@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ._launch import fast
-from ._util import _INTERPRETED, cdiv, next_power_of_2, pdl_enter, pdl_launch
+from ._util import _INTERPRETED, cdiv, next_power_of_2
 
 LATENT = 512  # R: FlashMLA's value / latent width
 ROPE = 64  # P: the rope width of its 576-wide head (P = 0 uses its 512-wide head)
@@ -220,8 +220,7 @@ def joined_q(q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _empty_rows_kernel(Out, Lse, SeqLens, rows, H, R: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BY_LSE: tl.constexpr = False, PDL: tl.constexpr = False):
-    pdl_enter(PDL)  # with PDL its launch overlaps FlashMLA's combine kernel; nothing is read before that finished
+                       BLOCK_R: tl.constexpr, BY_LSE: tl.constexpr = False):
     offs = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # (b, h) rows
     live = offs < rows
     if BY_LSE:  # no lengths (index lists): FlashMLA's sparse kernel gives +inf exactly where its softmax sum is 0
@@ -252,4 +251,4 @@ def empty_rows_to_contract(out: torch.Tensor, lse: torch.Tensor, seq_lens: torch
     elif B * H:
         fast(_empty_rows_kernel)[(cdiv(B * H, _ROWS_PER_PROGRAM),)](
             out, lse, lse if by_lse else seq_lens, B * H, H, R=R, BLOCK_ROWS=_ROWS_PER_PROGRAM,
-            BLOCK_R=next_power_of_2(max(R, 1)), BY_LSE=by_lse, num_warps=4, **pdl_launch(out.device))
+            BLOCK_R=next_power_of_2(max(R, 1)), BY_LSE=by_lse, num_warps=4)

@@ -19,7 +19,6 @@ import pytest
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tools/ is dev tooling
 from mla_compile.kernels import decode as D  # noqa: E402
-from mla_compile.kernels import flashmla as FM  # noqa: E402
 from tools import aot  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not aot.available(), reason="triton's bundled ptxas is missing")
@@ -143,7 +142,7 @@ def test_per_head_linear_compiles_to_tensor_core_mma_without_spills(transposed):
 
 @pytest.mark.parametrize("kernel", ["stage1 page 1", "stage1 page 64", "stage1 H=128 tma", "linear split-K",
                                     "per-head linear", "gluon swapab tokens", "gluon fp8 swapab gather",
-                                    "gluon wgmma gather", "flashmla empty rows"])
+                                    "gluon wgmma gather"])
 def test_pdl_kernels_wait_for_the_previous_kernel_before_any_memory_access(kernel):
     """Launched with programmatic dependent launch (on by default on sm_90+; MLA_COMPILE_PDL=0 / MLA_COMPILE_GLUON_PDL=0 turn it off),
     a kernel may start while its predecessor still runs: `griddepcontrol.wait` must come before every global load /
@@ -158,11 +157,7 @@ def test_pdl_kernels_wait_for_the_previous_kernel_before_any_memory_access(kerne
              "per-head linear": lambda pdl: aot.per_head_linear_sm90(True, K=128, pdl=pdl),
              "gluon swapab tokens": lambda pdl: aot.swapab_sm90(H=16, page_size=1, pdl=pdl),
              "gluon fp8 swapab gather": lambda pdl: aot.fp8_swapab_sm90(H=16, page_size=1, gather=True, pdl=pdl),
-             "gluon wgmma gather": lambda pdl: aot.wgmma_stage1_sm90(page_size=1, kernel="gather", pdl=pdl),
-             "flashmla empty rows": lambda pdl: aot.compile_sm90(
-                 FM._empty_rows_kernel, dict(R=512, BLOCK_ROWS=16, BLOCK_R=512, PDL=pdl),
-                 {"Out": "*bf16", "Lse": "*fp32", "SeqLens": "*i32"}, 4, 1, divisible={"Out", "Lse", "SeqLens"},
-                 gluon=True)}[kernel]
+             "gluon wgmma gather": lambda pdl: aot.wgmma_stage1_sm90(page_size=1, kernel="gather", pdl=pdl)}[kernel]
     ptx = build(True)["ptx"]
     wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     first_access = _MEMORY_OP.search(ptx)
