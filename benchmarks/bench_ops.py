@@ -87,6 +87,11 @@ def attention_errors(out, lse, want_out, want_lse) -> tuple[float, float]:
     return eo, float((lse.double() - want_lse.double()).abs().max())
 
 
+def answered_right(row, name: str) -> bool:
+    """`name`'s answer on this row within tolerance of the float64 reference (`check_peers`); True where unchecked."""
+    return row.get(f"{name}_err_out", 0.0) <= OUT_TOL and row.get(f"{name}_err_lse", 0.0) <= LSE_TOL
+
+
 def check_peers(row, ours, peers, want):
     """Every peer's (out, lse) against the float64 reference of request 0 (`<name>_err_out` / `_err_lse`) and
     against ours over the whole batch (`<name>_vs_ours_out` / `_lse`); row["check"] = "ok" or what failed."""
@@ -96,7 +101,7 @@ def check_peers(row, ours, peers, want):
         row[f"{name}_err_out"], row[f"{name}_err_lse"] = eo, el
         if name != "triton":
             row[f"{name}_vs_ours_out"], row[f"{name}_vs_ours_lse"] = attention_errors(out, lse, *ours)
-        if not (eo <= OUT_TOL and el <= LSE_TOL):
+        if not answered_right(row, name):
             bad.append(f"{name} vs float64: out {eo:.1e} lse {el:.1e}")
     row["check"] = "; ".join(bad) or "ok"
 
@@ -365,8 +370,7 @@ def faster_peer(r) -> tuple[float, str] | None:
     kernel answers wrongly once the pool passes 2^31 elements (B 128 x 128K)."""
     got = [(r[k], name) for k, name, peer in (("flashinfer_graph_ms", "FlashInfer", "flashinfer"),
                                               ("flashmla_graph_ms", "FlashMLA", "flashmla"))
-           if isinstance(r.get(k), float) and r.get(f"{peer}_err_out", 0.0) <= OUT_TOL
-           and r.get(f"{peer}_err_lse", 0.0) <= LSE_TOL]
+           if isinstance(r.get(k), float) and answered_right(r, peer)]
     return min(got) if got else None
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 DECODE_KERNEL_ENV = "MLA_COMPILE_DECODE_BACKEND"
 PDL_ENV = "MLA_COMPILE_PDL"  # read by kernels/_util.pdl_launch
-GLUON_PDL_ENV = "MLA_COMPILE_GLUON_PDL"  # read by kernels/_gluon.pdl_launch ("0": off)
+GLUON_PDL_ENV = "MLA_COMPILE_GLUON_PDL"  # read by kernels/_gluon.pdl_launch (as PDL_ENV: "auto" / "1" on)
 SWAPAB_TOKENS_ENV = "MLA_COMPILE_SWAPAB_TOKENS"  # read by swapab_tokens() when a plan is made
 # what `mla::decode` / `mla::sparse_decode` may run on CUDA (kernels/dispatch.select_decode_kernel has the table)
 DECODE_KERNELS = ("auto", "flashmla", "seesaw", "wgmma", "swapab", "fp8_swapab", "triton", "flashinfer")

@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - depends on the Triton build
 
 def pdl_launch(device) -> dict:
     """A Gluon kernel's launch arguments for PDL (its PDL constexpr and the launch attribute), {} where it is off."""
-    return {} if os.environ.get(GLUON_PDL_ENV) == "0" else _util_pdl_launch(device)
+    return _util_pdl_launch(device) if os.environ.get(GLUON_PDL_ENV, "auto") in ("auto", "1") else {}
 
 
 BLOCK_H = 64  # one warpgroup MMA's M: heads per program

@@ -144,8 +144,8 @@ def test_per_head_linear_compiles_to_tensor_core_mma_without_spills(transposed):
                                     "per-head linear", "gluon swapab tokens", "gluon fp8 swapab gather",
                                     "gluon wgmma gather"])
 def test_pdl_kernels_wait_for_the_previous_kernel_before_any_memory_access(kernel):
-    """Launched with programmatic dependent launch (on by default on sm_90+; MLA_COMPILE_PDL=0 / MLA_COMPILE_GLUON_PDL=0 turn it off),
-    a kernel may start while its predecessor still runs: `griddepcontrol.wait` must come before every global load /
+    """Launched with programmatic dependent launch (on by default on sm_90+; MLA_COMPILE_PDL=0 /
+    MLA_COMPILE_GLUON_PDL=0 turn it off), a kernel may start while its predecessor still runs: `griddepcontrol.wait` must come before every global load /
     store / async copy (RAW and WAR), and dependents are released only after it (kernels/_util.py pdl_enter,
     kernels/_gluon.py pdl_enter). Without PDL, neither instruction."""
     if kernel.startswith("gluon"):
