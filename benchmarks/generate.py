@@ -50,6 +50,41 @@ from cpu_timing import NOTE, cpu_threads  # noqa: E402
 from hf_decode import sync  # noqa: E402
 
 
+def speedups_vs_hf(modes: dict) -> dict:
+    """Each of our modes against HF's own compile ("hf"), from one case's mode results: `decode_speedup_<mode>_vs_hf`
+    (HF's decode ms per token over the mode's; NaN where either is not positive: timing noise swamped the decode),
+    `e2e_speedup_<mode>_vs_hf` (HF's generate() time over the mode's), and for "mla" `compile_ratio_mla_vs_hf`
+    (first-call overhead over HF's)."""
+    h, out = modes.get("hf", {}), {}
+    if "decode_ms_per_token" not in h:
+        return out
+    for name, m in modes.items():
+        if name in ("hf", "eager", "hf_deferred") or "decode_ms_per_token" not in m:
+            continue
+        both = m["decode_ms_per_token"] > 0 and h["decode_ms_per_token"] > 0
+        out[f"decode_speedup_{name}_vs_hf"] = (h["decode_ms_per_token"] / m["decode_ms_per_token"] if both
+                                               else float("nan"))
+        out[f"e2e_speedup_{name}_vs_hf"] = h["e2e_s"] / m["e2e_s"]
+        if name == "mla":
+            out["compile_ratio_mla_vs_hf"] = (m["first_call_s"] - m["e2e_s"]) / max(h["first_call_s"] - h["e2e_s"],
+                                                                                     1e-9)
+    return out
+
+
+def summary_lines(cases: list, modes: list) -> list[str]:
+    """The printed table: decode ms per token of every mode, then each of our modes' decode and end-to-end speedup
+    over HF's compile (the `speedups_vs_hf` of the case)."""
+    ours = [m for m in modes if m not in ("hf", "eager", "hf_deferred")]
+    lines = [f"{'H':>4} {'B':>3} {'prompt':>6} " + " ".join(f"{m + ' ms/tok':>18}" for m in modes)
+             + "".join(f"  {'decode ' + m + '/hf':>20} {'e2e ' + m + '/hf':>17}" for m in ours)]
+    for c in cases:
+        cols = [f"{c['modes'].get(m, {}).get('decode_ms_per_token', float('nan')):18.3f}" for m in modes]
+        ratios = "".join(f"  {c.get(f'decode_speedup_{m}_vs_hf', float('nan')):19.2f}x"
+                         f" {c.get(f'e2e_speedup_{m}_vs_hf', float('nan')):16.2f}x" for m in ours)
+        lines.append(f"{c['H']:>4} {c['batch']:>3} {c['prompt']:>6} " + " ".join(cols) + ratios)
+    return lines
+
+
 def build_model(H: int, layers: int, hidden: int, vocab: int, dtype, device, small: bool = False,
                 attn_impl: str = "sdpa"):
     """hf_decode's model with MoE layers after the first (what a DeepSeek-V3 layer stack looks like)."""
@@ -193,15 +228,8 @@ def run_case(H, B, T, args, device, dtype, log, result, save):
         result["modes"][mode] = entry
         log(f"H={H} B={B} T={T} {mode}: {json.dumps(entry)}")
         save()
-    m, h = result["modes"].get("mla", {}), result["modes"].get("hf", {})
-    if "decode_ms_per_token" in m and "decode_ms_per_token" in h:
-        # NaN where either decode time is not positive (timing noise swamped the decode: no ratio to report)
-        both = m["decode_ms_per_token"] > 0 and h["decode_ms_per_token"] > 0
-        result["decode_speedup_mla_vs_hf"] = (h["decode_ms_per_token"] / m["decode_ms_per_token"] if both
-                                              else float("nan"))
-        result["e2e_speedup_mla_vs_hf"] = h["e2e_s"] / m["e2e_s"]
-        result["compile_ratio_mla_vs_hf"] = (m["first_call_s"] - m["e2e_s"]) / max(h["first_call_s"] - h["e2e_s"],
-                                                                                    1e-9)
+    result.update(speedups_vs_hf(result["modes"]))
+    m = result["modes"].get("mla", {})
     if "max_rel_err_vs_fp32" in m and "max_rel_err_vs_fp32" in result["modes"].get("eager", {}):
         result["fp32_err_mla_over_eager"] = m["max_rel_err_vs_fp32"] / result["modes"]["eager"]["max_rel_err_vs_fp32"]
     del model, model32
@@ -256,12 +284,7 @@ def main(argv=None):
                     run_case(H, B, T, args, device, dtype, lambda s: print(s, flush=True), report["cases"][-1], save)
     if device.type == "cpu":
         print(f"({NOTE})")
-    print(f"{'H':>4} {'B':>3} {'prompt':>6} " + " ".join(f"{m + ' ms/tok':>16}" for m in args.modes)
-          + "  decode mla/hf  e2e mla/hf")
-    for c in report["cases"]:
-        cols = [f"{c['modes'].get(m, {}).get('decode_ms_per_token', float('nan')):16.3f}" for m in args.modes]
-        print(f"{c['H']:>4} {c['batch']:>3} {c['prompt']:>6} " + " ".join(cols)
-              + f"  {c.get('decode_speedup_mla_vs_hf', float('nan')):12.2f}x {c.get('e2e_speedup_mla_vs_hf', float('nan')):9.2f}x")
+    print("\n".join(summary_lines(report["cases"], args.modes)))
     errors = [m for c in report["cases"] for m, e in c["modes"].items() if "error" in e]
     return 1 if errors else 0
 

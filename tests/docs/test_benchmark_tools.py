@@ -76,6 +76,26 @@ def test_generate_benchmark_smoke(tmp_path):
     assert "decode_speedup_mla_vs_hf" in case and math.isfinite(modes["mla"]["decode_ms_per_token"])
 
 
+def test_generate_summary_compares_every_mode_of_ours_with_hf():
+    """The generate() table: each of our modes (not only "mla") gets its decode and end-to-end speedup over HF's
+    compile; a mode HF's compile is missing from gets no ratio (NaN in the table, no key)."""
+    import generate
+
+    modes = {"hf": dict(decode_ms_per_token=3.0, e2e_s=0.6, first_call_s=10.0),
+             "mla_default": dict(decode_ms_per_token=2.0, e2e_s=0.5, first_call_s=11.0),
+             "mla": dict(decode_ms_per_token=1.0, e2e_s=0.3, first_call_s=12.0),
+             "eager": dict(decode_ms_per_token=9.0, e2e_s=2.0, first_call_s=2.0)}
+    ratios = generate.speedups_vs_hf(modes)
+    assert ratios == pytest.approx({"decode_speedup_mla_default_vs_hf": 1.5, "e2e_speedup_mla_default_vs_hf": 1.2,
+                                    "decode_speedup_mla_vs_hf": 3.0, "e2e_speedup_mla_vs_hf": 2.0,
+                                    "compile_ratio_mla_vs_hf": (12.0 - 0.3) / (10.0 - 0.6)})
+    assert generate.speedups_vs_hf({k: v for k, v in modes.items() if k != "hf"}) == {}
+    case = dict(H=16, batch=4, prompt=4096, modes=modes, **ratios)
+    header, row = generate.summary_lines([case], ["hf", "mla_default", "mla"])
+    assert "e2e mla_default/hf" in header and "e2e mla/hf" in header
+    assert row.split()[-4:] == ["1.50x", "1.20x", "3.00x", "2.00x"]
+
+
 @pytest.mark.parametrize("step", ["model", "greedy"])
 def test_hf_decode_smoke_both_step_kinds(tmp_path, step, capsys):
     """The HF benchmark's harness on tiny shapes (CPU): every mode runs, mla rewrites the layer and matches eager,
