@@ -64,14 +64,49 @@ def create_masks_in_graph(config, inputs_embeds, attention_mask, cache=None, pas
     compiled forward (so an eager float mask is a graph input of unknown values and the attention pass cannot
     prove it, and building it costs host time every step), hand the forward the 2-D padding mask padded to the
     cache's fixed length [B, Lmax]. The forward then builds HF's own mask inside the graph (the same values:
-    positions past the current one are causally masked anyway), at one fixed shape."""
+    positions past the current one are causally masked anyway), at one fixed shape.
+
+    Except for a multi-token step (the prefill, a verification step) of a model with recurrent layers (linear
+    attention, convolutions: `has_recurrent_layers`): such a layer's mask is the trailing positions of the 2-D mask
+    it is given (HF's `create_recurrent_attention_mask`), which in the padded mask are padding, not the step's
+    tokens (a hybrid model's generate() went wrong from its prefill on). Those steps get the 2-D mask as given, HF's
+    own path. A one-token step's recurrent layers take no mask (a generated token is never padding)."""
     from transformers.masking_utils import find_first_full_attention_index, prepare_padding_mask
 
     cache = cache if cache is not None else past_key_values  # transformers < 5.24 passes past_key_values=
     if attention_mask is None or cache is None or attention_mask.ndim != 2:
         return attention_mask
+    if inputs_embeds.shape[1] > 1 and has_recurrent_layers(config):
+        return attention_mask
     kv_length, kv_offset = cache.get_mask_sizes(inputs_embeds.shape[1], find_first_full_attention_index(cache))
     return prepare_padding_mask(attention_mask, kv_length, kv_offset)
+
+
+# layer types whose mask is built from the whole padded 2-D mask like an attention layer's (older transformers do not
+# list them all in LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING); any other type is taken as recurrent
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "indexed_attention",
+                                   "deepseek_sparse_attention", "compressed_sparse_attention",
+                                   "heavily_compressed_attention", "minimax_m3_sparse"})
+
+
+def has_recurrent_layers(config) -> bool:
+    """Whether the (text) config's `layer_types` hold a layer that is not attention: one whose mask HF makes with
+    `create_recurrent_attention_mask` (linear attention, conv; a "hybrid" pattern's), or a type neither
+    ATTENTION_LAYER_TYPES nor HF's mask table knows (taken as recurrent: its step then keeps HF's own mask)."""
+    from transformers import masking_utils
+
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    table = getattr(masking_utils, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {})
+    recurrent = getattr(masking_utils, "create_recurrent_attention_mask", None)
+
+    def attention(layer_type) -> bool:
+        if layer_type in ATTENTION_LAYER_TYPES:
+            return True
+        fn = table.get(layer_type)
+        fns = fn.values() if isinstance(fn, dict) else () if fn is None else (fn,)
+        return bool(fns) and all(getattr(f, "func", f) is not recurrent for f in fns)
+
+    return not all(attention(t) for t in set(getattr(text, "layer_types", None) or ()))
 
 
 def optimize_generate(model, mode: str | None = "reduce-overhead", *, masks_in_graph: bool = True,

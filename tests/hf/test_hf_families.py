@@ -294,6 +294,49 @@ def run_family(case: str, impl: str) -> dict:
                 sparse=c["dsa_sparse_rewritten"], unique_graphs=COUNTERS["stats"]["unique_graphs"])
 
 
+# hybrids: MLA layers beside linear-attention ones (whose 2-D mask generate()'s mask helper must not pad)
+HYBRIDS = ("kimi_linear", "bailing_hybrid")
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_hybrid_generate_through_optimize_generate_equals_eager(family):
+    """The README's generate() recipe on a hybrid family: `optimize_generate` installs `create_masks_in_graph`,
+    which pads the 2-D mask to the cache's length; a linear-attention layer's mask is the trailing positions of the
+    mask it is given, so a padded prefill mask zeroed the prompt for it and generate() went off from the first
+    token. Greedy tokens now equal eager generate()'s (fp32), and the MLA layer is rewritten."""
+    from mla_compile.integrations.hf import optimize_generate
+
+    model = tiny_model(family, "sdpa").eval()
+    ids, mask = M.batch(T=PROMPT, L=PROMPT, vocab=model.config.vocab_size)
+    kw = dict(max_new_tokens=STEPS + 1, min_new_tokens=STEPS + 1, do_sample=False, pad_token_id=0)
+
+    def cache():
+        return cache_kwargs(model, StaticCache(config=model.config, max_cache_len=PROMPT + STEPS + 1))
+
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, disable_compile=True, **cache(), **kw)
+    M.fresh(model)
+    optimize_generate(model, mode=None)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, **cache(), **kw)
+    assert torch.equal(out, ref)
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == mla_layers(model)
+
+
+def test_recurrent_layer_types_are_told_from_attention():
+    """`has_recurrent_layers`: the hybrids (linear attention) and a layer type nobody knows are recurrent; every
+    attention-only family (full, sliding, indexed / DSA layers) is not."""
+    from mla_compile.integrations.generate import has_recurrent_layers
+
+    for family in mla_families():
+        assert has_recurrent_layers(tiny_config(family, "eager")) == (family in HYBRIDS + ("glm5_next",)), family
+    config = tiny_config("deepseek_v32", "eager")
+    config.layer_types = ["indexed_attention", "some_future_state_space"]
+    assert has_recurrent_layers(config)
+    config.layer_types = ["full_attention", "sliding_attention"]
+    assert not has_recurrent_layers(config)
+
+
 def test_discovers_the_known_families():
     """Discovery finds MLA families (all of 5.24's on 5.24): a broken discovery would skip everything."""
     found = mla_families()

@@ -1,0 +1,92 @@
+"""Every MLA family of the installed transformers on the GPU road (tests/hf/test_hf_families.py's cases and tiny
+models, fp32, on CUDA):
+- the compiled decode step under CUDA-graph trees (`torch.compile(model, backend="mla_dcp", mode="reduce-overhead")`,
+  eager prefill into HF's StaticCache or, for DSA families, DSAStaticCache crossing index_topk): every MLA site
+  rewritten, greedy tokens equal eager HF's and logits close;
+- `generate()` through `optimize_generate(model)` (the README's recipe: HF's auto-compile with our backend, CUDA
+  graphs, the mask built in the graph) for families with a causal-LM class: tokens equal eager `generate()`'s.
+Families that fail on the CPU already (KNOWN there) keep their strict xfail; the CPU file's "slow" split does not
+apply here. Skipped without a CUDA device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("fresh_dynamo")]
+transformers = pytest.importorskip("transformers")
+
+import hf_models as M  # noqa: E402
+import test_hf_families as F  # noqa: E402
+from transformers import StaticCache  # noqa: E402
+
+from mla_compile.integrations.hf import DSAStaticCache, cache_kwargs, optimize_generate  # noqa: E402
+from mla_compile.passes import mla_attention  # noqa: E402
+
+COUNTERS = torch._dynamo.utils.counters
+TOL = 1e-3  # fp32 on the GPU: cuBLAS / our kernels' summation orders against HF's eager ones
+NEW = 6  # generate(): new tokens (DSA: the prompt + 1 = index_topk is crossed, dense then sparse)
+
+
+def _gpu_cases():
+    """The CPU file's cases with its xfail / skip marks, without its "slow" split."""
+    out = []
+    for p in F._cases():
+        marks = [m for m in p.marks if m.name != "slow"]
+        out.append(pytest.param(*p.values, id=p.id, marks=marks))
+    return out
+
+
+def _family_model(case: str, impl: str):
+    model = F.tiny_model(case, impl).cuda().eval()
+    return model, "index_topk" in model.config.to_dict()
+
+
+@pytest.mark.parametrize("case, impl", _gpu_cases())
+def test_family_decode_step_under_cuda_graphs(case, impl):
+    model, dsa = _family_model(case, impl)
+    L = F.PROMPT + F.STEPS + 1
+    ids, mask = M.batch(T=F.PROMPT, L=L, vocab=model.config.vocab_size)
+    ids, mask = ids.cuda(), mask.cuda()
+
+    def cache():
+        return DSAStaticCache(model.config, L) if dsa else StaticCache(config=model.config, max_cache_len=L)
+
+    ref_t, ref_l = M.greedy(model, model, ids, mask, cache(), F.STEPS)
+    compiled = torch.compile(model, backend="mla_dcp", mode="reduce-overhead")
+    with torch._dynamo.config.patch(**F.DYNAMO.get(case.split(":")[0], {})):
+        t, logits = M.greedy(compiled, model, ids, mask, cache(), F.STEPS, prefill=model)
+    c = COUNTERS["mla_compile"]
+    layers, graphs = F.mla_layers(model), 2 if dsa else 1
+    assert c[mla_attention.COUNTER] == layers * graphs and c[mla_attention.SKIP_COUNTER] == 0, dict(c)
+    assert torch.equal(t, ref_t)
+    assert M.rel_err(logits, ref_l) < TOL, M.rel_err(logits, ref_l)
+
+
+@pytest.mark.parametrize("case, impl", _gpu_cases())
+def test_family_generate_through_optimize_generate(case, impl):
+    model, dsa = _family_model(case, impl)
+    if not hasattr(model, "generate"):
+        pytest.skip(f"{case}: a multimodal family's text decoder (no causal-LM class with generate())")
+    ids, mask = M.batch(T=F.PROMPT, L=F.PROMPT, vocab=model.config.vocab_size)
+    ids, mask = ids.cuda(), mask.cuda()
+    L = F.PROMPT + NEW
+
+    def cache():
+        return cache_kwargs(model, DSAStaticCache(model.config, L) if dsa else
+                            StaticCache(config=model.config, max_cache_len=L))
+
+    kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, disable_compile=True, **cache(), **kw)
+    M.fresh(model)
+    optimize_generate(model)
+    for _ in range(2):  # the second call replays the recorded graphs
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, **cache(), **kw)
+        assert torch.equal(out, ref)
+    # every decode graph rewritten whole (a sliding-window family compiles one per window fill level: more graphs)
+    c, layers = COUNTERS["mla_compile"], F.mla_layers(model)
+    assert c[mla_attention.COUNTER] >= layers * (2 if dsa else 1) and c[mla_attention.COUNTER] % layers == 0, dict(c)
+    assert c[mla_attention.SKIP_COUNTER] == 0, dict(c)
