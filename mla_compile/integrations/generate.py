@@ -89,10 +89,11 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunk
                                    "heavily_compressed_attention", "minimax_m3_sparse"})
 
 
-def has_recurrent_layers(config) -> bool:
-    """Whether the (text) config's `layer_types` hold a layer that is not attention: one whose mask HF makes with
-    `create_recurrent_attention_mask` (linear attention, conv; a "hybrid" pattern's), or a type neither
-    ATTENTION_LAYER_TYPES nor HF's mask table knows (taken as recurrent: its step then keeps HF's own mask)."""
+def recurrent_layer_indices(config) -> list[int]:
+    """The layers of the (text) config's `layer_types` that are not attention: those whose mask HF makes with
+    `create_recurrent_attention_mask` (linear attention, conv; a "hybrid" pattern's), or of a type neither
+    ATTENTION_LAYER_TYPES nor HF's mask table knows (taken as recurrent: a multi-token step then keeps HF's own mask,
+    and `MLAPagedCache` keeps HF's cache layer for it)."""
     from transformers import masking_utils
 
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -106,7 +107,12 @@ def has_recurrent_layers(config) -> bool:
         fns = fn.values() if isinstance(fn, dict) else () if fn is None else (fn,)
         return bool(fns) and all(getattr(f, "func", f) is not recurrent for f in fns)
 
-    return not all(attention(t) for t in set(getattr(text, "layer_types", None) or ()))
+    return [i for i, t in enumerate(getattr(text, "layer_types", None) or ()) if not attention(t)]
+
+
+def has_recurrent_layers(config) -> bool:
+    """Whether any layer is recurrent (`recurrent_layer_indices`)."""
+    return bool(recurrent_layer_indices(config))
 
 
 def optimize_generate(model, mode: str | None = "reduce-overhead", *, masks_in_graph: bool = True,

@@ -51,6 +51,7 @@ from . import fp8_cache
 from ..ops.hf_cache import ALL_SELECTED_OPS, GATHER_OPS, all_selected, gather_latent  # noqa: F401  (re-exported)
 from .tp import check_cache_group
 from .generate import compile_config, create_masks_in_graph, optimize_generate  # noqa: F401  (the generate road)
+from .generate import recurrent_layer_indices
 
 try:  # transformers >= 5.17 (both the GPU machine's 5.17 and the latest have it)
     from transformers.cache_utils import Cache, StaticIndexedLayer as _BaseLayer
@@ -303,6 +304,9 @@ if _BaseLayer is not None:
         like HF's StaticCache: `model(ids, **cache_kwargs(model, cache), ...)`.
         TP x DCP: dcp from `init_dcp(tp_size=...)` and the model sharded with `integrations.tp.shard_mla_heads`
         (the same group; a mismatch is a ValueError). DSA models under DCP keep the indexer keys sharded too.
+        Hybrid families (linear-attention layers beside the MLA ones: kimi_linear, bailing_hybrid): those layers keep
+        the cache layer HF's StaticCache makes for them (their fixed-size states, the same on every DCP rank); only
+        the MLA layers are paged and sharded.
         fused_rows=True (model-dtype caches): each layer's ckv and kpe are the two column ranges of one
         [NP, PS, R + P] buffer, the K layout FlashMLA reads in place for a `mla.decode` call with this cache's block
         table (`kernels/dispatch.select_decode_kernel` takes it there at >= 64 heads and >= 256K tokens per call).
@@ -323,7 +327,12 @@ if _BaseLayer is not None:
                       group_name=getattr(dcp, "group_name", "") if n > 1 else "", shuffle_pages=shuffle_pages,
                       kv_cache_dtype=kv_cache_dtype, heads_sharded=check_cache_group(config, dcp),
                       fused_rows=fused_rows, fp8_scale_fmt=fp8_scale_fmt)
-            layers = [MLAPagedLayer(max_cache_len=max_cache_len, **kw) for _ in range(text.num_hidden_layers)]
+            # a hybrid's recurrent layers (linear attention: fixed-size states, no tokens to page or shard) keep the
+            # layer HF's StaticCache makes for them, replicated on every DCP rank
+            recurrent = set(recurrent_layer_indices(config))
+            hf_layers = _StaticCache(config=config, max_cache_len=max_cache_len).layers if recurrent else None
+            layers = [hf_layers[i] if i in recurrent else MLAPagedLayer(max_cache_len=max_cache_len, **kw)
+                      for i in range(text.num_hidden_layers)]
             super().__init__(layers=layers)
             self.dcp_size = n
             self._init_dsa(config, max_cache_len)

@@ -323,6 +323,68 @@ def test_hybrid_generate_through_optimize_generate_equals_eager(family):
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == mla_layers(model)
 
 
+def hybrid_dcp_worker(rank: int, world: int, init_file: str, result_dir: str, family: str) -> None:
+    """One DCP rank (gloo, CPU) of a hybrid family: single-rank eager HF over StaticCache (the reference) vs eager HF
+    and the compiled model over `MLAPagedCache(dcp=...)`, whose MLA layer is sharded and whose linear-attention
+    layer keeps HF's own (replicated) cache layer. Writes the numbers to result_dir/rank{rank}.pt."""
+    import types
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        from mla_compile.integrations.hf import MLAPagedCache
+
+        dcp = types.SimpleNamespace(size=world, rank=rank, group_name=dist.group.WORLD.group_name)
+        torch.manual_seed(0)  # every rank the same model: parameters `spread_weights` leaves (e.g. A_log) too
+        model = tiny_model(family, "sdpa").eval()
+        L = PROMPT + STEPS + 1
+        ids, mask = M.batch(T=PROMPT, L=L, vocab=model.config.vocab_size)
+        ref_t, ref_l = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), STEPS)
+        e_t, e_l = M.greedy(model, model, ids, mask, MLAPagedCache(model.config, L, page_size=4, dcp=dcp), STEPS)
+        torch._dynamo.reset()
+        COUNTERS.clear()
+        compiled = torch.compile(model, backend="mla_dcp")
+        c_t, c_l = M.greedy(compiled, model, ids, mask, MLAPagedCache(model.config, L, page_size=4, dcp=dcp), STEPS,
+                            prefill=model)
+        torch.save(dict(ref_t=ref_t, ref_l=ref_l, e_t=e_t, e_l=e_l, c_t=c_t, c_l=c_l,
+                        counters=dict(COUNTERS["mla_compile"])), f"{result_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_hybrid_paged_cache_single_rank_and_dcp(family, tmp_path):
+    """A hybrid family over `MLAPagedCache`: its linear-attention layers keep HF's cache layer (the MLA layers are
+    paged), so eager HF and the compiled model give the StaticCache reference's tokens, on one rank and on two
+    gloo DCP ranks (every rank the same logits)."""
+    import torch.multiprocessing as mp
+
+    from mla_compile.integrations.hf import MLAPagedCache
+
+    model = tiny_model(family, "sdpa").eval()
+    L = PROMPT + STEPS + 1
+    ids, mask = M.batch(T=PROMPT, L=L, vocab=model.config.vocab_size)
+    ref_t, ref_l = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), STEPS)
+    cache = MLAPagedCache(model.config, L, page_size=4, shuffle_pages=True)
+    kinds = [type(layer).__name__ for layer in cache.layers]
+    assert kinds.count("MLAPagedLayer") == mla_layers(model) and len(kinds) == len(model.config.layer_types)
+    compiled = torch.compile(model, backend="mla_dcp")
+    t, logits = M.greedy(compiled, model, ids, mask, cache, STEPS, prefill=model)
+    assert torch.equal(t, ref_t) and M.rel_err(logits, ref_l) < TOL
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == mla_layers(model)
+    mp.spawn(hybrid_dcp_worker, args=(2, str(tmp_path / "init"), str(tmp_path), family), nprocs=2, join=True)
+    first = None
+    for r in range(2):
+        res = torch.load(tmp_path / f"rank{r}.pt")
+        assert torch.equal(res["e_t"], res["ref_t"]) and M.rel_err(res["e_l"], res["ref_l"]) < TOL
+        assert torch.equal(res["c_t"], res["ref_t"]) and M.rel_err(res["c_l"], res["ref_l"]) < TOL
+        assert res["counters"].get(mla_attention.COUNTER) == mla_layers(model)
+        first = res["c_l"] if first is None else first
+        assert torch.equal(res["c_l"], first)
+
+
 def test_recurrent_layer_types_are_told_from_attention():
     """`has_recurrent_layers`: the hybrids (linear attention) and a layer type nobody knows are recurrent; every
     attention-only family (full, sliding, indexed / DSA layers) is not."""
