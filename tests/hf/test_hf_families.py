@@ -323,6 +323,63 @@ def test_hybrid_generate_through_optimize_generate_equals_eager(family):
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == mla_layers(model)
 
 
+ROADS = ("static", "paged", "fp8")  # generate()'s cache: HF's StaticCache, MLAPagedCache, an FP8 latent cache
+ROADS_IN_CI = {("kimi_linear", "paged"), ("deepseek_v32", "fp8")}
+
+
+def _road_cases():
+    out = []
+    for p in _cases():
+        case, impl = p.values
+        if impl not in ("sdpa", "eager") or (impl == "eager" and "sdpa" in impls(case)):
+            continue  # one implementation per case: sdpa where HF has it
+        for road in ROADS:
+            marks = [m for m in p.marks if m.name != "slow"]
+            if (case, road) not in ROADS_IN_CI:
+                marks.append(pytest.mark.slow)
+            out.append(pytest.param(case, impl, road, id=f"{case}-{road}", marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("case, impl, road", _road_cases())
+def test_family_generate_roads_equal_eager(case, impl, road):
+    """Every family through the README's generate() recipe (`optimize_generate`, without CUDA graphs here; the GPU
+    file runs them) over each cache a user may hand generate(): greedy tokens equal eager generate()'s over the same
+    kind of cache (an FP8 cache's eager reference reads the dequantized latent), every MLA site rewritten. A
+    sliding-window family compiles a graph per window fill level: a multiple of the layers."""
+    from mla_compile.integrations.hf import MLAPagedCache, optimize_generate
+
+    torch.manual_seed(0)
+    model = tiny_model(case, impl).eval()
+    if not hasattr(model, "generate"):
+        pytest.skip(f"{case}: a multimodal family's text decoder (no causal-LM class with generate())")
+    dsa = "index_topk" in model.config.to_dict()
+    ids, mask = M.batch(T=PROMPT, L=PROMPT, vocab=model.config.vocab_size)
+    L = PROMPT + STEPS + 1
+
+    def cache():
+        if road == "static":
+            c = DSAStaticCache(model.config, L) if dsa else StaticCache(config=model.config, max_cache_len=L)
+        elif road == "paged":
+            c = MLAPagedCache(model.config, L, page_size=4, shuffle_pages=True)
+        else:
+            c = (DSAStaticCache(model.config, L, kv_cache_dtype="fp8_e4m3") if dsa else
+                 MLAPagedCache(model.config, L, page_size=4, kv_cache_dtype="fp8_e4m3"))
+        return cache_kwargs(model, c)
+
+    kw = dict(max_new_tokens=STEPS + 1, min_new_tokens=STEPS + 1, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, disable_compile=True, **cache(), **kw)
+    M.fresh(model)
+    optimize_generate(model, mode=None)
+    with torch._dynamo.config.patch(**DYNAMO.get(case.split(":")[0], {})), torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, **cache(), **kw)
+    assert torch.equal(out, ref)
+    c, layers = COUNTERS["mla_compile"], mla_layers(model)
+    assert c[mla_attention.SKIP_COUNTER] == 0 and c[mla_attention.COUNTER] >= layers * (2 if dsa else 1), dict(c)
+    assert c[mla_attention.COUNTER] % layers == 0, dict(c)
+
+
 def hybrid_dcp_worker(rank: int, world: int, init_file: str, result_dir: str, family: str) -> None:
     """One DCP rank (gloo, CPU) of a hybrid family: single-rank eager HF over StaticCache (the reference) vs eager HF
     and the compiled model over `MLAPagedCache(dcp=...)`, whose MLA layer is sharded and whose linear-attention
