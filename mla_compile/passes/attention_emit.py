@@ -196,11 +196,24 @@ def _flat_latent(b: Builder, src: LatentSource, B, L: int, R: int, P: int):
     None); slot = the physical slot."""
     n = _lead(B, L) if src.kind == "tensor" else -1
     ckv = b.call(aten.reshape.default, src.ckv, [n, 1, R])
-    kpe = b.call(aten.reshape.default, src.kpe, [n, 1, P])
+    # a rope-less latent (P = 0) has no element to infer a -1 from: its slot count, from its own leading dims
+    kpe = b.call(aten.reshape.default, src.kpe, [n if P or n != -1 else _slots(b, src.kpe), 1, P])
     scale = None
     if src.ckv_scale is not None:
         scale = b.call(aten.reshape.default, src.ckv_scale, [n, 1, _shape(src.ckv_scale)[-1]])
     return ckv, kpe, scale
+
+
+def _slots(b: Builder, node: fx.Node):
+    """The product of a buffer's leading dims (all but the last) as a reshape size: an int, or a graph value where
+    dim 0 (a batch, or a pool sized by one) is symbolic."""
+    shape = _shape(node)
+    rest = 1
+    for s in shape[1:-1]:
+        rest *= s
+    if isinstance(shape[0], int):
+        return shape[0] * rest
+    return _times(b, b.call(aten.sym_size.int, node, 0), rest)
 
 
 def _scale_arg(scale) -> tuple:
