@@ -38,21 +38,23 @@ def _gpu_cases():
     return out
 
 
-def _family_model(case: str, impl: str):
-    model = F.tiny_model(case, impl).cuda().eval()
+def _family_model(case: str, impl: str, dtype=torch.float32):
+    model = F.tiny_model(case, impl).to(dtype).cuda().eval()
     return model, "index_topk" in model.config.to_dict()
+
+
+def _step_inputs(model, dsa: bool):
+    """(ids, 2-D mask over the whole cache, a maker of fresh caches: DSAStaticCache for DSA families) on CUDA."""
+    L = F.PROMPT + F.STEPS + 1
+    ids, mask = M.batch(T=F.PROMPT, L=L, vocab=model.config.vocab_size)
+    return (ids.cuda(), mask.cuda(),
+            lambda: DSAStaticCache(model.config, L) if dsa else StaticCache(config=model.config, max_cache_len=L))
 
 
 @pytest.mark.parametrize("case, impl", _gpu_cases())
 def test_family_decode_step_under_cuda_graphs(case, impl):
     model, dsa = _family_model(case, impl)
-    L = F.PROMPT + F.STEPS + 1
-    ids, mask = M.batch(T=F.PROMPT, L=L, vocab=model.config.vocab_size)
-    ids, mask = ids.cuda(), mask.cuda()
-
-    def cache():
-        return DSAStaticCache(model.config, L) if dsa else StaticCache(config=model.config, max_cache_len=L)
-
+    ids, mask, cache = _step_inputs(model, dsa)
     ref_t, ref_l = M.greedy(model, model, ids, mask, cache(), F.STEPS)
     compiled = torch.compile(model, backend="mla_dcp", mode="reduce-overhead")
     with torch._dynamo.config.patch(**F.DYNAMO.get(case.split(":")[0], {})):
@@ -69,15 +71,8 @@ def test_family_decode_step_bf16_under_cuda_graphs(case, impl):
     """bf16 (the production kernels: on sm_90 the Gluon ones for these shapes), teacher-forced on eager HF's greedy
     tokens (bf16 greedy paths may part at near-ties): the compiled step's logits within 3e-2 of eager HF's (relative
     to their largest), every MLA site rewritten."""
-    model = F.tiny_model(case, impl).to(torch.bfloat16).cuda().eval()
-    dsa = "index_topk" in model.config.to_dict()
-    L = F.PROMPT + F.STEPS + 1
-    ids, mask = M.batch(T=F.PROMPT, L=L, vocab=model.config.vocab_size)
-    ids, mask = ids.cuda(), mask.cuda()
-
-    def cache():
-        return DSAStaticCache(model.config, L) if dsa else StaticCache(config=model.config, max_cache_len=L)
-
+    model, dsa = _family_model(case, impl, torch.bfloat16)
+    ids, mask, cache = _step_inputs(model, dsa)
     tokens, _ = M.greedy(model, model, ids, mask, cache(), F.STEPS)
     ref = M.forced(model, model, ids, mask, cache(), tokens)
     compiled = torch.compile(model, backend="mla_dcp", mode="reduce-overhead")
