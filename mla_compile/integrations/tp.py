@@ -73,11 +73,10 @@ def shard_mla_heads(model, group):
     if not attns:
         raise ValueError("model: no MLA attention module (kv_b_proj + o_proj) found")
     h0, h1 = r * H // n, (r + 1) * H // n
-    for a in attns:
-        if getattr(a, "sinks", None) is not None:
-            raise ValueError("model: attention sinks are per head and not sharded by this helper")
+    # every module checked before any is changed: a refused model is left whole
+    q_names = [_q_projection(a) for a in attns]
+    for a, q_name in zip(attns, q_names):
         nope, rope, v = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
-        q_name = "q_proj" if getattr(a, "q_proj", None) is not None else "q_b_proj"
         setattr(a, q_name, _rows(getattr(a, q_name), h0 * (nope + rope), h1 * (nope + rope)))
         a.kv_b_proj = _rows(a.kv_b_proj, h0 * (nope + v), h1 * (nope + v))
         o = a.o_proj
@@ -87,6 +86,18 @@ def shard_mla_heads(model, group):
             a.num_heads = h1 - h0
     setattr(text, SHARDED_ATTR, (n, r, group.head_group_name))
     return model
+
+
+def _q_projection(a) -> str:
+    """The name of an MLA attention module's per-head q projection (q_proj, or q_b_proj after a q LoRA); a ValueError
+    for a module this helper does not shard (attention sinks are per head; another q layout)."""
+    if getattr(a, "sinks", None) is not None:
+        raise ValueError("model: attention sinks are per head and not sharded by this helper")
+    for name in ("q_proj", "q_b_proj"):
+        if isinstance(getattr(a, name, None), torch.nn.Linear):
+            return name
+    raise ValueError(f"model: {type(a).__name__} has no q_proj / q_b_proj linear (its query heads are laid out in a "
+                     f"way this helper does not shard)")
 
 
 def check_cache_group(config, dcp) -> bool:

@@ -537,3 +537,21 @@ if __name__ == "__main__":
     import sys
 
     print(family_table(tuple(sys.argv[1:])))
+
+
+@pytest.mark.parametrize("case, impl, why", [("axk2", "sdpa", "AXK2Attention has no q_proj / q_b_proj"),
+                                             ("hy_v4", "eager", "attention sinks are per head")])
+def test_shard_mla_heads_refuses_what_it_cannot_shard_and_leaves_the_model_whole(case, impl, why):
+    """TP x DCP's head sharding on a family whose attention it does not know how to split: a ValueError naming what
+    (not an AttributeError from inside, nor a half-sharded model), raised before any module changed."""
+    import types
+
+    from mla_compile.integrations.tp import shard_mla_heads
+
+    model = tiny_model(case, impl)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    group = types.SimpleNamespace(heads_sharded=True, head_shards=2, head_rank=0, head_group_name="g")
+    with pytest.raises(ValueError, match=f"^model: .*{why}"):
+        shard_mla_heads(model, group)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
