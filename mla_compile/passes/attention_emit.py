@@ -8,6 +8,7 @@ Nodes several sites share (a mask's token table, the indexer's top-k, the batch 
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Callable
 
@@ -197,7 +198,7 @@ def _flat_latent(b: Builder, src: LatentSource, B, L: int, R: int, P: int):
     n = _lead(B, L) if src.kind == "tensor" else -1
     ckv = b.call(aten.reshape.default, src.ckv, [n, 1, R])
     # a rope-less latent (P = 0) has no element to infer a -1 from: its slot count, from its own leading dims
-    kpe = b.call(aten.reshape.default, src.kpe, [n if P or n != -1 else _slots(b, src.kpe), 1, P])
+    kpe = b.call(aten.reshape.default, src.kpe, [n if P else _slots(b, src.kpe), 1, P])
     scale = None
     if src.ckv_scale is not None:
         scale = b.call(aten.reshape.default, src.ckv_scale, [n, 1, _shape(src.ckv_scale)[-1]])
@@ -208,9 +209,7 @@ def _slots(b: Builder, node: fx.Node):
     """The product of a buffer's leading dims (all but the last) as a reshape size: an int, or a graph value where
     dim 0 (a batch, or a pool sized by one) is symbolic."""
     shape = _shape(node)
-    rest = 1
-    for s in shape[1:-1]:
-        rest *= s
+    rest = math.prod(shape[1:-1])
     if isinstance(shape[0], int):
         return shape[0] * rest
     return _times(b, b.call(aten.sym_size.int, node, 0), rest)
