@@ -4,7 +4,8 @@ models, fp32, on CUDA):
   eager prefill into HF's StaticCache or, for DSA families, DSAStaticCache crossing index_topk): every MLA site
   rewritten, greedy tokens equal eager HF's and logits close;
 - `generate()` through `optimize_generate(model)` (the README's recipe: HF's auto-compile with our backend, CUDA
-  graphs, the mask built in the graph) for families with a causal-LM class: tokens equal eager `generate()`'s.
+  graphs, the mask built in the graph) for families with a causal-LM class, over HF's static cache, our paged cache
+  and the FP8 cache: tokens equal eager `generate()`'s over the same kind of cache.
 Families that fail on the CPU already (KNOWN there) keep their strict xfail; the CPU file's "slow" split does not
 apply here. Skipped without a CUDA device."""
 
@@ -21,7 +22,7 @@ import hf_models as M  # noqa: E402
 import test_hf_families as F  # noqa: E402
 from transformers import StaticCache  # noqa: E402
 
-from mla_compile.integrations.hf import DSAStaticCache, cache_kwargs, optimize_generate  # noqa: E402
+from mla_compile.integrations.hf import DSAStaticCache, MLAPagedCache, cache_kwargs, optimize_generate  # noqa: E402
 from mla_compile.passes import mla_attention  # noqa: E402
 
 COUNTERS = torch._dynamo.utils.counters
@@ -84,8 +85,23 @@ def test_family_decode_step_bf16_under_cuda_graphs(case, impl):
     assert M.rel_err(got, ref) < 3e-2, M.rel_err(got, ref)
 
 
+def _road_cache(road: str, model, dsa: bool, L: int):
+    """The cache a user hands generate() on this road: HF's StaticCache (DSAStaticCache for DSA families), our paged
+    cache over shuffled pages, or the FP8 latent cache (paged; DSA families: DSAStaticCache in FP8)."""
+    if road == "static":
+        return DSAStaticCache(model.config, L) if dsa else StaticCache(config=model.config, max_cache_len=L)
+    if road == "paged":
+        return MLAPagedCache(model.config, L, page_size=4, shuffle_pages=True)
+    return (DSAStaticCache(model.config, L, kv_cache_dtype="fp8_e4m3") if dsa else
+            MLAPagedCache(model.config, L, page_size=4, kv_cache_dtype="fp8_e4m3"))
+
+
+@pytest.mark.parametrize("road", ["static", "paged", "fp8"])
 @pytest.mark.parametrize("case, impl", _gpu_cases())
-def test_family_generate_through_optimize_generate(case, impl):
+def test_family_generate_through_optimize_generate(case, impl, road):
+    """Over each cache a user may hand generate(): tokens equal eager generate()'s over the same kind of cache (an
+    FP8 cache's eager reference reads the dequantized latent), under CUDA graphs, every MLA site rewritten. The
+    paged road takes in the hybrids' paged layers beside HF's recurrent ones and the rope-less layers' paged view."""
     model, dsa = _family_model(case, impl)
     if not hasattr(model, "generate"):
         pytest.skip(f"{case}: a multimodal family's text decoder (no causal-LM class with generate())")
@@ -94,8 +110,7 @@ def test_family_generate_through_optimize_generate(case, impl):
     L = F.PROMPT + NEW
 
     def cache():
-        return cache_kwargs(model, DSAStaticCache(model.config, L) if dsa else
-                            StaticCache(config=model.config, max_cache_len=L))
+        return cache_kwargs(model, _road_cache(road, model, dsa, L))
 
     kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -103,7 +118,7 @@ def test_family_generate_through_optimize_generate(case, impl):
     M.fresh(model)
     optimize_generate(model)
     for _ in range(2):  # the second call replays the recorded graphs
-        with torch.no_grad():
+        with torch._dynamo.config.patch(**F.DYNAMO.get(case.split(":")[0], {})), torch.no_grad():
             out = model.generate(ids, attention_mask=mask, **cache(), **kw)
         assert torch.equal(out, ref)
     # every decode graph rewritten whole (a sliding-window family compiles one per window fill level: more graphs)
