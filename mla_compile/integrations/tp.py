@@ -55,11 +55,78 @@ def mla_attention_modules(model):
     return [m for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(m, "o_proj")]
 
 
+# The per-head pieces of the MLA families' attention modules besides kv_b_proj and o_proj, by attribute: how each is
+# cut to heads [h0, h1). "rows": a Linear whose output rows come in one block per head (the block's width: its rows
+# over the head count); "entries": a parameter with one value per head.
+Q_PROJECTIONS = ("q_proj", "q_b_proj", "q_gate_proj")  # q heads [nope | rope] (axk2's q_gate_proj: [nope | rope | gate])
+PER_HEAD = {
+    "g_proj": "rows",  # a head-wise output gate (bailing_hybrid, dots3_note)
+    "gate_proj": "rows",  # an output gate per head and value channel (hy_v4)
+    "sinks": "entries",  # one sink logit per head (hy_v4)
+    "softmax_scaling.scale": "entries",  # per-head query scaling by log position (mistral_large4)
+    "softmax_scaling.bias": "entries",
+}
+# Replicated on every rank: the latent projections and their norms, and the DSA indexer (its own heads score tokens
+# for all query heads). Any other parameter is one this helper cannot tell the layout of: it refuses the model.
+REPLICATED = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm", "k_rope_only_layernorm", "indexer")
+
+
+def _plan(a, H: int) -> tuple[str, list[str]]:
+    """(q projection's name, the PER_HEAD pieces present) of attention module `a`; a ValueError naming what this
+    helper cannot split (no q projection it knows, a parameter of unknown layout, a per-head piece of odd size)."""
+    q_names = [n for n in Q_PROJECTIONS if isinstance(getattr(a, n, None), torch.nn.Linear)]
+    if len(q_names) != 1:
+        raise ValueError(f"model: {type(a).__name__} has no single q projection of {Q_PROJECTIONS} (its query heads "
+                         f"are laid out in a way this helper does not shard)")
+    known = (*q_names, "kv_b_proj", "o_proj", *REPLICATED)
+    pieces = []
+    for name, param in a.named_parameters():
+        if name.split(".")[0] in known:
+            continue
+        linear, _, leaf = name.rpartition(".")
+        if PER_HEAD.get(linear) == "rows" and isinstance(_owner_attr(a, linear), torch.nn.Linear):
+            piece = linear  # its weight and bias, cut together
+        elif PER_HEAD.get(name) == "entries":
+            piece = name
+        else:
+            raise ValueError(f"model: {type(a).__name__}.{name} {tuple(param.shape)} is a parameter whose layout over "
+                             f"the attention heads this helper does not know; it shards {Q_PROJECTIONS}, kv_b_proj, "
+                             f"o_proj and {sorted(PER_HEAD)}, and keeps {REPLICATED} whole")
+        if param.shape[0] % H:
+            raise ValueError(f"model: {type(a).__name__}.{name} has {param.shape[0]} rows, not a multiple of the "
+                             f"{H} attention heads")
+        if piece not in pieces:
+            pieces.append(piece)
+    return q_names[0], pieces
+
+
+def _owner_attr(a, piece: str):
+    """The object at dotted path `piece` under module `a`."""
+    for part in piece.split("."):
+        a = getattr(a, part)
+    return a
+
+
+def _cut(a, piece: str, h0: int, h1: int, H: int) -> None:
+    """Piece `piece` of module `a` (a Linear with a block of rows per head, or a parameter with a value per head) cut
+    to heads [h0, h1)."""
+    *path, leaf = piece.split(".")
+    owner = _owner_attr(a, ".".join(path)) if path else a
+    value = getattr(owner, leaf)
+    if isinstance(value, torch.nn.Linear):
+        w = value.out_features // H
+        setattr(owner, leaf, _rows(value, h0 * w, h1 * w))
+    else:
+        setattr(owner, leaf, torch.nn.Parameter(value.detach()[h0:h1].clone(), requires_grad=False))
+
+
 def shard_mla_heads(model, group):
     """Keep this rank's block of attention heads in every MLA attention module of `model` (in place; returns it).
 
     group: a `DCPGroup` from `init_dcp(tp_size=...)` (heads_sharded). The head count must divide evenly. Call once,
-    before compiling, on every rank (the weights must be the same on every rank beforehand)."""
+    before compiling, on every rank (the weights must be the same on every rank beforehand). Besides the q, kv_b and
+    o projections, the families' per-head pieces (`PER_HEAD`: output gates, sinks, per-head query scaling) are cut
+    too; a module with a parameter of another layout is refused (ValueError) before anything is changed."""
     if not getattr(group, "heads_sharded", False):
         raise ValueError("group: heads are not sharded in this group (make it with init_dcp(tp_size=...))")
     text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
@@ -73,31 +140,21 @@ def shard_mla_heads(model, group):
     if not attns:
         raise ValueError("model: no MLA attention module (kv_b_proj + o_proj) found")
     h0, h1 = r * H // n, (r + 1) * H // n
-    # every module checked before any is changed: a refused model is left whole
-    q_names = [_q_projection(a) for a in attns]
-    for a, q_name in zip(attns, q_names):
-        nope, rope, v = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
-        setattr(a, q_name, _rows(getattr(a, q_name), h0 * (nope + rope), h1 * (nope + rope)))
+    plans = [_plan(a, H) for a in attns]  # every module checked before any is changed: a refused model is left whole
+    for a, (q_name, pieces) in zip(attns, plans):
+        _cut(a, q_name, h0, h1, H)
+        nope, v = a.qk_nope_head_dim, a.v_head_dim
         a.kv_b_proj = _rows(a.kv_b_proj, h0 * (nope + v), h1 * (nope + v))
         o = a.o_proj
         a.o_proj = HeadParallelOut(o.weight.detach()[:, h0 * v:h1 * v].clone(),
                                    None if o.bias is None else o.bias.detach().clone(), group.head_group_name, n)
-        if hasattr(a, "num_heads"):
-            a.num_heads = h1 - h0
+        for piece in pieces:
+            _cut(a, piece, h0, h1, H)
+        for count in ("num_heads", "n_heads"):
+            if hasattr(a, count):
+                setattr(a, count, h1 - h0)
     setattr(text, SHARDED_ATTR, (n, r, group.head_group_name))
     return model
-
-
-def _q_projection(a) -> str:
-    """The name of an MLA attention module's per-head q projection (q_proj, or q_b_proj after a q LoRA); a ValueError
-    for a module this helper does not shard (attention sinks are per head; another q layout)."""
-    if getattr(a, "sinks", None) is not None:
-        raise ValueError("model: attention sinks are per head and not sharded by this helper")
-    for name in ("q_proj", "q_b_proj"):
-        if isinstance(getattr(a, name, None), torch.nn.Linear):
-            return name
-    raise ValueError(f"model: {type(a).__name__} has no q_proj / q_b_proj linear (its query heads are laid out in a "
-                     f"way this helper does not shard)")
 
 
 def check_cache_group(config, dcp) -> bool:

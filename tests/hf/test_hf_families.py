@@ -380,9 +380,12 @@ def test_family_generate_roads_equal_eager(case, impl, road):
     assert c[mla_attention.COUNTER] % layers == 0, dict(c)
 
 
-def paged_dcp_worker(rank: int, world: int, init_file: str, result_dir: str, case: str) -> None:
+def paged_dcp_worker(rank: int, world: int, init_file: str, result_dir: str, case: str, tp: int = 0,
+                     impl: str = "sdpa") -> None:
     """One DCP rank (gloo, CPU): single-rank eager HF over StaticCache / DSAStaticCache (the reference) vs eager HF
-    and the compiled model over `MLAPagedCache(dcp=...)`. Writes the numbers to result_dir/rank{rank}.pt."""
+    and the compiled model over `MLAPagedCache(dcp=...)`. tp 0: pure DCP over the world (heads replicated); tp > 0:
+    TP x DCP, `init_dcp(tp_size=tp, dcp_size=world // tp)` and `shard_mla_heads` (each rank its block of heads).
+    Writes the numbers to result_dir/rank{rank}.pt."""
     import types
 
     import torch.distributed as dist
@@ -390,16 +393,22 @@ def paged_dcp_worker(rank: int, world: int, init_file: str, result_dir: str, cas
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
+        from mla_compile.distributed import init_dcp
         from mla_compile.integrations.hf import MLAPagedCache
+        from mla_compile.integrations.tp import shard_mla_heads
 
-        dcp = types.SimpleNamespace(size=world, rank=rank, group_name=dist.group.WORLD.group_name)
         torch.manual_seed(0)  # every rank the same model: parameters `spread_weights` leaves (e.g. A_log) too
-        model = tiny_model(case, "sdpa").eval()
+        model = tiny_model(case, impl).eval()
         dsa = "index_topk" in model.config.to_dict()
         L = PROMPT + STEPS + 1
         ids, mask = M.batch(T=PROMPT, L=L, vocab=model.config.vocab_size)
         ref = DSAStaticCache(model.config, L) if dsa else StaticCache(config=model.config, max_cache_len=L)
         ref_t, ref_l = M.greedy(model, model, ids, mask, ref, STEPS)
+        if tp:
+            dcp = init_dcp(tp_size=tp, dcp_size=world // tp)
+            shard_mla_heads(model, dcp)
+        else:
+            dcp = types.SimpleNamespace(size=world, rank=rank, group_name=dist.group.WORLD.group_name)
         e_t, e_l = M.greedy(model, model, ids, mask, MLAPagedCache(model.config, L, page_size=4, dcp=dcp), STEPS)
         torch._dynamo.reset()
         COUNTERS.clear()
@@ -411,6 +420,20 @@ def paged_dcp_worker(rank: int, world: int, init_file: str, result_dir: str, cas
                         counters=dict(COUNTERS["mla_compile"])), f"{result_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _check_ranks(result_dir, world: int, sites: int) -> None:
+    """Every rank: eager HF and the compiled model over the sharded cache give the reference's tokens and logits,
+    every MLA site rewritten, and every rank the same logits."""
+    first = None
+    for r in range(world):
+        res = torch.load(result_dir / f"rank{r}.pt")
+        assert torch.equal(res["e_t"], res["ref_t"]) and M.rel_err(res["e_l"], res["ref_l"]) < TOL
+        assert torch.equal(res["c_t"], res["ref_t"]) and M.rel_err(res["c_l"], res["ref_l"]) < TOL
+        assert res["counters"].get(mla_attention.COUNTER) == sites, res["counters"]
+        assert not res["counters"].get(mla_attention.SKIP_COUNTER), res["counters"]
+        first = res["c_l"] if first is None else first
+        assert torch.equal(res["c_l"], first)
 
 
 @pytest.mark.parametrize("case", ["kimi_linear", "mistral_large4:no_rope",  # CI: one hybrid, one rope-less family
@@ -443,15 +466,39 @@ def test_paged_cache_single_rank_and_dcp(case, tmp_path):
     c = COUNTERS["mla_compile"]
     assert c[mla_attention.COUNTER] == sites and c[mla_attention.SKIP_COUNTER] == 0, dict(c)
     mp.spawn(paged_dcp_worker, args=(2, str(tmp_path / "init"), str(tmp_path), case), nprocs=2, join=True)
-    first = None
-    for r in range(2):
-        res = torch.load(tmp_path / f"rank{r}.pt")
-        assert torch.equal(res["e_t"], res["ref_t"]) and M.rel_err(res["e_l"], res["ref_l"]) < TOL
-        assert torch.equal(res["c_t"], res["ref_t"]) and M.rel_err(res["c_l"], res["ref_l"]) < TOL
-        assert res["counters"].get(mla_attention.COUNTER) == sites, res["counters"]
-        assert not res["counters"].get(mla_attention.SKIP_COUNTER), res["counters"]
-        first = res["c_l"] if first is None else first
-        assert torch.equal(res["c_l"], first)
+    _check_ranks(tmp_path, 2, sites)
+
+
+# families whose attention has per-head pieces besides the q / kv_b / o projections (`tp.PER_HEAD`) or another q
+# projection: CI; the DeepSeek-shaped rest `-m slow`
+_TP_CI = ("bailing_hybrid", "mistral_large4:no_rope")
+
+
+def _tp_cases():
+    """One case per family variant, on its first attention implementation (sdpa where it has one)."""
+    out = []
+    for p in _cases():
+        case, impl = p.values
+        if impl not in ("-", "?") and impl != impls(case)[0]:
+            continue
+        marks = [m for m in p.marks if m.name == "skip"] + ([] if case in _TP_CI else [pytest.mark.slow])
+        out.append(pytest.param(case, impl, id=case, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("case, impl", _tp_cases())
+def test_tp_dcp_heads_sharded_across_families(case, impl, tmp_path):
+    """TP x DCP on two gloo ranks, heads split over the DCP group (`init_dcp(tp_size=1, dcp_size=2)`: each rank half
+    the heads, each DCP shard half the tokens; `mla.tp_dcp_decode`), through `shard_mla_heads` on every family: eager
+    HF and the compiled model over the sharded cache give single-rank HF's tokens, every site rewritten. The families
+    with per-head gates (bailing_hybrid, dots3_note), per-head query scaling (mistral_large4), sinks (hy_v4) or a
+    fused q + gate projection (axk2) had a shape mismatch or a refusal before their pieces were cut too."""
+    import torch.multiprocessing as mp
+
+    model = tiny_model(case, impl)
+    sites = mla_layers(model) * (2 if "index_topk" in model.config.to_dict() else 1)
+    mp.spawn(paged_dcp_worker, args=(2, str(tmp_path / "init"), str(tmp_path), case, 1, impl), nprocs=2, join=True)
+    _check_ranks(tmp_path, 2, sites)
 
 
 def test_recurrent_layer_types_are_told_from_attention():
@@ -539,19 +586,32 @@ if __name__ == "__main__":
     print(family_table(tuple(sys.argv[1:])))
 
 
-@pytest.mark.parametrize("case, impl, why", [("axk2", "sdpa", "AXK2Attention has no q_proj / q_b_proj"),
-                                             ("hy_v4", "eager", "attention sinks are per head")])
-def test_shard_mla_heads_refuses_what_it_cannot_shard_and_leaves_the_model_whole(case, impl, why):
-    """TP x DCP's head sharding on a family whose attention it does not know how to split: a ValueError naming what
-    (not an AttributeError from inside, nor a half-sharded model), raised before any module changed."""
+def _unknown_head_param(attn) -> None:
+    attn.head_temperature = torch.nn.Parameter(torch.ones(attn.num_heads))
+
+
+def _no_q_projection(attn) -> None:
+    attn.q_b_proj = torch.nn.Identity()
+
+
+@pytest.mark.parametrize("change, why", [
+    (_unknown_head_param, r"DeepseekV3Attention\.head_temperature \(4,\) is a parameter whose layout over the "
+                          r"attention heads this helper does not know"),
+    (_no_q_projection, r"DeepseekV3Attention has no single q projection"),
+])
+def test_shard_mla_heads_refuses_what_it_cannot_shard_and_leaves_the_model_whole(change, why):
+    """TP x DCP's head sharding on an attention module it cannot split (a parameter of unknown layout: it may be per
+    head; no q projection it knows): a ValueError naming the module and the parameter, raised before any module
+    changed (the change sits in the last layer, so the first would have been cut by then)."""
     import types
 
-    from mla_compile.integrations.tp import shard_mla_heads
+    from mla_compile.integrations.tp import mla_attention_modules, shard_mla_heads
 
-    model = tiny_model(case, impl)
+    model = tiny_model("deepseek_v3", "sdpa")
+    change(mla_attention_modules(model)[-1])
     before = {k: v.clone() for k, v in model.state_dict().items()}
     group = types.SimpleNamespace(heads_sharded=True, head_shards=2, head_rank=0, head_group_name="g")
-    with pytest.raises(ValueError, match=f"^model: .*{why}"):
+    with pytest.raises(ValueError, match=f"^model: {why}"):
         shard_mla_heads(model, group)
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
