@@ -27,10 +27,10 @@ def select_indices(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor
 
 
 def mark_max_kv_len_dynamic(source: str = "L['max_kv_len']") -> None:
-    """Make Dynamo treat the `max_kv_len` int as symbolic from the first compile.
+    """Make Dynamo treat the `max_kv_len` int (or any int named by `source`) as symbolic from the first compile.
 
     Without this the first call specializes on the value (a third, value-pinned graph). `source` is the
-    Dynamo source name of the int, e.g. "L['max_kv_len']" for a forward() argument.
+    Dynamo source name of the int, e.g. "L['max_kv_len']" for a forward() argument, or a regex over such names.
     """
     cfg = torch.compiler.config
     current = [s for s in (cfg.dynamic_sources or "").split(",") if s]

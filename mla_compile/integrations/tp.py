@@ -58,7 +58,8 @@ def mla_attention_modules(model):
 # The per-head pieces of the MLA families' attention modules besides kv_b_proj and o_proj, by attribute: how each is
 # cut to heads [h0, h1). "rows": a Linear whose output rows come in one block per head (the block's width: its rows
 # over the head count); "entries": a parameter with one value per head.
-Q_PROJECTIONS = ("q_proj", "q_b_proj", "q_gate_proj")  # q heads [nope | rope] (axk2's q_gate_proj: [nope | rope | gate])
+# q heads [nope | rope] (axk2's q_gate_proj: [nope | rope | gate] per head)
+Q_PROJECTIONS = ("q_proj", "q_b_proj", "q_gate_proj")
 PER_HEAD = {
     "g_proj": "rows",  # a head-wise output gate (bailing_hybrid, dots3_note)
     "gate_proj": "rows",  # an output gate per head and value channel (hy_v4)

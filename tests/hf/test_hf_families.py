@@ -323,6 +323,36 @@ def test_hybrid_generate_through_optimize_generate_equals_eager(family):
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == mla_layers(model)
 
 
+def test_sliding_window_generate_keeps_a_graph_per_window_state(monkeypatch):
+    """generate() through `optimize_generate` on a family with sliding-window MLA layers (dots3_note): HF's sliding
+    cache layer counts its tokens in a Python int the mask sizes read, and under generate()'s dynamic=False every
+    decode step compiled a graph of its own (11 for 12 new tokens; past the recompile limit HF's attention would run
+    eagerly). With that count symbolic: one graph per window state (filling, full) and DSA graph (dense, sparse), every
+    site rewritten, greedy tokens equal eager generate()'s."""
+    from mla_compile.integrations.hf import optimize_generate
+
+    case, new = "dots3_note:sliding", 12
+    monkeypatch.setitem(VARIANTS, case, {**VARIANTS[case], "sliding_window": 8})  # fills during the decode
+    monkeypatch.setattr(torch.compiler.config, "dynamic_sources", torch.compiler.config.dynamic_sources)
+    model = tiny_model(case, "sdpa").eval()
+    ids, mask = M.batch(T=PROMPT, L=PROMPT, vocab=model.config.vocab_size)
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+    def cache():
+        return cache_kwargs(model, DSAStaticCache(model.config, PROMPT + new))
+
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, disable_compile=True, **cache(), **kw)
+    M.fresh(model)
+    optimize_generate(model, mode=None)
+    with torch._dynamo.config.patch(**DYNAMO.get("dots3_note", {})), torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, **cache(), **kw)
+    assert torch.equal(out, ref)
+    c, layers = COUNTERS["mla_compile"], mla_layers(model)
+    assert c[mla_attention.SKIP_COUNTER] == 0 and c[mla_attention.COUNTER] % layers == 0, dict(c)
+    assert c[mla_attention.COUNTER] // layers <= 4, dict(c)
+
+
 ROADS = ("static", "paged", "fp8")  # generate()'s cache: HF's StaticCache, MLAPagedCache, an FP8 latent cache
 ROADS_IN_CI = {("kimi_linear", "paged"), ("deepseek_v32", "fp8")}
 
