@@ -125,3 +125,44 @@ def test_family_generate_through_optimize_generate(case, impl, road):
     c, layers = COUNTERS["mla_compile"], F.mla_layers(model)
     assert c[mla_attention.COUNTER] >= layers * (2 if dsa else 1) and c[mla_attention.COUNTER] % layers == 0, dict(c)
     assert c[mla_attention.SKIP_COUNTER] == 0, dict(c)
+
+
+def test_sliding_window_generate_under_cuda_graphs(monkeypatch):
+    """dots3_note's sliding-window layers through `optimize_generate` under CUDA graphs, with a window that fills during
+    the decode: HF's sliding cache layer counts its tokens in a Python int, symbolic under `compile_config` (else one
+    recompile per step). Tokens equal eager generate()'s, at most one compiled graph per window state and DSA graph;
+    the CUDA-graph recordings are counted and printed (cudagraph trees record one per distinct value of an int
+    input)."""
+    from torch._inductor import cudagraph_trees
+
+    case, new = "dots3_note:sliding", 12
+    monkeypatch.setitem(F.VARIANTS, case, {**F.VARIANTS[case], "sliding_window": 8})
+    records = []
+    record = cudagraph_trees.CUDAGraphTreeManager.record_function
+
+    def counted(self, *args, **kwargs):
+        records.append(1)
+        return record(self, *args, **kwargs)
+
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counted)
+    model, dsa = _family_model(case, "sdpa")
+    ids, mask = M.batch(T=F.PROMPT, L=F.PROMPT, vocab=model.config.vocab_size)
+    ids, mask = ids.cuda(), mask.cuda()
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+    def cache():
+        return cache_kwargs(model, DSAStaticCache(model.config, F.PROMPT + new))
+
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, disable_compile=True, **cache(), **kw)
+    M.fresh(model)
+    optimize_generate(model)
+    for call in range(2):
+        records.clear()
+        with torch._dynamo.config.patch(**F.DYNAMO.get("dots3_note", {})), torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, **cache(), **kw)
+        assert torch.equal(out, ref)
+        print(f"sliding window generate() call {call}: {len(records)} CUDA graphs recorded for {new} new tokens")
+    c, layers = COUNTERS["mla_compile"], F.mla_layers(model)
+    assert c[mla_attention.SKIP_COUNTER] == 0 and c[mla_attention.COUNTER] % layers == 0, dict(c)
+    assert c[mla_attention.COUNTER] // layers <= 4, dict(c)
