@@ -197,6 +197,22 @@ def _prefill_without_cudagraphs(gm: torch.fx.GraphModule, patches: dict[str, Any
         log.info("mla_dcp: multi-token attention at %s (a prefill step): compiled without CUDA graphs", site)
 
 
+def _step_counter_without_cudagraphs(gm: torch.fx.GraphModule, patches: dict[str, Any],
+                                     inductor_patches: dict[str, Any]) -> dict[str, Any]:
+    """`patches`, or a copy without CUDA graphs for a graph that reads an int advancing every decode step
+    (`passes/step_kind.STEP_COUNTER_SOURCES` says why), unless the user set `triton.cudagraphs` explicitly."""
+    if not patches.get("triton.cudagraphs") or "triton.cudagraphs" in inductor_patches:
+        return patches
+    from .passes.step_kind import step_counter_input
+
+    source = step_counter_input(gm)
+    if source is None:
+        return patches
+    log.info("mla_dcp: the graph reads %s, an int that advances every decode step (a CUDA graph would be recorded "
+             "per step): compiled without CUDA graphs", source)
+    return {**patches, "triton.cudagraphs": False}
+
+
 def mla_dcp(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None,
             options: dict[str, Any] | None = None):
     """torch.compile backend: `torch.compile(model, backend="mla_dcp", mode=..., options=...)`."""
@@ -218,7 +234,8 @@ def mla_dcp(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None
             from .passes.host_ints import split_host_outputs
 
             gm, example_inputs, wrap = split_host_outputs(gm, example_inputs)
-            compiled = compile_fx(gm, example_inputs, config_patches=patches)
+            compiled = compile_fx(gm, example_inputs, config_patches=_step_counter_without_cudagraphs(
+                gm, patches, inductor_patches))
         return tuning_.bind(compiled if wrap is None else wrap(compiled), opts.tuning)
 
     if not opts.rewrite_attention:

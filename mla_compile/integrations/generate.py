@@ -28,15 +28,17 @@ import logging
 import torch
 
 from .. import fp8, tuning
+from ..passes import step_kind
 
 log = logging.getLogger(__name__)
 
 
-# HF's sliding-window cache layers (StaticSlidingWindowLayer) count their tokens in a Python int that the mask sizes
-# read; under generate()'s dynamic=False each value would be a graph of its own: one recompile per decode step, up to
-# the recompile limit, then HF's attention eagerly. Symbolic from the first compile
-# (torch.compiler.config.dynamic_sources), the step keeps one graph per window state (filling, full).
-HF_SLIDING_LENGTH_SOURCE = r".*\.cumulative_length_int$"
+# HF's sliding-window cache layers count their tokens in a Python int that the mask sizes read; under generate()'s
+# dynamic=False each value would be a graph of its own: one recompile per decode step, up to the recompile limit,
+# then HF's attention eagerly. Symbolic from the first compile (torch.compiler.config.dynamic_sources), the step
+# keeps one graph per window state (filling, full); the backend runs such steps without CUDA graphs
+# (passes/step_kind.STEP_COUNTER_SOURCES says why).
+HF_SLIDING_LENGTH_SOURCE = step_kind.STEP_COUNTER_SOURCES[0]
 
 
 def compile_config(mode: str | None = "reduce-overhead", *, dynamic: bool | None = False, fullgraph: bool = False,

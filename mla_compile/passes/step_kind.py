@@ -18,6 +18,8 @@ zeros / empty / full / ones, `new_*`, `*_like`).
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx as fx
 
@@ -28,6 +30,14 @@ _SOFTMAX = {torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax}
 _FACTORIES = {torch.zeros, torch.empty, torch.ones, torch.full, torch.zeros_like, torch.empty_like, torch.ones_like,
               torch.full_like}
 _FACTORY_METHODS = {"new_zeros", "new_empty", "new_ones", "new_full", "zeros_like", "empty_like"}
+
+
+# Dynamo sources (regexes over their names) of Python ints that advance on every decode step: HF's sliding-window
+# cache layers (StaticSlidingWindowLayer) count their tokens in `cumulative_length_int`, and the window's mask reads
+# it (the query and key offsets into the padding mask). Kept symbolic (integrations/generate.compile_config), such an
+# int is still an input of the step's graph, and CUDA-graph trees record one graph per distinct int input: a
+# recording every step, each kept for the process. Such a step compiles without CUDA graphs instead.
+STEP_COUNTER_SOURCES = (r".*\.cumulative_length_int$",)
 
 
 def _val(n):
@@ -84,3 +94,18 @@ def _query_lens(gm: fx.GraphModule) -> list:
         if isinstance(q, torch.Tensor) and _query_len(q) != 1:
             found.append((n.name, _query_len(q)))
     return found
+
+
+def step_counter_input(gm: fx.GraphModule) -> str | None:
+    """The Dynamo source name of an int graph input that advances on every decode step (`STEP_COUNTER_SOURCES`),
+    or None. Only placeholders something in the graph reads count (host-int bookkeeping is split off first:
+    passes/host_ints.py)."""
+    for p in gm.graph.find_nodes(op="placeholder"):
+        source = getattr(p, "_dynamo_source", None)
+        if source is None or not p.users or not isinstance(_val(p), (int, torch.SymInt)):
+            continue
+        name = getattr(source, "name", "")
+        name = name() if callable(name) else name  # a method in older torch, a property in newer
+        if any(re.match(pattern, name) for pattern in STEP_COUNTER_SOURCES):
+            return name
+    return None

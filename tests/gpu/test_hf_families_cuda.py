@@ -128,11 +128,14 @@ def test_family_generate_through_optimize_generate(case, impl, road):
 
 
 def test_sliding_window_generate_under_cuda_graphs(monkeypatch):
-    """dots3_note's sliding-window layers through `optimize_generate` under CUDA graphs, with a window that fills during
-    the decode: HF's sliding cache layer counts its tokens in a Python int, symbolic under `compile_config` (else one
-    recompile per step). Tokens equal eager generate()'s, at most one compiled graph per window state and DSA graph;
-    the CUDA-graph recordings are counted and printed (cudagraph trees record one per distinct value of an int
-    input)."""
+    """dots3_note's sliding-window layers through `optimize_generate` (reduce-overhead) with a window that fills
+    during the decode: HF's sliding cache layer counts its tokens in a Python int, symbolic under `compile_config`
+    (else one recompile per step) and an input of the step's graph (the window's mask reads it), so the backend
+    compiles those steps without CUDA graphs: no recording per step (passes/step_kind.STEP_COUNTER_SOURCES). Tokens
+    equal eager generate()'s, at most one compiled graph per window state and DSA graph. For comparison the same with
+    `triton.cudagraphs` forced on (a CUDA graph recorded per step): recordings and ms per generate() printed."""
+    import time
+
     from torch._inductor import cudagraph_trees
 
     case, new = "dots3_note:sliding", 12
@@ -155,14 +158,22 @@ def test_sliding_window_generate_under_cuda_graphs(monkeypatch):
 
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, disable_compile=True, **cache(), **kw)
-    M.fresh(model)
-    optimize_generate(model)
-    for call in range(2):
-        records.clear()
-        with torch._dynamo.config.patch(**F.DYNAMO.get("dots3_note", {})), torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, **cache(), **kw)
-        assert torch.equal(out, ref)
-        print(f"sliding window generate() call {call}: {len(records)} CUDA graphs recorded for {new} new tokens")
-    c, layers = COUNTERS["mla_compile"], F.mla_layers(model)
-    assert c[mla_attention.SKIP_COUNTER] == 0 and c[mla_attention.COUNTER] % layers == 0, dict(c)
-    assert c[mla_attention.COUNTER] // layers <= 4, dict(c)
+    for forced in (False, True):
+        M.fresh(model)
+        optimize_generate(model, **({"triton.cudagraphs": True} if forced else {}))
+        for call in range(3):
+            records.clear()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch._dynamo.config.patch(**F.DYNAMO.get("dots3_note", {})), torch.no_grad():
+                out = model.generate(ids, attention_mask=mask, **cache(), **kw)
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) * 1e3
+            assert torch.equal(out, ref)
+            print(f"sliding window generate(), CUDA graphs {'forced on' if forced else 'as the backend chose'}, "
+                  f"call {call}: {len(records)} CUDA graphs recorded for {new} new tokens, {ms:.1f} ms")
+            if not forced and call:
+                assert not records, len(records)
+        c, layers = COUNTERS["mla_compile"], F.mla_layers(model)
+        assert c[mla_attention.SKIP_COUNTER] == 0 and c[mla_attention.COUNTER] % layers == 0, dict(c)
+        assert c[mla_attention.COUNTER] // layers <= 4, dict(c)

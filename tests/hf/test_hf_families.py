@@ -345,12 +345,44 @@ def test_sliding_window_generate_keeps_a_graph_per_window_state(monkeypatch):
         ref = model.generate(ids, attention_mask=mask, disable_compile=True, **cache(), **kw)
     M.fresh(model)
     optimize_generate(model, mode=None)
+    flagged = _spy_cuda_graph_choice(monkeypatch)
     with torch._dynamo.config.patch(**DYNAMO.get("dots3_note", {})), torch.no_grad():
         out = model.generate(ids, attention_mask=mask, **cache(), **kw)
     assert torch.equal(out, ref)
     c, layers = COUNTERS["mla_compile"], mla_layers(model)
     assert c[mla_attention.SKIP_COUNTER] == 0 and c[mla_attention.COUNTER] % layers == 0, dict(c)
     assert c[mla_attention.COUNTER] // layers <= 4, dict(c)
+    # the count stays a graph input (the window's mask reads it): under CUDA graphs each decode graph would be
+    # recorded once per step, so the backend compiles them without
+    assert flagged and all(flagged), flagged
+
+
+def _spy_cuda_graph_choice(monkeypatch) -> list:
+    """Record, for each graph the backend compiles, whether it would drop CUDA graphs were they on (they are off on
+    the CPU): a list of booleans."""
+    import mla_compile.backend as backend
+
+    choose, flagged = backend._step_counter_without_cudagraphs, []
+
+    def spy(gm, patches, inductor_patches):
+        flagged.append(choose(gm, {**patches, "triton.cudagraphs": True}, inductor_patches)["triton.cudagraphs"]
+                       is False)
+        return choose(gm, patches, inductor_patches)
+
+    monkeypatch.setattr(backend, "_step_counter_without_cudagraphs", spy)
+    return flagged
+
+
+def test_decode_steps_without_step_counters_keep_cuda_graphs(monkeypatch):
+    """The other side of the sliding-window rule: a DeepSeek-V3 decode step (no int that advances per step reaches
+    the graph: HF's StaticCache counts on the device) keeps CUDA graphs."""
+    model = tiny_model("deepseek_v3", "sdpa").eval()
+    L = PROMPT + STEPS + 1
+    ids, mask = M.batch(T=PROMPT, L=L, vocab=model.config.vocab_size)
+    flagged = _spy_cuda_graph_choice(monkeypatch)
+    compiled = torch.compile(model, backend="mla_dcp")
+    M.greedy(compiled, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), STEPS, prefill=model)
+    assert flagged and not any(flagged), flagged
 
 
 ROADS = ("static", "paged", "fp8")  # generate()'s cache: HF's StaticCache, MLAPagedCache, an FP8 latent cache
