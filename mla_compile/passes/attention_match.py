@@ -354,8 +354,6 @@ def match_site(node: fx.Node) -> Site | None:
     proof = masks.prove_mask(mask, additive=impl == "eager", dtypes=dtypes)
     rows = None
     if Sq > 1:  # NoMatch unless each query token's tokens are a prefix of the last one's (mla.decode's contract)
-        if sinks is not None:
-            raise NoMatch(f"attention sinks with {Sq} query tokens per request")
         try:
             attention_rows.prove_rows(mask, Sq, L)
         except NoMatch as e:  # each query token its own top-k: only the DSA emission fits (passes/dsa_tokens.py)

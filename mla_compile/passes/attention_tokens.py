@@ -165,6 +165,20 @@ def project(b: Builder, site: Site, lat, w_uv, B, absorb: str) -> fx.Node:
     return b.call(aten.transpose.int, out, 1, 2)
 
 
+def scale_by_sinks(b: Builder, site: Site, lat, lse, empty, B) -> fx.Node:
+    """HF's attention sinks on an S-token site (`attention_emit._scale_by_sinks` with S folded into the batch): lat
+    [B, S, H, R] and lse [B, S, H] of the decode, empty bool [B, S] (rows with no valid token, or None) -> lat
+    [B*S, H, R] scaled by sigmoid(lse - z_h); a row with no valid token attends only its sink: 0, whatever HF's
+    mask constant (the sink's logit beats finfo.min and -inf alike)."""
+    H, S, R = site.heads, site.tokens, _shape(lat)[-1]
+    BS = E._lead(B, S)
+    lat = b.call(aten.reshape.default, lat, [BS, H, R])
+    lse = b.call(aten.reshape.default, lse, [BS, H])
+    if empty is not None:
+        empty = b.call(aten.reshape.default, empty, [BS])
+    return E._scale_by_sinks(b, lat, lse, site.sinks, empty)
+
+
 def emit_tokens(b: Builder, site: Site, src: LatentSource, memo: E.Memo, absorb: str = "auto") -> fx.Node:
     """The absorbed computation of a site with S > 1 query tokens; returns the node replacing the attention
     output [B, H, S, v]."""
@@ -174,7 +188,10 @@ def emit_tokens(b: Builder, site: Site, src: LatentSource, memo: E.Memo, absorb:
     q_abs = b.call(aten.reshape.default, q_abs, [E._lead(B), S, H, R])
     table, limits, empty = _table(b, site, src, B, S, L, memo)
     ckv, kpe, ckv_scale = E._flat_latent(b, src, B, L, R, P)
-    lat = b.item(_attend(b, src, q_abs, q_pe, ckv, kpe, table, limits, site.scale, ckv_scale), 0)  # [B, S, H, R]
+    res = _attend(b, src, q_abs, q_pe, ckv, kpe, table, limits, site.scale, ckv_scale)
+    lat = b.item(res, 0)  # [B, S, H, R]
+    if site.sinks is not None:
+        return project(b, site, scale_by_sinks(b, site, lat, b.item(res, 1), empty, B), w_uv, B, absorb)
     rows = b.call(aten.unsqueeze.default, b.call(aten.unsqueeze.default, empty, 2), 3)  # [B, S, 1, 1]
     if site.proof.empty_rows == masks.EMPTY_UNIFORM:
         flat = _flat_rows(b, site, src, B, S, L, empty, ckv, kpe, ckv_scale, q_abs, q_pe, memo)

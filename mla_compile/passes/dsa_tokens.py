@@ -44,6 +44,8 @@ def check(site: Site, sp, src: LatentSource) -> None:
     if sp.tokens != site.tokens:
         raise NotSparse(f"indexer over {sp.tokens} query token(s), attention over {site.tokens}")
     if src.kind == "dcp":  # the indexer keys must be our cache's shard beside the latent's (`dsa_dcp.key_shard`)
+        if site.sinks is not None:  # dsa_tokens_dcp merges the ranks' states into lat alone: no lse to scale by
+            raise NotSparse(f"attention sinks with {site.tokens} query tokens per request under DCP")
         sp.shard = dsa_dcp.key_shard(sp.keys, src)
         sp.nodes |= sp.shard.nodes  # where HF reads the key pages (for check_reads)
     elif src.kind not in ("tensor", "paged"):
@@ -139,6 +141,9 @@ def emit_sparse_tokens(b: Builder, site: Site, src: LatentSource, memo: E.Memo, 
     res = b.call(torch.ops.mla.sparse_decode.default, q_abs, q_pe, ckv, kpe, idx, site.scale,
                  *E._scale_arg(ckv_scale))
     lat = b.item(res, 0)  # [B, S, H, R]; a row with no valid slot gives 0 (SDPA's bool mask gives the same)
+    if site.sinks is not None:
+        empty = b.call(aten.eq.Scalar, counts, 0)  # [B, S]
+        return T.project(b, site, T.scale_by_sinks(b, site, lat, b.item(res, 1), empty, B), w_uv, B, absorb)
     empty_rows = site.proof.empty_rows
     if empty_rows != masks.EMPTY_ZERO:
         empty = b.call(aten.eq.Scalar, counts, 0)  # [B, S]

@@ -385,6 +385,40 @@ def test_decode_steps_without_step_counters_keep_cuda_graphs(monkeypatch):
     assert flagged and not any(flagged), flagged
 
 
+@pytest.mark.parametrize("T", [2, 10], ids=["dense", "sparse"])
+def test_sinks_verification_step_matches_hf(T):
+    """A 3-token step (speculative verification, prompt lookup) on hy_v4 (attention sinks, DSA, eager attention),
+    request 1's first query token at a padding position (that row sees no token: with a sink it attends the sink
+    alone, 0): the compiled step's logits equal HF's, every site rewritten as a multi-token site, over the dense
+    DSA graph (kv lengths <= index_topk) and the sparse one (each query token its own top-k). These sites were
+    left to HF before (counted as not rewritten)."""
+    from mla_compile.passes import mla_attention as pass_
+
+    model = tiny_model("hy_v4", "eager").eval()
+    topk = model.config.get_text_config(decoder=True).index_topk
+    assert (T + 3 <= topk) == (T == 2), topk  # the two cases sit on either side of index_topk
+    L = T + 3
+    ids, mask = M.batch(B=2, T=T, L=L, vocab=model.config.vocab_size)
+    mask[1, :T + 1] = 0
+    new = torch.randint(1, model.config.vocab_size, (2, 3), generator=torch.Generator().manual_seed(0))
+
+    def rewrite_only(gm, example_inputs):
+        pass_.rewrite_mla_attention(gm)
+        return gm.forward
+
+    logits = []
+    torch._dynamo.reset()
+    for step in (model, torch.compile(model, backend=rewrite_only, fullgraph=True, dynamic=False)):
+        cache = DSAStaticCache(model.config, L)
+        COUNTERS.clear()
+        with torch.no_grad():
+            model(ids, attention_mask=mask[:, :T], **cache_kwargs(model, cache))
+            logits.append(step(new, attention_mask=mask, **cache_kwargs(model, cache)).logits)
+    c = COUNTERS["mla_compile"]
+    assert c[pass_.TOKENS_COUNTER] == mla_layers(model) and c[pass_.SKIP_COUNTER] == 0, dict(c)
+    assert M.rel_err(logits[1], logits[0]) < 1e-5, M.rel_err(logits[1], logits[0])
+
+
 ROADS = ("static", "paged", "fp8")  # generate()'s cache: HF's StaticCache, MLAPagedCache, an FP8 latent cache
 ROADS_IN_CI = {("kimi_linear", "paged"), ("deepseek_v32", "fp8")}
 
