@@ -52,10 +52,10 @@ def compile_config(mode: str | None = "reduce-overhead", *, dynamic: bool | None
     step is `torch.compile(model.__call__, backend="mla_dcp", mode=mode)`: absorbed MLA decode over the latent
     cache, CUDA-graph trees with "reduce-overhead" (the default, as HF's own). `mode="default"`: no CUDA graphs.
     `dynamic=False` (not HF's None): a batch of another size compiles its own static graph instead of a
-    dynamic one (HF's sliding-window layers' token count stays symbolic: `HF_SLIDING_LENGTH_SOURCE`). `options`: our
-    backend keys and Inductor keys (`mla_compile.backend.BACKEND_OPTIONS`); with
-    options the mode travels inside them (torch.compile refuses `mode=` together with `options=`). On a device
-    HF does not auto-compile on (CPU) the config asks HF to compile anyway.
+    dynamic one (HF's sliding-window layers' token count stays symbolic: `HF_SLIDING_LENGTH_SOURCE`). `options`:
+    our backend keys and Inductor keys (`mla_compile.backend.BACKEND_OPTIONS`); with options the mode travels
+    inside them (torch.compile refuses `mode=` together with `options=`). On a device HF does not auto-compile on
+    (CPU) the config asks HF to compile anyway.
     """
     from transformers import CompileConfig
 

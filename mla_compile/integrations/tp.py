@@ -55,11 +55,12 @@ def mla_attention_modules(model):
     return [m for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(m, "o_proj")]
 
 
-# The per-head pieces of the MLA families' attention modules besides kv_b_proj and o_proj, by attribute: how each is
-# cut to heads [h0, h1). "rows": a Linear whose output rows come in one block per head (the block's width: its rows
-# over the head count); "entries": a parameter with one value per head.
-# q heads [nope | rope] (axk2's q_gate_proj: [nope | rope | gate] per head)
+# The q projection an MLA attention module has one of: rows in one block per head, [nope | rope] (axk2's fused
+# q_gate_proj: [nope | rope | gate]).
 Q_PROJECTIONS = ("q_proj", "q_b_proj", "q_gate_proj")
+# The families' other per-head pieces besides kv_b_proj and o_proj, by attribute: how each is cut to heads [h0, h1).
+# "rows": a Linear whose output rows come in one block per head (the block's width: its rows over the head count);
+# "entries": a parameter with one value per head.
 PER_HEAD = {
     "g_proj": "rows",  # a head-wise output gate (bailing_hybrid, dots3_note)
     "gate_proj": "rows",  # an output gate per head and value channel (hy_v4)
