@@ -419,6 +419,66 @@ def test_sinks_verification_step_matches_hf(T):
     assert M.rel_err(logits[1], logits[0]) < 1e-5, M.rel_err(logits[1], logits[0])
 
 
+def sinks_dcp_worker(rank: int, world: int, init_file: str, result_dir: str, T: int) -> None:
+    """One DCP rank (gloo): test_sinks_verification_step_matches_hf's 3-token step over `MLAPagedCache(dcp=...)`,
+    eager HF vs the rewritten graph (no Inductor) over the same sharded cache."""
+    import types
+
+    import torch.distributed as dist
+
+    from mla_compile.integrations.hf import MLAPagedCache
+    from mla_compile.passes import mla_attention as pass_
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = tiny_model("hy_v4", "eager").eval()
+        dcp = types.SimpleNamespace(size=world, rank=rank, group_name=dist.group.WORLD.group_name)
+        L = T + 3
+        ids, mask = M.batch(B=2, T=T, L=L, vocab=model.config.vocab_size)
+        mask[1, :T + 1] = 0
+        new = torch.randint(1, model.config.vocab_size, (2, 3), generator=torch.Generator().manual_seed(0))
+
+        def rewrite_only(gm, example_inputs):
+            pass_.rewrite_mla_attention(gm)
+            return gm.forward
+
+        logits = []
+        torch._dynamo.reset()
+        for step in (model, torch.compile(model, backend=rewrite_only, fullgraph=True, dynamic=False)):
+            cache = MLAPagedCache(model.config, L, page_size=2, dcp=dcp)
+            COUNTERS.clear()
+            with torch.no_grad():
+                model(ids, attention_mask=mask[:, :T], **cache_kwargs(model, cache))
+                logits.append(step(new, attention_mask=mask, **cache_kwargs(model, cache)).logits)
+        torch.save(dict(err=M.rel_err(logits[1], logits[0]), counters=dict(COUNTERS["mla_compile"]),
+                        layers=mla_layers(model)), f"{result_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("T", [2, 10], ids=["dense", "sparse"])
+def test_sinks_verification_step_under_dcp(T, tmp_path):
+    """The sinks' 3-token step on two DCP ranks: the dense graph is rewritten (`mla.dcp_decode` returns the merged
+    lse the sinks scale by), the DSA-sparse one stays HF's, counted (its DCP emission merges without lse); both
+    give eager HF's logits over the same sharded cache."""
+    import torch.multiprocessing as mp
+
+    from mla_compile.passes import mla_attention as pass_
+
+    mp.spawn(sinks_dcp_worker, args=(2, str(tmp_path / "init"), str(tmp_path), T), nprocs=2, join=True)
+    for r in range(2):
+        res = torch.load(tmp_path / f"rank{r}.pt")
+        assert res["err"] < 1e-5, res
+        c = res["counters"]
+        if T == 2:
+            assert c.get(pass_.TOKENS_COUNTER) == res["layers"] and not c.get(pass_.SKIP_COUNTER), c
+        else:
+            assert c.get(pass_.SKIP_COUNTER) == res["layers"] and not c.get(pass_.COUNTER), c
+
+
 ROADS = ("static", "paged", "fp8")  # generate()'s cache: HF's StaticCache, MLAPagedCache, an FP8 latent cache
 ROADS_IN_CI = {("kimi_linear", "paged"), ("deepseek_v32", "fp8")}
 
