@@ -385,18 +385,15 @@ def test_decode_steps_without_step_counters_keep_cuda_graphs(monkeypatch):
     assert flagged and not any(flagged), flagged
 
 
-@pytest.mark.parametrize("T", [2, 10], ids=["dense", "sparse"])
-def test_sinks_verification_step_matches_hf(T):
-    """A 3-token step (speculative verification, prompt lookup) on hy_v4 (attention sinks, DSA, eager attention),
-    request 1's first query token at a padding position (that row sees no token: with a sink it attends the sink
-    alone, 0): the compiled step's logits equal HF's, every site rewritten as a multi-token site, over the dense
-    DSA graph (kv lengths <= index_topk) and the sparse one (each query token its own top-k). These sites were
-    left to HF before (counted as not rewritten)."""
+def sinks_step(T: int, make_cache) -> tuple:
+    """A 3-token step (speculative verification, prompt lookup) on hy_v4 (attention sinks, DSA, eager attention)
+    after a T-token prefill, request 1's first query token at a padding position (that row sees no token: with a
+    sink it attends the sink alone, 0): (eager HF's logits, the rewritten graph's (no Inductor), the pass's
+    counters, the model's MLA layers), each over a fresh `make_cache(model, L)`."""
     from mla_compile.passes import mla_attention as pass_
 
+    torch.manual_seed(0)
     model = tiny_model("hy_v4", "eager").eval()
-    topk = model.config.get_text_config(decoder=True).index_topk
-    assert (T + 3 <= topk) == (T == 2), topk  # the two cases sit on either side of index_topk
     L = T + 3
     ids, mask = M.batch(B=2, T=T, L=L, vocab=model.config.vocab_size)
     mask[1, :T + 1] = 0
@@ -409,51 +406,43 @@ def test_sinks_verification_step_matches_hf(T):
     logits = []
     torch._dynamo.reset()
     for step in (model, torch.compile(model, backend=rewrite_only, fullgraph=True, dynamic=False)):
-        cache = DSAStaticCache(model.config, L)
+        cache = make_cache(model, L)
         COUNTERS.clear()
         with torch.no_grad():
             model(ids, attention_mask=mask[:, :T], **cache_kwargs(model, cache))
             logits.append(step(new, attention_mask=mask, **cache_kwargs(model, cache)).logits)
-    c = COUNTERS["mla_compile"]
-    assert c[pass_.TOKENS_COUNTER] == mla_layers(model) and c[pass_.SKIP_COUNTER] == 0, dict(c)
-    assert M.rel_err(logits[1], logits[0]) < 1e-5, M.rel_err(logits[1], logits[0])
+    return logits[0], logits[1], dict(COUNTERS["mla_compile"]), mla_layers(model)
+
+
+@pytest.mark.parametrize("T", [2, 10], ids=["dense", "sparse"])
+def test_sinks_verification_step_matches_hf(T):
+    """`sinks_step` over DSAStaticCache: the compiled step's logits equal HF's, every site rewritten as a
+    multi-token site, over the dense DSA graph (kv lengths <= index_topk) and the sparse one (each query token its
+    own top-k). These sites were left to HF before (counted as not rewritten)."""
+    from mla_compile.passes import mla_attention as pass_
+
+    topk = tiny_config("hy_v4", "eager").get_text_config(decoder=True).index_topk
+    assert (T + 3 <= topk) == (T == 2), topk  # the two cases sit on either side of index_topk
+    ref, got, c, layers = sinks_step(T, lambda model, L: DSAStaticCache(model.config, L))
+    assert c.get(pass_.TOKENS_COUNTER) == layers and not c.get(pass_.SKIP_COUNTER), c
+    assert M.rel_err(got, ref) < 1e-5, M.rel_err(got, ref)
 
 
 def sinks_dcp_worker(rank: int, world: int, init_file: str, result_dir: str, T: int) -> None:
-    """One DCP rank (gloo): test_sinks_verification_step_matches_hf's 3-token step over `MLAPagedCache(dcp=...)`,
-    eager HF vs the rewritten graph (no Inductor) over the same sharded cache."""
+    """One DCP rank (gloo): `sinks_step` over `MLAPagedCache(dcp=...)`, eager HF vs the rewritten graph over the
+    same sharded cache."""
     import types
 
     import torch.distributed as dist
 
     from mla_compile.integrations.hf import MLAPagedCache
-    from mla_compile.passes import mla_attention as pass_
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        torch.manual_seed(0)
-        model = tiny_model("hy_v4", "eager").eval()
         dcp = types.SimpleNamespace(size=world, rank=rank, group_name=dist.group.WORLD.group_name)
-        L = T + 3
-        ids, mask = M.batch(B=2, T=T, L=L, vocab=model.config.vocab_size)
-        mask[1, :T + 1] = 0
-        new = torch.randint(1, model.config.vocab_size, (2, 3), generator=torch.Generator().manual_seed(0))
-
-        def rewrite_only(gm, example_inputs):
-            pass_.rewrite_mla_attention(gm)
-            return gm.forward
-
-        logits = []
-        torch._dynamo.reset()
-        for step in (model, torch.compile(model, backend=rewrite_only, fullgraph=True, dynamic=False)):
-            cache = MLAPagedCache(model.config, L, page_size=2, dcp=dcp)
-            COUNTERS.clear()
-            with torch.no_grad():
-                model(ids, attention_mask=mask[:, :T], **cache_kwargs(model, cache))
-                logits.append(step(new, attention_mask=mask, **cache_kwargs(model, cache)).logits)
-        torch.save(dict(err=M.rel_err(logits[1], logits[0]), counters=dict(COUNTERS["mla_compile"]),
-                        layers=mla_layers(model)), f"{result_dir}/rank{rank}.pt")
+        ref, got, c, layers = sinks_step(T, lambda model, L: MLAPagedCache(model.config, L, page_size=2, dcp=dcp))
+        torch.save(dict(err=M.rel_err(got, ref), counters=c, layers=layers), f"{result_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
