@@ -183,11 +183,16 @@ def config_patches(opts: BackendOptions, mode: str | None, inductor_patches: dic
             "post_grad_custom_pre_pass": build_pass_manager(opts).cache_key()}
 
 
+def _ours_to_drop_cudagraphs(patches: dict[str, Any], inductor_patches: dict[str, Any]) -> bool:
+    """CUDA graphs are on and the user did not set `triton.cudagraphs` explicitly (theirs always wins)."""
+    return bool(patches.get("triton.cudagraphs")) and "triton.cudagraphs" not in inductor_patches
+
+
 def _prefill_without_cudagraphs(gm: torch.fx.GraphModule, patches: dict[str, Any],
                                 inductor_patches: dict[str, Any]) -> None:
     """CUDA graphs for decode steps only (`passes/step_kind.py` says why): a graph that attends with several
     query tokens per request compiles without them, unless the user set `triton.cudagraphs` explicitly."""
-    if not patches.get("triton.cudagraphs") or "triton.cudagraphs" in inductor_patches:
+    if not _ours_to_drop_cudagraphs(patches, inductor_patches):
         return
     from .passes.step_kind import multi_token_attention
 
@@ -201,7 +206,7 @@ def _step_counter_without_cudagraphs(gm: torch.fx.GraphModule, patches: dict[str
                                      inductor_patches: dict[str, Any]) -> dict[str, Any]:
     """`patches`, or a copy without CUDA graphs for a graph that reads an int advancing every decode step
     (`passes/step_kind.STEP_COUNTER_SOURCES` says why), unless the user set `triton.cudagraphs` explicitly."""
-    if not patches.get("triton.cudagraphs") or "triton.cudagraphs" in inductor_patches:
+    if not _ours_to_drop_cudagraphs(patches, inductor_patches):
         return patches
     from .passes.step_kind import step_counter_input
 

@@ -33,14 +33,6 @@ from ..passes import step_kind
 log = logging.getLogger(__name__)
 
 
-# HF's sliding-window cache layers count their tokens in a Python int that the mask sizes read; under generate()'s
-# dynamic=False each value would be a graph of its own: one recompile per decode step, up to the recompile limit,
-# then HF's attention eagerly. Symbolic from the first compile (torch.compiler.config.dynamic_sources), the step
-# keeps one graph per window state (filling, full); the backend runs such steps without CUDA graphs
-# (passes/step_kind.STEP_COUNTER_SOURCES says why).
-HF_SLIDING_LENGTH_SOURCE = step_kind.STEP_COUNTER_SOURCES[0]
-
-
 def compile_config(mode: str | None = "reduce-overhead", *, dynamic: bool | None = False, fullgraph: bool = False,
                    **options):
     """HF `CompileConfig` that makes `generate()`'s own auto-compile use the `mla_dcp` backend:
@@ -52,7 +44,8 @@ def compile_config(mode: str | None = "reduce-overhead", *, dynamic: bool | None
     step is `torch.compile(model.__call__, backend="mla_dcp", mode=mode)`: absorbed MLA decode over the latent
     cache, CUDA-graph trees with "reduce-overhead" (the default, as HF's own). `mode="default"`: no CUDA graphs.
     `dynamic=False` (not HF's None): a batch of another size compiles its own static graph instead of a
-    dynamic one (HF's sliding-window layers' token count stays symbolic: `HF_SLIDING_LENGTH_SOURCE`). `options`:
+    dynamic one; ints that advance every decode step (HF's sliding-window token count) stay symbolic instead of a
+    recompile per step (`passes/step_kind.STEP_COUNTER_SOURCES`). `options`:
     our backend keys and Inductor keys (`mla_compile.backend.BACKEND_OPTIONS`); with options the mode travels
     inside them (torch.compile refuses `mode=` together with `options=`). On a device HF does not auto-compile on
     (CPU) the config asks HF to compile anyway.
@@ -61,7 +54,8 @@ def compile_config(mode: str | None = "reduce-overhead", *, dynamic: bool | None
 
     from ..dsa import mark_max_kv_len_dynamic
 
-    mark_max_kv_len_dynamic(HF_SLIDING_LENGTH_SOURCE)
+    for source in step_kind.STEP_COUNTER_SOURCES:
+        mark_max_kv_len_dynamic(source)
     if options:
         cfg = CompileConfig(backend="mla_dcp", mode=None, dynamic=dynamic, fullgraph=fullgraph,
                             options={"mode": mode, **options} if mode is not None else dict(options))

@@ -167,16 +167,14 @@ def project(b: Builder, site: Site, lat, w_uv, B, absorb: str) -> fx.Node:
 
 def scale_by_sinks(b: Builder, site: Site, lat, lse, empty, B) -> fx.Node:
     """HF's attention sinks on an S-token site (`attention_emit._scale_by_sinks` with S folded into the batch): lat
-    [B, S, H, R] and lse [B, S, H] of the decode, empty bool [B, S] (rows with no valid token, or None) -> lat
-    [B*S, H, R] scaled by sigmoid(lse - z_h); a row with no valid token attends only its sink: 0, whatever HF's
-    mask constant (the sink's logit beats finfo.min and -inf alike)."""
+    [B, S, H, R] and lse [B, S, H] of the decode, empty bool [B, S] (rows with no valid token) -> lat [B*S, H, R]
+    scaled by sigmoid(lse - z_h); a row with no valid token attends only its sink: 0, whatever HF's mask constant
+    (the sink's logit beats finfo.min and -inf alike)."""
     H, S, R = site.heads, site.tokens, _shape(lat)[-1]
     BS = E._lead(B, S)
     lat = b.call(aten.reshape.default, lat, [BS, H, R])
     lse = b.call(aten.reshape.default, lse, [BS, H])
-    if empty is not None:
-        empty = b.call(aten.reshape.default, empty, [BS])
-    return E._scale_by_sinks(b, lat, lse, site.sinks, empty)
+    return E._scale_by_sinks(b, lat, lse, site.sinks, b.call(aten.reshape.default, empty, [BS]))
 
 
 def emit_tokens(b: Builder, site: Site, src: LatentSource, memo: E.Memo, absorb: str = "auto") -> fx.Node:

@@ -34,9 +34,11 @@ _FACTORY_METHODS = {"new_zeros", "new_empty", "new_ones", "new_full", "zeros_lik
 
 # Dynamo sources (regexes over their names) of Python ints that advance on every decode step: HF's sliding-window
 # cache layers (StaticSlidingWindowLayer) count their tokens in `cumulative_length_int`, and the window's mask reads
-# it (the query and key offsets into the padding mask). Kept symbolic (integrations/generate.compile_config), such an
-# int is still an input of the step's graph, and CUDA-graph trees record one graph per distinct int input: a
-# recording every step, each kept for the process. Such a step compiles without CUDA graphs instead.
+# it (the query and key offsets into the padding mask). Specialized (generate()'s dynamic=False), each value would be
+# a graph of its own: a recompile per step, up to the recompile limit, then HF's attention eagerly; so
+# integrations/generate.compile_config makes them symbolic. Symbolic, such an int is still an input of the step's
+# graph, and CUDA-graph trees record one graph per distinct int input: a recording every step, each kept for the
+# process. Such a step compiles without CUDA graphs instead (backend.py).
 STEP_COUNTER_SOURCES = (r".*\.cumulative_length_int$",)
 
 
