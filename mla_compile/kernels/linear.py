@@ -5,13 +5,15 @@ cuBLAS GEMM costs ~5.5 us on the H200 however narrow the weight; q_a_proj and kv
 them. Here two weights sharing x are one launch over the union of their row blocks - the fused `qkv_a`
 projection of vLLM / SGLang without concatenating weights. Each program owns BLOCK_N weight rows; tokens are
 the MMA's N side (padded to 16). When the row blocks are too few to keep the SMs streaming (long K, few rows),
-K is split across programs too: each split writes fp32 partials and one more launch sums them and casts.
+K is split across programs too: each split writes fp32 partials, summed and cast by the last program of each row
+block to finish (arrival counters, where kernels/scratch.py can hand them out) or else by one more launch.
 `per_head_linear` runs the same row-block product with one weight per head (MLA's absorbed W_UK / W_UV).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
@@ -96,6 +98,54 @@ def _per_head_kernel(X, W, Y, M, N, K, s_xm, s_xh, s_xk, s_wh, s_wn, s_wk, s_ym,
     h = tl.program_id(0).to(tl.int64)
     _rows_times_x(X + h * s_xh, W + h * s_wh, Y + h * s_yh, M, N, 0, K, tl.program_id(1) * BLOCK_N, s_xm, s_xk,
                   s_wn, s_wk, s_ym, s_yn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
+
+
+@triton.jit
+def _split_sum_tile(P, Y, M, N, n0, S, s_ps, s_pm, s_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Y[:, n0:n0+BLOCK_N] = sum over the S splits of P[s, :, n0:n0+BLOCK_N] (fp32 partials, unit column stride),
+    cast once. Loads through L2 only: other programs wrote these partials during this launch."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    ok = (offs_m < M)[None, :] & (offs_n < N)[:, None]
+    ptrs = P + offs_m[None, :] * s_pm + offs_n[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for s in range(0, S):
+        acc += tl.load(ptrs + s * s_ps, mask=ok, other=0.0, cache_modifier=".cg")
+    tl.store(Y + offs_m[None, :] * s_ym + offs_n[:, None], acc.to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _linear_split_sum_kernel(X, W0, W1, P, C, Y0, Y1, M, N0, N1, K, k_split, S,
+                             s_xm, s_xk, s_w0n, s_w0k, s_w1n, s_w1k, s_ps, s_pm, s_y0m, s_y1m,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                             PDL: tl.constexpr = False):
+    """`_linear_kernel` over K splits and `_sum_splits_kernel` in one launch. Program (row block, split) writes its
+    fp32 partial into P [S, M, N0 + N1] (W0's rows, then W1's), then counts itself in C[row block]; the last of
+    the block's S programs to arrive sums the block's partials into Y0 / Y1 and puts the counter back to 0 (every
+    counter is 0 before and after a launch: kernels/scratch.py hands them out only where launches are ordered).
+    The arrival is CUTLASS's semaphore: a CTA barrier orders every thread's partial before one thread's
+    acquire-release add at GPU scope, whose result the whole CTA then sees."""
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    k_lo = split * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    nb0 = tl.cdiv(N0, BLOCK_N)
+    if pid < nb0:
+        _rows_times_x(X, W0, P + split * s_ps, M, N0, k_lo, k_hi, pid * BLOCK_N, s_xm, s_xk, s_w0n, s_w0k,
+                      s_pm, 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
+    else:
+        _rows_times_x(X, W1, P + N0 + split * s_ps, M, N1, k_lo, k_hi, (pid - nb0) * BLOCK_N, s_xm, s_xk, s_w1n,
+                      s_w1k, s_pm, 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(C + pid, 1, sem="acq_rel", scope="gpu")
+    if arrived == S - 1:
+        if pid < nb0:
+            _split_sum_tile(P, Y0, M, N0, pid * BLOCK_N, S, s_ps, s_pm, s_y0m, BLOCK_M, BLOCK_N)
+        else:
+            _split_sum_tile(P + N0, Y1, M, N1, (pid - nb0) * BLOCK_N, S, s_ps, s_pm, s_y1m, BLOCK_M, BLOCK_N)
+        tl.store(C + pid, 0)
 
 
 @triton.jit
@@ -210,10 +260,13 @@ def linear_partials(x: torch.Tensor, weights: list[torch.Tensor], splits: int, c
     return linear_partials_plan(x, weights, splits, cfg, align)(x, *weights)
 
 
-def small_m_plan(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig | None = None):
+def small_m_plan(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig | None = None,
+                 sum_in_kernel: bool | None = None):
     """`plan(x, *weights, outs=None)` -> `linear_small_m(x, weights, outs=outs)` for inputs of this signature (one or
     two weights). Called with the op's own arguments: `mla::fused_linear` of a flat x and one pair runs it as its
-    plan, one frame from the op to the launches."""
+    plan, one frame from the op to the launches. Split K sums the splits' partials in the split launch itself
+    where zeroed counters are at hand (None: on the legacy default stream, kernels/scratch.py; True: always, a
+    zeroed counter tensor allocated per call), else (False, or elsewhere) in a second launch."""
     M, K = x.shape
     shapes, dtype, device = [(M, w.shape[0]) for w in weights], x.dtype, x.device
     if cfg is None:
@@ -239,11 +292,33 @@ def small_m_plan(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig
 
         return one_pass
     ((partial, _, _, partial_numbers),), buffers = _partial_launches(x, weights, splits, cfg, cfg.block_k)
+    blocks = cdiv(n0, cfg.block_n) + cdiv(n1, cfg.block_n)
+    if sum_in_kernel is None:  # where counters are handed out (kernels/scratch.py): the sum in the split launch
+        buffers.counters = blocks
     get = buffers.get
     block = 512
     sum_splits = bind(_sum_splits_kernel, (M, cdiv(n0 + n1, block)), BLOCK=block, **pdl_launch(x.device))
     # the partials' split and row strides (contiguous [splits, M, n0 + n1]), the outputs' row strides
     numbers = (splits, n0, n1, M * (n0 + n1), n0 + n1, meta[0].stride(0), meta[-1].stride(0))
+    split_sum = bind(_linear_split_sum_kernel, (blocks, splits), BLOCK_M=MAX_M, BLOCK_N=cfg.block_n,
+                     BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, **dot_mode(x.dtype), num_warps=cfg.num_warps,
+                     num_stages=cfg.num_stages, **pdl_launch(x.device))
+    k_split = partial_numbers[4]
+    # M N0 N1 K k_split S, x's and the weights' strides, the partials' split / row strides, the outputs' row strides
+    split_sum_numbers = (M, n0, n1, K, k_split, splits, *partial_numbers[5:11], M * (n0 + n1), n0 + n1,
+                         meta[0].stride(0), meta[-1].stride(0))
+
+    if sum_in_kernel:  # always, with counters of its own per call (zeroed: a memset, which graphs can capture)
+        counters = functools.partial(torch.zeros, blocks, dtype=torch.int32, device=x.device)
+
+        def split_k_summed(x, *weights, outs=None):
+            if outs is None:
+                outs = [fresh0(), fresh1()] if two else [fresh0()]
+            (part,) = get()
+            split_sum(x, weights[0], weights[-1], part, counters(), outs[0], outs[-1], *split_sum_numbers)
+            return outs
+
+        return split_k_summed
 
     def split_k(x, *weights, outs=None):
         if outs is None:
@@ -253,14 +328,28 @@ def small_m_plan(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig
         sum_splits(part, outs[0], outs[-1], *numbers)
         return outs
 
-    return split_k
+    if sum_in_kernel is False:
+        return split_k
+
+    def split_k_auto(x, *weights, outs=None):
+        if outs is None:
+            outs = [fresh0(), fresh1()] if two else [fresh0()]
+        part, counters = get()  # scratch and zeroed counters where it is safe, else fresh partials and None
+        if counters is None:
+            partial(x, weights[0], weights[-1], part, part, *partial_numbers)
+            sum_splits(part, outs[0], outs[-1], *numbers)
+        else:
+            split_sum(x, weights[0], weights[-1], part, counters, outs[0], outs[-1], *split_sum_numbers)
+        return outs
+
+    return split_k_auto
 
 
 def linear_small_m(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig | None = None,
-                   outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                   outs: list[torch.Tensor] | None = None, sum_in_kernel: bool | None = None) -> list[torch.Tensor]:
     """x [M, K] (M <= 16), weights: one or two [N_i, K] (nn.Linear layout, any strides) -> [x @ W_i^T]
-    (`outs`: contiguous buffers to write instead of new ones)."""
-    return small_m_plan(x, weights, cfg)(x, *weights, outs=outs)
+    (`outs`: contiguous buffers to write instead of new ones; `sum_in_kernel`: `small_m_plan`'s)."""
+    return small_m_plan(x, weights, cfg, sum_in_kernel)(x, *weights, outs=outs)
 
 
 def per_head_plan(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None):

@@ -15,6 +15,12 @@ Any other stream, or a CPU tensor: fresh allocations (what every call did before
 
 The buffer grows (to at least twice its size) when a plan needs more; a plan's cached views keep the old buffer
 alive until it next runs (the views carry the buffer's generation), so at most the last few sizes are held.
+
+Counters ride on the same rule: int32 slots that are zero before and after every launch that uses them (a split
+kernel's programs count their arrivals and the last one of a group, having summed the group's partials, puts its
+slot back to 0). That saves the summing launch, but the slots must outlive every launch and stay outside any graph
+pool, and two launches must never hold them at once: true on the legacy default stream for the same reasons as the
+scratch buffer, so a plan gets them there only, and elsewhere None (its caller then launches the sum apart).
 """
 
 from __future__ import annotations
@@ -52,10 +58,16 @@ def empty_maker(shape, dtype: torch.dtype, device: torch.device):
 
 
 class _Buffer:
-    __slots__ = ("data", "generation")
+    __slots__ = ("data", "generation", "counters")
 
     def __init__(self):
-        self.data, self.generation = None, 0
+        self.data, self.generation, self.counters = None, 0, None
+
+    def reserve_counters(self, n: int, device: torch.device) -> None:
+        if n and (self.counters is None or self.counters.numel() < n):
+            # zeroed once, on the default stream this buffer serves; every user leaves its slots at 0 again
+            self.counters = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+            self.generation += 1
 
     def reserve(self, numel: int, device: torch.device) -> None:
         if self.data is None or self.data.numel() < numel:
@@ -78,12 +90,15 @@ class Scratch:
     """A plan's float32 scratch tensors: `get()` -> one contiguous tensor per shape, then whatever `derive(*tensors)`
     makes of them (e.g. column views). Where it is safe (see the module docstring) they are views of this thread's
     default-stream buffer, 512-byte aligned as a fresh allocation is and made once per buffer generation: such a call
-    pays no allocation and no view. Elsewhere `fresh()`: new tensors each call."""
+    pays no allocation and no view. Elsewhere `fresh()`: new tensors each call. With `counters` > 0 the tensors
+    are followed by that many int32 arrival counters (zero; see the module docstring), or by None where the
+    tensors are fresh."""
 
-    __slots__ = ("shapes", "offsets", "numel", "derive", "device", "index", "views")
+    __slots__ = ("shapes", "offsets", "numel", "derive", "device", "index", "views", "counters")
 
-    def __init__(self, shapes, device: torch.device, derive=None):
+    def __init__(self, shapes, device: torch.device, derive=None, counters: int = 0):
         self.shapes, self.device, self.derive = [tuple(s) for s in shapes], device, derive
+        self.counters = counters
         self.offsets, end = [], 0
         for shape in self.shapes:
             self.offsets.append(end)
@@ -95,7 +110,8 @@ class Scratch:
 
     def fresh(self):
         tensors = tuple(torch.empty(shape, dtype=torch.float32, device=self.device) for shape in self.shapes)
-        return tensors if self.derive is None else self.derive(*tensors)
+        tensors = tensors if self.derive is None else self.derive(*tensors)
+        return tensors + (None,) if self.counters else tensors
 
     def get(self):
         index = self.index
@@ -109,9 +125,12 @@ class Scratch:
         if v is not None and v[0] is buf and v[1] == buf.generation:
             return v[2]
         buf.reserve(self.numel, self.device)
+        buf.reserve_counters(self.counters, self.device)
         views = tuple(buf.data[start:start + torch.Size(shape).numel()].view(shape)
                       for start, shape in zip(self.offsets, self.shapes))
         if self.derive is not None:
             views = self.derive(*views)
+        if self.counters:
+            views = views + (buf.counters[:self.counters],)
         self.views = (buf, buf.generation, views)
         return views

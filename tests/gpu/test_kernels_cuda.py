@@ -364,16 +364,57 @@ def test_fused_linear_cuda_graph_replay():
             assert ((y.double() - want).abs().max() / want.abs().max()).item() < 1e-2
 
 
+@pytest.mark.parametrize("sum_in_kernel", [None, False, True])
 @pytest.mark.parametrize("split_k", [2, 3, 8])
-def test_linear_split_k(split_k):
+def test_linear_split_k(split_k, sum_in_kernel):
+    """Split K summed by a second launch (False), by each row block's last program with counters of the call's
+    own (True), or where scratch counters exist (None: here, on the default stream, the last program) - three
+    calls in a row, so a counter not put back to 0 would break the next."""
+    from mla_compile.kernels import scratch
     from mla_compile.kernels.linear import LinearConfig, linear_small_m
 
     g = torch.Generator(device="cuda").manual_seed(split_k)
-    x = torch.randn(8, 7168, device="cuda", generator=g).to(torch.bfloat16)
     ws = [(torch.randn(N, 7168, device="cuda", generator=g) * 0.01).to(torch.bfloat16) for N in (1536, 576)]
-    for y, w in zip(linear_small_m(x, ws, LinearConfig(16, 256, 4, 4, split_k)), ws):
-        want = x.double() @ w.double().T
-        assert ((y.double() - want).abs().max() / want.abs().max()).item() < 1e-2
+    for _ in range(3):
+        x = torch.randn(8, 7168, device="cuda", generator=g).to(torch.bfloat16)
+        for y, w in zip(linear_small_m(x, ws, LinearConfig(16, 256, 4, 4, split_k), sum_in_kernel=sum_in_kernel), ws):
+            want = x.double() @ w.double().T
+            assert ((y.double() - want).abs().max() / want.abs().max()).item() < 1e-2
+    torch.cuda.synchronize()
+    counters = scratch._buffer(torch.cuda.current_device()).counters
+    if sum_in_kernel is None:
+        assert counters is not None and not counters.any(), "every counter back at 0 after the launches"
+
+
+def test_linear_split_k_on_a_side_stream_and_in_graphs():
+    """Off the default stream (no scratch counters) the sum is a second launch; captured, both ways replay right
+    (the per-call counters of sum_in_kernel=True are a captured memset)."""
+    from mla_compile.kernels.linear import linear_small_m
+
+    x = torch.randn(4, 7168, device="cuda", dtype=torch.bfloat16)
+    ws = [(torch.randn(N, 7168, device="cuda") * 0.01).to(torch.bfloat16) for N in (1536, 576)]
+
+    def check(ys):
+        for y, w in zip(ys, ws):
+            want = x.double() @ w.double().T
+            assert ((y.double() - want).abs().max() / want.abs().max()).item() < 1e-2
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ys = linear_small_m(x, ws)
+    torch.cuda.current_stream().wait_stream(side)
+    check(ys)
+    for summed in (None, True):
+        linear_small_m(x, ws, sum_in_kernel=summed)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ys = linear_small_m(x, ws, sum_in_kernel=summed)
+        for _ in range(2):
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            check(ys)
 
 
 # --------------------------------------------------------------------------------------- linear_partials

@@ -95,6 +95,42 @@ def test_derived_views_are_made_once_per_generation(default_stream):
     assert p.get()[1] is left and made == [1]
 
 
+def test_counters_ride_on_the_default_stream_buffer(default_stream):
+    """Arrival counters (a split-K linear summing in its split launch, kernels/linear.py): zeroed int32 slots after
+    the tensors, shared by the plans of this thread's buffer; never made twice unless more are asked for."""
+    p = S.Scratch([(2, 3, 10)], torch.device("cpu"), counters=40)
+    p.index = 0
+    part, counters = p.get()
+    assert part.shape == (2, 3, 10) and counters.dtype == torch.int32 and counters.shape == (40,)
+    assert not counters.any()
+    buf = S._buffer(0)
+    assert counters.data_ptr() == buf.counters.data_ptr()
+    q = S.Scratch([(1,)], torch.device("cpu"), counters=7)
+    q.index = 0
+    assert q.get()[1].data_ptr() == counters.data_ptr()  # one set of counters per buffer
+    n = buf.counters.numel() + 1
+    more = S.Scratch([(1,)], torch.device("cpu"), counters=n)
+    more.index = 0
+    grown = more.get()[1]
+    assert grown.numel() == n and buf.counters.numel() >= n and not grown.any()
+    assert p.get()[1].data_ptr() == buf.counters.data_ptr()  # the older plan's view follows the new counters
+
+
+@pytest.mark.parametrize("stream", [7, None])
+def test_no_counters_off_the_default_stream(default_stream, stream, monkeypatch):
+    """Where partials are fresh (another stream, no CUDA, a CPU tensor) a plan gets None for its counters: its
+    launches must not share slots with another stream's."""
+    if stream is None:
+        monkeypatch.setattr(S, "_stream", None)
+    else:
+        default_stream[0] = stream
+    p = S.Scratch([(2, 3)], torch.device("cpu"), counters=4)
+    p.index = 0
+    part, counters = p.get()
+    assert part.shape == (2, 3) and counters is None and S._buffer(0).counters is None
+    assert S.Scratch([(2, 3)], torch.device("cpu"), counters=4).get()[1] is None
+
+
 def test_fresh_tensors_are_derived_too():
     """`fresh()` (a caller that never reuses, or an unsafe stream): new tensors, derived the same way."""
     p = S.Scratch([(2, 3, 10)], torch.device("cpu"), lambda part: (part, part[:, :, :4]))

@@ -429,10 +429,13 @@ def check_fused_linear():
         for M, K, Ns, cfg in cases:
             x = torch.randn(M, K, generator=gen).to(dtype)
             ws = [torch.randn(N, K, generator=gen).to(dtype) for N in Ns]
-            for y, w in zip(linear_small_m(x, ws, cfg), ws):
-                want = x.double() @ w.double().T
-                assert y.dtype == dtype and y.shape == want.shape
-                assert _rel(y, want) < tol, f"M={M} K={K} N={w.shape[0]} {dtype}: rel err {_rel(y, want):.2e}"
+            # split K both ways: summed by a second launch, and by each row block's last program (counters)
+            for summed in (False, True) if cfg.split_k > 1 else (None,):
+                for y, w in zip(linear_small_m(x, ws, cfg, sum_in_kernel=summed), ws):
+                    want = x.double() @ w.double().T
+                    assert y.dtype == dtype and y.shape == want.shape
+                    assert _rel(y, want) < tol, (f"M={M} K={K} N={w.shape[0]} {dtype} summed={summed}: rel err "
+                                                 f"{_rel(y, want):.2e}")
         for M, K, Ns in ((0, 32, [8, 4]), (4, 0, [8])):  # empty x, empty K: no launch, zeros
             ys = linear_small_m(torch.randn(M, K).to(dtype), [torch.randn(N, K).to(dtype) for N in Ns])
             assert [tuple(y.shape) for y in ys] == [(M, N) for N in Ns] and all(not y.any() for y in ys)
