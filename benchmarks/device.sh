@@ -8,6 +8,7 @@
 #           fp8swap (lab probe: a swap-AB Gluon kernel for the FP8 cache at few heads, beside mla.decode / FlashMLA)
 #           eagersplits (lab probe: split counts for eager decode calls)
 #           swapab (lab probe: the few-head swap-AB Gluon decode over a bf16 cache, beside auto's kernel and the peers)
+#           linearsum (lab bench: split-K fused_linear summed in its split launch vs a second launch)
 # Installs the wheels carried in .whl/ (tools/device_wheels.sh fetches them; run(carry=[".whl"])), records the environment, then runs each stage.
 #
 # $OUT stays flat and small (the device tool returns at most 8 files). A full run
@@ -88,6 +89,8 @@ stage_sweep() { timeout "${T_SWEEP:-300}" python3 benchmarks/decode_sweep.py "$O
 stage_profile() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_PROFILE:-300}" python3 benchmarks/hf_profile.py "$OUT/hf_profile.json" ${PROFILE_ARGS:-}; }
 # few-token linear layers (issue 5's HF step): mla_compile.kernels.linear configs vs cuBLAS
 stage_linear() { timeout "${T_LINEAR:-300}" python3 benchmarks/linear_sweep.py "$OUT/linear_sweep.json" ${LINEAR_ARGS:-}; }
+# linearsum: the lab bench of split-K fused_linear summed in its split launch (counters) vs a second launch
+stage_linearsum() { timeout "${T_LINEARSUM:-200}" python3 benchmarks/lab/linear_sum_in_kernel.py "$OUT/linear_sum_in_kernel.json"; }
 # where the Gluon many-head decode kernel spends its time (phases dropped one at a time)
 stage_wgmma() { echo "wgmma: the phase probe is retired (benchmarks/lab/README.md)"; }
 stage_bench() { timeout "${T_BENCH:-400}" python3 benchmarks/bench_ops.py "$OUT/bench_ops.json" ${BENCH_ARGS:-}; }
