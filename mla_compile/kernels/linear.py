@@ -68,6 +68,24 @@ def _rows_times_x(X, W, Y, M, N, k_lo, k_hi, n0, s_xm, s_xk, s_wn, s_wk, s_ym, s
 
 
 @triton.jit
+def _pair_rows_times_x(X, W0, W1, Y0, Y1, M, N0, N1, K, k_split, s_xm, s_xk, s_w0n, s_w0k, s_w1n, s_w1k,
+                       s_y0m, s_y0n, s_y1m, s_y1n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """Program (pid, split)'s product over K range [split * k_split, +k_split): its block of W0's rows into Y0 for
+    pid < cdiv(N0, BLOCK_N), else its block of W1's rows into Y1."""
+    pid = tl.program_id(0)
+    k_lo = tl.program_id(1) * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    nb0 = tl.cdiv(N0, BLOCK_N)
+    if pid < nb0:
+        _rows_times_x(X, W0, Y0, M, N0, k_lo, k_hi, pid * BLOCK_N, s_xm, s_xk, s_w0n, s_w0k, s_y0m, s_y0n,
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
+    else:
+        _rows_times_x(X, W1, Y1, M, N1, k_lo, k_hi, (pid - nb0) * BLOCK_N, s_xm, s_xk, s_w1n, s_w1k, s_y1m, s_y1n,
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
+
+
+@triton.jit
 def _linear_kernel(X, W0, W1, Y0, Y1, M, N0, N1, K, k_split,
                    s_xm, s_xk, s_w0n, s_w0k, s_w1n, s_w1k, s_ys, s_y0m, s_y0n, s_y1m, s_y1n, y0_at, y1_at,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -76,17 +94,10 @@ def _linear_kernel(X, W0, W1, Y0, Y1, M, N0, N1, K, k_split,
     K in k_split-wide ranges, each writing its own partial at Y + split * s_ys (s_ys = 0: no split). Y0 / Y1
     start y0_at / y1_at elements into their buffers (one buffer's column ranges: no view per call)."""
     pdl_enter(PDL)
-    pid = tl.program_id(0)
     split = tl.program_id(1)
-    k_lo = split * k_split
-    k_hi = tl.minimum(k_lo + k_split, K)
-    nb0 = tl.cdiv(N0, BLOCK_N)
-    if pid < nb0:
-        _rows_times_x(X, W0, Y0 + y0_at + split * s_ys, M, N0, k_lo, k_hi, pid * BLOCK_N, s_xm, s_xk, s_w0n, s_w0k,
-                      s_y0m, s_y0n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
-    else:
-        _rows_times_x(X, W1, Y1 + y1_at + split * s_ys, M, N1, k_lo, k_hi, (pid - nb0) * BLOCK_N, s_xm, s_xk, s_w1n,
-                      s_w1k, s_y1m, s_y1n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
+    _pair_rows_times_x(X, W0, W1, Y0 + y0_at + split * s_ys, Y1 + y1_at + split * s_ys, M, N0, N1, K, k_split,
+                       s_xm, s_xk, s_w0n, s_w0k, s_w1n, s_w1k, s_y0m, s_y0n, s_y1m, s_y1n,
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
 
 
 @triton.jit
@@ -129,15 +140,10 @@ def _linear_split_sum_kernel(X, W0, W1, P, C, Y0, Y1, M, N0, N1, K, k_split, S,
     pdl_enter(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    k_lo = split * k_split
-    k_hi = tl.minimum(k_lo + k_split, K)
     nb0 = tl.cdiv(N0, BLOCK_N)
-    if pid < nb0:
-        _rows_times_x(X, W0, P + split * s_ps, M, N0, k_lo, k_hi, pid * BLOCK_N, s_xm, s_xk, s_w0n, s_w0k,
-                      s_pm, 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
-    else:
-        _rows_times_x(X, W1, P + N0 + split * s_ps, M, N1, k_lo, k_hi, (pid - nb0) * BLOCK_N, s_xm, s_xk, s_w1n,
-                      s_w1k, s_pm, 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
+    _pair_rows_times_x(X, W0, W1, P + split * s_ps, P + N0 + split * s_ps, M, N0, N1, K, k_split,
+                       s_xm, s_xk, s_w0n, s_w0k, s_w1n, s_w1k, s_pm, 1, s_pm, 1,
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, DOT_UPCAST)
     tl.debug_barrier()
     arrived = tl.atomic_add(C + pid, 1, sem="acq_rel", scope="gpu")
     if arrived == S - 1:
