@@ -65,7 +65,8 @@ class _Buffer:
 
     def reserve_counters(self, n: int, device: torch.device) -> None:
         if n and (self.counters is None or self.counters.numel() < n):
-            # zeroed once, on the default stream this buffer serves; every user leaves its slots at 0 again
+            # zeroed once, on the default stream this buffer serves; every user leaves its slots at 0 again. At
+            # least 1024 slots (a split-K linear takes one per 32 weight rows): one allocation for most models
             self.counters = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
             self.generation += 1
 
