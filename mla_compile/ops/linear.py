@@ -9,10 +9,12 @@ rows (kernels/linear.py; K split over more programs when the rows are few) when 
 concatenating (copying) the weights. Any other case, and the CPU impl, is `F.linear` per weight: the op
 computes exactly what the unfused graph did.
 
-With few rows and a long K the kernel splits K over more programs; as `fused_linear` it then needs a second
-launch to add the fp32 partials. `linear_partials` returns them instead, so the pass (passes/fused_linear.py)
-can write their sum as pointwise adds that Inductor fuses into the RMSNorm / residual add that reads the output
-anyway: one launch and one launch gap less per projection.
+With few rows and a long K the kernel splits K over more programs; as `fused_linear` it then adds the fp32
+partials in the same launch on the legacy default stream (the last program of each row block: eager calls) and
+in a second launch elsewhere (CUDA-graph capture, side streams; kernels/linear.py `small_m_plan`).
+`linear_partials` returns them instead, so the pass (passes/fused_linear.py) can write their sum as pointwise adds
+that Inductor fuses into the RMSNorm / residual add that reads the output anyway: one launch and one launch gap
+less per projection under CUDA graphs.
 """
 
 from __future__ import annotations
