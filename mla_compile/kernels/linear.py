@@ -309,10 +309,9 @@ def small_m_plan(x: torch.Tensor, weights: list[torch.Tensor], cfg: LinearConfig
     split_sum = bind(_linear_split_sum_kernel, (blocks, splits), BLOCK_M=MAX_M, BLOCK_N=cfg.block_n,
                      BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, **dot_mode(x.dtype), num_warps=cfg.num_warps,
                      num_stages=cfg.num_stages, **pdl_launch(x.device))
-    k_split = partial_numbers[4]
     # M N0 N1 K k_split S, x's and the weights' strides, the partials' split / row strides, the outputs' row strides
-    split_sum_numbers = (M, n0, n1, K, k_split, splits, *partial_numbers[5:11], M * (n0 + n1), n0 + n1,
-                         meta[0].stride(0), meta[-1].stride(0))
+    split_sum_numbers = (M, n0, n1, K, split_width(K, splits, cfg.block_k), splits, *x.stride(),
+                         *weights[0].stride(), *weights[-1].stride(), *numbers[3:])
 
     if sum_in_kernel:  # always, with counters of its own per call (zeroed: a memset, which graphs can capture)
         counters = functools.partial(torch.zeros, blocks, dtype=torch.int32, device=x.device)
