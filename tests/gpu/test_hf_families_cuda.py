@@ -177,3 +177,39 @@ def test_sliding_window_generate_under_cuda_graphs(monkeypatch):
         c, layers = COUNTERS["mla_compile"], F.mla_layers(model)
         assert c[mla_attention.SKIP_COUNTER] == 0 and c[mla_attention.COUNTER] % layers == 0, dict(c)
         assert c[mla_attention.COUNTER] // layers <= 4, dict(c)
+
+
+@pytest.mark.parametrize("cache_kind", ["static", "paged"])
+def test_sinks_family_verification_steps_under_cuda_graphs(cache_kind):
+    """Attention sinks on verification steps, on the GPU road: hy_v4 (sinks, DSA) through prompt-lookup generate()
+    (3-token verification steps) with `optimize_generate` (CUDA graphs), over DSAStaticCache or our paged cache.
+    The prompt repeats itself so that lookups propose drafts; the prompt plus new tokens pass index_topk, so the
+    dense and the sparse verification graphs both run. Tokens equal eager generate()'s over the same kind of cache,
+    every multi-token site rewritten (the sinks scale each query row by its lse), none left to HF."""
+    model, dsa = _family_model("hy_v4", "eager")
+    assert dsa
+    topk = model.config.get_text_config(decoder=True).index_topk
+    base = torch.randint(1, model.config.vocab_size, (1, 2), generator=torch.Generator().manual_seed(5))
+    ids = base.repeat(1, 2).cuda()
+    assert ids.shape[1] < topk
+    new = topk + 6 - ids.shape[1]  # the later verification steps read more than index_topk tokens
+    L = ids.shape[1] + new + 4
+
+    def cache():
+        made = DSAStaticCache(model.config, L) if cache_kind == "static" else \
+            MLAPagedCache(model.config, L, page_size=4, shuffle_pages=True)
+        return cache_kwargs(model, made)
+
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=2)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, disable_compile=True, **cache(), **kw)
+    M.fresh(model)
+    optimize_generate(model)
+    for _ in range(2):  # the second call replays the recorded graphs
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, **cache(), **kw)
+        assert torch.equal(out, ref), (out, ref)
+    c = COUNTERS["mla_compile"]
+    assert c[mla_attention.TOKENS_COUNTER] >= F.mla_layers(model), dict(c)
+    assert c[mla_attention.SKIP_COUNTER] == 0, dict(c)
