@@ -9,6 +9,7 @@
 #           eagersplits (lab probe: split counts for eager decode calls)
 #           swapab (lab probe: the few-head swap-AB Gluon decode over a bf16 cache, beside auto's kernel and the peers)
 #           linearsum (lab bench: split-K fused_linear summed in its split launch vs a second launch)
+#           seesaw (lab probe: the many-head seesaw kernel with 32-token tiles in two slot sets, beside the peers)
 # Installs the wheels carried in .whl/ (tools/device_wheels.sh fetches them; run(carry=[".whl"])), records the environment, then runs each stage.
 #
 # $OUT stays flat and small (the device tool returns at most 8 files). A full run
@@ -111,6 +112,10 @@ stage_fp8swap() { timeout "${T_FP8SWAP:-300}" python3 benchmarks/lab/fp8_swapab.
 # swapab (issue 24): the lab probe of the few-head swap-AB Gluon stage 1 over a bf16 cache (check, then times beside the
 # Triton kernel auto runs, FlashInfer and FlashMLA); SWAPAB_ARGS e.g. "--shapes 16:8:32768 --splits-scale 0.5 2"
 stage_swapab() { timeout "${T_SWAPAB:-300}" python3 benchmarks/lab/swapab.py "$OUT/swapab.json" ${SWAPAB_ARGS:-}; }
+# seesaw (issue 24): the lab probe of the many-head seesaw kernel over half-size tiles in two sets of slots (a full double
+# buffer in the same shared memory), checked against float64 and the product kernel, then timed beside it and the peers;
+# SEESAW_ARGS e.g. "--shapes 128:8:8192 --variants 32:2 64:1"
+stage_seesaw() { timeout "${T_SEESAW:-300}" python3 benchmarks/lab/seesaw_n32.py "$OUT/seesaw_n32.json" ${SEESAW_ARGS:-}; }
 stage_onelaunch() { echo "onelaunch: the lab probe is retired (benchmarks/lab/README.md)"; }
 # eagersplits (issue 29): the lab probe of the split count for eager decode calls (graph replay vs back-to-back eager
 # wall time at the policy's splits, a quarter, one); EAGERSPLITS_ARGS e.g. "--shapes 1:1024 8:4096 --filler 8"
