@@ -106,7 +106,8 @@ def wgmma_stage1_sm90(R: int = 512, P: int = 64, page_size: int = 64, dtype: str
     if kernel not in GLUON_KERNELS:
         raise ValueError(f"kernel: expected one of {GLUON_KERNELS}, got {kernel!r}")
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-    desc = {name: f"tensordesc<{dtype}[{W.BLOCK_N}, {width}],{gl.NVMMASharedLayout.get_default_for([W.BLOCK_N, width], gdt)!r}>"
+    rows = S.TILE_N if kernel == "seesaw" else W.BLOCK_N  # the TMA boxes' tokens
+    desc = {name: f"tensordesc<{dtype}[{rows}, {width}],{gl.NVMMASharedLayout.get_default_for([rows, width], gdt)!r}>"
             for name, width in (("CkvDesc", R // 2), ("KpeDesc", P))}
     desc.update({name: f"*{dtype}" for name in ("Qn", "Qp", "Ckv", "Kpe")})
     if kernel == "seesaw":  # 4 + 4 + 1 warps

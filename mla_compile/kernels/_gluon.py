@@ -67,27 +67,28 @@ def _gl_dtype(dtype: torch.dtype):
 
 
 @functools.lru_cache(maxsize=64)
-def _box_layouts(R: int, P: int, dtype: torch.dtype):
+def _box_layouts(R: int, P: int, dtype: torch.dtype, block_n: int = BLOCK_N):
     # per call on the host otherwise: get_default_for costs ~11 us a layout on one CPU core
     gdt = _gl_dtype(dtype)
-    return (gl.NVMMASharedLayout.get_default_for([BLOCK_N, R // 2], gdt),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, P], gdt))
+    return (gl.NVMMASharedLayout.get_default_for([block_n, R // 2], gdt),
+            gl.NVMMASharedLayout.get_default_for([block_n, P], gdt))
 
 
-def descriptors(ckv_cache, kpe_cache):
+def descriptors(ckv_cache, kpe_cache, block_n: int = BLOCK_N):
     """TMA descriptors over the whole caches seen as [slots, width] (`caches_view_as_slots`: rows `slot_stride`
-    apart, e.g. two column ranges of one buffer): boxes of one tile of one latent half, and of the rope part."""
+    apart, e.g. two column ranges of one buffer): boxes of one tile (block_n tokens) of one latent half, and of the
+    rope part."""
     NP, PS, R = ckv_cache.shape
     P = kpe_cache.shape[2]
-    c_layout, k_layout = _box_layouts(R, P, ckv_cache.dtype)
-    return (TensorDescriptor(ckv_cache, [NP * PS, R], [slot_stride(ckv_cache), 1], [BLOCK_N, R // 2], c_layout),
-            TensorDescriptor(kpe_cache, [NP * PS, P], [slot_stride(kpe_cache), 1], [BLOCK_N, P], k_layout))
+    c_layout, k_layout = _box_layouts(R, P, ckv_cache.dtype, block_n)
+    return (TensorDescriptor(ckv_cache, [NP * PS, R], [slot_stride(ckv_cache), 1], [block_n, R // 2], c_layout),
+            TensorDescriptor(kpe_cache, [NP * PS, P], [slot_stride(kpe_cache), 1], [block_n, P], k_layout))
 
 
-def descriptor_templates(ckv_cache, kpe_cache) -> tuple:
+def descriptor_templates(ckv_cache, kpe_cache, block_n: int = BLOCK_N) -> tuple:
     """`descriptors` as a plan keeps them (no tensor held): a bound launch holds them (`_launch.bind(...,
     templated_at(2, templates))`) and a call passes its caches as their bases (only their pointers are read)."""
-    return without_bases(descriptors(ckv_cache, kpe_cache))
+    return without_bases(descriptors(ckv_cache, kpe_cache, block_n))
 
 
 def strides(q_nope, q_pe, ckv_cache, kpe_cache, table, o, l, s_on, s_ln, ns) -> tuple:

@@ -45,7 +45,12 @@ if G.gluon is not None:
                                                                   warpgroup_mma_wait)
 
 BLOCK_H = G.BLOCK_H
-BLOCK_N = G.BLOCK_N
+# tokens per tile and sets of (A, B) slots: 2 x SLOT_SETS tiles of TILE_N tokens share the shared memory the tile slots
+# have (q takes the rest). 64 x 1: the pair's slot B is needed again by the next pair's first scores as soon as it
+# frees; 32 x 2: the next pair loads into the other set while this one computes
+TILE_N = 64
+SLOT_SETS = 1
+BLOCK_N = TILE_N
 NUM_WARPS = 4  # the default partition (warpgroup 0); + a 4-warp worker (warpgroup 1) + a 1-warp loader
 # 3 warpgroups at launch share the register file (65536 / 384 threads); then the loader gives back all but 24
 MAX_REGS = 168
@@ -56,8 +61,8 @@ SPILL_BUDGET = 512  # bytes ptxas may spill (offline count, tests/kernels/test_k
 
 
 def smem_bytes(R: int, P: int, itemsize: int = 2) -> int:
-    """q + two tile slots (p lives in the slots' rope buffers) + barriers and the m / l exchange."""
-    return itemsize * (BLOCK_H * (R + P) + 2 * BLOCK_N * (R + P)) + 4 * 4 * BLOCK_H + 128
+    """q + the tile slots (p lives in the slots' rope buffers) + barriers and the m / l exchange."""
+    return itemsize * (BLOCK_H * (R + P) + 2 * SLOT_SETS * TILE_N * (R + P)) + 4 * 4 * BLOCK_H + 128 * SLOT_SETS
 
 
 def _has_warp_specialize() -> bool:
@@ -73,9 +78,10 @@ HAS_WARP_SPECIALIZE = _has_warp_specialize()
 
 
 def fits(R: int, P: int) -> bool:
-    """The shapes this kernel takes (on decode_wgmma's TMA layout, `_gluon.tma_layout`): p [64 heads, 64 tokens]
-    fits the rope buffer (P == 64), two latent halves, shared memory, and a Gluon with this warp_specialize."""
-    return HAS_WARP_SPECIALIZE and P == BLOCK_N and R % 2 == 0 and smem_bytes(R, P) <= G.SMEM_LIMIT
+    """The shapes this kernel takes (on decode_wgmma's TMA layout, `_gluon.tma_layout`): p [64 heads, TILE_N
+    tokens] fits a tile's rope buffer [TILE_N tokens, P] (P == 64), two latent halves, shared memory, and a Gluon with
+    this warp_specialize."""
+    return HAS_WARP_SPECIALIZE and P == BLOCK_H and R % 2 == 0 and smem_bytes(R, P) <= G.SMEM_LIMIT
 
 
 if G.gluon is not None:
@@ -110,11 +116,11 @@ if G.gluon is not None:
         return gl.exp2(m_from - gl.where(m_to == float("-inf"), 0.0, m_to))
 
     @gluon.jit
-    def _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row, free, ST: gl.constexpr, PART: gl.constexpr,
+    def _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row, free, ST, PART: gl.constexpr,
                    RH: gl.constexpr):
         """Part PART (0 rope, 1 c0, 2 c1) of the tile at cache row `row` into slot ST, once its last reader released
         the slot's previous one (empty, parity `free`)."""
-        i: gl.constexpr = 3 * ST + PART
+        i = 3 * ST + PART
         mbarrier.wait(empty.index(i), free)
         if PART == 0:
             mbarrier.expect(full.index(i), KpeDesc.block_type.nbytes)
@@ -128,13 +134,15 @@ if G.gluon is not None:
 
     @gluon.jit
     def _seesaw_loader(CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles,
-                       PS: gl.constexpr, RH: gl.constexpr):
-        """Pair j's tiles A (slot 0) and B (slot 1), part by part (rope first: the score MMA starts on it, then c0,
-        c1), each once its last reader released it. A lone last tile A gets a B of zeros (a box wholly outside the
-        cache: TMA fills it with zeros), which the warpgroups mask like any token past the split's end."""
+                       PS: gl.constexpr, RH: gl.constexpr, NSETS: gl.constexpr):
+        """Pair j's tiles A (slot 2 (j % NSETS)) and B (the slot after it), part by part (rope first: the score MMA
+        starts on it, then c0, c1), each once its last reader released it (with two sets, pair j + 1 loads while pair
+        j computes). A lone last tile A gets a B of zeros (a box wholly outside the cache: TMA fills it with zeros),
+        which the warpgroups mask like any token past the split's end."""
         BLOCK_N: gl.constexpr = c0_s.shape[1]
         for j in range(gl.cdiv(n_tiles, 2)):
-            free = (j & 1) ^ 1  # a fresh barrier passes parity 1 at once
+            sa = (j % NSETS) * 2
+            free = ((j // NSETS) & 1) ^ 1  # a fresh barrier passes parity 1 at once
             t_a = start + 2 * j * BLOCK_N
             row_a = gl.load(Table + b * s_tb + t_a // PS) * PS + t_a % PS
             row_b = -BLOCK_N
@@ -142,19 +150,30 @@ if G.gluon is not None:
                 t_b = t_a + BLOCK_N
                 row_b = gl.load(Table + b * s_tb + t_b // PS) * PS + t_b % PS
             for part in gl.static_range(3):
-                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_a, free, 0, part, RH)
+                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_a, free, sa, part, RH)
             for part in gl.static_range(3):
-                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_b, free, 1, part, RH)
+                _load_part(CkvDesc, KpeDesc, c0_s, c1_s, k_s, full, empty, row_b, free, sa + 1, part, RH)
+
+    @gluon.jit
+    def _p_view(k_s, st, BLOCK_H: gl.constexpr, P_SL: gl.constexpr):
+        """Slot st's rope buffer [TILE_N tokens, P] as p [BLOCK_H heads, TILE_N tokens]: the same bytes (P == BLOCK_H),
+        written once the tile's scores are done."""
+        BN: gl.constexpr = k_s.shape[1]
+        if BN == k_s.shape[2]:
+            v = k_s.index(st)
+        else:
+            v = k_s.index(st)._reinterpret(k_s.dtype, [BLOCK_H, BN], P_SL)
+        return v
 
     @gluon.jit
     def _seesaw_warpgroup(WG: gl.constexpr, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x,
                           l_ready, O, L, b, hb, split, H, start, end, n_tiles, scale_log2,
                           s_on, s_ob, s_oh, s_ln, s_lb, s_lh, Lens, n_query, heads_per_query, s_lenb, s_lenq,
-                          causal, RH: gl.constexpr, MULTI: gl.constexpr):
-        """Warpgroup WG's side of the seesaw (module docstring): it scores the tiles of slot WG and owns output
-        columns [WG * RH, (WG + 1) * RH). p_ready[w] / m_x[w]: warpgroup w's p and running max of this pair of
-        tiles are in shared memory (p in slot w's rope buffer). MULTI: several query tokens per request in the
-        rows, each row masked at its own limit (`_gluon.row_limits`)."""
+                          causal, RH: gl.constexpr, MULTI: gl.constexpr, NSETS: gl.constexpr):
+        """Warpgroup WG's side of the seesaw (module docstring): it scores each pair's tile WG (slot 2 (j % NSETS)
+        + WG) and owns output columns [WG * RH, (WG + 1) * RH). p_ready[w] / m_x[w]: warpgroup w's p and running
+        max of this pair of tiles are in shared memory (p in its tile's rope buffer). MULTI: several query tokens
+        per request in the rows, each row masked at its own limit (`_gluon.row_limits`)."""
         gl.static_assert(gl.num_warps() == 4, "one warpgroup")
         BLOCK_H: gl.constexpr = q0_s.shape[0]
         BLOCK_N: gl.constexpr = c0_s.shape[1]
@@ -163,6 +182,7 @@ if G.gluon is not None:
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, RH, 16])
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        P_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], c0_s.dtype)
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         ROW: gl.constexpr = gl.SliceLayout(1, S_L)
         OTHER: gl.constexpr = 1 - WG
@@ -181,71 +201,76 @@ if G.gluon is not None:
         acc = gl.zeros([BLOCK_H, RH], gl.float32, layout=O_L)
         s0 = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
         for j in range(gl.cdiv(n_tiles, 2)):  # a lone last tile A pairs with an all-zero B (see the loader)
-            ph = j & 1
+            ph = (j // NSETS) & 1  # the slots' fills (each set takes every NSETS-th pair)
+            sa = (j % NSETS) * 2
+            sb = sa + 1
+            so = sa + WG  # this warpgroup's tile of the pair
             t_own = start + (2 * j + WG) * BLOCK_N
             partial = (t_own < end) & (t_own + BLOCK_N > end)  # the split's partial last tile
             if partial:  # all its parts, then zero the rows past seq_len
                 for part in gl.static_range(3):
-                    mbarrier.wait(full.index(3 * WG + part), ph)
+                    mbarrier.wait(full.index(3 * so + part), ph)
             if partial:
-                _zero_rows_past(c0_s.index(WG), t_own, end, LD)
-                _zero_rows_past(c1_s.index(WG), t_own, end, LD)
-                _zero_rows_past(k_s.index(WG), t_own, end, LD)
+                _zero_rows_past(c0_s.index(so), t_own, end, LD)
+                _zero_rows_past(c1_s.index(so), t_own, end, LD)
+                _zero_rows_past(k_s.index(so), t_own, end, LD)
                 fence_async_shared()
                 gl.thread_barrier()
             # the score MMA starts on the parts that have arrived (each its own barrier; waiting for the whole tile
             # was slower, benchmarks/RESULTS.md); these return at once where waited above
-            mbarrier.wait(full.index(3 * WG), ph)
-            s = warpgroup_mma(qp_s, k_s.index(WG).permute((1, 0)), s0, use_acc=False, is_async=True)
-            mbarrier.wait(full.index(3 * WG + 1), ph)
-            s = warpgroup_mma(q0_s, c0_s.index(WG).permute((1, 0)), s, is_async=True)
-            mbarrier.wait(full.index(3 * WG + 2), ph)
-            s = warpgroup_mma(q1_s, c1_s.index(WG).permute((1, 0)), s, is_async=True)
+            mbarrier.wait(full.index(3 * so), ph)
+            s = warpgroup_mma(qp_s, k_s.index(so).permute((1, 0)), s0, use_acc=False, is_async=True)
+            mbarrier.wait(full.index(3 * so + 1), ph)
+            s = warpgroup_mma(q0_s, c0_s.index(so).permute((1, 0)), s, is_async=True)
+            mbarrier.wait(full.index(3 * so + 2), ph)
+            s = warpgroup_mma(q1_s, c1_s.index(so).permute((1, 0)), s, is_async=True)
             if WG == 0:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 m_a, alpha, p = _softmax_tile(s, t_own, end, limit, m_i, scale_log2, S_L, MULTI)
-                k_s.index(0).store(p.to(dt))  # the rope part of tile A is dead once its scores are done
+                _p_view(k_s, sa, BLOCK_H, P_SL).store(p.to(dt))  # tile A's rope part is dead once its scores are done
                 m_x.index(0).store(m_a)
                 fence_async_shared()
                 gl.thread_barrier()
                 mbarrier.arrive(p_ready.index(0))
                 l_i = l_i * alpha + gl.sum(p, 1)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-                acc = warpgroup_mma(gl.convert_layout(p.to(dt), P_L), c_own.index(0), acc, is_async=True)
-                mbarrier.wait(p_ready.index(1), ph)
+                acc = warpgroup_mma(gl.convert_layout(p.to(dt), P_L), c_own.index(sa), acc, is_async=True)
+                mbarrier.wait(p_ready.index(1), j & 1)
                 m_b = m_x.index(1).load(ROW)
                 alpha = _rescale(m_a, m_b)
                 l_i = l_i * alpha
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(1))  # c0_A read for the last time
+                mbarrier.arrive(empty.index(3 * sa + 1))  # c0_A read for the last time
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-                acc = warpgroup_mma(k_s.index(1), c_own.index(1), acc, is_async=True)  # p_B from shared memory
+                # p_B from shared memory
+                acc = warpgroup_mma(_p_view(k_s, sb, BLOCK_H, P_SL), c_own.index(sb), acc, is_async=True)
             else:
-                mbarrier.wait(p_ready.index(0), ph)
+                mbarrier.wait(p_ready.index(0), j & 1)
                 m_a = m_x.index(0).load(ROW)
                 alpha = _rescale(m_i, m_a)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-                acc = warpgroup_mma(k_s.index(0), c_own.index(0), acc, is_async=True)  # p_A from shared memory
+                # p_A from shared memory
+                acc = warpgroup_mma(_p_view(k_s, sa, BLOCK_H, P_SL), c_own.index(sa), acc, is_async=True)
                 # the softmax of tile B runs while p_A.c1_A is on the tensor cores
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
                 m_b, alpha_b, p = _softmax_tile(s, t_own, end, limit, m_a, scale_log2, S_L, MULTI)
-                k_s.index(1).store(p.to(dt))
+                _p_view(k_s, sb, BLOCK_H, P_SL).store(p.to(dt))
                 m_x.index(1).store(m_b)
                 fence_async_shared()
                 gl.thread_barrier()
                 mbarrier.arrive(p_ready.index(1))
                 l_i = l_i * alpha * alpha_b + gl.sum(p, 1)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(0))  # rope_A (p_A) and c1_A read for the last time
-                mbarrier.arrive(empty.index(2))
+                mbarrier.arrive(empty.index(3 * sa))  # rope_A (p_A) and c1_A read for the last time
+                mbarrier.arrive(empty.index(3 * sa + 2))
                 acc = acc * gl.convert_layout(alpha_b, gl.SliceLayout(1, O_L))[:, None]
-                acc = warpgroup_mma(gl.convert_layout(p.to(dt), P_L), c_own.index(1), acc, is_async=True)
+                acc = warpgroup_mma(gl.convert_layout(p.to(dt), P_L), c_own.index(sb), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if WG == 0:  # rope_B (p_B) and c0_B read for the last time
-                mbarrier.arrive(empty.index(3))
-                mbarrier.arrive(empty.index(4))
+                mbarrier.arrive(empty.index(3 * sb))
+                mbarrier.arrive(empty.index(3 * sb + 1))
             else:  # c1_B
-                mbarrier.arrive(empty.index(5))
+                mbarrier.arrive(empty.index(3 * sb + 2))
             m_i = m_b
 
         # the row sums meet: each warpgroup applied every rescale, so l = l0 + l1 under the common final max
@@ -272,9 +297,9 @@ if G.gluon is not None:
                               s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
                               n_splits, n_query, heads_per_query, s_lenb, s_lenq, causal,
                               PS: gl.constexpr, RH: gl.constexpr, P: gl.constexpr,
-                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, MULTI: gl.constexpr = False):
-        gl.static_assert(P == BLOCK_N, "p [heads, tokens] reuses the [tokens, rope] buffer")
-        gl.static_assert(BLOCK_H == BLOCK_N)
+                              BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, MULTI: gl.constexpr = False,
+                              NSETS: gl.constexpr = 1):
+        gl.static_assert(P == BLOCK_H, "p [heads, tokens] reuses the [tokens, rope] buffer")
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         dt: gl.constexpr = CkvDesc.dtype
         hb = gl.program_id(0)
@@ -287,19 +312,20 @@ if G.gluon is not None:
         start, end, _ = G.split_bounds(n, split, n_splits, BLOCK_N)
         n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
         q0_s, q1_s, qp_s = G.q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt, RH, P, BLOCK_H, LD)
-        c0_s = gl.allocate_shared_memory(dt, [2, BLOCK_N, RH], CkvDesc.layout)
-        c1_s = gl.allocate_shared_memory(dt, [2, BLOCK_N, RH], CkvDesc.layout)
-        k_s = gl.allocate_shared_memory(dt, [2, BLOCK_N, P], KpeDesc.layout)
+        c0_s = gl.allocate_shared_memory(dt, [2 * NSETS, BLOCK_N, RH], CkvDesc.layout)
+        c1_s = gl.allocate_shared_memory(dt, [2 * NSETS, BLOCK_N, RH], CkvDesc.layout)
+        k_s = gl.allocate_shared_memory(dt, [2 * NSETS, BLOCK_N, P], KpeDesc.layout)
         VEC_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         m_x = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SL)
         l_x = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC_SL)
-        full = gl.allocate_shared_memory(gl.int64, [2 * 3, 1], mbarrier.MBarrierLayout())  # slot x (rope, c0, c1)
+        # slot x (rope, c0, c1)
+        full = gl.allocate_shared_memory(gl.int64, [2 * NSETS * 3, 1], mbarrier.MBarrierLayout())
         # slot x (rope, c0, c1), like full; each part's last reader releases it: c0_A WG0 after p_A.c0_A, rope_A (p_A)
         # and c1_A WG1 after p_A.c1_A, rope_B (p_B) and c0_B WG0 after p_B.c0_B, c1_B WG1 after p_B.c1_B
-        empty = gl.allocate_shared_memory(gl.int64, [2 * 3, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2 * NSETS * 3, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2 * 3):
+        for i in gl.static_range(2 * NSETS * 3):
             mbarrier.init(full.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         for i in gl.static_range(2):
@@ -311,18 +337,18 @@ if G.gluon is not None:
         gl.warp_specialize([
             (_seesaw_warpgroup, (0, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O, L,
                                  b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
-                                 Lens, n_query, heads_per_query, s_lenb, s_lenq, causal, RH, MULTI)),
+                                 Lens, n_query, heads_per_query, s_lenb, s_lenq, causal, RH, MULTI, NSETS)),
             (_seesaw_warpgroup, (1, q0_s, q1_s, qp_s, c0_s, c1_s, k_s, full, empty, p_ready, m_x, l_x, l_ready, O, L,
                                  b, hb, split, H, start, end, n_tiles, scale_log2, s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
-                                 Lens, n_query, heads_per_query, s_lenb, s_lenq, causal, RH, MULTI)),
+                                 Lens, n_query, heads_per_query, s_lenb, s_lenq, causal, RH, MULTI, NSETS)),
             (_seesaw_loader, (CkvDesc, KpeDesc, Table, c0_s, c1_s, k_s, full, empty, b, s_tb, start, n_tiles, PS,
-                              RH)),
+                              RH, NSETS)),
         ], [4, 1], [WG_REGS, LOADER_REGS])
 
 
 def constexprs(R: int, P: int, page_size: int, multi: bool = False) -> dict:
     """The kernel's compile-time arguments (shared with tools/aot.py's codegen check)."""
-    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, MULTI=multi)
+    return dict(PS=page_size, RH=R // 2, P=P, BLOCK_H=BLOCK_H, BLOCK_N=TILE_N, MULTI=multi, NSETS=SLOT_SETS)
 
 
 def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
@@ -331,7 +357,7 @@ def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_sc
     B, H, R = q_nope.shape
     PS = ckv_cache.shape[1]
     P = kpe_cache.shape[2]
-    templates = G.descriptor_templates(ckv_cache, kpe_cache)
+    templates = G.descriptor_templates(ckv_cache, kpe_cache, TILE_N)
     bound = bind(_stage1_seesaw_kernel, (cdiv(H, BLOCK_H), B, ns), templated_at(2, templates),
                  **constexprs(R, P, PS, n_query > 1), num_warps=NUM_WARPS, maxnreg=MAX_REGS)
     numbers = (sm_scale * G.LOG2E, H, *G.strides(q_nope, q_pe, ckv_cache, kpe_cache, block_table, o, l, s_on, s_ln, ns),
