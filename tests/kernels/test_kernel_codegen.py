@@ -71,20 +71,20 @@ def test_many_heads_gluon_kernel_computes_each_score_once(dtype, multi):
 
 @pytest.mark.parametrize("dtype,multi", [("bf16", False), ("fp16", False), ("bf16", True)])
 def test_many_heads_seesaw_kernel_gives_each_warpgroup_whole_tiles(dtype, multi):
-    """The warp-specialised kernel (kernels/decode_seesaw.py): each warpgroup scores whole 64-token tiles (an
-    m64n64 MMA over one warpgroup, [4, 1]) and accumulates one latent half (m64n256), a one-warp partition issues
-    the TMA copies, and the register file is split between the partitions (setmaxnreg)."""
+    """The warp-specialised kernel (kernels/decode_seesaw.py): each warpgroup scores whole tiles of TILE_N tokens
+    (an m64nTILE_N MMA over one warpgroup, [4, 1]) and accumulates one latent half (m64n256), a one-warp partition
+    issues the TMA copies, and the register file is split between the partitions (setmaxnreg)."""
     pytest.importorskip("triton.experimental.gluon")
     from mla_compile.kernels import _gluon as G
     from mla_compile.kernels import decode_seesaw as S
 
     out = aot.wgmma_stage1_sm90(dtype=dtype, kernel="seesaw", multi=multi)
     mma_layouts = set(re.findall(MMA_LAYOUT, out["ttgir"]))
-    assert mma_layouts == {("[4, 1]", "[16, 64, 16]"), ("[4, 1]", "[16, 256, 16]")}, mma_layouts
+    assert mma_layouts == {("[4, 1]", f"[16, {S.TILE_N}, 16]"), ("[4, 1]", "[16, 256, 16]")}, mma_layouts
     ptx = out["ptx"]
-    # per warpgroup and pair of tiles: its own tile's q.ckv^T (576 / 16) and two p.ckv (64 / 16 each)
-    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16", ptx)) == 2 * 576 // 16
-    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16", ptx)) == 2 * 2 * 64 // 16
+    # per warpgroup and pair of tiles: its own tile's q.ckv^T (576 / 16) and two p.ckv (TILE_N / 16 each)
+    assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{S.TILE_N}k16", ptx)) == 2 * 576 // 16
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16", ptx)) == 2 * 2 * S.TILE_N // 16
     assert "cp.async.bulk.tensor" in ptx, "tiles are not TMA copies"
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{int(S.LOADER_REGS)};", ptx), "loader keeps its registers"
     assert re.search(r"\.reqntid 384", ptx), "4 + 4 + 1 warps launch as three warpgroups"
