@@ -220,6 +220,29 @@ def flashmla_alone(fm, qn, qp, fkv, table, lens, scale):
                                              softmax_scale=scale, causal=False, use_legacy=True)
 
 
+def peer_graph_times(row: dict, qn, qp, ckv, kpe, table, lens, scale, flashmla: bool = True) -> dict:
+    """CUDA-graph replay times (ms) of the peers on this data, for the lab probes: FlashInfer's `run` (planned
+    outside the graph) and FlashMLA alone on a copy of the caches in its layout (`flashmla=False`: not asked, e.g.
+    pages it does not take), each where it imports; a peer that raises is reported in row["<peer>_error"]."""
+    times = {}
+    if FI.available():
+        try:
+            fi_run = FI.plan(qn, qp, ckv, table, lens, scale).raw
+            times["flashinfer"] = ms(lambda: fi_run(qn, qp, ckv, kpe), graph=True)
+        except Exception as e:  # report, keep going
+            row["flashinfer_error"] = repr(e)[:300]
+    if flashmla and FMLA.available():
+        try:
+            import flash_mla as fm
+
+            fkv = flashmla_copy(ckv, kpe)[2]
+            times["flashmla"] = ms(flashmla_alone(fm, qn, qp, fkv, table, lens, scale), graph=True)
+            del fkv
+        except Exception as e:  # report, keep going
+            row["flashmla_error"] = repr(e)[:300]
+    return times
+
+
 def graph_times_abba(fns: dict) -> dict:
     """CUDA-graph replay times (ms) of callables that compete for the same verdict, each timed twice, in the order
     given and then reversed (A B C C B A), and averaged: a host or clock that drifts during the row moves every

@@ -142,21 +142,7 @@ def run_shape(H: int, B: int, L: int, variants, copy_bw: float) -> dict:
                 row[f"{name}_vs_seesaw_out"] > BO.OUT_TOL or row[f"{name}_vs_seesaw_lse"] > BO.LSE_TOL:
             row["check"] = "FAILED"
         times[name] = BO.ms(lambda: plan(qn, qp, ckv, kpe, table, lens), graph=True)
-    if BO.FI.available():
-        try:
-            fi_run = BO.FI.plan(qn, qp, ckv, table, lens, scale).raw
-            times["flashinfer"] = BO.ms(lambda: fi_run(qn, qp, ckv, kpe), graph=True)
-        except Exception as e:  # report, keep going
-            row["flashinfer_error"] = repr(e)[:300]
-    if BO.FMLA.available():
-        try:
-            import flash_mla as fm
-
-            fkv = BO.flashmla_copy(ckv, kpe)[2]
-            times["flashmla"] = BO.ms(BO.flashmla_alone(fm, qn, qp, fkv, table, lens, scale), graph=True)
-            del fkv
-        except Exception as e:  # report, keep going
-            row["flashmla_error"] = repr(e)[:300]
+    times.update(BO.peer_graph_times(row, qn, qp, ckv, kpe, table, lens, scale))
     row["us"] = {k: round(v * 1e3, 2) for k, v in times.items()}
     flops = D.flops(B, H, L, R, P)
     row["tflops"] = {k: round(flops / (v * 1e-3) / 1e12, 1) for k, v in times.items()}

@@ -92,21 +92,8 @@ def run_shape(H: int, B: int, L: int, scales, copy_bw: float, kind: str = "pages
         n = max(1, round(ns * s))
         if f"swapab@{n}" not in times:
             times[f"swapab@{n}"] = BO.ms(decode(swap, n), graph=True)
-    if BO.FI.available():
-        try:
-            fi_run = BO.FI.plan(qn, qp, ckv, table, lens, scale).raw
-            times["flashinfer"] = BO.ms(lambda: fi_run(qn, qp, ckv, kpe), graph=True)
-        except Exception as e:  # report, keep going
-            row["flashinfer_error"] = repr(e)[:300]
-    if BO.FMLA.available() and kind == "pages":  # (FlashMLA takes pages of 64)
-        try:
-            import flash_mla as fm
-
-            fkv = BO.flashmla_copy(ckv, kpe)[2]
-            times["flashmla"] = BO.ms(BO.flashmla_alone(fm, qn, qp, fkv, table, lens, scale), graph=True)
-            del fkv
-        except Exception as e:  # report, keep going
-            row["flashmla_error"] = repr(e)[:300]
+    # (FlashMLA takes pages of 64)
+    times.update(BO.peer_graph_times(row, qn, qp, ckv, kpe, table, lens, scale, flashmla=kind == "pages"))
     row["us"] = {k: v * 1e3 for k, v in times.items()}
     row["bw_frac"] = {k: nbytes / (v * 1e-3) / copy_bw for k, v in times.items()}
     best_swap = min(v for k, v in times.items() if k.startswith("swapab"))
