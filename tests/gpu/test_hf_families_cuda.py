@@ -179,7 +179,13 @@ def test_sliding_window_generate_under_cuda_graphs(monkeypatch):
         assert c[mla_attention.COUNTER] // layers <= 4, dict(c)
 
 
-@pytest.mark.parametrize("cache_kind", ["static", "paged"])
+# hy_v4 caches its latent from transformers 5.25 on; an installed transformers whose hy_v4 caches per-head K / V
+# (5.24, the GPU image's) has no latent to attend over: KNOWN's strict xfail, as in every family test
+_SINKS_MARKS = ([pytest.mark.xfail(strict=True, reason=F.KNOWN[("hy_v4", "eager")])]
+                if ("hy_v4", "eager") in F.KNOWN else [])
+
+
+@pytest.mark.parametrize("cache_kind", [pytest.param(kind, marks=_SINKS_MARKS) for kind in ("static", "paged")])
 def test_sinks_family_verification_steps_under_cuda_graphs(cache_kind):
     """Attention sinks on verification steps, on the GPU road: hy_v4 (sinks, DSA) through prompt-lookup generate()
     (3-token verification steps) with `optimize_generate` (CUDA graphs), over DSAStaticCache or our paged cache.

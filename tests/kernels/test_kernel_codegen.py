@@ -69,8 +69,10 @@ def test_many_heads_gluon_kernel_computes_each_score_once(dtype, multi):
     assert out["shared_bytes"] >= W.smem_bytes(512, 64) - 64  # q, both stages and p are all there
 
 
+# (TILE_N, SLOT_SETS): the product's tiling and the double-buffered one measured against it (benchmarks/lab/seesaw_n32.py)
+@pytest.mark.parametrize("tiling", [(64, 1), (32, 2)], ids=["64x1", "32x2"])
 @pytest.mark.parametrize("dtype,multi", [("bf16", False), ("fp16", False), ("bf16", True)])
-def test_many_heads_seesaw_kernel_gives_each_warpgroup_whole_tiles(dtype, multi):
+def test_many_heads_seesaw_kernel_gives_each_warpgroup_whole_tiles(dtype, multi, tiling, monkeypatch):
     """The warp-specialised kernel (kernels/decode_seesaw.py): each warpgroup scores whole tiles of TILE_N tokens
     (an m64nTILE_N MMA over one warpgroup, [4, 1]) and accumulates one latent half (m64n256), a one-warp partition
     issues the TMA copies, and the register file is split between the partitions (setmaxnreg)."""
@@ -78,6 +80,8 @@ def test_many_heads_seesaw_kernel_gives_each_warpgroup_whole_tiles(dtype, multi)
     from mla_compile.kernels import _gluon as G
     from mla_compile.kernels import decode_seesaw as S
 
+    monkeypatch.setattr(S, "TILE_N", tiling[0])
+    monkeypatch.setattr(S, "SLOT_SETS", tiling[1])
     out = aot.wgmma_stage1_sm90(dtype=dtype, kernel="seesaw", multi=multi)
     mma_layouts = set(re.findall(MMA_LAYOUT, out["ttgir"]))
     assert mma_layouts == {("[4, 1]", f"[16, {S.TILE_N}, 16]"), ("[4, 1]", "[16, 256, 16]")}, mma_layouts
