@@ -28,7 +28,7 @@ copies skipped ran stage 1 at 554-577 TFLOP/s (B >= 8), so the MMA schedule is f
 and one pair of tiles, slot B frees when the pair's last MMAs finish and is needed again by the next pair's first
 scores, so every pair waits for one tile's copy (~23-26%). The schedules and prefetches tried against that, each
 slower, are listed in benchmarks/lab/README.md. A full double buffer in the same bytes (32-token tiles in two sets of
-slots, `TILE_N` / `SLOT_SETS` below) won 8% at two shapes and lost 3-4% at two others: the copy wait is not the
+slots, `TILE_N` / `SLOT_SETS` below) won 8% at two shapes and lost 2-4% at two others: the copy wait is not the
 whole gap to FlashMLA.
 """
 
@@ -51,12 +51,11 @@ BLOCK_H = G.BLOCK_H
 # have (q takes the rest). 64 x 1: the pair's slot B is needed again by the next pair's first scores as soon as it
 # frees; 32 x 2: the next pair loads into the other set while this one computes, for twice the softmax and barrier
 # steps per token. Measured side by side (H100, H 128, graph replay; benchmarks/RESULTS.md 2026-12-07, sixteenth
-# session): 32 x 2 is 8% faster at B 32 32K and B 8 8K, 3-4% slower at B 8 32K and B 32 8K, even elsewhere, with no
+# session): 32 x 2 is 8% faster at B 32 32K and B 8 8K, 2-4% slower at B 8 32K and B 32 8K, even elsewhere, with no
 # rule in the shapes that tells them apart: 64 x 1 stays. Both builds are tested (tests/kernels/test_kernel_codegen.py;
 # the GPU tests ran at 32 x 2 through benchmarks/lab/seesaw_tiling_plugin.py)
 TILE_N = 64
 SLOT_SETS = 1
-BLOCK_N = TILE_N
 NUM_WARPS = 4  # the default partition (warpgroup 0); + a 4-warp worker (warpgroup 1) + a 1-warp loader
 # 3 warpgroups at launch share the register file (65536 / 384 threads); then the loader gives back all but 24
 MAX_REGS = 168
