@@ -220,6 +220,18 @@ def flashmla_alone(fm, qn, qp, fkv, table, lens, scale):
                                              softmax_scale=scale, causal=False, use_legacy=True)
 
 
+def record_row(results: dict, make, **ident) -> None:
+    """A lab probe's row: `make()` appended to results["rows"] and printed (an exception reported in its place, with
+    `ident`, and the probe goes on), then the allocator's cache freed for the next shape."""
+    try:
+        row = make()
+    except Exception as e:  # report, keep going
+        row = dict(ident, error=repr(e)[:800])
+    results["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    torch.cuda.empty_cache()
+
+
 def peer_graph_times(row: dict, qn, qp, ckv, kpe, table, lens, scale, flashmla: bool = True) -> dict:
     """CUDA-graph replay times (ms) of the peers on this data, for the lab probes: FlashInfer's `run` (planned
     outside the graph) and FlashMLA alone on a copy of the caches in its layout (`flashmla=False`: not asked, e.g.

@@ -167,13 +167,7 @@ def main() -> None:
     print(json.dumps(dict(multi_token_check=results["multi_token_check"])), flush=True)
     for spec in args.shapes:
         H, B, L = map(int, spec.split(":"))
-        try:
-            row = run_shape(H, B, L, args.variants, copy_bw)
-        except Exception as e:  # report, keep going
-            row = dict(H=H, B=B, L=L, error=repr(e)[:800])
-        results["rows"].append(row)
-        print(json.dumps(row), flush=True)
-        torch.cuda.empty_cache()
+        BO.record_row(results, lambda: run_shape(H, B, L, args.variants, copy_bw), H=H, B=B, L=L)
     Path(args.out).write_text(json.dumps(results, indent=1))
 
 

@@ -118,14 +118,9 @@ def main() -> None:
     for spec in args.shapes:
         H, B, L = map(int, spec.split(":"))
         for kind in args.table:
-            try:
-                row = run_shape(H, B, L, args.splits_scale, copy_bw, kind,
-                                [tuple(map(int, t.split(":"))) for t in args.tiling])
-            except Exception as e:  # report, keep going
-                row = dict(H=H, B=B, L=L, table=kind, error=repr(e)[:500])
-            results["rows"].append(row)
-            print(json.dumps(row), flush=True)
-            torch.cuda.empty_cache()
+            tilings = [tuple(map(int, t.split(":"))) for t in args.tiling]
+            BO.record_row(results, lambda: run_shape(H, B, L, args.splits_scale, copy_bw, kind, tilings), H=H, B=B,
+                          L=L, table=kind)
     Path(args.out).write_text(json.dumps(results, indent=1))
 
 
