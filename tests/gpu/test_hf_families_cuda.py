@@ -189,9 +189,9 @@ _SINKS_MARKS = ([pytest.mark.xfail(strict=True, reason=F.KNOWN[("hy_v4", "eager"
 def test_sinks_family_verification_steps_under_cuda_graphs(cache_kind):
     """Attention sinks on verification steps, on the GPU road: hy_v4 (sinks, DSA) through prompt-lookup generate()
     (3-token verification steps) with `optimize_generate` (CUDA graphs), over DSAStaticCache or our paged cache.
-    The prompt repeats itself so that lookups propose drafts; the prompt plus new tokens pass index_topk, so the
-    dense and the sparse verification graphs both run. Tokens equal eager generate()'s over the same kind of cache,
-    every multi-token site rewritten (the sinks scale each query row by its lse), none left to HF."""
+    The prompt repeats itself so that lookups propose drafts and is shorter than index_topk, which the decode then
+    crosses (the DSA-sparse graphs run too). Tokens equal eager generate()'s over the same kind of cache, the
+    multi-token sites rewritten (the sinks scale each query row by its lse), none left to HF."""
     model, dsa = _family_model("hy_v4", "eager")
     assert dsa
     topk = model.config.get_text_config(decoder=True).index_topk
