@@ -73,10 +73,11 @@ OUT_TOL, LSE_TOL = 2e-2, 1e-3  # vs float64: max |err| / max |ref| of out (bf16)
 
 
 def reference_row(qn, qp, ckv, kpe, table, L, scale, b=0):
-    """float64 (out [H, R], lse [H]) of request b (L tokens on whole pages of the block table; page size 1: a token
-    table), on the device."""
-    pages = table[b, : L // ckv.shape[1]].long()
-    c, k = ckv[pages].reshape(L, R).double(), kpe[pages].reshape(L, P).double()
+    """float64 (out [H, R], lse [H]) of request b's first L tokens (token t at page table[b, t // PS], row t % PS:
+    any L; page size 1: a token table), on the device."""
+    t = torch.arange(L, device=qn.device)
+    pages, rows = table[b, t // ckv.shape[1]].long(), t % ckv.shape[1]
+    c, k = ckv[pages, rows].double(), kpe[pages, rows].double()
     s = scale * (qn[b].double() @ c.T + qp[b].double() @ k.T)
     return torch.softmax(s, dim=-1) @ c, torch.logsumexp(s, dim=-1)
 

@@ -67,16 +67,6 @@ def variant_plan(qn, qp, ckv, kpe, table, lens, scale, BN: int, NSETS: int, n_qu
     return plan
 
 
-def reference(qn, qp, ckv, kpe, table, n, scale, b=0):
-    """float64 (out [H, R], lse [H]) of request b's first n tokens (any n: token t at page table[b, t // PS], row
-    t % PS), on the device."""
-    t = torch.arange(n, device=qn.device)
-    pages, rows = table[b, t // ckv.shape[1]].long(), t % ckv.shape[1]
-    c, k = ckv[pages, rows].double(), kpe[pages, rows].double()
-    s = scale * (qn[b].double() @ c.T + qp[b].double() @ k.T)
-    return torch.softmax(s, dim=-1) @ c, torch.logsumexp(s, dim=-1)
-
-
 def check_multi(variants) -> dict:
     """Several query tokens per request (MULTI: rows j * H + h, a causal limit per row; 64 heads x 2 tokens, lengths
     that end mid-tile): each variant against float64 for every request, and against today's build."""
@@ -99,7 +89,7 @@ def check_multi(variants) -> dict:
             for j in range(S):
                 n = int(lens[b]) - S + 1 + j
                 rows = slice(j * H, (j + 1) * H)
-                want = reference(qn[:, rows], qp[:, rows], ckv, kpe, table, n, scale, b)
+                want = BO.reference_row(qn[:, rows], qp[:, rows], ckv, kpe, table, n, scale, b)
                 eo, el = BO.attention_errors(got[0][b, rows], got[1][b, rows], *want)
                 err_o, err_l = max(err_o, eo), max(err_l, el)
         vs = BO.attention_errors(*got, *today)
@@ -128,7 +118,7 @@ def run_shape(H: int, B: int, L: int, variants, copy_bw: float) -> dict:
         return lambda: D.decode(qn, qp, ckv, kpe, table, lens, scale, cfg=cfg)
 
     ref = product(seesaw)()
-    want = reference(qn, qp, ckv, kpe, table, int(lens[0]), scale)
+    want = BO.reference_row(qn, qp, ckv, kpe, table, int(lens[0]), scale)
     times = {"auto": BO.ms(product(own), graph=True), "seesaw": BO.ms(product(seesaw), graph=True)}
     row["check"] = "ok"
     for spec in variants:
