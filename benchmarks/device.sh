@@ -10,7 +10,8 @@
 #           swapab (lab probe: the few-head swap-AB Gluon decode over a bf16 cache, beside auto's kernel and the peers)
 #           linearsum (lab bench: split-K fused_linear summed in its split launch vs a second launch)
 #           seesaw (lab probe: the many-head seesaw kernel with 32-token tiles in two slot sets, beside the peers)
-# Installs the wheels carried in .whl/ (tools/device_wheels.sh fetches them; run(carry=[".whl"])), records the environment, then runs each stage.
+# Installs the wheels carried in .whl/ (tools/device_wheels.sh fetches them; run(carry=[".whl"])), or in $WHEELS, records
+# the environment, then runs each stage.
 #
 # $OUT stays flat and small (the device tool returns at most 8 files). A full run
 #   bash benchmarks/device.sh kernels bench dcp dsa hf compile
@@ -28,8 +29,9 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 ARGS="${*:-kernels bench}"
 
 setup() {
-  if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  local wheels=${WHEELS:-.whl}  # WHEELS=.whl-latest: the newest transformers' set (tools/device_wheels.sh latest)
+  if compgen -G "$wheels/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl \
       || echo "wheel install failed" >&2
   fi
   export PYTHONPATH=/tmp/site:$PWD
