@@ -41,7 +41,6 @@ int input and CUDA-graph trees record each variant once. The int's Dynamo source
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
@@ -71,9 +70,18 @@ def cache_kwargs(model, cache) -> dict:
     return {_cache_arg_name(type(getattr(model, "_orig_mod", model))): cache}
 
 
-@functools.lru_cache(maxsize=None)
+_CACHE_ARG_NAMES: dict = {}
+
+
+# a constant per model class: Dynamo calls it while tracing a compiled step that uses `cache_kwargs` and keeps the
+# result (an lru_cache here made Dynamo warn of possible silent incorrectness: it traces through the wrapper)
+@torch.compiler.assume_constant_result
 def _cache_arg_name(cls) -> str:
-    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+    name = _CACHE_ARG_NAMES.get(cls)
+    if name is None:
+        name = _CACHE_ARG_NAMES[cls] = ("cache" if "cache" in inspect.signature(cls.forward).parameters
+                                        else "past_key_values")
+    return name
 
 
 
