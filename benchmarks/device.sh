@@ -54,7 +54,8 @@ setup() {
 
 # per-stage time limits (s) keep one slow stage from starving the next inside the device call's limit
 # the whole GPU suite (174 tests) takes ~290 s on an H200 (session 9 call 4): T_KERNELS defaults above that
-# KERNELS_K: a pytest -k expression (may hold spaces), KERNELS_ARGS: more pytest arguments, KERNELS_ENV: NAME=value
+# KERNELS_K: a pytest -k expression (may hold spaces), KERNELS_ARGS: more pytest arguments (the runs pass -q: -vv names
+# each test as it ends, which tells where a shard the limit cut stopped; -v only cancels -q), KERNELS_ENV: NAME=value
 # pairs for the tests only (e.g. MLA_COMPILE_PDL=1)
 # KERNELS_FILES: the test files to run (default every tests/gpu/test_*.py), e.g. to finish shards a limit cut
 # KERNELS_SHARDS=N: N pytest processes side by side on the one GPU (correctness tests only: nothing in tests/gpu

@@ -40,13 +40,22 @@ def meta_val(node):
     return node.meta.get("example_value", node.meta.get("val"))
 
 
+def as_int(d):
+    """A size as an int where it is one: an int, or a SymInt the shape environment has specialized to a constant
+    (`specialize_site`); any other SymInt as it is."""
+    if isinstance(d, torch.SymInt):
+        value = d.node.maybe_as_int()
+        return d if value is None else value
+    return d
+
+
 def static_shape(node, error: type[Exception] = NoMatch) -> tuple:
     """The node's tensor shape as ints; raises `error` for a non-tensor or a symbolic shape."""
     v = meta_val(node)
     name = getattr(node, "name", node)
     if not isinstance(v, torch.Tensor):
         raise error(f"node {name} is not a tensor")
-    shape = tuple(v.shape)
+    shape = tuple(map(as_int, v.shape))
     if not all(isinstance(s, int) for s in shape):
         raise error(f"node {name} has symbolic shape {shape} (dynamic shapes are not rewritten)")
     return shape
@@ -59,10 +68,78 @@ def batch_shape(node, error: type[Exception] = NoMatch) -> tuple:
     name = getattr(node, "name", node)
     if not isinstance(v, torch.Tensor):
         raise error(f"node {name} is not a tensor")
-    shape = tuple(v.shape)
+    shape = tuple(map(as_int, v.shape))
     if not all(isinstance(s, int) for s in shape[1:]):
         raise DynamicShape(f"node {name} has symbolic shape {shape}: only a symbolic batch (dim 0) is rewritten")
     return shape
+
+
+_CATS = {torch.cat, torch.concat, torch.concatenate, torch.ops.aten.cat.default}
+
+
+def specialize_site(node: fx.Node, max_query_tokens: int) -> list:
+    """Make the sizes of an attention site's inputs static, other than its batch, where that is what a decode step
+    wants: Dynamo's automatic dynamic shapes turn a size that changed between calls into a symbol (a new static
+    cache of another length; another number of query tokens), and the rewrite takes only a symbolic batch. Each such
+    symbol is specialized to the size of this call (a guard: later calls of other sizes compile their own graph, as
+    under dynamic=False), unless the site is no decode step: more than `max_query_tokens` query tokens (a prefill,
+    left to HF attention), or a key length that grows by concatenation (HF's DynamicCache: the past length plus the
+    new tokens, a new size every step: specializing it would compile a graph per step). Returns the symbols
+    specialized (none: the site is left as it is)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, guard_int
+
+    out = meta_val(node)
+    if not (isinstance(out, torch.Tensor) and out.dim() == 4):
+        return []
+    tokens = as_int(out.shape[2])
+    if isinstance(tokens, torch.SymInt) and not (tokens.node.has_hint() and tokens.node.hint <= max_query_tokens):
+        return []
+    batch = _free_symbols(out.shape[0])
+    sizes, seen, todo = {}, set(), [node]
+    while todo:
+        n = todo.pop()
+        for a in n.all_input_nodes:
+            if a in seen:
+                continue
+            seen.add(a)
+            todo.append(a)
+            v = meta_val(a)
+            if not isinstance(v, torch.Tensor):
+                continue
+            for d in v.shape[1:]:
+                d = as_int(d)
+                if not isinstance(d, torch.SymInt):
+                    continue
+                if free_unbacked_symbols(d) or (is_fn(a, _CATS) and not d.node.expr.is_Symbol):
+                    return []
+                for sym in _free_symbols(d) - batch:
+                    sizes.setdefault(sym, d)
+    for sym, d in sizes.items():
+        env = d.node.shape_env
+        values = getattr(env, "backed_var_to_val", None) or env.var_to_val  # (the newer name from torch 2.13)
+        # the guard sym == its size in this call, and the shape environment's replacement of sym by that size
+        guard_int(env.create_symintnode(sym, hint=int(values[sym])))
+    if sizes:
+        _fold_constant_sizes(node.graph)
+    return sorted(map(str, sizes))
+
+
+def _fold_constant_sizes(graph: fx.Graph) -> None:
+    """Every use of a size node (sym_size, arithmetic on sizes) whose value is now a constant takes the int: the graph
+    then reads like the one Dynamo traces with static sizes (what the matchers know). The nodes stay, unused (a
+    placeholder stays a graph input)."""
+    for n in graph.nodes:
+        v = meta_val(n)
+        if not isinstance(v, torch.SymInt) or not isinstance(as_int(v), int):
+            continue
+        value = as_int(v)
+        for user in list(n.users):
+            user.args = fx.node.map_arg(user.args, lambda a: value if a is n else a)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda a: value if a is n else a)
+
+
+def _free_symbols(d) -> set:
+    return set(d.node.expr.free_symbols) if isinstance(d, torch.SymInt) else set()
 
 
 def same(a, b) -> bool:

@@ -19,7 +19,8 @@ import torch.fx as fx
 from ..ops.hf_cache import GATHER_OPS
 from . import attention_mask as masks, attention_rows, dsa_indexer
 from .attention_checks import check_private
-from ._fx import NoMatch, arg as _arg, batch_shape as _shape, is_fn as _is_fn, is_op as _is_op, same, val as _val
+from ._fx import (DynamicShape, NoMatch, arg as _arg, as_int, batch_shape as _shape, is_fn as _is_fn, is_op as _is_op,
+                  same, val as _val)
 
 _SDPA = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
 _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
@@ -326,8 +327,12 @@ def match_site(node: fx.Node) -> Site | None:
     qv = _val(q)
     if not (isinstance(qv, torch.Tensor) and qv.dim() == 4):
         raise NoMatch(f"query {q.name} is not a [B, H, 1, D] tensor")
-    Sq = qv.shape[2]  # symbolic: Dynamo specializes a length of 1
-    if not (isinstance(Sq, int) and 1 <= Sq <= attention_rows.MAX_QUERY_TOKENS):
+    Sq = as_int(qv.shape[2])  # Dynamo specializes a length of 1
+    steps = attention_rows.MAX_QUERY_TOKENS
+    if isinstance(Sq, torch.SymInt) and Sq.node.has_hint() and 1 <= Sq.node.hint <= steps:
+        # another length was seen before (automatic dynamic shapes): the driver specializes it to this call's
+        raise DynamicShape(f"query length {Sq} is symbolic")
+    if not (isinstance(Sq, int) and 1 <= Sq <= steps):
         raise NoMatch(f"query length {Sq} is not 1 .. {attention_rows.MAX_QUERY_TOKENS} (prefill steps are left to "
                       f"HF attention)")
     B, H, Sq, Dq = qs = _shape(q)

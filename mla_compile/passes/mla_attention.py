@@ -42,8 +42,11 @@ finfo.min, a flat softmax over all L positions of the static cache; the rewrite 
 listing all L slots and zeroing its query (scores 0 -> uniform weights), on device, no host sync.
 
 Batch: the batch may be symbolic (Dynamo's automatic dynamic shapes after a batch-size change): the emitted
-ops take it from `q.size(0)`. Any other symbolic dimension leaves the site alone, with a WARNING naming the
-fix (`dynamic=False`).
+ops take it from `q.size(0)`. Any other size Dynamo made symbolic after it changed between calls (a new static
+cache of another length, another number of query tokens up to MAX_QUERY_TOKENS) is specialized to the call's
+(`_fx.specialize_site`: a guard, so each size compiles its own graph, as under dynamic=False; counted in
+`mla_attention_sizes_specialized`). Left alone, with a WARNING naming the fix: a key length that grows by
+concatenation (HF's DynamicCache: a new size every step, which would compile a graph per step).
 
 Reads: the rewrite reads the latent, the rope latent, kv_b_proj's weight, q and the mask's inputs at the
 attention, where HF read them earlier (its expansion, its mask expression). Any write in between to memory
@@ -107,6 +110,7 @@ COUNTER = "mla_attention_rewritten"
 SKIP_COUNTER = "mla_attention_not_rewritten"
 SPARSE_COUNTER = "dsa_sparse_rewritten"
 TOKENS_COUNTER = "mla_attention_multi_token_rewritten"  # sites with S > 1 query tokens (also in COUNTER)
+SPECIALIZED_COUNTER = "mla_attention_sizes_specialized"  # sites whose symbolic sizes were made static first
 # the files whose code decides what the rewrite emits (the pass manager's uuid hashes them)
 SOURCES = (__file__,) + tuple(m.__file__ for m in (attention_match, masks, attention_emit, attention_checks,
                                                      attention_rows, attention_tokens, dsa_indexer, dsa_dcp,
@@ -187,8 +191,8 @@ def _order(graph: fx.Graph):
 # ----------------------------------------------------------------------------------------------- the pass
 # reasons a user can do something about: a WARNING the first time (per process), naming the fix; INFO after
 _FIXES = {
-    DynamicShape: "compile with dynamic=False (one static graph per shape; a batch-size change alone keeps the "
-                  "rewrite with a symbolic batch)",
+    DynamicShape: "use a static cache (HF's DynamicCache grows by concatenation: a new key length every step), "
+                  "or compile with dynamic=False (one static graph per shape)",
     masks.InputMask: "use attn_implementation='sdpa' (generate() then hands over a bool mask), or let the forward "
                      "build the eager mask in the graph: a `create_masks_for_generate` on the model that returns "
                      "the 2-D attention_mask padded to the cache length (README, 'HF generate()': eager attention; "
@@ -213,6 +217,29 @@ def _log_skip(node: fx.Node, e: NoMatch) -> None:
         log.info("mla_attention: not rewritten: attention at %s: %s", node.name, e)
 
 
+def _rewrite_one(graph: fx.Graph, node: fx.Node, fake_mode, memo: Memo):
+    """Rewrite the attention at `node`: (site, latent source), None where `node` is no attention, NoMatch (the graph
+    unchanged) where it cannot be rewritten."""
+    site = match_site(node)
+    if site is None:
+        return None
+    src = latent_source(site)
+    site.sparse = _sparse_indexer(graph, site, src)
+    if site.sparse is not None:
+        try:
+            rewrite_site(graph, site, src, fake_mode, memo)
+        except NoMatch as e:  # rolled back: fall back to HF's top-k mask as a token table
+            log.info("mla_attention: DSA indexer at %s kept: %s", node.name, e)
+            site.sparse = None
+            if site.rows is not None:
+                site.rows = NoMatch(f"{site.tokens}-token DSA step: {e}")
+    if site.sparse is None and site.rows is not None:
+        raise site.rows
+    if site.sparse is None:
+        rewrite_site(graph, site, src, fake_mode, memo)
+    return site, src
+
+
 def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) -> int:
     """Rewrite every matched decode site of `gm` (a Dynamo graph, or its fx.Graph) in place; returns the
     number rewritten. `example_inputs` is accepted for the backend-hook signature (metadata comes from the
@@ -227,26 +254,25 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
     for node in candidates:
         if getattr(node, "_erased", False):  # removed by an earlier rewrite
             continue
+        if fake_mode is None:
+            fake_mode = fake_mode_of(graph)
         try:
-            site = match_site(node)
-            if site is None:
+            try:
+                found = _rewrite_one(graph, node, fake_mode, memo)
+            except DynamicShape:
+                # a size other than the batch is symbolic (Dynamo's automatic dynamic shapes after a size changed
+                # between calls): specialized to this call's where the site is a decode step (a guard, so other
+                # sizes compile their own graph, as under dynamic=False), then tried again
+                specialized = _fx.specialize_site(node, attention_rows.MAX_QUERY_TOKENS)
+                if not specialized:
+                    raise
+                counters[SPECIALIZED_COUNTER] += 1
+                log.info("mla_attention: attention at %s: sizes %s specialized to this call's", node.name,
+                         ", ".join(specialized))
+                found = _rewrite_one(graph, node, fake_mode, memo)
+            if found is None:
                 continue
-            src = latent_source(site)
-            if fake_mode is None:
-                fake_mode = fake_mode_of(graph)
-            site.sparse = _sparse_indexer(graph, site, src)
-            if site.sparse is not None:
-                try:
-                    rewrite_site(graph, site, src, fake_mode, memo)
-                except NoMatch as e:  # rolled back: fall back to HF's top-k mask as a token table
-                    log.info("mla_attention: DSA indexer at %s kept: %s", node.name, e)
-                    site.sparse = None
-                    if site.rows is not None:
-                        site.rows = NoMatch(f"{site.tokens}-token DSA step: {e}")
-            if site.sparse is None and site.rows is not None:
-                raise site.rows
-            if site.sparse is None:
-                rewrite_site(graph, site, src, fake_mode, memo)
+            site, src = found
         except NoMatch as e:
             counters[SKIP_COUNTER] += 1
             _log_skip(node, e)

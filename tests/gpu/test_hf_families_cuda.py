@@ -179,24 +179,21 @@ def test_sliding_window_generate_under_cuda_graphs(monkeypatch):
         assert c[mla_attention.COUNTER] // layers <= 4, dict(c)
 
 
-# hy_v4 caches its latent from transformers 5.25 on; an installed transformers whose hy_v4 caches per-head K / V
-# (5.24, the GPU image's) has no latent to attend over: KNOWN's strict xfail, as in every family test
-_SINKS_MARKS = ([pytest.mark.xfail(strict=True, reason=F.KNOWN[("hy_v4", "eager")])]
-                if ("hy_v4", "eager") in F.KNOWN else [])
-
-
-@pytest.mark.parametrize("cache_kind", [pytest.param(kind, marks=_SINKS_MARKS) for kind in ("static", "paged")])
+@pytest.mark.parametrize("cache_kind", ["static", "paged"])
 def test_sinks_family_verification_steps_under_cuda_graphs(cache_kind):
-    """Attention sinks on verification steps, on the GPU road: hy_v4 (sinks, DSA) through prompt-lookup generate()
-    (3-token verification steps) with `optimize_generate` (CUDA graphs), over DSAStaticCache or our paged cache.
-    The prompt repeats itself so that lookups propose drafts and is shorter than index_topk, which the decode then
+    """Attention sinks on verification steps, on the GPU road: hy_v4 (sinks, DSA) through assisted generate() (a
+    second tiny hy_v4 drafts 2 tokens every step: 3-token verification steps whatever the models generate; prompt
+    lookup proposed none on transformers 5.24, whose tiny model repeats no n-gram) with `optimize_generate` (CUDA
+    graphs), over DSAStaticCache or our paged cache. The prompt is shorter than index_topk, which the decode then
     crosses (the DSA-sparse graphs run too). Tokens equal eager generate()'s over the same kind of cache, the
     multi-token sites rewritten (the sinks scale each query row by its lse), none left to HF."""
     model, dsa = _family_model("hy_v4", "eager")
     assert dsa
+    draft = F.tiny_model("hy_v4", "eager", seed=7).cuda().eval()
+    draft.generation_config.num_assistant_tokens = 2
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
     topk = model.config.get_text_config(decoder=True).index_topk
-    base = torch.randint(1, model.config.vocab_size, (1, 2), generator=torch.Generator().manual_seed(5))
-    ids = base.repeat(1, 2).cuda()
+    ids = torch.randint(1, model.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(5)).cuda()
     assert ids.shape[1] < topk
     new = topk + 6 - ids.shape[1]  # the later verification steps read more than index_topk tokens
     L = ids.shape[1] + new + 4
@@ -206,7 +203,7 @@ def test_sinks_family_verification_steps_under_cuda_graphs(cache_kind):
             MLAPagedCache(model.config, L, page_size=4, shuffle_pages=True)
         return cache_kwargs(model, made)
 
-    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=2)
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, assistant_model=draft)
     mask = torch.ones_like(ids)
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, disable_compile=True, **cache(), **kw)

@@ -74,6 +74,32 @@ def test_assisted_generation_matches_eager(impl):
     _assert_rewritten(1)
 
 
+def test_compiled_forward_specializes_each_draft_length(fresh_dynamo):
+    """`model.forward = torch.compile(model.forward, backend="mla_dcp")` under Dynamo's default (automatic dynamic
+    shapes) with assisted generation: the draft length changes between steps, so Dynamo makes S symbolic; the pass
+    specializes it (S <= 8: a verification step) and rewrites each length's graph; tokens equal eager generate()'s."""
+    from transformers import StaticCache
+
+    model = M.deepseek_v3(num_layers=1)
+    model.create_masks_for_generate = create_masks_in_graph
+    ids = _prompt()
+    draft = _draft()
+    kw = dict(disable_compile=True, **_assistant_kw(draft, 4))
+
+    def run():
+        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 24)
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
+                                  do_sample=False, pad_token_id=0, **cache_kwargs(model, cache), **kw)
+
+    ref = run()
+    model.forward = torch.compile(model.forward, backend="mla_dcp")
+    assert torch.equal(run(), ref)
+    c = COUNTERS["mla_compile"]
+    assert c[mla_attention.SPECIALIZED_COUNTER] >= 1 and c[mla_attention.TOKENS_COUNTER] >= 1, dict(c)
+    assert c[mla_attention.SKIP_COUNTER] == 1, dict(c)  # the prefill (12 query tokens: HF attention)
+
+
 def test_prompt_lookup_with_paged_cache_matches_eager():
     """Our paged cache: HF crops it after rejected drafts (device length and host max_kv_len move back)."""
     model = M.deepseek_v3(num_layers=1)

@@ -314,25 +314,82 @@ def test_hf_generate_batch_size_change_keeps_the_rewrite():
     assert one_token_rewrites() == 2  # the static and the symbolic-batch decode graph
 
 
-def test_dynamic_cache_length_is_left_alone_with_one_warning(monkeypatch, caplog):
-    """A cache length that changes between calls makes Dynamo's second graph symbolic in L: not rewritten (HF's
-    answer), one WARNING naming dynamic=False; with dynamic=False each length gets its own rewritten graph."""
+def test_cache_length_change_is_specialized_and_rewritten(monkeypatch, caplog):
+    """A cache length that changes between calls makes Dynamo's second graph symbolic in L (automatic dynamic
+    shapes). The pass specializes L to the call's length (a guard: the third length compiles its own graph, as
+    under dynamic=False) and rewrites it: every length rewritten, tokens equal eager HF's, no warning."""
     monkeypatch.setattr(mla_attention, "_warned", set())
     model = M.deepseek_v3(num_layers=1)
-    for dynamic, rewritten in ((None, 1), (False, 3)):
+    for dynamic, specialized in ((None, 2), (False, 0)):
         torch._dynamo.reset()
         COUNTERS.clear()
         compiled = torch.compile(model, backend="mla_dcp", fullgraph=True, dynamic=dynamic)
         with caplog.at_level(logging.INFO, logger="mla_compile.passes.mla_attention"):
-            for L in (24, 32, 40):
+            for L in (24, 32, 40, 32):
                 ids, mask = M.batch(L=L)
                 ref = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), 2)
                 out = M.greedy(compiled, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), 2,
                                prefill=model)
-                assert torch.equal(out[0], ref[0]) and M.rel_err(out[1], ref[1]) < TOL
-        assert COUNTERS["mla_compile"][mla_attention.COUNTER] == rewritten, dynamic
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 1 and "dynamic=False" in warned[0], warned
+                assert torch.equal(out[0], ref[0]) and M.rel_err(out[1], ref[1]) < TOL, (dynamic, L)
+        assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 3, dynamic  # L 32 again: its graph replays
+        assert COUNTERS["mla_compile"][mla_attention.SPECIALIZED_COUNTER] == specialized, dynamic
+        assert COUNTERS["mla_compile"][mla_attention.SKIP_COUNTER] == 0, dynamic
+        assert COUNTERS["stats"]["unique_graphs"] == 3, dynamic
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == []
+
+
+@pytest.mark.parametrize("kind", ["paged", "dsa_static"])
+def test_our_caches_of_another_length_are_rewritten(kind):
+    """Our caches under Dynamo's default: a new cache of another length (the block table's width, or
+    DSAStaticCache's length) makes the second graph symbolic there; each length is specialized and rewritten, the
+    tokens equal eager HF's over HF's static cache."""
+    from mla_compile.integrations.hf import DSAStaticCache, MLAPagedCache
+
+    model = M.deepseek_v3(num_layers=1) if kind == "paged" else M.deepseek_v32(num_layers=1, index_topk=64)
+    compiled = torch.compile(model, backend="mla_dcp", fullgraph=True)
+    for L in (24, 32, 40):
+        ids, mask = M.batch(L=L)
+        ref = M.greedy(model, model, ids, mask, StaticCache(config=model.config, max_cache_len=L), 2)
+        cache = MLAPagedCache(model.config, L, page_size=4) if kind == "paged" else DSAStaticCache(model.config, L)
+        out = M.greedy(compiled, model, ids, mask, cache, 2, prefill=model)
+        assert torch.equal(out[0], ref[0]) and M.rel_err(out[1], ref[1]) < TOL, L
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 3
+    assert COUNTERS["mla_compile"][mla_attention.SPECIALIZED_COUNTER] == 2
+    assert COUNTERS["mla_compile"][mla_attention.SKIP_COUNTER] == 0
+
+
+def test_prefills_of_other_lengths_stay_symbolic(caplog):
+    """A compiled model that also prefills: a second prompt length makes the prefill graph symbolic in S, more
+    query tokens than a decode step takes: not specialized (one graph serves every prompt length), HF attention,
+    logged at INFO only."""
+    model = M.deepseek_v3(num_layers=1)
+    compiled = torch.compile(model, backend="mla_dcp", fullgraph=True)
+    with caplog.at_level(logging.INFO, logger="mla_compile.passes.mla_attention"), torch.no_grad():
+        for T in (12, 14, 16):
+            ids = torch.randint(1, 128, (2, T), generator=torch.Generator().manual_seed(T))
+            want = model(ids, past_key_values=StaticCache(config=model.config, max_cache_len=24)).logits
+            got = compiled(ids, past_key_values=StaticCache(config=model.config, max_cache_len=24)).logits
+            assert M.rel_err(got, want) < TOL, T
+    assert COUNTERS["stats"]["unique_graphs"] == 2  # T 12, then the symbolic prompt length
+    assert COUNTERS["mla_compile"][mla_attention.SPECIALIZED_COUNTER] == 0
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_growing_dynamic_cache_is_not_specialized_per_step():
+    """HF's DynamicCache concatenates: the key length is the past length + the new token, a new size every step.
+    Specializing it would compile a graph per step, so that site stays symbolic (HF attention, logged): three
+    graphs in all (prefill, the first decode step, the symbolic rest), tokens equal eager generate()'s."""
+    model = M.deepseek_v3(num_layers=1)
+    ids, mask = M.batch(L=5)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="dynamic")
+    ref = model.generate(ids, attention_mask=mask, **kwargs)
+    model.forward = torch.compile(model.forward, backend="mla_dcp")
+    out = model.generate(ids, attention_mask=mask, disable_compile=True, **kwargs)
+    assert torch.equal(out, ref)
+    assert COUNTERS["stats"]["unique_graphs"] == 3
+    assert COUNTERS["mla_compile"][mla_attention.SPECIALIZED_COUNTER] == 0
+    assert COUNTERS["mla_compile"][mla_attention.SKIP_COUNTER] == 1  # the symbolic past length's graph
 
 
 # ------------------------------------------------------------------- synthetic sites (no HF model: fast)
