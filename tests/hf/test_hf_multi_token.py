@@ -5,7 +5,6 @@ equals single-rank eager, and what cannot be proven stays HF attention (counted)
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

@@ -9,7 +9,6 @@ with row 1 left-padded (so the mask path is exercised); one decode graph compile
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
