@@ -191,8 +191,9 @@ def _order(graph: fx.Graph):
 # ----------------------------------------------------------------------------------------------- the pass
 # reasons a user can do something about: a WARNING the first time (per process), naming the fix; INFO after
 _FIXES = {
-    DynamicShape: "use a static cache (HF's DynamicCache grows by concatenation: a new key length every step), "
-                  "or compile with dynamic=False (one static graph per shape)",
+    DynamicShape: "use a static cache (StaticCache, DSAStaticCache, MLAPagedCache): HF's DynamicCache grows by "
+                  "concatenation, a new key length every step, which a static graph per length would recompile "
+                  "every step",
     masks.InputMask: "use attn_implementation='sdpa' (generate() then hands over a bool mask), or let the forward "
                      "build the eager mask in the graph: a `create_masks_for_generate` on the model that returns "
                      "the 2-D attention_mask padded to the cache length (README, 'HF generate()': eager attention; "

@@ -375,17 +375,22 @@ def test_prefills_of_other_lengths_stay_symbolic(caplog):
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
-def test_growing_dynamic_cache_is_not_specialized_per_step():
+def test_growing_dynamic_cache_is_not_specialized_per_step(monkeypatch, caplog):
     """HF's DynamicCache concatenates: the key length is the past length + the new token, a new size every step.
-    Specializing it would compile a graph per step, so that site stays symbolic (HF attention, logged): three
-    graphs in all (prefill, the first decode step, the symbolic rest), tokens equal eager generate()'s."""
+    Specializing it would compile a graph per step, so that site stays symbolic (HF attention; one WARNING naming a
+    static cache): three graphs in all (prefill, the first decode step, the symbolic rest), tokens equal eager
+    generate()'s."""
+    monkeypatch.setattr(mla_attention, "_warned", set())
     model = M.deepseek_v3(num_layers=1)
     ids, mask = M.batch(L=5)
     kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="dynamic")
     ref = model.generate(ids, attention_mask=mask, **kwargs)
     model.forward = torch.compile(model.forward, backend="mla_dcp")
-    out = model.generate(ids, attention_mask=mask, disable_compile=True, **kwargs)
+    with caplog.at_level(logging.INFO, logger="mla_compile.passes.mla_attention"):
+        out = model.generate(ids, attention_mask=mask, disable_compile=True, **kwargs)
     assert torch.equal(out, ref)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "static cache" in warned[0], warned
     assert COUNTERS["stats"]["unique_graphs"] == 3
     assert COUNTERS["mla_compile"][mla_attention.SPECIALIZED_COUNTER] == 0
     assert COUNTERS["mla_compile"][mla_attention.SKIP_COUNTER] == 1  # the symbolic past length's graph
