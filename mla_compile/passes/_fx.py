@@ -11,7 +11,7 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, guard_int, statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
 # An additive mask value at or below this gives exactly zero probability in a softmax next to any finite score far
@@ -86,8 +86,6 @@ def specialize_site(node: fx.Node, max_query_tokens: int) -> list:
     left to HF attention), or a key length that grows by concatenation (HF's DynamicCache: the past length plus the
     new tokens, a new size every step: specializing it would compile a graph per step). Returns the symbols
     specialized (none: the site is left as it is)."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, guard_int
-
     out = meta_val(node)
     if not (isinstance(out, torch.Tensor) and out.dim() == 4):
         return []
@@ -130,9 +128,9 @@ def _fold_constant_sizes(graph: fx.Graph) -> None:
     placeholder stays a graph input)."""
     for n in graph.nodes:
         v = meta_val(n)
-        if not isinstance(v, torch.SymInt) or not isinstance(as_int(v), int):
+        value = as_int(v) if isinstance(v, torch.SymInt) else None
+        if not isinstance(value, int):
             continue
-        value = as_int(v)
         for user in list(n.users):
             user.args = fx.node.map_arg(user.args, lambda a: value if a is n else a)
             user.kwargs = fx.node.map_arg(user.kwargs, lambda a: value if a is n else a)
