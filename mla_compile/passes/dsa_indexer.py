@@ -147,9 +147,17 @@ def _marker_behind(topk: fx.Node, markers: set, depth: int = 16):
     return None
 
 
-def drop_dense_indexer(graph: fx.Graph) -> int:
+def _symbolic(*sizes) -> bool:
+    return any(isinstance(s, (fx.Node, torch.SymInt)) for s in sizes)
+
+
+def drop_dense_indexer(graph: fx.Graph, specialize=None) -> int:
     """Replace each index-masked attention mask behind an `all_selected` marker by the plain mask; returns
-    the number of masks replaced (counted in counters["mla_compile"]["dsa_index_mask_dropped"])."""
+    the number of masks replaced (counted in counters["mla_compile"]["dsa_index_mask_dropped"]).
+    `specialize(mask_node)`: where the top-k size or the key length is symbolic (Dynamo's automatic dynamic shapes
+    after the cache length changed), makes the mask's sizes static if the step is a decode step (returns whether it
+    did; `mla_attention` passes its own), so "top-k size == min(index_topk, L)" can be read off as under a static
+    trace; without it, or where it declines, the site keeps its indexer (the sparse graph's rewrite takes it)."""
     ops = _marker_ops()
     markers = {n for n in graph.nodes if is_fn(n, ops)}
     if not markers:
@@ -168,6 +176,9 @@ def drop_dense_indexer(graph: fx.Graph) -> int:
             continue
         k = _arg(topk, 1, "k")
         L = _val(topk.args[0]).shape[-1]
+        if _symbolic(k, L) and specialize is not None and specialize(n):
+            k = _arg(topk, 1, "k")
+            L = _val(topk.args[0]).shape[-1]
         av, nv = _val(A), _val(n)
         if not _masked_by(topk, A):
             log.info("dsa_indexer: %s kept: the top-k scores are not masked by the same attention mask", n.name)

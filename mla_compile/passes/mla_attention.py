@@ -241,12 +241,24 @@ def _rewrite_one(graph: fx.Graph, node: fx.Node, fake_mode, memo: Memo):
     return site, src
 
 
+def _specialize(node: fx.Node) -> bool:
+    """The symbolic sizes (other than the batch) behind an attention site, or behind a DSA index mask, made this
+    call's where the site is a decode step (`_fx.specialize_site`); counted and logged. Whether any was."""
+    specialized = _fx.specialize_site(node, attention_rows.MAX_QUERY_TOKENS)
+    if specialized:
+        torch._dynamo.utils.counters["mla_compile"][SPECIALIZED_COUNTER] += 1
+        log.info("mla_attention: %s at %s: sizes %s specialized to this call's",
+                 "attention" if is_attention(node) else "DSA index mask", node.name, ", ".join(specialized))
+    return bool(specialized)
+
+
 def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) -> int:
     """Rewrite every matched decode site of `gm` (a Dynamo graph, or its fx.Graph) in place; returns the
     number rewritten. `example_inputs` is accepted for the backend-hook signature (metadata comes from the
     nodes' `example_value`)."""
     graph = graph_of(gm)
-    dropped = dsa_indexer.drop_dense_indexer(graph)  # DSA dense graph: HF's index mask is "all selected" -> A alone
+    # DSA dense graph: HF's index mask is "all selected" -> A alone
+    dropped = dsa_indexer.drop_dense_indexer(graph, specialize=_specialize)
     candidates = [n for n in graph.nodes if is_attention(n)]
     fake_mode = None
     memo = Memo()
@@ -264,12 +276,8 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
                 # a size other than the batch is symbolic (Dynamo's automatic dynamic shapes after a size changed
                 # between calls): specialized to this call's where the site is a decode step (a guard, so other
                 # sizes compile their own graph, as under dynamic=False), then tried again
-                specialized = _fx.specialize_site(node, attention_rows.MAX_QUERY_TOKENS)
-                if not specialized:
+                if not _specialize(node):
                     raise
-                counters[SPECIALIZED_COUNTER] += 1
-                log.info("mla_attention: attention at %s: sizes %s specialized to this call's", node.name,
-                         ", ".join(specialized))
                 found = _rewrite_one(graph, node, fake_mode, memo)
             if found is None:
                 continue

@@ -337,14 +337,17 @@ def test_cache_length_change_is_specialized_and_rewritten(monkeypatch, caplog):
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == []
 
 
-@pytest.mark.parametrize("kind", ["paged", "dsa_static"])
+@pytest.mark.parametrize("kind", ["paged", "dsa_static", "dsa_sparse"])
 def test_our_caches_of_another_length_are_rewritten(kind):
     """Our caches under Dynamo's default: a new cache of another length (the block table's width, or
     DSAStaticCache's length) makes the second graph symbolic there; each length is specialized and rewritten, the
-    tokens equal eager HF's over HF's static cache."""
+    tokens equal eager HF's over HF's static cache. DSA with every length <= index_topk: each graph is the dense one
+    (the index mask's top-k size, min(index_topk, L), is read once L is specialized), no sparse rewrite; with
+    index_topk 4 (under the prompt's length) each graph is the sparse one."""
     from mla_compile.integrations.hf import DSAStaticCache, MLAPagedCache
 
-    model = M.deepseek_v3(num_layers=1) if kind == "paged" else M.deepseek_v32(num_layers=1, index_topk=64)
+    model = M.deepseek_v3(num_layers=1) if kind == "paged" else \
+        M.deepseek_v32(num_layers=1, index_topk=64 if kind == "dsa_static" else 4)
     compiled = torch.compile(model, backend="mla_dcp", fullgraph=True)
     for L in (24, 32, 40):
         ids, mask = M.batch(L=L)
@@ -355,6 +358,10 @@ def test_our_caches_of_another_length_are_rewritten(kind):
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 3
     assert COUNTERS["mla_compile"][mla_attention.SPECIALIZED_COUNTER] == 2
     assert COUNTERS["mla_compile"][mla_attention.SKIP_COUNTER] == 0
+    if kind != "paged":
+        dense = kind == "dsa_static"
+        assert COUNTERS["mla_compile"]["dsa_index_mask_dropped"] == (3 if dense else 0)
+        assert COUNTERS["mla_compile"][mla_attention.SPARSE_COUNTER] == (0 if dense else 3)
 
 
 def test_prefills_of_other_lengths_stay_symbolic(caplog):
