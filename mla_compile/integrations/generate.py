@@ -290,6 +290,17 @@ def _wrap_generate(model, generate, defer: bool, dynamo: dict | None = None):
     return mla_generate
 
 
+def _records_past(cache) -> bool:
+    """Whether a cache has layers with HF's past recording (`activate_past_recording`: transformers >= 5.25's
+    linear-attention and sliding-window layers). A deferred stop check turns it on for a cache it hands back, to undo
+    its extra step; such a layer then assigns its growing states instead of copying them in place, so they are
+    outputs of one CUDA-graph replay that the next one overwrites (cudagraph trees refuse to read them)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        layers = getattr(getattr(cache, "self_attention_cache", None), "layers", None) or ()
+    return any(hasattr(layer, "activate_past_recording") for layer in layers)
+
+
 def _install_deferral_hook() -> bool:
     """Wrap HF's `DeferredStopCheck.is_supported` once so that, inside a deferring generate() on CUDA, it answers
     with HF's own rule for mps (the device HF enables deferral on). False (nothing to do) on a transformers
@@ -308,6 +319,11 @@ def _install_deferral_hook() -> bool:
 
     def is_supported(device, cache, cache_is_returned, *args, **kwargs):
         if _DEFERRING.get() and torch.device(device).type == "cuda":
+            if cache_is_returned and _records_past(cache):
+                log.info("mla_compile: generate() keeps its per-step stop sync: the cache it hands back has layers "
+                         "that would record their past (recurrent / sliding states) to undo a deferred step, which "
+                         "CUDA graphs cannot keep")
+                return False
             return hf_rule(torch.device("mps"), cache, cache_is_returned, *args, **kwargs)
         return hf_rule(device, cache, cache_is_returned, *args, **kwargs)
 

@@ -105,6 +105,14 @@ def test_deferral_hook_answers_hf_rule_only_inside_a_deferring_generate_on_cuda(
     class Cache:
         is_croppable = False
 
+    class RecordingLayer:  # transformers >= 5.25's linear-attention / sliding layers
+        def activate_past_recording(self, **kwargs):
+            raise AssertionError("not called by the hook")
+
+    class HybridCache:
+        is_croppable = True
+        layers = [object(), RecordingLayer()]
+
     assert ask(cuda, None, False, is_assistant=False) is False  # outside: HF's default (mps only)
     seen = []
     model = M.deepseek_v3(num_layers=1)
@@ -112,9 +120,13 @@ def test_deferral_hook_answers_hf_rule_only_inside_a_deferring_generate_on_cuda(
                                                ask(cuda, Cache(), True, is_assistant=False),  # HF: not croppable
                                                ask(cuda, Cache(), False, is_assistant=False),
                                                ask(cuda, None, False, is_assistant=True),  # HF: not assistants
-                                               ask(cpu, None, False, is_assistant=False)]), defer=True)
+                                               ask(cpu, None, False, is_assistant=False),
+                                               # handed back: its recording layers would lose their static
+                                               # addresses under CUDA graphs; kept by generate(): HF's rule
+                                               ask(cuda, HybridCache(), True, is_assistant=False),
+                                               ask(cuda, HybridCache(), False, is_assistant=False)]), defer=True)
     inside()
-    assert seen == [True, False, True, False, False]
+    assert seen == [True, False, True, False, False, False, True]
     assert ask(cuda, None, False, is_assistant=False) is False  # reset after the call
     assert G._install_deferral_hook() and gen_utils.DeferredStopCheck.is_supported is ask  # installed once
 
