@@ -202,6 +202,23 @@ def _prefill_without_cudagraphs(gm: torch.fx.GraphModule, patches: dict[str, Any
         log.info("mla_dcp: multi-token attention at %s (a prefill step): compiled without CUDA graphs", site)
 
 
+def _cache_state_as_static_inputs(gm: torch.fx.GraphModule, patches: dict[str, Any]) -> None:
+    """For a graph compiled with CUDA graphs: the cache-layer tensors it writes in place that HF could not mark static
+    addresses (allocated while Dynamo traced: `passes/step_kind.CACHE_STATE_SOURCES` says why) marked as HF would,
+    so Inductor captures the step instead of running it without CUDA graphs ("mutated inputs"). Unguarded: a new
+    cache at another address makes the CUDA-graph trees record the step again, as a new HF cache would."""
+    if not patches.get("triton.cudagraphs", torch._inductor.config.triton.cudagraphs):
+        return
+    from .passes.step_kind import unmarked_cache_state
+
+    found = unmarked_cache_state(gm)
+    for node, _ in found:
+        node.meta.setdefault("tensor_dict", {})["_dynamo_static_input_type"] = "unguarded"
+    if found:
+        log.info("mla_dcp: %d cache tensor(s) written in place and not static addresses (allocated inside a compiled "
+                 "call), marked static for CUDA graphs: %s", len(found), ", ".join(name for _, name in found))
+
+
 def _step_counter_without_cudagraphs(gm: torch.fx.GraphModule, patches: dict[str, Any],
                                      inductor_patches: dict[str, Any]) -> dict[str, Any]:
     """`patches`, or a copy without CUDA graphs for a graph that reads an int advancing every decode step
@@ -228,6 +245,7 @@ def mla_dcp(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None
         raise OptionsError(f"options: 'mode' ({opts.mode!r}) contradicts mode= ({mode!r})")
     patches = config_patches(opts, mode, inductor_patches, _on_cuda(example_inputs))
     _prefill_without_cudagraphs(gm, patches, inductor_patches)
+    _cache_state_as_static_inputs(gm, patches)
 
     def compile_graph(gm, example_inputs):
         from .passes.fused_linear import compiling_for_cuda_graphs

@@ -42,6 +42,18 @@ _FACTORY_METHODS = {"new_zeros", "new_empty", "new_ones", "new_full", "zeros_lik
 STEP_COUNTER_SOURCES = (r".*\.cumulative_length_int$",)
 
 
+# Dynamo sources of a cache layer's tensors (HF's `Cache.layers[i].keys / values / cumulative_length`, ...). HF marks
+# them static addresses (`mark_static_address`) when it allocates them, but not while Dynamo traces: a cache whose
+# first `update` runs inside a compiled call (a compiled prefill: `model.forward = torch.compile(...)`) keeps them
+# unmarked, and Inductor then runs every later graph that writes them in place without CUDA graphs ("mutated
+# inputs"). They are the cache's own state, written in place each step at one address: the backend marks them
+# static for the graphs it CUDA-graphs (backend.py), what HF's mark would have done.
+CACHE_STATE_SOURCES = (r".*\.layers\[\d+\]\.[A-Za-z_]\w*$",)
+# ops through which a placeholder's storage is still written by an in-place op on the result
+_VIEW_METHODS = {"view", "reshape", "select", "narrow", "transpose", "permute", "unsqueeze", "squeeze", "expand",
+                 "flatten", "unflatten", "__getitem__", "as_strided", "view_as"}
+
+
 def _val(n):
     return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
 
@@ -103,11 +115,51 @@ def step_counter_input(gm: fx.GraphModule) -> str | None:
     or None. Only placeholders something in the graph reads count (host-int bookkeeping is split off first:
     passes/host_ints.py)."""
     for p in gm.graph.find_nodes(op="placeholder"):
-        source = getattr(p, "_dynamo_source", None)
-        if source is None or not p.users or not isinstance(_val(p), (int, torch.SymInt)):
+        if getattr(p, "_dynamo_source", None) is None or not p.users or not isinstance(_val(p), (int, torch.SymInt)):
             continue
-        name = getattr(source, "name", "")
-        name = name() if callable(name) else name  # a method in older torch, a property in newer
+        name = _source_name(p)
         if any(re.match(pattern, name) for pattern in STEP_COUNTER_SOURCES):
             return name
     return None
+
+
+def _source_name(node: fx.Node) -> str:
+    source = getattr(node, "_dynamo_source", None)
+    name = getattr(source, "name", "") if source is not None else ""
+    return name() if callable(name) else name  # a method in older torch, a property in newer
+
+
+def _written_in_place(node: fx.Node) -> bool:
+    """Whether the graph writes `node`'s storage in place: an in-place method (`index_copy_`, `add_`, `copy_`, ...)
+    or `operator.setitem` on it or on a view of it."""
+    import operator
+
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u in seen or not u.args or u.args[0] is not n:
+                continue
+            seen.add(u)
+            name = u.target if u.op == "call_method" else getattr(u.target, "__name__", "")
+            if u.op == "call_function" and u.target is operator.setitem:
+                return True
+            if u.op in ("call_method", "call_function") and name.endswith("_") and not name.endswith("__"):
+                return True
+            if (u.op == "call_method" and name in _VIEW_METHODS) or (u.op == "call_function"
+                                                                       and u.target is operator.getitem):
+                todo.append(u)
+    return False
+
+
+def unmarked_cache_state(gm: fx.GraphModule) -> list:
+    """(placeholder, source name) of each cache-layer tensor (`CACHE_STATE_SOURCES`) the graph writes in place that
+    is not a static address (no `_dynamo_static_input_type`): what a CUDA-graphed step needs marked."""
+    found = []
+    for p in gm.graph.find_nodes(op="placeholder"):
+        if not isinstance(_val(p), torch.Tensor) or p.meta.get("tensor_dict", {}).get("_dynamo_static_input_type"):
+            continue
+        name = _source_name(p)
+        if any(re.match(pattern, name) for pattern in CACHE_STATE_SOURCES) and _written_in_place(p):
+            found.append((p, name))
+    return found

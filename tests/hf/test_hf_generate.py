@@ -103,3 +103,73 @@ def test_prefill_graphs_compile_without_cudagraphs():
     patches = {"triton.cudagraphs": True}
     backend._prefill_without_cudagraphs(graphs[0], patches, {"triton.cudagraphs": True})  # the user's word wins
     assert patches["triton.cudagraphs"] is True
+
+
+def test_cache_allocated_in_a_compiled_prefill_is_marked_static_for_cuda_graphs():
+    """HF marks its cache tensors static addresses when it allocates them, except while Dynamo traces: a cache whose
+    first update runs in a compiled prefill keeps them unmarked, and Inductor would run every decode graph writing
+    them without CUDA graphs ("mutated inputs"). The backend marks the cache-layer tensors a CUDA-graphed step writes
+    in place (passes/step_kind.unmarked_cache_state); read-only or already-marked tensors, other inputs and graphs
+    compiled without CUDA graphs are left as they are."""
+    from transformers import StaticCache
+
+    from mla_compile import backend
+    from mla_compile.passes.step_kind import unmarked_cache_state
+
+    model = M.deepseek_v3(num_layers=2)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids, mask = M.batch(B=2, T=5, L=16)
+    step = torch.compile(model, backend=capture, fullgraph=True)
+
+    def prefill_then_decode(cache, prefill):
+        with torch.no_grad():
+            prefill(ids, attention_mask=mask[:, :5], **cache_kwargs(model, cache), cache_position=torch.arange(5))
+            step(ids[:, :1], attention_mask=mask[:, :6], **cache_kwargs(model, cache),
+                 cache_position=torch.tensor([5]))
+
+    prefill_then_decode(StaticCache(config=model.config, max_cache_len=16), step)  # allocated while tracing
+    assert unmarked_cache_state(graphs[0]) == []  # the prefill creates the tensors: none is an input
+    found = unmarked_cache_state(graphs[1])
+    names = sorted(name for _, name in found)
+    assert {n.rsplit(".", 1)[-1] for n in names} >= {"keys", "values"}, names
+    assert {n.split(".layers[")[1][0] for n in names} == {"0", "1"}, names  # both layers
+    assert all(n.startswith("L['kwargs']") for n in names), names
+    backend._cache_state_as_static_inputs(graphs[1], {"triton.cudagraphs": False})  # no CUDA graphs: nothing
+    assert len(unmarked_cache_state(graphs[1])) == len(found)
+    backend._cache_state_as_static_inputs(graphs[1], {"triton.cudagraphs": True})
+    assert unmarked_cache_state(graphs[1]) == []
+    assert all(node.meta["tensor_dict"]["_dynamo_static_input_type"] == "unguarded" for node, _ in found)
+    others = [p for p in graphs[1].graph.find_nodes(op="placeholder") if all(p is not n for n, _ in found)]
+    assert not any(p.meta.get("tensor_dict", {}).get("_dynamo_static_input_type") == "unguarded"
+                   and "kwargs" in str(getattr(p, "_dynamo_source", "")) for p in others)
+
+    # allocated by an eager prefill: HF marked them itself
+    torch._dynamo.reset()
+    graphs.clear()
+    prefill_then_decode(StaticCache(config=model.config, max_cache_len=16), model)
+    assert unmarked_cache_state(graphs[-1]) == []
+
+
+def test_compiled_forward_recipe_reduce_overhead_matches_eager():
+    """`model.forward = torch.compile(model.forward, backend="mla_dcp", mode="reduce-overhead")` + generate(): the
+    prefill compiles without CUDA graphs, the decode graph with its cache tensors marked static; tokens equal eager
+    generate()'s (the GPU test checks the capture itself)."""
+    model = M.deepseek_v3(num_layers=1)
+    ids, mask = M.batch(B=2, T=5, L=5, pad=1)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, disable_compile=True, cache_implementation="static")
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, **kw)
+    forward = model.forward
+    model.forward = torch.compile(forward, backend="mla_dcp", mode="reduce-overhead")
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, **kw)
+    finally:
+        model.forward = forward
+    assert torch.equal(out, ref)
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 1
