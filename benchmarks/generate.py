@@ -21,7 +21,9 @@ cache_implementation="static", ...)`:
   mla_fresh    `optimize_generate(model, reuse_cache=False)`: a new static cache per generate() call, as HF builds it
                (so the CUDA-graph trees record the decode graph again in every call)
   hf_deferred  HF's own auto-compile plus the deferred stop check alone (what HF would get from that part)
-HF prefills eagerly in every mode (its auto-compile covers decode steps only).
+  mla_forward  the compiled-forward recipe: `model.forward = torch.compile(model.forward, backend="mla_dcp",
+               mode="reduce-overhead")` + `disable_compile=True` (prefill compiled too, without CUDA graphs)
+HF prefills eagerly in every mode but mla_forward (its auto-compile covers decode steps only).
 
 Per (H, batch, prompt, mode): `first_call_s` (the first generate, compile and CUDA-graph capture included),
 `e2e_s` (median of `--runs` later calls; tokens/s = batch * new / e2e_s), `prefill_s` (median generate with
@@ -114,10 +116,12 @@ def set_up_mode(model, mode: str) -> None:
     """What a mode installs on the model once (`optimize_generate`), after undoing the previous mode's."""
     from mla_compile.integrations.hf import optimize_generate
 
-    for attr in ("generate", "create_masks_for_generate", "_prepare_static_cache"):  # what optimize_generate sets
+    for attr in ("generate", "create_masks_for_generate", "_prepare_static_cache", "forward"):  # what modes set
         vars(model).pop(attr, None)
     model.generation_config.compile_config = None
-    if mode == "mla":
+    if mode == "mla_forward":
+        model.forward = torch.compile(model.forward, backend="mla_dcp", mode="reduce-overhead")
+    elif mode == "mla":
         optimize_generate(model)
     elif mode == "mla_fresh":
         optimize_generate(model, reuse_cache=False)
@@ -130,7 +134,7 @@ def set_up_mode(model, mode: str) -> None:
 
 def generate_kwargs(mode: str) -> dict:
     """generate() keywords of a mode (after `set_up_mode`)."""
-    if mode == "eager":
+    if mode in ("eager", "mla_forward"):
         return dict(disable_compile=True)
     if mode == "hf":
         return dict(compile_config=_hf_compile_config())

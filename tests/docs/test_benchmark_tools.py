@@ -67,11 +67,12 @@ def test_generate_benchmark_smoke(tmp_path):
 
     out = tmp_path / "generate.json"
     torch._dynamo.reset()
-    assert generate.main([str(out), "--smoke", "--modes", "eager", "hf", "mla"]) == 0
+    assert generate.main([str(out), "--smoke", "--modes", "eager", "hf", "mla", "mla_forward"]) == 0
     (case,) = json.loads(out.read_text())["cases"]
     modes = case["modes"]
-    assert set(modes) == {"eager", "hf", "mla"} and not any("error" in m for m in modes.values())
+    assert set(modes) == {"eager", "hf", "mla", "mla_forward"} and not any("error" in m for m in modes.values())
     assert modes["mla"]["rewritten"] == 2 and modes["mla"]["agree"] == 1.0 and modes["hf"]["agree"] == 1.0
+    assert modes["mla_forward"]["agree"] == 1.0
     # timings of a tiny CPU run: computed, not compared (their sign is noise there; a NaN ratio says so)
     assert "decode_speedup_mla_vs_hf" in case and math.isfinite(modes["mla"]["decode_ms_per_token"])
 
