@@ -18,6 +18,7 @@ zeros / empty / full / ones, `new_*`, `*_like`).
 
 from __future__ import annotations
 
+import operator
 import re
 
 import torch
@@ -132,8 +133,6 @@ def _source_name(node: fx.Node) -> str:
 def _written_in_place(node: fx.Node) -> bool:
     """Whether the graph writes `node`'s storage in place: an in-place method (`index_copy_`, `add_`, `copy_`, ...)
     or `operator.setitem` on it or on a view of it."""
-    import operator
-
     todo, seen = [node], set()
     while todo:
         n = todo.pop()
