@@ -136,7 +136,8 @@ def optimize_generate(model, mode: str | None = "reduce-overhead", *, masks_in_g
       compiled step; eager attention is rewritten too).
     * `defer_stop_check`: HF's own `DeferredStopCheck` on CUDA for this model's generate() calls. On a stop by
       EOS it runs one extra step whose token HF drops (and, for a cache handed back to the caller, crops: HF only
-      defers then when the cache is croppable — its own rule, unchanged). Streamers get tokens one step late.
+      defers then when the cache is croppable — its own rule, unchanged — and we not at all where the cache has
+      layers that record their past for that crop: `_records_past`). Streamers get tokens one step late.
       Other models and devices keep HF's default.
     * Families that need a Dynamo setting for their decode step to stay one graph (`dynamo_config`: glm5_next
       captures data-dependent output shapes) get it for the duration of each generate() call.
