@@ -51,7 +51,9 @@ class BackendOptions:
     mode: str | None = None  # Inductor mode; torch.compile refuses mode= and options= together, so it fits here
     rewrite_attention: bool = True  # rewrite HF MLA attention into absorbed mla.decode / mla.dcp_decode
     fuse_linears: str = "auto"  # linears sharing x -> mla.fused_linear: auto | always | never (passes/fused_linear.py)
-    rewrite_experts: bool = True  # HF batched_mm MoE experts' W[ids] @ x -> mla.expert_linear (passes/expert_gather.py)
+    # HF MoE experts -> mla.expert_linear: batched_mm's W[ids] @ x (passes/expert_gather.py), grouped_mm's fallback
+    # op (passes/grouped_mm.py)
+    rewrite_experts: bool = True
     # run-time choices (mla_compile/tuning.py): given as their own keys (options={"decode_kernel": "triton"}) or
     # whole (options={"tuning": Tuning(...)}); the rewrites compile under it and the compiled graph runs under it
     tuning: tuning_.Tuning = tuning_.DEFAULT
@@ -143,13 +145,15 @@ def build_pass_manager(opts: BackendOptions) -> PassManager:
     fused_linear: bias-free linears over the same x -> one `mla.fused_linear` (`passes/fused_linear.py`).
     expert_gather (rewrite_experts): HF batched_mm experts' `bmm(W[ids], x[..., None])` -> `mla.expert_linear`, no
     per-(token, expert) weight copy (`passes/expert_gather.py`); sites it cannot prove are kept, counted, logged.
+    grouped_mm (rewrite_experts): HF's grouped_mm fallback op (fp32 / fp16 experts under compile: a host loop that
+    reads the group offsets on the host) -> `mla.expert_linear` with ids from the offsets (`passes/grouped_mm.py`).
     outer_product (always): matmuls with a contraction of length 1 -> broadcast multiplies (exact).
     split_argmax (always): argmax / argmin of a few long rows -> two-stage reductions (exact).
 
     Its uuid keys Inductor's caches (`PassManager.cache_key`). It also hashes our op modules and `layout.py`:
     composite ops (`mla::dcp_decode`, `mla::tp_dcp_decode`) are decomposed by AOTAutograd after the cache key is
     taken from the Dynamo graph, so an edit to their Python would otherwise keep serving a stale compiled graph."""
-    from .passes import _fx, expert_gather, fused_linear, mla_attention, outer_product, split_argmax
+    from .passes import _fx, expert_gather, fused_linear, grouped_mm, mla_attention, outer_product, split_argmax
 
     fused = functools.partial(fused_linear.fuse_shared_input_linears, where=opts.fuse_linears)
     passes = [
@@ -157,6 +161,8 @@ def build_pass_manager(opts: BackendOptions) -> PassManager:
         if opts.rewrite_attention else None,
         GraphPass("fused_linear", fused, (fused_linear.__file__, _fx.__file__)),
         GraphPass("expert_gather", expert_gather.rewrite_expert_gathers, expert_gather.SOURCES)
+        if opts.rewrite_experts else None,
+        GraphPass("grouped_mm", grouped_mm.rewrite_grouped_mm_fallbacks, grouped_mm.SOURCES)
         if opts.rewrite_experts else None,
         GraphPass("outer_product", outer_product.matmuls_to_outer_products, (outer_product.__file__, _fx.__file__)),
         GraphPass("split_argmax", split_argmax.split_arg_reductions, (split_argmax.__file__, _fx.__file__)),
