@@ -150,6 +150,14 @@ def same(a, b) -> bool:
     return a == b
 
 
+def check_same_result(out: fx.Node, node: fx.Node, what: str) -> None:
+    """NoMatch unless the rewrite's `out` gives the dtype and shape `node` (what it replaces: `what`) gives."""
+    got, want = meta_val(out), meta_val(node)
+    if not (isinstance(want, torch.Tensor) and got.dtype == want.dtype and same(tuple(got.shape), tuple(want.shape))):
+        raise NoMatch(f"the rewrite would give {got.dtype} {tuple(got.shape)} where {what} gives "
+                      f"{getattr(want, 'dtype', None)} {tuple(getattr(want, 'shape', ()))}")
+
+
 # ------------------------------------------------------------------------------------------ node predicates
 def is_fn(node, targets) -> bool:
     """A call_function node whose target is one of `targets`."""

@@ -32,8 +32,8 @@ import torch.fx as fx
 from ..ops import _checks
 from ..ops import experts  # noqa: F401  (registers mla::expert_linear)
 from . import _fx
-from ._fx import (Builder, NoMatch, arg, erase_dead, fake_mode_of, finish_edits, first_write, graph_of, is_call,
-                  meta_val, same)
+from ._fx import (Builder, NoMatch, arg, check_same_result, erase_dead, fake_mode_of, finish_edits, first_write,
+                  graph_of, is_call, meta_val, same)
 
 log = logging.getLogger(__name__)
 
@@ -223,11 +223,7 @@ def rewrite(graph: fx.Graph, node: fx.Node, site: Site, fake_mode) -> fx.Node:
         out = b.call(torch.unsqueeze, y, unit_dim)
         # what the product gave, dtype included (under autocast a float32 bmm computes and returns bfloat16; the
         # op would not): anything else stays HF's
-        got, want = meta_val(out), meta_val(node)
-        if not (isinstance(want, torch.Tensor) and got.dtype == want.dtype
-                and same(tuple(got.shape), tuple(want.shape))):
-            raise NoMatch(f"the rewrite would give {got.dtype} {tuple(got.shape)} where the product gives "
-                          f"{getattr(want, 'dtype', None)} {tuple(getattr(want, 'shape', ()))}")
+        check_same_result(out, node, "the product")
     except BaseException:
         b.rollback()  # the site exactly as it was
         raise

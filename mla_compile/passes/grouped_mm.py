@@ -28,7 +28,8 @@ import torch.fx as fx
 
 from ..ops import experts  # noqa: F401  (registers mla::expert_linear)
 from . import _fx
-from ._fx import Builder, NoMatch, arg, fake_mode_of, finish_edits, graph_of, meta_val, same
+from ._fx import (Builder, NoMatch, arg, check_same_result, fake_mode_of, finish_edits, graph_of, meta_val,
+                  same)
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +93,7 @@ def rewrite(graph: fx.Graph, node: fx.Node, fake_mode) -> fx.Node:
             raise NoMatch(f"mla.expert_linear refuses the operands: {e}") from None
         grouped = b.call(torch.unsqueeze, b.call(torch.lt, group, E), 1)
         out = b.call(torch.where, grouped, y, b.call(torch.zeros_like, y))
-        got, want = meta_val(out), meta_val(node)
-        if not (isinstance(want, torch.Tensor) and got.dtype == want.dtype
-                and same(tuple(got.shape), tuple(want.shape))):
-            raise NoMatch(f"the rewrite would give {got.dtype} {tuple(got.shape)} where the op gives "
-                          f"{getattr(want, 'dtype', None)} {tuple(getattr(want, 'shape', ()))}")
+        check_same_result(out, node, "the op")
     except BaseException:
         b.rollback()  # the site exactly as it was
         raise
