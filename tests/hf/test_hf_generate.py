@@ -173,3 +173,39 @@ def test_compiled_forward_recipe_reduce_overhead_matches_eager():
         model.forward = forward
     assert torch.equal(out, ref)
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 1
+
+
+def test_unmarked_cache_state_takes_written_cache_layer_tensors_only():
+    """Which inputs the marking takes: a cache layer's tensors written in place (an in-place method, through a view,
+    or by setitem), not one it only reads, not a written tensor that is no cache layer's, not an already static one."""
+    from mla_compile.passes.step_kind import unmarked_cache_state
+
+    class Layer:
+        def __init__(self):
+            self.keys, self.values = torch.zeros(2, 4), torch.zeros(2, 4)
+            self.count, self.scale = torch.zeros(()), torch.ones(4)
+
+    class Cache:
+        def __init__(self):
+            self.layers = [Layer(), Layer()]
+
+    def step(x, cache, scratch):
+        first, second = cache.layers
+        first.keys.index_copy_(0, torch.tensor([1]), x)  # in place
+        first.values[0].add_(1.0)  # through a view
+        second.keys[1] = x[0]  # setitem
+        first.count.add_(1)
+        scratch.mul_(2)  # written, but no cache layer's
+        return (second.values * first.scale).sum() + x.sum()  # read only
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    cache, scratch = Cache(), torch.ones(3)
+    torch._dynamo.mark_static_address(cache.layers[1].keys)  # already static: left alone
+    torch.compile(step, backend=capture, fullgraph=True)(torch.ones(1, 4), cache, scratch)
+    names = sorted(name.split(".", 1)[1] for _, name in unmarked_cache_state(graphs[0]))
+    assert names == ["layers[0].count", "layers[0].keys", "layers[0].values"], names
