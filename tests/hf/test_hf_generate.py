@@ -164,6 +164,7 @@ def test_compiled_forward_recipe_reduce_overhead_matches_eager():
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, disable_compile=True, cache_implementation="static")
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, **kw)
+    M.fresh(model)  # Dynamo's state of this forward's code from other tests (its automatic dynamic sizes) forgotten
     forward = model.forward
     model.forward = torch.compile(forward, backend="mla_dcp", mode="reduce-overhead")
     try:
