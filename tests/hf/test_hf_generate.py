@@ -117,6 +117,7 @@ def test_cache_allocated_in_a_compiled_prefill_is_marked_static_for_cuda_graphs(
     from mla_compile.passes.step_kind import unmarked_cache_state
 
     model = M.deepseek_v3(num_layers=2)
+    M.fresh(model)  # no automatic dynamic sizes of this code from other tests
     graphs = []
 
     def capture(gm, example_inputs):
