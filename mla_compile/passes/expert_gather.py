@@ -207,6 +207,15 @@ def prove(graph: fx.Graph, node: fx.Node, op: Operand) -> Site:
     return Site(op, ids, other, on_the_right)
 
 
+def emit_expert_linear(b: Builder, x, w, ids) -> fx.Node:
+    """`mla.expert_linear(x, w, ids)` inserted by `b`; NoMatch where the op's own argument checks (its fake impl)
+    refuse the operands."""
+    try:
+        return b.call(torch.ops.mla.expert_linear.default, x, w, ids)
+    except ValueError as e:
+        raise NoMatch(f"mla.expert_linear refuses the operands: {e}") from None
+
+
 def rewrite(graph: fx.Graph, node: fx.Node, site: Site, fake_mode) -> fx.Node:
     """Insert `expert_linear(x, W (transposed view), ids).unsqueeze(unit dim)` before the product; returns it."""
     b = Builder(graph, node, fake_mode, node)
@@ -216,10 +225,7 @@ def rewrite(graph: fx.Graph, node: fx.Node, site: Site, fake_mode) -> fx.Node:
         w = site.operand.gather.weight
         if site.transposed:
             w = b.call(torch.transpose, w, 1, 2)
-        try:
-            y = b.call(torch.ops.mla.expert_linear.default, x, w, site.ids)
-        except ValueError as e:  # the op's own argument checks (its fake impl) refuse the operands
-            raise NoMatch(f"mla.expert_linear refuses the operands: {e}") from None
+        y = emit_expert_linear(b, x, w, site.ids)
         out = b.call(torch.unsqueeze, y, unit_dim)
         # what the product gave, dtype included (under autocast a float32 bmm computes and returns bfloat16; the
         # op would not): anything else stays HF's

@@ -27,16 +27,16 @@ import torch
 import torch.fx as fx
 
 from ..ops import experts  # noqa: F401  (registers mla::expert_linear)
-from . import _fx
-from ._fx import (Builder, NoMatch, arg, check_same_result, fake_mode_of, finish_edits, graph_of, meta_val,
-                  same)
+from . import _fx, expert_gather
+from ._fx import Builder, NoMatch, arg, check_same_result, fake_mode_of, finish_edits, graph_of, meta_val, same
+from .expert_gather import emit_expert_linear
 
 log = logging.getLogger(__name__)
 
 COUNTER = "grouped_mm_rewritten"
 SKIP_COUNTER = "grouped_mm_not_rewritten"
 OP_NAME = "transformers::grouped_mm_fallback"
-SOURCES = (__file__, _fx.__file__, experts.__file__)
+SOURCES = (__file__, _fx.__file__, expert_gather.__file__, experts.__file__)
 
 _COUNTS = {torch.histc, torch.bincount}
 _CASTS = ("to", "int", "long", "float", "type")
@@ -87,10 +87,7 @@ def rewrite(graph: fx.Graph, node: fx.Node, fake_mode) -> fx.Node:
         rows = b.call(torch.arange, S, device=xv.device, dtype=ov.dtype)
         group = b.call(torch.searchsorted, offs, rows, right=True)
         ids = b.call(torch.clamp, group, max=E - 1)
-        try:
-            y = b.call(torch.ops.mla.expert_linear.default, x, b.call(torch.transpose, w, 1, 2), ids)
-        except ValueError as e:  # the op's own argument checks (its fake impl) refuse the operands
-            raise NoMatch(f"mla.expert_linear refuses the operands: {e}") from None
+        y = emit_expert_linear(b, x, b.call(torch.transpose, w, 1, 2), ids)
         grouped = b.call(torch.unsqueeze, b.call(torch.lt, group, E), 1)
         out = b.call(torch.where, grouped, y, b.call(torch.zeros_like, y))
         check_same_result(out, node, "the op")
