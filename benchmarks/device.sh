@@ -10,6 +10,7 @@
 #           swapab (lab probe: the few-head swap-AB Gluon decode over a bf16 cache, beside auto's kernel and the peers)
 #           linearsum (lab bench: split-K fused_linear summed in its split launch vs a second launch)
 #           seesaw (lab probe: the many-head seesaw kernel with 32-token tiles in two slot sets, beside the peers)
+#           partials (lab probe: split-KV partial outs in bf16 vs float32, beside the peers)
 # Installs the wheels carried in .whl/ (tools/device_wheels.sh fetches them; run(carry=[".whl"])), or in $WHEELS, records
 # the environment, then runs each stage.
 #
@@ -119,6 +120,9 @@ stage_swapab() { timeout "${T_SWAPAB:-300}" python3 benchmarks/lab/swapab.py "$O
 # buffer in the same shared memory), checked against float64 and the product kernel, then timed beside it and the peers;
 # SEESAW_ARGS e.g. "--shapes 128:8:8192 --variants 32:2 64:1"
 stage_seesaw() { timeout "${T_SEESAW:-300}" python3 benchmarks/lab/seesaw_n32.py "$OUT/seesaw_n32.json" ${SEESAW_ARGS:-}; }
+# partials (issue 24): the lab probe of split-KV partial outs in bf16 instead of float32 (auto's own kernel, policy split
+# count and around it, each checked against float64) beside the peers; PARTIALS_ARGS e.g. "--shapes 128:8:8192"
+stage_partials() { timeout "${T_PARTIALS:-300}" python3 benchmarks/lab/partials_dtype.py "$OUT/partials_dtype.json" ${PARTIALS_ARGS:-}; }
 stage_onelaunch() { echo "onelaunch: the lab probe is retired (benchmarks/lab/README.md)"; }
 # eagersplits (issue 29): the lab probe of the split count for eager decode calls (graph replay vs back-to-back eager
 # wall time at the policy's splits, a quarter, one); EAGERSPLITS_ARGS e.g. "--shapes 1:1024 8:4096 --filler 8"
