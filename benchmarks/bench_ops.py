@@ -72,6 +72,20 @@ def copy_bandwidth() -> float:
 OUT_TOL, LSE_TOL = 2e-2, 1e-3  # vs float64: max |err| / max |ref| of out (bf16), max |err| of lse (fp32)
 
 
+def shuffled_pages_case(H: int, B: int, L: int):
+    """A lab probe's data: (qn, qp, ckv, kpe, table, lens) of B requests of L tokens in shuffled pages of PS (page 0
+    never listed), request 0 L - 37 tokens long (a partial last tile), random bf16 q and caches, on the GPU."""
+    pages = B * L // PS
+    ckv = torch.empty(pages + 1, PS, R, dtype=DT, device="cuda").normal_()
+    kpe = torch.empty(pages + 1, PS, P, dtype=DT, device="cuda").normal_()
+    table = (torch.randperm(pages, device="cuda").to(torch.int32) + 1).view(B, L // PS)
+    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    lens[0] = L - 37
+    qn = torch.randn(B, H, R, dtype=DT, device="cuda")
+    qp = torch.randn(B, H, P, dtype=DT, device="cuda")
+    return qn, qp, ckv, kpe, table, lens
+
+
 def reference_row(qn, qp, ckv, kpe, table, L, scale, b=0):
     """float64 (out [H, R], lse [H]) of request b's first L tokens (token t at page table[b, t // PS], row t % PS:
     any L; page size 1: a token table), on the device."""

@@ -52,15 +52,8 @@ def plan_with(qn, qp, ckv, kpe, table, lens, scale, cfg, splits: int, dtype: tor
 
 
 def run_shape(H: int, B: int, L: int, scales, copy_bw: float) -> dict:
-    R, P, DT = BO.R, BO.P, BO.DT
     scale = 192 ** -0.5
-    ckv = torch.empty(B * L // BO.PS + 1, BO.PS, R, dtype=DT, device="cuda").normal_()
-    kpe = torch.empty(B * L // BO.PS + 1, BO.PS, P, dtype=DT, device="cuda").normal_()
-    table = (torch.randperm(B * L // BO.PS, device="cuda").to(torch.int32) + 1).view(B, L // BO.PS)
-    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
-    lens[0] = L - 37  # a partial last tile in request 0
-    qn = torch.randn(B, H, R, dtype=DT, device="cuda")
-    qp = torch.randn(B, H, P, dtype=DT, device="cuda")
+    qn, qp, ckv, kpe, table, lens = BO.shuffled_pages_case(H, B, L)
     own = dispatch.own_decode_config(qn, qp, ckv, kpe)
     ns = D.num_splits(B, H, L, qn.device, own)
     row = dict(H=H, B=B, L=L, kernel=own.kernel, splits=ns, check="ok")
