@@ -18,6 +18,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from generate import build_model, generate_kwargs, prompts, set_up_mode  # noqa: E402
 
 
+def _count_stop_checks():
+    """{class name: instances}: which stop check HF's generate() made (DeferredStopCheck: the host reads the stop flag a
+    step late; StopCheck: it waits for the device every step), counted as they are made."""
+    import collections
+
+    counts = collections.Counter()
+    try:
+        from transformers.generation import utils as gen_utils
+    except ImportError:
+        return counts
+    for name in ("StopCheck", "DeferredStopCheck"):
+        cls = getattr(gen_utils, name, None)
+        if cls is None:
+            continue
+        init = cls.__init__
+
+        def counted(self, *args, _init=init, _name=name, **kwargs):
+            if type(self).__name__ == _name:
+                counts[_name] += 1
+            return _init(self, *args, **kwargs)
+
+        cls.__init__ = counted
+    return counts
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -31,6 +56,7 @@ def main():
     import mla_compile  # noqa: F401
     from torch.profiler import ProfilerActivity, profile
 
+    stop_checks = _count_stop_checks()
     dev = torch.device("cuda")
     model = build_model(args.heads, 4, 2048, 32768, torch.bfloat16, dev)
     model.generation_config.pad_token_id = 0
@@ -58,7 +84,8 @@ def main():
             gen(args.new)
         ka = prof.key_averages()
         gpu_us = sum(e.self_device_time_total for e in ka if e.device_type == torch.autograd.DeviceType.CUDA)
-        lines.append(f"=== {mode}: wall {wall * 1e3:.1f} ms for {args.new} tokens; GPU kernel time {gpu_us / 1e3:.1f} ms")
+        lines.append(f"=== {mode}: wall {wall * 1e3:.1f} ms for {args.new} tokens; GPU kernel time "
+                     f"{gpu_us / 1e3:.1f} ms; stop checks made so far: {dict(stop_checks)}")
         lines.append(ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
         lines.append(ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=90))
         print("\n".join(lines[-3:]), flush=True)
