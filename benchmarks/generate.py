@@ -28,7 +28,9 @@ HF prefills eagerly in every mode but mla_forward (its auto-compile covers decod
 Per (H, batch, prompt, mode): `first_call_s` (the first generate, compile and CUDA-graph capture included),
 `e2e_s` (median of `--runs` later calls; tokens/s = batch * new / e2e_s), `prefill_s` (median generate with
 max_new_tokens=1: prefill and the first pick, no decode step) and `decode_ms_per_token` = the median over runs
-of (e2e - prefill) / (new - 1), each run's prefill timed right after its generate. Correctness: greedy tokens vs
+of (e2e - prefill) / (new - 1), each run's prefill timed right after its generate; `stop_checks`: which stop check
+HF's generate() took in those runs (`count_stop_checks`). `env` names the host (`host_facts`: its CPU and the host
+time of an eager torch.add, the unit host-bound steps scale with). Correctness: greedy tokens vs
 eager's (`agree`: the fraction of rows x positions equal before each row's first disagreement; bf16 paths may part
 at near-ties) and the rewrite counters. The JSON is rewritten after every
 mode (a crash or timeout later keeps what is done).
@@ -37,6 +39,7 @@ mode (a crash or timeout later keeps what is done).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -50,6 +53,57 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_decode  # noqa: E402  (the same model builder and sync)
 from cpu_timing import NOTE, cpu_threads  # noqa: E402
 from hf_decode import sync  # noqa: E402
+
+
+STOP_CHECKS = collections.Counter()  # this process's generate() calls by the stop check each took (count_stop_checks)
+
+
+def count_stop_checks() -> collections.Counter:
+    """Count in STOP_CHECKS, by class name, the stop checks HF's generate() makes from now on (once per process):
+    which one a call took (DeferredStopCheck: the host reads the stop flag one step late and queues the next step
+    meanwhile; StopCheck: it waits for the device every step, so host and device take turns). Returns STOP_CHECKS."""
+    try:
+        from transformers.generation import utils as gen_utils
+    except ImportError:
+        return STOP_CHECKS
+    for name in ("StopCheck", "DeferredStopCheck"):
+        cls = getattr(gen_utils, name, None)
+        if cls is None or getattr(cls.__init__, "_counted", False):
+            continue
+        init = cls.__init__
+
+        def counted(self, *args, _init=init, _name=name, **kwargs):
+            if type(self).__name__ == _name:
+                STOP_CHECKS[_name] += 1
+            return _init(self, *args, **kwargs)
+
+        counted._counted = True
+        cls.__init__ = counted
+    return STOP_CHECKS
+
+
+def host_facts(device) -> dict:
+    """What a run's host is, so runs on other machines compare: the CPU model, and the host time of one eager
+    `torch.add` on the device (us a call, the median of 5 loops of 400 calls: default-mode steps are host-bound, and
+    this is the unit they scale with)."""
+    facts = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            facts["host_cpu"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                                     None)
+    except OSError:
+        pass
+    x = torch.zeros(16, device=device)
+    loops = []
+    for _ in range(5):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(400):
+            torch.add(x, 1)
+        sync(device)
+        loops.append((time.perf_counter() - t0) / 400 * 1e6)
+    facts["host_floor_us"] = statistics.median(loops)
+    return facts
 
 
 def speedups_vs_hf(modes: dict) -> dict:
@@ -211,6 +265,7 @@ def run_case(H, B, T, args, device, dtype, log, result, save):
             elif ref is not None:
                 entry["agree"] = agreement(toks, ref)
             e2e, pre = [], []
+            made = dict(STOP_CHECKS)
             for _ in range(args.runs):
                 t0 = time.perf_counter()
                 gen(mode, args.new)
@@ -222,6 +277,7 @@ def run_case(H, B, T, args, device, dtype, log, result, save):
             # paired per run (each prefill timed right after its generate): a difference of two noisy medians can
             # go negative where decode is a small part of the call (tiny CPU smoke runs)
             decode = statistics.median(a - b for a, b in zip(e2e, pre))
+            entry["stop_checks"] = {k: v - made.get(k, 0) for k, v in STOP_CHECKS.items() if v - made.get(k, 0)}
             entry.update(e2e_s=e, prefill_s=p, tokens_per_s=B * args.new / e,
                          decode_ms_per_token=decode / (args.new - 1) * 1e3, all_e2e_s=e2e)
         except Exception as exc:  # noqa: BLE001 - recorded; the next mode still runs
@@ -259,12 +315,14 @@ def main(argv=None):
 
     import mla_compile  # noqa: F401
 
+    count_stop_checks()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.smoke:
         args.heads, args.prompt, args.batch, args.layers, args.hidden, args.vocab = [4], [12], [2], 2, 64, 128
         args.new, args.runs = 4, 1
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+           **host_facts(device)}
     try:
         import transformers
 

@@ -15,32 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from generate import build_model, generate_kwargs, prompts, set_up_mode  # noqa: E402
-
-
-def _count_stop_checks():
-    """{class name: instances}: which stop check HF's generate() made (DeferredStopCheck: the host reads the stop flag a
-    step late; StopCheck: it waits for the device every step), counted as they are made."""
-    import collections
-
-    counts = collections.Counter()
-    try:
-        from transformers.generation import utils as gen_utils
-    except ImportError:
-        return counts
-    for name in ("StopCheck", "DeferredStopCheck"):
-        cls = getattr(gen_utils, name, None)
-        if cls is None:
-            continue
-        init = cls.__init__
-
-        def counted(self, *args, _init=init, _name=name, **kwargs):
-            if type(self).__name__ == _name:
-                counts[_name] += 1
-            return _init(self, *args, **kwargs)
-
-        cls.__init__ = counted
-    return counts
+from generate import build_model, count_stop_checks, generate_kwargs, prompts, set_up_mode  # noqa: E402
 
 
 def main():
@@ -56,7 +31,7 @@ def main():
     import mla_compile  # noqa: F401
     from torch.profiler import ProfilerActivity, profile
 
-    stop_checks = _count_stop_checks()
+    stop_checks = count_stop_checks()
     dev = torch.device("cuda")
     model = build_model(args.heads, 4, 2048, 32768, torch.bfloat16, dev)
     model.generation_config.pad_token_id = 0

@@ -73,6 +73,11 @@ def test_generate_benchmark_smoke(tmp_path):
     assert set(modes) == {"eager", "hf", "mla", "mla_forward"} and not any("error" in m for m in modes.values())
     assert modes["mla"]["rewritten"] == 2 and modes["mla"]["agree"] == 1.0 and modes["hf"]["agree"] == 1.0
     assert modes["mla_forward"]["agree"] == 1.0
+    # which stop check each mode's timed calls took (on a CPU HF's per-step one: it defers on mps, ours on CUDA)
+    assert all(m["stop_checks"] == {"StopCheck": 2} for m in modes.values()), {k: m["stop_checks"] for k, m in
+                                                                                  modes.items()}
+    env = json.loads(out.read_text())["env"]
+    assert env["host_floor_us"] > 0
     # timings of a tiny CPU run: computed, not compared (their sign is noise there; a NaN ratio says so)
     assert "decode_speedup_mla_vs_hf" in case and math.isfinite(modes["mla"]["decode_ms_per_token"])
 
