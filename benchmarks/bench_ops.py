@@ -270,6 +270,17 @@ def peer_graph_times(row: dict, qn, qp, ckv, kpe, table, lens, scale, flashmla: 
     return times
 
 
+def ratios_to_best_peer(times: dict) -> dict | None:
+    """A lab probe's columns as multiples of the faster peer among them (FlashInfer, FlashMLA); None: neither timed."""
+    peers = [times[k] for k in ("flashinfer", "flashmla") if k in times]
+    return {k: round(v / min(peers), 3) for k, v in times.items()} if peers else None
+
+
+def probe_results(copy_bw: float) -> dict:
+    """A lab probe's JSON head: the GPU, its measured copy bandwidth, and the rows `record_row` appends."""
+    return dict(device=torch.cuda.get_device_name(), copy_bw_TBps=copy_bw / 1e12, rows=[])
+
+
 def graph_times_abba(fns: dict) -> dict:
     """CUDA-graph replay times (ms) of callables that compete for the same verdict, each timed twice, in the order
     given and then reversed (A B C C B A), and averaged: a host or clock that drifts during the row moves every

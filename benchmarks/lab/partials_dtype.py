@@ -74,9 +74,7 @@ def run_shape(H: int, B: int, L: int, scales, copy_bw: float) -> dict:
     row["bf16_vs_f32_at_policy"] = round(times[f"bf16@{ns}"] / times[f"f32@{ns}"], 3)
     best = min((v, k) for k, v in times.items() if k.startswith("bf16"))
     row["best_bf16"] = best[1]
-    peers = [times[k] for k in ("flashinfer", "flashmla") if k in times]
-    if peers:
-        row["vs_best_peer"] = {k: round(v / min(peers), 3) for k, v in times.items()}
+    row["vs_best_peer"] = BO.ratios_to_best_peer(times)
     return row
 
 
@@ -87,7 +85,7 @@ def main() -> None:
     ap.add_argument("--splits-scale", nargs="*", type=float, default=[0.5, 2.0])
     args = ap.parse_args()
     copy_bw = BO.copy_bandwidth()
-    results = dict(device=torch.cuda.get_device_name(), copy_bw_TBps=copy_bw / 1e12, rows=[])
+    results = BO.probe_results(copy_bw)
     for spec in args.shapes:
         H, B, L = map(int, spec.split(":"))
         BO.record_row(results, lambda: run_shape(H, B, L, args.splits_scale, copy_bw), H=H, B=B, L=L)

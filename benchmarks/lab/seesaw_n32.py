@@ -130,9 +130,7 @@ def run_shape(H: int, B: int, L: int, variants, copy_bw: float) -> dict:
     row["us"] = {k: round(v * 1e3, 2) for k, v in times.items()}
     flops = D.flops(B, H, L, R, P)
     row["tflops"] = {k: round(flops / (v * 1e-3) / 1e12, 1) for k, v in times.items()}
-    peers = [times[k] for k in ("flashinfer", "flashmla") if k in times]
-    if peers:
-        row["vs_best_peer"] = {k: round(v / min(peers), 3) for k, v in times.items()}
+    row["vs_best_peer"] = BO.ratios_to_best_peer(times)
     return row
 
 
@@ -143,7 +141,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["32:2", "64:1"], help="BN:NSETS")
     args = ap.parse_args()
     copy_bw = BO.copy_bandwidth()
-    results = dict(device=torch.cuda.get_device_name(), copy_bw_TBps=copy_bw / 1e12, rows=[])
+    results = BO.probe_results(copy_bw)
     try:
         results["multi_token_check"] = check_multi(args.variants)
     except Exception as e:  # report, keep going

@@ -114,7 +114,7 @@ def main() -> None:
     ap.add_argument("--tiling", nargs="*", default=[], help="N:warps builds timed beside the default, e.g. 64:8")
     args = ap.parse_args()
     copy_bw = BO.copy_bandwidth()
-    results = dict(device=torch.cuda.get_device_name(), copy_bw_TBps=copy_bw / 1e12, rows=[])
+    results = BO.probe_results(copy_bw)
     for spec in args.shapes:
         H, B, L = map(int, spec.split(":"))
         for kind in args.table:
