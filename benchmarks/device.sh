@@ -3,7 +3,7 @@
 #   stages: kernels (GPU tests)  bench (op benchmark)  sweep (decode configs)  linear (few-token GEMM configs)
 #           wgmma (the Gluon many-head decode kernel, phase by phase)
 #           profile (HF step)  host (per-call host time)  fp8 (FP8 cache decode)  dcp  dsa  hf
-#           generate (HF generate() end to end)  gencrash (lab probe)  compile
+#           generate (HF generate() end to end)  genab (generate() here and at .base)  gencrash (lab probe)  compile
 #           families (five HF MLA families at 32K)  select (indexer top-k)  report
 #           fp8swap (lab probe: a swap-AB Gluon kernel for the FP8 cache at few heads, beside mla.decode / FlashMLA)
 #           eagersplits (lab probe: split counts for eager decode calls)
@@ -180,6 +180,17 @@ stage_hf() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_HF:-400}" python3
 
 # generate: HF generate() end to end (eager vs HF's own static compile vs mla_dcp); GENERATE_ARGS e.g. "--heads 16"
 stage_generate() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_GENERATE:-500}" python3 benchmarks/generate.py "$OUT/${GENERATE_OUT:-generate.json}" ${GENERATE_ARGS:-}; }
+# genab: generate() at this tree and at another commit's mla_compile (carried as .base/mla_compile, as for hostab),
+# one after the other with the same GENERATE_ARGS, each in its own process; $OUT/generate_new.json and
+# $OUT/generate_base.json (each names the host and the stop checks its calls took: a slowdown between two sessions
+# then splits into code and machine)
+stage_genab() {
+    [ -d .base/mla_compile ] || { echo "genab: no .base/mla_compile (carry it)"; return 1; }
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_GENAB:-250}" python3 benchmarks/generate.py \
+        "$OUT/generate_new.json" ${GENERATE_ARGS:-}
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) PYTHONPATH="$PWD/.base:$PYTHONPATH" timeout "${T_GENAB:-250}" \
+        python3 benchmarks/generate.py "$OUT/generate_base.json" ${GENERATE_ARGS:-}
+}
 # gencrash: the lab probe of generate() recipes under CUDA graphs (writes failing Inductor sources under $OUT/gencrash)
 stage_gencrash() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_GENCRASH:-300}" python3 benchmarks/lab/generate_crash.py "$OUT/gencrash" ${GENCRASH_ARGS:-}; }
 

@@ -313,7 +313,7 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU ok, fp32): checks the script")
     args = ap.parse_args(argv)
 
-    import mla_compile  # noqa: F401
+    import mla_compile
 
     count_stop_checks()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -322,7 +322,7 @@ def main(argv=None):
         args.heads, args.prompt, args.batch, args.layers, args.hidden, args.vocab = [4], [12], [2], 2, 64, 128
         args.new, args.runs = 4, 1
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-           **host_facts(device)}
+           "mla_compile": str(Path(mla_compile.__file__).parent), **host_facts(device)}
     try:
         import transformers
 
