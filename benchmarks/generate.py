@@ -18,6 +18,8 @@ cache_implementation="static", ...)`:
            on CUDA; the static cache kept and reset across calls), then plain generate() calls
   mla_config   only `compile_config=mla_compile.integrations.hf.compile_config()` (CompileConfig(backend="mla_dcp"))
   mla_default  `optimize_generate(model, mode="default")`: our backend without CUDA graphs
+  mla_default_cpp  the same with Inductor's C++ wrapper (`cpp_wrapper=True`): the step's launches from C++, not
+               Python (a default-mode step is host-bound)
   mla_fresh    `optimize_generate(model, reuse_cache=False)`: a new static cache per generate() call, as HF builds it
                (so the CUDA-graph trees record the decode graph again in every call)
   hf_deferred  HF's own auto-compile plus the deferred stop check alone (what HF would get from that part)
@@ -181,6 +183,8 @@ def set_up_mode(model, mode: str) -> None:
         optimize_generate(model, reuse_cache=False)
     elif mode == "mla_default":
         optimize_generate(model, mode="default")
+    elif mode == "mla_default_cpp":
+        optimize_generate(model, mode="default", cpp_wrapper=True)
     elif mode == "hf_deferred":
         optimize_generate(model, masks_in_graph=False)
         model.generation_config.compile_config = _hf_compile_config()
@@ -196,7 +200,7 @@ def generate_kwargs(mode: str) -> dict:
         from mla_compile.integrations.hf import compile_config
 
         return dict(compile_config=compile_config())
-    if mode in ("mla", "mla_default", "mla_fresh", "hf_deferred"):
+    if mode in ("mla", "mla_default", "mla_default_cpp", "mla_fresh", "hf_deferred"):
         return {}
     raise ValueError(f"unknown mode {mode!r}")
 

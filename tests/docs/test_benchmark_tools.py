@@ -82,6 +82,22 @@ def test_generate_benchmark_smoke(tmp_path):
     assert "decode_speedup_mla_vs_hf" in case and math.isfinite(modes["mla"]["decode_ms_per_token"])
 
 
+def test_generate_modes_set_up_their_compile_config():
+    """Each mode of the generate() benchmark installs the compile config it names (no generate run: the smoke test
+    runs the modes end to end): the default-mode ones without CUDA graphs, the C++-wrapper one with Inductor's
+    cpp_wrapper among the backend's options."""
+    import generate
+
+    model = generate.build_model(4, 2, 64, 128, torch.float32, torch.device("cpu"), small=True)
+    generate.set_up_mode(model, "mla_default")
+    cfg = model.generation_config.compile_config
+    assert cfg.backend == "mla_dcp" and cfg.mode == "default" and not cfg.options
+    generate.set_up_mode(model, "mla_default_cpp")
+    cfg = model.generation_config.compile_config
+    assert cfg.backend == "mla_dcp" and cfg.options == {"mode": "default", "cpp_wrapper": True}
+    assert generate.generate_kwargs("mla_default_cpp") == {}
+
+
 def test_generate_summary_compares_every_mode_of_ours_with_hf():
     """The generate() table: each of our modes (not only "mla") gets its decode and end-to-end speedup over HF's
     compile; a mode HF's compile is missing from gets no ratio (NaN in the table, no key)."""
