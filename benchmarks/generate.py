@@ -63,24 +63,20 @@ STOP_CHECKS = collections.Counter()  # this process's generate() calls by the st
 def count_stop_checks() -> collections.Counter:
     """Count in STOP_CHECKS, by class name, the stop checks HF's generate() makes from now on (once per process):
     which one a call took (DeferredStopCheck: the host reads the stop flag one step late and queues the next step
-    meanwhile; StopCheck: it waits for the device every step, so host and device take turns). Returns STOP_CHECKS."""
+    meanwhile; StopCheck: it waits for the device every step, so host and device take turns). Every stop check runs
+    StopCheck's __init__ (the deferred one through super()), so that is the one place counted. Returns STOP_CHECKS."""
     try:
-        from transformers.generation import utils as gen_utils
-    except ImportError:
+        from transformers.generation.utils import StopCheck
+    except ImportError:  # a transformers without stop-check classes: nothing to count
         return STOP_CHECKS
-    for name in ("StopCheck", "DeferredStopCheck"):
-        cls = getattr(gen_utils, name, None)
-        if cls is None or getattr(cls.__init__, "_counted", False):
-            continue
-        init = cls.__init__
-
-        def counted(self, *args, _init=init, _name=name, **kwargs):
-            if type(self).__name__ == _name:
-                STOP_CHECKS[_name] += 1
-            return _init(self, *args, **kwargs)
+    init = StopCheck.__init__
+    if not getattr(init, "_counted", False):
+        def counted(self, *args, **kwargs):
+            STOP_CHECKS[type(self).__name__] += 1
+            return init(self, *args, **kwargs)
 
         counted._counted = True
-        cls.__init__ = counted
+        StopCheck.__init__ = counted
     return STOP_CHECKS
 
 
