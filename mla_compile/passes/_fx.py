@@ -5,6 +5,7 @@ their example values (`b.call`, or eager ATen code through `b.aten`), and the en
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import operator
@@ -365,6 +366,16 @@ class Builder:
         with an `aten=` parameter (e.g. `layout.page_slots`) runs eagerly on tensors, or emits itself into the
         graph on nodes (`aten=b.aten`), so the graph and the eager reference share one text."""
         return _EmittingOps(self)
+
+    @contextlib.contextmanager
+    def all_or_nothing(self):
+        """A rewrite's emission: the nodes inserted inside stay only if the block ends normally; any exception erases
+        every one of them (`rollback`: the site exactly as it was) and goes on up."""
+        try:
+            yield self
+        except BaseException:
+            self.rollback()
+            raise
 
     def rollback(self) -> None:
         """Erase every node this builder inserted (the site is then exactly as before)."""

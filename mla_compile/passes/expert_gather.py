@@ -218,9 +218,8 @@ def emit_expert_linear(b: Builder, x, w, ids) -> fx.Node:
 
 def rewrite(graph: fx.Graph, node: fx.Node, site: Site, fake_mode) -> fx.Node:
     """Insert `expert_linear(x, W (transposed view), ids).unsqueeze(unit dim)` before the product; returns it."""
-    b = Builder(graph, node, fake_mode, node)
     unit_dim = 1 if site.on_the_right else 2
-    try:
+    with Builder(graph, node, fake_mode, node).all_or_nothing() as b:
         x = _pairs(site.other, unit_dim, b)
         w = site.operand.gather.weight
         if site.transposed:
@@ -230,9 +229,6 @@ def rewrite(graph: fx.Graph, node: fx.Node, site: Site, fake_mode) -> fx.Node:
         # what the product gave, dtype included (under autocast a float32 bmm computes and returns bfloat16; the
         # op would not): anything else stays HF's
         check_same_result(out, node, "the product")
-    except BaseException:
-        b.rollback()  # the site exactly as it was
-        raise
     return out
 
 

@@ -81,8 +81,7 @@ def rewrite(graph: fx.Graph, node: fx.Node, fake_mode) -> fx.Node:
                       "[S, I], [E, I, O], [E]")
     _prove_nondecreasing(offs)
     E = wv.shape[0]
-    b = Builder(graph, node, fake_mode, node)
-    try:
+    with Builder(graph, node, fake_mode, node).all_or_nothing() as b:
         S = xv.shape[0] if isinstance(xv.shape[0], int) else b.call(torch.ops.aten.sym_size.int, x, 0)
         rows = b.call(torch.arange, S, device=xv.device, dtype=ov.dtype)
         group = b.call(torch.searchsorted, offs, rows, right=True)
@@ -91,9 +90,6 @@ def rewrite(graph: fx.Graph, node: fx.Node, fake_mode) -> fx.Node:
         grouped = b.call(torch.unsqueeze, b.call(torch.lt, group, E), 1)
         out = b.call(torch.where, grouped, y, b.call(torch.zeros_like, y))
         check_same_result(out, node, "the op")
-    except BaseException:
-        b.rollback()  # the site exactly as it was
-        raise
     return out
 
 

@@ -121,17 +121,17 @@ SOURCES = (__file__,) + tuple(m.__file__ for m in (attention_match, masks, atten
 def rewrite_site(graph: fx.Graph, site: Site, src: LatentSource, fake_mode, memo: Memo) -> None:
     # insert right before the attention: every input (q, weight, latent, mask) is defined by then;
     # check_reads proves they still hold what HF read
-    b = Builder(graph, site.out, fake_mode, site.out)
     saved = memo.snapshot()
     try:
-        write = (emit if site.tokens == 1 else dsa_tokens.emit_sparse_tokens if site.sparse is not None
-                 else attention_tokens.emit_tokens)  # S > 1: the multi-token contracts
-        out = write(b, site, src, memo, tuning.current().absorb)  # how W_UK / W_UV are written: tuning.py says why
-        check_output(site, out)
-        check_reads(graph, b, site, src, memo)
+        with Builder(graph, site.out, fake_mode, site.out).all_or_nothing() as b:
+            write = (emit if site.tokens == 1 else dsa_tokens.emit_sparse_tokens if site.sparse is not None
+                     else attention_tokens.emit_tokens)  # S > 1: the multi-token contracts
+            # how W_UK / W_UV are written: tuning.py says why
+            out = write(b, site, src, memo, tuning.current().absorb)
+            check_output(site, out)
+            check_reads(graph, b, site, src, memo)
     except BaseException:
         memo.restore(saved)
-        b.rollback()
         raise
     memo.commit(b.created[0])
     site.out.replace_all_uses_with(out)
