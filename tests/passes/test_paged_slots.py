@@ -59,3 +59,25 @@ def test_a_page_shorter_than_the_positions_keeps_the_general_form():
     """Positions up to L - 1 in pages of fewer than L tokens would leave their page: the shortcut is not taken."""
     targets, _, _ = _slots(2, 40, 1, 32, 40, evaluate=False)
     assert aten.gather.default in targets
+
+
+def test_builder_all_or_nothing_keeps_a_finished_emission_and_erases_a_failed_one():
+    """A rewrite's nodes stay when its block ends and all go when it raises midway (the site as it was), the
+    exception going on up."""
+    g = fx.Graph()
+    mode = FakeTensorMode()
+    x = g.placeholder("x")
+    x.meta["example_value"] = mode.from_tensor(torch.randn(3))
+    anchor = g.output(x)
+    before = [n.name for n in g.nodes]
+    with pytest.raises(RuntimeError, match="midway"):
+        with Builder(g, anchor, mode, anchor).all_or_nothing() as b:
+            b.call(torch.add, b.call(torch.mul, x, 2), 1)
+            raise RuntimeError("midway")
+    assert [n.name for n in g.nodes] == before
+    with Builder(g, anchor, mode, anchor).all_or_nothing() as b:
+        y = b.call(torch.add, b.call(torch.mul, x, 2), 1)
+    anchor.args = (y,)
+    g.lint()
+    assert [n.target for n in g.nodes if n.op == "call_function"] == [torch.mul, torch.add]
+    assert torch.equal(fx.GraphModule(torch.nn.Module(), g)(torch.ones(3)), torch.full((3,), 3.0))
