@@ -43,7 +43,7 @@ def check_reads(graph: fx.Graph, b: Builder, site: Site, src: LatentSource, memo
     weight, the K assembly the rope latent, the mask expression its inputs, a reused entry where it was emitted).
     No write in between may reach memory any of them lives in."""
     created = set(b.created)
-    consumers = set(site.nodes) | site.proof.nodes | {site.q}
+    consumers = set(site.nodes) | (site.proof.nodes if site.proof is not None else set()) | {site.q}
     if site.sparse is not None:
         consumers |= site.sparse.nodes
     if src.kind != "tensor":

@@ -84,7 +84,7 @@ class Site:
     latent: fx.Node  # input of kv_b_proj
     kpe: fx.Node  # rope latent before expand
     mask: Any  # fx.Node or None
-    proof: masks.MaskProof  # what the mask means (valid tokens, what an empty row gives)
+    proof: masks.MaskProof | None  # what the mask means (valid tokens, what an empty row gives); None: unproven
     scale: float
     nope: int
     v_dim: int
@@ -310,31 +310,29 @@ def _match_sinks(sliced: fx.Node, c: fx.Node, chain: set):
     return S, r.args[0]
 
 
-def match_site(node: fx.Node) -> Site | None:
-    """Return a Site if `node` is an attention output; None if it is not attention at all; NoMatch if it is
-    attention that cannot be rewritten."""
+def _attention(node: fx.Node):
+    """(impl, q, K, V, mask, scale, K's users in the site, the chain, dtypes, sinks) of an attention output; None if
+    `node` is not attention at all."""
     if _is_fn(node, _SDPA):
-        impl = "sdpa"
-        q, K, V, mask, scale, k_users, chain, dtypes, sinks = _match_sdpa(node)
-    elif _is_fn(node, _MATMUL) or _is_op(node, "matmul"):
-        impl = "eager"
+        return ("sdpa", *_match_sdpa(node))
+    if _is_fn(node, _MATMUL) or _is_op(node, "matmul"):
         m = _match_eager(node)
-        if m is None:
-            return None
-        q, K, V, mask, scale, k_users, chain, dtypes, sinks = m
-    else:
+        return None if m is None else ("eager", *m)
+    return None
+
+
+def match_structure(node: fx.Node) -> Site | None:
+    """The site at an attention output as far as its shape of computation goes: K / V are kv_b_proj's expansion of a
+    latent beside the expanded rope latent, any query length, and a mask broadcastable to the scores [B, H, S, L],
+    unproven (`Site.proof` None). What `attention_dense` needs; `match_site` adds what the decode ops need. None:
+    not attention; NoMatch: attention of another shape."""
+    m = _attention(node)
+    if m is None:
         return None
+    impl, q, K, V, mask, scale, k_users, chain, dtypes, sinks = m
     qv = _val(q)
     if not (isinstance(qv, torch.Tensor) and qv.dim() == 4):
-        raise NoMatch(f"query {q.name} is not a [B, H, 1, D] tensor")
-    Sq = as_int(qv.shape[2])  # Dynamo specializes a length of 1
-    steps = attention_rows.MAX_QUERY_TOKENS
-    if isinstance(Sq, torch.SymInt) and Sq.node.has_hint() and 1 <= Sq.node.hint <= steps:
-        # another length was seen before (automatic dynamic shapes): the driver specializes it to this call's
-        raise DynamicShape(f"query length {Sq} is symbolic")
-    if not (isinstance(Sq, int) and 1 <= Sq <= steps):
-        raise NoMatch(f"query length {Sq} is not 1 .. {attention_rows.MAX_QUERY_TOKENS} (prefill steps are left to "
-                      f"HF attention)")
+        raise NoMatch(f"query {q.name} is not a [B, H, S, D] tensor")
     B, H, Sq, Dq = qs = _shape(q)
     nodes = set(chain)
     attn_users = {node} | k_users
@@ -352,23 +350,49 @@ def match_site(node: fx.Node) -> Site | None:
         raise NoMatch(f"mixed dtypes: q {qv.dtype}, latent {lv.dtype}, kpe {_val(kpe).dtype}")
     if mask is not None:
         ms = _shape(mask)
-        if not (len(ms) == 4 and (same(ms[0], 1) or same(ms[0], B)) and ms[1] == 1 and ms[2] in (1, Sq)
-                and ms[3] == L):
+        if not (len(ms) == 4 and all(same(m, 1) or same(m, n) for m, n in zip(ms, (B, H, Sq, L)))):
+            raise NoMatch(f"mask shape {ms} does not broadcast to the scores [B, H, S, L] = {(B, H, Sq, L)}")
+    check_private(node, nodes)  # every intermediate dies with the site
+    return Site(out=node, q=q, weight=weight, latent=latent, kpe=kpe, mask=mask, proof=None, scale=scale,
+                nope=nope, v_dim=v_dim, rope=P, nope_offset=nope_off, rope_offset=rope_off, heads=H, nodes=nodes,
+                impl=impl, dtypes=dtypes, sinks=sinks, tokens=Sq)
+
+
+def match_site(node: fx.Node) -> Site | None:
+    """Return a Site if `node` is an attention output; None if it is not attention at all; NoMatch if it is
+    attention that cannot be rewritten into the decode ops (`attention_dense` may still take it)."""
+    m = _attention(node)
+    if m is None:
+        return None
+    q = m[1]
+    qv = _val(q)
+    if not (isinstance(qv, torch.Tensor) and qv.dim() == 4):
+        raise NoMatch(f"query {q.name} is not a [B, H, 1, D] tensor")
+    Sq = as_int(qv.shape[2])  # Dynamo specializes a length of 1
+    steps = attention_rows.MAX_QUERY_TOKENS
+    if isinstance(Sq, torch.SymInt) and Sq.node.has_hint() and 1 <= Sq.node.hint <= steps:
+        # another length was seen before (automatic dynamic shapes): the driver specializes it to this call's
+        raise DynamicShape(f"query length {Sq} is symbolic")
+    if not (isinstance(Sq, int) and 1 <= Sq <= steps):
+        raise NoMatch(f"query length {Sq} is not 1 .. {attention_rows.MAX_QUERY_TOKENS} (prefill steps are left to "
+                      f"HF attention)")
+    site = match_structure(node)
+    L = _shape(site.latent)[-2]
+    mask = site.mask
+    if mask is not None:
+        ms = _shape(mask)
+        if not (ms[1] == 1 and ms[2] in (1, Sq) and ms[3] == L):
             raise NoMatch(f"mask shape {ms} is not [B|1, 1, 1|S, L={L}] (per-head masks are not supported)")
     # NoMatch for a mask it cannot prove to be a hard mask (before anything is emitted)
-    proof = masks.prove_mask(mask, additive=impl == "eager", dtypes=dtypes)
-    rows = None
+    site.proof = masks.prove_mask(mask, additive=site.impl == "eager", dtypes=site.dtypes)
     if Sq > 1:  # NoMatch unless each query token's tokens are a prefix of the last one's (mla.decode's contract)
         try:
             attention_rows.prove_rows(mask, Sq, L)
         except NoMatch as e:  # each query token its own top-k: only the DSA emission fits (passes/dsa_tokens.py)
             if dsa_indexer.index_masked(mask) is None:
                 raise
-            rows = e
-    check_private(node, nodes)  # every intermediate dies with the site
-    return Site(out=node, q=q, weight=weight, latent=latent, kpe=kpe, mask=mask, proof=proof, scale=scale,
-                nope=nope, v_dim=v_dim, rope=P, nope_offset=nope_off, rope_offset=rope_off, heads=H, nodes=nodes,
-                impl=impl, dtypes=dtypes, sinks=sinks, tokens=Sq, rows=rows)
+            site.rows = e
+    return site
 
 
 def latent_source(site: Site) -> LatentSource:

@@ -96,8 +96,8 @@ import torch
 import torch.fx as fx
 
 from .. import tuning
-from . import (_fx, attention_checks, attention_emit, attention_mask as masks, attention_match, attention_rows,
-               attention_tokens, dsa_dcp, dsa_indexer, dsa_tokens, dsa_tokens_dcp)
+from . import (_fx, attention_checks, attention_dense, attention_emit, attention_mask as masks, attention_match,
+               attention_rows, attention_tokens, dsa_dcp, dsa_indexer, dsa_tokens, dsa_tokens_dcp)
 from ._fx import (Builder, DynamicShape, NoMatch, batch_shape as _shape, erase_dead, fake_mode_of, finish_edits,
                   graph_of, same)
 from .attention_checks import check_output, check_reads
@@ -111,10 +111,11 @@ SKIP_COUNTER = "mla_attention_not_rewritten"
 SPARSE_COUNTER = "dsa_sparse_rewritten"
 TOKENS_COUNTER = "mla_attention_multi_token_rewritten"  # sites with S > 1 query tokens (also in COUNTER)
 SPECIALIZED_COUNTER = "mla_attention_sizes_specialized"  # sites whose symbolic sizes were made static first
+DENSE_COUNTER = attention_dense.COUNTER  # sites taken as absorbed attention with HF's own mask (not in COUNTER)
 # the files whose code decides what the rewrite emits (the pass manager's uuid hashes them)
 SOURCES = (__file__,) + tuple(m.__file__ for m in (attention_match, masks, attention_emit, attention_checks,
-                                                     attention_rows, attention_tokens, dsa_indexer, dsa_dcp,
-                                                     dsa_tokens, dsa_tokens_dcp, _fx))
+                                                     attention_dense, attention_rows, attention_tokens, dsa_indexer,
+                                                     dsa_dcp, dsa_tokens, dsa_tokens_dcp, _fx))
 
 
 
@@ -134,10 +135,7 @@ def rewrite_site(graph: fx.Graph, site: Site, src: LatentSource, fake_mode, memo
         memo.restore(saved)
         raise
     memo.commit(b.created[0])
-    site.out.replace_all_uses_with(out)
-    for n in sorted(site.nodes, key=_order(graph), reverse=True):
-        if not n.users:
-            graph.erase_node(n)
+    _replace(graph, site, out)
     if src.kind != "tensor":  # the cache's gather (a collective for DCP) is dead now: drop it
         gather = site.latent.args[0]
         for n in (site.latent, site.kpe, gather):
@@ -145,6 +143,33 @@ def rewrite_site(graph: fx.Graph, site: Site, src: LatentSource, fake_mode, memo
                 graph.erase_node(n)
     if site.sparse is not None:  # HF's index mask, top-k, logits and weights are dead now (pure nodes only)
         erase_dead(graph, [site.mask])
+
+
+def _replace(graph: fx.Graph, site: Site, out: fx.Node) -> None:
+    site.out.replace_all_uses_with(out)
+    for n in sorted(site.nodes, key=_order(graph), reverse=True):
+        if not n.users:
+            graph.erase_node(n)
+
+
+def rewrite_dense(graph: fx.Graph, node: fx.Node, fake_mode, why: NoMatch) -> Site:
+    """The absorbed form with HF's own mask (`attention_dense`) at a site the decode ops could not take (`why`);
+    raises NoMatch (of why's kind, so a fix is still named) with both reasons where it cannot either."""
+    try:
+        site = attention_match.match_structure(node)
+        if site is None:
+            raise why
+        attention_dense.check(site)
+        with Builder(graph, site.out, fake_mode, site.out).all_or_nothing() as b:
+            out = attention_dense.emit_dense(b, site)
+            check_output(site, out)
+            check_reads(graph, b, site, LatentSource("tensor", site.latent, site.kpe), Memo())
+    except NoMatch as e:
+        if e is why:
+            raise
+        raise type(why)(f"{why}; nor as absorbed attention with HF's mask: {e}") from None
+    _replace(graph, site, out)
+    return site
 
 
 def _sparse_indexer(graph: fx.Graph, site: Site, src: LatentSource):
@@ -218,6 +243,20 @@ def _log_skip(node: fx.Node, e: NoMatch) -> None:
         log.info("mla_attention: not rewritten: attention at %s: %s", node.name, e)
 
 
+def _log_dense(node: fx.Node, site: Site, e: NoMatch) -> None:
+    """A site taken as absorbed attention with HF's mask: INFO; and a WARNING the first time when the user can get
+    the decode ops for it (the fix named)."""
+    fix = next((f for kind, f in _FIXES.items() if isinstance(e, kind)), None)
+    how = (f"rewrote {site.impl} attention at {node.name} (H={site.heads}, S={site.tokens}, "
+           f"R={_shape(site.latent)[-1]}, rope={site.rope}) -> absorbed attention with HF's mask (the decode ops "
+           f"could not take it: {e})")
+    if fix is not None and fix not in _warned:
+        _warned.add(fix)
+        log.warning("mla_attention: %s. For the decode kernels: %s", how, fix)
+    else:
+        log.info("mla_attention: %s", how)
+
+
 def _rewrite_one(graph: fx.Graph, node: fx.Node, fake_mode, memo: Memo):
     """Rewrite the attention at `node`: (site, latent source), None where `node` is no attention, NoMatch (the graph
     unchanged) where it cannot be rewritten."""
@@ -262,7 +301,7 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
     candidates = [n for n in graph.nodes if is_attention(n)]
     fake_mode = None
     memo = Memo()
-    rewritten = sparse = 0
+    rewritten = sparse = dense = 0
     counters = torch._dynamo.utils.counters["mla_compile"]
     for node in candidates:
         if getattr(node, "_erased", False):  # removed by an earlier rewrite
@@ -283,8 +322,20 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
                 continue
             site, src = found
         except NoMatch as e:
-            counters[SKIP_COUNTER] += 1
-            _log_skip(node, e)
+            try:  # the decode ops cannot take it: HF's attention in absorbed form, with HF's mask
+                site = rewrite_dense(graph, node, fake_mode, e)
+            except NoMatch as e2:
+                counters[SKIP_COUNTER] += 1
+                _log_skip(node, e2)
+                continue
+            except Exception as e2:  # noqa: BLE001 - as below
+                counters[SKIP_COUNTER] += 1
+                log.warning("mla_attention: not rewritten: attention at %s: %s; the absorbed form with HF's mask: "
+                            "internal error %s: %s (site left unchanged; please report)", node.name, e,
+                            type(e2).__name__, e2, exc_info=True)
+                continue
+            dense += 1
+            _log_dense(node, site, e)
             continue
         except Exception as e:  # noqa: BLE001 - a bug in the pass must not break the user's model
             counters[SKIP_COUNTER] += 1
@@ -299,10 +350,12 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
         log.info("mla_attention: rewrote %s attention at %s (H=%d, S=%d, R=%d, rope=%d, %s latent) -> %s",
                  site.impl, node.name, site.heads, site.tokens, _shape(site.latent)[-1], site.rope, src.kind,
                  _emitted(site, src))
-    if rewritten or dropped:
+    if rewritten or dense or dropped:
         finish_edits(graph)
         if rewritten:
             counters[COUNTER] += rewritten
+        if dense:
+            counters[DENSE_COUNTER] += dense
         if sparse:
             counters[SPARSE_COUNTER] += sparse
-    return rewritten
+    return rewritten + dense

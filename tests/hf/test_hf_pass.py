@@ -248,9 +248,9 @@ def test_hf_generate_with_static_cache(impl):
     assert COUNTERS["stats"]["unique_graphs"] == 2  # prefill + one decode graph for all steps
 
 
-def test_hf_generate_eager_precomputed_mask_is_left_alone_and_warned(monkeypatch, caplog):
-    """generate()'s precomputed eager mask arrives as a float graph input: not provable, so not rewritten (HF's
-    answer), with a WARNING naming the fix."""
+def test_hf_generate_eager_precomputed_mask_is_absorbed_and_warned(monkeypatch, caplog):
+    """generate()'s precomputed eager mask arrives as a float graph input: not provable, so not for the decode ops;
+    absorbed with that mask as it is (HF's answer), with a WARNING naming what would give the decode ops."""
     monkeypatch.setattr(mla_attention, "_warned", set())
     model = M.deepseek_v3(num_layers=1, attn_impl="eager")
     ids, mask = M.batch(L=5)
@@ -260,6 +260,8 @@ def test_hf_generate_eager_precomputed_mask_is_left_alone_and_warned(monkeypatch
         out = model.generate(ids, attention_mask=mask, **GENERATE)
     assert torch.equal(out, ref)
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 0
+    assert COUNTERS["mla_compile"][mla_attention.DENSE_COUNTER] >= 1
+    assert COUNTERS["mla_compile"][mla_attention.SKIP_COUNTER] == 0
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "create_masks_for_generate" in warned[0].getMessage(), caplog.text
 
@@ -446,7 +448,7 @@ def test_synthetic_long_mask_chunked_scan():
     assert M.rel_err(out, fn(q, latent, kpe, w, valid)) < TOL
 
 
-def test_synthetic_unknown_additive_mask_left_alone(caplog):
+def test_synthetic_unknown_additive_mask_keeps_its_values(caplog):
     q, latent, kpe, w, valid = _synthetic_inputs()
     bias = torch.randn(valid.shape)  # an additive mask of arbitrary values: no boolean "valid" to recover
 
@@ -455,7 +457,8 @@ def test_synthetic_unknown_additive_mask_left_alone(caplog):
 
     with caplog.at_level(logging.INFO, logger="mla_compile.passes.mla_attention"):
         out = torch.compile(fn, backend="mla_dcp", fullgraph=True)(q, latent, kpe, w, bias)
-    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 0
-    assert COUNTERS["mla_compile"][mla_attention.SKIP_COUNTER] == 1
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 0  # no valid tokens for the decode ops
+    assert COUNTERS["mla_compile"][mla_attention.DENSE_COUNTER] == 1  # absorbed with the bias as it is
+    assert COUNTERS["mla_compile"][mla_attention.SKIP_COUNTER] == 0
     assert "not provably 0 / -inf" in caplog.text
     assert M.rel_err(out, fn(q, latent, kpe, w, bias)) < TOL

@@ -1,5 +1,6 @@
 """MLA sites split by a graph break. An eager float mask that crosses one (`mla_compile.passes.mask_origin`): rewritten
-when the graph that built it proved it a hard mask, checked every call; any other mask runs HF's attention. A break between
+when the graph that built it proved it a hard mask, checked every call; any other mask is applied as it is (the
+attention absorbed with it, `passes/attention_dense.py`). A break between
 HF's kv expansion and the attention (glm5_next's kpool indexer): counted not rewritten, and rewritten once Dynamo
 traces the data-dependent shape into the graph. Reference: the same function eager in float64 (the rewrite is exact
 algebra)."""
@@ -58,7 +59,8 @@ def test_mask_built_before_a_graph_break_is_rewritten_and_checked():
     out = compiled(q, latent, kpe, w, ~valid | (torch.arange(24) == 0))  # other values, same graph
     assert _err(out, _reference(q, latent, kpe, w, torch.where(~valid | (torch.arange(24) == 0), 0.0, MIN))) < 1e-5
     assert C["mla_compile"][mask_origin.COUNTER] == 0
-    # the eager region writes a bias into the proven mask: the check fails, HF's attention runs (exact)
+    # the eager region writes a bias into the proven mask: the check fails, the graph that assumes nothing about the
+    # mask runs (absorbed with the mask as it is: exact)
     WRITE.append(-3.0)
     try:
         out = compiled(q, latent, kpe, w, valid)
@@ -68,7 +70,8 @@ def test_mask_built_before_a_graph_break_is_rewritten_and_checked():
     biased[..., -1] = -3.0
     assert _err(out, _reference(q, latent, kpe, w, biased)) < 1e-5
     assert C["mla_compile"][mask_origin.COUNTER] == 1
-    assert C["mla_compile"][mla_attention.SKIP_COUNTER] == 1  # the unchecked graph's site, counted and logged
+    assert C["mla_compile"][mla_attention.SKIP_COUNTER] == 0
+    assert C["mla_compile"][mla_attention.DENSE_COUNTER] == 1  # the unchecked graph's site, counted and logged
     # back to a proven mask: the rewritten graph again
     out = compiled(q, latent, kpe, w, valid)
     assert C["mla_compile"][mask_origin.COUNTER] == 1
@@ -76,11 +79,13 @@ def test_mask_built_before_a_graph_break_is_rewritten_and_checked():
 
 
 def test_mask_from_outside_the_compiled_code_is_not_assumed():
-    """A float mask no graph of ours proved (the caller's, here a hard one too) stays HF's attention, counted."""
+    """A float mask no graph of ours proved (the caller's, here a hard one too) is not read as valid tokens for the
+    decode ops: the site is absorbed with the mask as it is, counted."""
     q, latent, kpe, w, valid = M.synthetic_site_inputs()
     mask = torch.where(valid, 0.0, MIN)
     out = torch.compile(outside_mask, backend="mla_dcp")(q, latent, kpe, w, mask)
-    assert C["mla_compile"][mla_attention.COUNTER] == 0 and C["mla_compile"][mla_attention.SKIP_COUNTER] == 1
+    assert C["mla_compile"][mla_attention.COUNTER] == 0 and C["mla_compile"][mla_attention.SKIP_COUNTER] == 0
+    assert C["mla_compile"][mla_attention.DENSE_COUNTER] == 1
     assert _err(out, _reference(q, latent, kpe, w, mask)) < 1e-5
 
 

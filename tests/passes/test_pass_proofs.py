@@ -33,12 +33,14 @@ LOGGER = "mla_compile.passes.mla_attention"
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
-def _run(fn, args, *, rewritten: int):
-    """(compiled output, eager output) of fn on separate copies of args; checks the rewrite count."""
+def _run(fn, args, *, rewritten: int, dense: int = 0):
+    """(compiled output, eager output) of fn on separate copies of args; checks the rewrite counts (`rewritten`:
+    into the decode ops, `dense`: absorbed with HF's own mask, `passes/attention_dense.py`)."""
     ref = fn(*[a.clone() for a in args])
     out = torch.compile(fn, backend="mla_dcp", fullgraph=True)(*[a.clone() for a in args])
-    assert COUNTERS["mla_compile"][mla_attention.COUNTER] == rewritten, dict(COUNTERS["mla_compile"])
-    assert COUNTERS["mla_compile"][mla_attention.SKIP_COUNTER] == 1 - rewritten, dict(COUNTERS["mla_compile"])
+    c = COUNTERS["mla_compile"]
+    assert c[mla_attention.COUNTER] == rewritten and c[mla_attention.DENSE_COUNTER] == dense, dict(c)
+    assert c[mla_attention.SKIP_COUNTER] == 1 - rewritten - dense, dict(c)
     return out, ref
 
 
@@ -73,14 +75,15 @@ def _mask(kind: str, valid: torch.Tensor, dtype: torch.dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_bool_added_to_eager_scores_is_not_a_mask(dtype, caplog):
-    """softmax(q.k^T * s + bool): the bool shifts the scores by +1 / +0 (HF eager with a user's 4-D bool mask)."""
+    """softmax(q.k^T * s + bool): the bool shifts the scores by +1 / +0 (HF eager with a user's 4-D bool mask). Not
+    a mask for the decode ops; the absorbed form with HF's own mask adds it as HF does."""
     q, latent, kpe, w, valid = M.synthetic_site_inputs(dtype=dtype)
 
     def fn(q, latent, kpe, w, valid):
         return M.mla_attention_site(q, latent, kpe, w, valid, impl="eager")
 
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        out, ref = _run(fn, (q, latent, kpe, w, valid), rewritten=0)
+        out, ref = _run(fn, (q, latent, kpe, w, valid), rewritten=0, dense=1)
     assert "bool tensor added to the scores" in caplog.text
     _close(out, ref, dtype)
     # the hard-mask reading of it (what a token table computes) is far from HF's answer
@@ -105,14 +108,16 @@ def test_proven_masks_are_rewritten(impl, kind, dtype):
 @pytest.mark.parametrize("impl,kind,reason", [("eager", "where-small", "not provably 0 / -inf"),
                                               ("sdpa", "where-small", "not provably 0 / -inf"),
                                               ("eager", "mixed-constants", "different constants")])
-def test_unproven_masks_are_left_alone(impl, kind, reason, caplog):
+def test_unproven_masks_keep_their_values(impl, kind, reason, caplog):
+    """A mask the decode ops cannot read as valid tokens: the site is absorbed with the mask as it is (the reason
+    the decode ops could not take it logged)."""
     q, latent, kpe, w, valid = M.synthetic_site_inputs()
 
     def fn(q, latent, kpe, w, valid):
         return M.mla_attention_site(q, latent, kpe, w, _mask(kind, valid, q.dtype), impl=impl)
 
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        out, ref = _run(fn, (q, latent, kpe, w, valid), rewritten=0)
+        out, ref = _run(fn, (q, latent, kpe, w, valid), rewritten=0, dense=1)
     assert reason in caplog.text
     _close(out, ref, torch.float32)
 
