@@ -11,6 +11,7 @@
 #           linearsum (lab bench: split-K fused_linear summed in its split launch vs a second launch)
 #           seesaw (lab probe: the many-head seesaw kernel with 32-token tiles in two slot sets, beside the peers)
 #           partials (lab probe: split-KV partial outs in bf16 vs float32, beside the peers)
+#           cb (HF continuous batching, generate_batch, with and without mla_dcp)
 # Installs the wheels carried in .whl/ (tools/device_wheels.sh fetches them; run(carry=[".whl"])), or in $WHEELS, records
 # the environment, then runs each stage.
 #
@@ -193,6 +194,9 @@ stage_genab() {
 }
 # gencrash: the lab probe of generate() recipes under CUDA graphs (writes failing Inductor sources under $OUT/gencrash)
 stage_gencrash() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_GENCRASH:-300}" python3 benchmarks/lab/generate_crash.py "$OUT/gencrash" ${GENCRASH_ARGS:-}; }
+
+# cb: HF continuous batching (generate_batch) uncompiled / Inductor / mla_dcp (CB_ARGS e.g. "--requests 16 --prompt 2048")
+stage_cb() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_CB:-300}" python3 benchmarks/continuous_batching.py "$OUT/cb.json" ${CB_ARGS:-}; }
 
 # genprofile: the lab profile of one generate() (host vs GPU time per token, top functions and kernels)
 stage_genprofile() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_GENPROFILE:-300}" python3 benchmarks/lab/generate_profile.py "$OUT/genprofile.txt" ${GENPROFILE_ARGS:-}; }
