@@ -78,6 +78,11 @@ each rank's key shard (exact global top-k, one all-gather of candidates) and `ml
 selected slots (`passes.dsa_dcp`). TP x DCP (the cache's gather says the heads are split over the group): every DCP
 site emits `mla.tp_dcp_decode` in place of `mla.dcp_decode` (same arguments).
 
+Sites the decode ops cannot take (an unprovable mask: HF continuous batching's host-built 4-D mask, a user's
+graph-input mask; more than MAX_QUERY_TOKENS query tokens; rows no prefix of each other) get the second form where
+it costs no more than HF's own: HF's attention absorbed over the latent with HF's mask as it is
+(`attention_dense`; counted in `mla_attention_dense_rewritten`).
+
 Unmatched sites are left unchanged and logged (logger `mla_compile.passes.mla_attention`; enable with
 `TORCH_LOGS="+mla_compile.passes"`; INFO, or a WARNING once per reason a user can fix: dynamic shapes, and
 generate()'s precomputed eager mask). Rewrites are counted in

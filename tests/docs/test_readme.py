@@ -24,7 +24,7 @@ TORCHRUN = {"dcp-torchrun"}
 def test_every_python_snippet_is_tested():
     assert TEXT.count("```python\n") == len(BLOCKS), "a ```python block without a `# README: <name>` first line"
     assert {"generate", "eager-generate", "compile-step", "options", "dcp-torchrun", "dsa-step", "mlir",
-            "which-kernel", "fp8-cache", "tp-dcp"} == set(BLOCKS), sorted(BLOCKS)
+            "which-kernel", "fp8-cache", "tp-dcp", "continuous-batching"} == set(BLOCKS), sorted(BLOCKS)
 
 
 def _exec(name: str) -> dict:
@@ -43,6 +43,9 @@ def test_readme_snippet_runs(name, capsys):
         pytest.importorskip("transformers")
     if name == "mlir":
         pytest.importorskip("torch_mlir")
+    if name == "continuous-batching":
+        pytest.importorskip("transformers.generation.continuous_batching.cache_allocators.compressed_latents",
+                            reason="HF continuous batching caches MLA latents from transformers 5.25")
     if name == "which-kernel":
         pytest.importorskip("triton")
     scope = _exec(name)
@@ -71,6 +74,14 @@ def test_readme_snippet_runs(name, capsys):
     if name == "generate":
         assert scope["out"].shape == (2, 8 + 12)
         assert counters["mla_compile"]["mla_attention_rewritten"] >= 2
+    if name == "continuous-batching":
+        assert counters["mla_compile"]["mla_attention_dense_rewritten"] >= 1, dict(counters["mla_compile"])
+        assert counters["mla_compile"]["mla_attention_not_rewritten"] == 0, dict(counters["mla_compile"])
+        model, prompts, gen = scope["model"], scope["prompts"], scope["gen"]
+        ref = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=type(scope["cb"])(
+            page_size=16, num_blocks=64, max_batch_tokens=64))  # HF uncompiled: the same tokens
+        assert {k: v.generated_tokens for k, v in scope["out"].items()} == {
+            k: v.generated_tokens for k, v in ref.items()}
     if name == "compile-step":
         assert len(scope["tokens"]) == 9 and counters["mla_compile"]["mla_attention_rewritten"] == 2
     if name == "options":
