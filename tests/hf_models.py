@@ -113,6 +113,38 @@ def node_target(n) -> str:
     return f"{mod}.{getattr(t, '__name__', str(t))}".lstrip(".")
 
 
+def node_lines(nodes) -> str:
+    """Graph nodes as stable text for snapshots: one line each, `%i = target(args) -> shape dtype`, nodes outside
+    `nodes` (graph inputs, other regions) as `%in`."""
+    import torch.fx as fx
+
+    index = {n: i for i, n in enumerate(nodes)}
+
+    def fmt(a):
+        if isinstance(a, fx.Node):
+            return f"%{index[a]}" if a in index else "%in"
+        if isinstance(a, (list, tuple)):
+            inner = ", ".join(fmt(x) for x in a)
+            return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+        if isinstance(a, float):
+            return f"{a:.6g}"
+        if isinstance(a, torch.dtype):
+            return str(a).replace("torch.", "")
+        return repr(a)
+
+    lines = []
+    for n in nodes:
+        args = [fmt(a) for a in n.args] + [f"{k}={fmt(v)}" for k, v in n.kwargs.items() if k != "device"]
+        v = n.meta.get("example_value")
+        meta = ""
+        if isinstance(v, torch.Tensor):
+            meta = f" -> {list(v.shape)} {str(v.dtype).replace('torch.', '')}"
+        elif isinstance(v, (tuple, list)):
+            meta = " -> (" + ", ".join(str(list(x.shape)) for x in v if isinstance(x, torch.Tensor)) + ")"
+        lines.append(f"%{index[n]} = {node_target(n)}({', '.join(args)}){meta}")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------- synthetic sites (no HF model: fast)
 def mla_attention_site(q, latent, kpe, w, mask, *, impl="sdpa", cat=True, scale=0.07, between=None):
     """HF's expand_kv + attention, written out: latent [B,1,L,R], kpe [B,1,L,P], q [B,H,1,192], w the

@@ -12,7 +12,6 @@ import logging
 import expecttest
 import pytest
 import torch
-import torch.fx as fx
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import hf_models as M
@@ -189,28 +188,7 @@ def test_hf_continuous_batching_generate_batch(cb_model):
 
 # ------------------------------------------------------------------------------------------- the snapshot
 def _graph_text(gm) -> str:
-    """One line per op node: `%i = target(args) -> shape dtype` (graph inputs as %in; test_pass_snapshots' form)."""
-    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
-    index = {n: i for i, n in enumerate(nodes)}
-
-    def fmt(a):
-        if isinstance(a, fx.Node):
-            return f"%{index[a]}" if a in index else "%in"
-        if isinstance(a, (list, tuple)):
-            return "[" + ", ".join(fmt(x) for x in a) + "]"
-        if isinstance(a, float):
-            return f"{a:.6g}"
-        if isinstance(a, torch.dtype):
-            return str(a).replace("torch.", "")
-        return repr(a)
-
-    lines = []
-    for n in nodes:
-        args = [fmt(a) for a in n.args] + [f"{k}={fmt(v)}" for k, v in n.kwargs.items()]
-        v = n.meta.get("example_value")
-        meta = f" -> {list(v.shape)} {str(v.dtype).replace('torch.', '')}" if isinstance(v, torch.Tensor) else ""
-        lines.append(f"%{index[n]} = {M.node_target(n)}({', '.join(args)}){meta}")
-    return "\n".join(lines)
+    return M.node_lines([n for n in gm.graph.nodes if n.op in ("call_function", "call_method")])
 
 
 class TestDenseSnapshot(expecttest.TestCase):

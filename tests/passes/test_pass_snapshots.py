@@ -28,32 +28,7 @@ def op_text(gm: fx.GraphModule) -> str:
     # HF's output reshapes are not the pass's business (and differ between transformers versions)
     end = max(i for i, n in enumerate(region) if n.target in (torch._C._nn.scaled_dot_product_attention,)
               or isinstance(n.target, torch._ops.OpOverload))
-    region = region[start:end + 1]
-    index = {n: i for i, n in enumerate(region)}
-
-    def fmt(a):
-        if isinstance(a, fx.Node):
-            return f"%{index[a]}" if a in index else "%in"
-        if isinstance(a, (list, tuple)):
-            inner = ", ".join(fmt(x) for x in a)
-            return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
-        if isinstance(a, float):
-            return f"{a:.6g}"
-        if isinstance(a, torch.dtype):
-            return str(a).replace("torch.", "")
-        return repr(a)
-
-    lines = []
-    for n in region:
-        args = [fmt(a) for a in n.args] + [f"{k}={fmt(v)}" for k, v in n.kwargs.items() if k != "device"]
-        v = n.meta.get("example_value")
-        meta = ""
-        if isinstance(v, torch.Tensor):
-            meta = f" -> {list(v.shape)} {str(v.dtype).replace('torch.', '')}"
-        elif isinstance(v, (tuple, list)):
-            meta = " -> (" + ", ".join(str(list(x.shape)) for x in v if isinstance(x, torch.Tensor)) + ")"
-        lines.append(f"%{index[n]} = {M.node_target(n)}({', '.join(args)}){meta}")
-    return "\n".join(lines)
+    return M.node_lines(region[start:end + 1])
 
 
 def _decode_graphs():
