@@ -30,7 +30,9 @@ def _generate_batch(model, prompts, compile_config=None, new=8):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_generate_batch_with_mla_dcp_matches_hf(dtype):
+def test_generate_batch_with_mla_dcp_matches_hf(dtype, caplog):
+    import logging
+
     from transformers import CompileConfig
 
     torch._dynamo.reset()
@@ -39,11 +41,15 @@ def test_generate_batch_with_mla_dcp_matches_hf(dtype):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 120, (n,), generator=g).tolist() for n in (5, 37, 90, 12, 64)]
     ref = _generate_batch(model, prompts)
-    got = _generate_batch(model, prompts, CompileConfig(backend="mla_dcp", mode="default", fullgraph=False))
+    with caplog.at_level(logging.INFO, logger="mla_compile.passes.mla_attention"):
+        got = _generate_batch(model, prompts, CompileConfig(backend="mla_dcp", mode="default", fullgraph=False))
     assert got.keys() == ref.keys()
     if dtype == torch.float32:
         assert got == ref
     else:  # bf16 paths part after a near-tie: the first tokens agree
         assert all(got[k][:2] == ref[k][:2] for k in ref), (got, ref)
     c = COUNTERS["mla_compile"]
-    assert c[attention_dense.COUNTER] >= 1 and c[mla_attention.SKIP_COUNTER] == 0, dict(c)
+    assert c[attention_dense.COUNTER] >= 1, dict(c)
+    # a block of mostly prefill tokens over few keys stays HF's (the absorbed form would cost more): nothing else
+    skips = [r.getMessage() for r in caplog.records if "not rewritten" in r.getMessage()]
+    assert len(skips) == c[mla_attention.SKIP_COUNTER] and all("costs more than HF's expansion" in m for m in skips)
