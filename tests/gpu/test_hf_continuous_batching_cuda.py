@@ -1,6 +1,7 @@
 """HF continuous batching (`generate_batch`, the engine behind `transformers serve`) on CUDA with `mla_dcp` as its
 compile backend: HF hands attention one block of every request's new tokens over all their cached latents with a 4-D
-mask built on the host; the pass absorbs that attention with HF's own mask (`passes/attention_dense.py`).
+mask built on the host; the pass absorbs that attention with HF's own mask (`passes/attention_dense.py`) in graphs of
+static sizes.
 fp32: tokens identical to HF's uncompiled continuous batching; bf16: tokens of the first steps agree."""
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def test_generate_batch_with_mla_dcp_matches_hf(dtype, caplog):
         assert all(got[k][:2] == ref[k][:2] for k in ref), (got, ref)
     c = COUNTERS["mla_compile"]
     assert c[attention_dense.COUNTER] >= 1, dict(c)
-    # a block of mostly prefill tokens over few keys stays HF's (the absorbed form would cost more): nothing else
+    # stays HF's, counted and logged: a block of mostly prefill tokens over few keys (the absorbed form would cost
+    # more), and a graph whose token counts Dynamo made symbolic after they changed (neither form takes symbolic
+    # query / key lengths yet; seen on an H100 from the second varlen graph on): nothing else
     skips = [r.getMessage() for r in caplog.records if "not rewritten" in r.getMessage()]
-    assert len(skips) == c[mla_attention.SKIP_COUNTER] and all("costs more than HF's expansion" in m for m in skips)
+    assert len(skips) == c[mla_attention.SKIP_COUNTER], (skips, dict(c))
+    assert all("costs more than HF's expansion" in m or "symbolic shape" in m for m in skips), skips
