@@ -26,6 +26,11 @@ the absorption. Decode-like sites (S of a few tokens to ~100 over a long latent)
 cost; a prefill over its own tokens (S close to L) loses and stays HF's. Counted in
 `counters["mla_compile"]["mla_attention_dense_rewritten"]` (not in `mla_attention_rewritten`, which counts sites
 turned into the decode ops); a site neither form takes is counted as not rewritten, both reasons logged.
+
+Sizes must be static but for the batch (the matcher's `batch_shape`): a query or key length Dynamo made symbolic
+after it changed between calls (continuous batching's token counts from its second graph on; HF's DynamicCache)
+keeps HF's attention, counted and logged. The form itself needs no static size; the matcher's comparisons would have
+to be made symbolic-safe (no guards) first.
 """
 
 from __future__ import annotations
