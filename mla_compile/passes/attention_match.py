@@ -321,12 +321,12 @@ def _attention(node: fx.Node):
     return None
 
 
-def match_structure(node: fx.Node) -> Site | None:
+def match_structure(node: fx.Node, attention=None) -> Site | None:
     """The site at an attention output as far as its shape of computation goes: K / V are kv_b_proj's expansion of a
     latent beside the expanded rope latent, any query length, and a mask broadcastable to the scores [B, H, S, L],
     unproven (`Site.proof` None). What `attention_dense` needs; `match_site` adds what the decode ops need. None:
-    not attention; NoMatch: attention of another shape."""
-    m = _attention(node)
+    not attention; NoMatch: attention of another shape. `attention`: `_attention(node)` where the caller has it."""
+    m = _attention(node) if attention is None else attention
     if m is None:
         return None
     impl, q, K, V, mask, scale, k_users, chain, dtypes, sinks = m
@@ -376,7 +376,7 @@ def match_site(node: fx.Node) -> Site | None:
     if not (isinstance(Sq, int) and 1 <= Sq <= steps):
         raise NoMatch(f"query length {Sq} is not 1 .. {attention_rows.MAX_QUERY_TOKENS} (prefill steps are left to "
                       f"HF attention)")
-    site = match_structure(node)
+    site = match_structure(node, m)
     L = _shape(site.latent)[-2]
     mask = site.mask
     if mask is not None:
