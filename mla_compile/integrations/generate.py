@@ -48,7 +48,9 @@ def compile_config(mode: str | None = "reduce-overhead", *, dynamic: bool | None
     recompile per step (`passes/step_kind.STEP_COUNTER_SOURCES`). `options`:
     our backend keys and Inductor keys (`mla_compile.backend.BACKEND_OPTIONS`); with options the mode travels
     inside them (torch.compile refuses `mode=` together with `options=`). On a device HF does not auto-compile on
-    (CPU) the config asks HF to compile anyway.
+    (CPU) the config asks HF to compile anyway. Without CUDA graphs the step is host-bound; `mode="default",
+    cpp_wrapper=True` (an Inductor key) launches its kernels from Inductor's C++ wrapper instead of Python: on an
+    H100 (benchmarks/RESULTS.md, 2026-12-07) 2.13 vs 3.72 ms a token at 4K, for a longer first compile.
     """
     from transformers import CompileConfig
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_models as M  # noqa: E402
 from test_hf_generate import _generate  # noqa: E402
 
-from mla_compile.integrations.hf import DSAStaticCache, MLAPagedCache  # noqa: E402
+from mla_compile.integrations.hf import DSAStaticCache, MLAPagedCache, cache_kwargs  # noqa: E402
 from mla_compile.passes import mla_attention  # noqa: E402
 
 COUNTERS = torch._dynamo.utils.counters
@@ -188,3 +188,46 @@ def test_optimize_generate_records_again_per_call_unless_the_cache_is_reused(reu
         # cache may land on the freed one's addresses (the caching allocator), and then the trees replay: so "some
         # later call recorded again", not every one (seen on an H200: [1, 1, 0])
         assert max(records[1:]) >= 1, records
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32"])
+def test_optimize_generate_default_mode_cpp_wrapper_tokens_equal_eager(family):
+    """`optimize_generate(model, mode="default", cpp_wrapper=True)`, the no-CUDA-graph road with the step's launches
+    from Inductor's C++ wrapper (our ops reached through the dispatcher from C++): fp32 tokens equal eager generate's,
+    for a dense model and a DSA one crossing index_topk (dense, then sparse graph), each graph rewritten and
+    really built by the C++ wrapper."""
+    from torch._inductor.codegen import cpp_wrapper_gpu
+
+    from mla_compile.integrations.hf import optimize_generate
+
+    dsa = family == "deepseek_v32"
+    model = (M.deepseek_v32(num_layers=2, heads=16, hidden=256, index_topk=16) if dsa else
+             M.deepseek_v3(num_layers=2, heads=16, hidden=256)).cuda()
+    ids, mask = _inputs(T=8)
+    make = (lambda: DSAStaticCache(model.config, max_cache_len=40)) if dsa else (lambda: None)
+    ref = _generate(model, ids, mask, 20, compiled=False, cache=make())
+    M.fresh(model)
+    optimize_generate(model, mode="default", cpp_wrapper=True)
+    built, orig = [], cpp_wrapper_gpu.CppWrapperGpu.__init__
+
+    def counting(self, *a, **k):
+        built.append(1)
+        orig(self, *a, **k)
+
+    cpp_wrapper_gpu.CppWrapperGpu.__init__ = counting
+    try:
+        for _ in range(2):
+            cache = make()
+            kw = {} if cache is None else cache_kwargs(model, cache)
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                                     pad_token_id=0, **kw)
+            assert torch.equal(out, ref)
+    finally:
+        cpp_wrapper_gpu.CppWrapperGpu.__init__ = orig
+    assert built, "no graph was built by Inductor's C++ wrapper"
+    c = COUNTERS["mla_compile"]
+    if dsa:
+        assert c["dsa_index_mask_dropped"] >= 1 and c["dsa_sparse_rewritten"] >= 1, dict(c)
+    else:
+        assert c[mla_attention.COUNTER] == 2, dict(c)
