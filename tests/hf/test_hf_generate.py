@@ -73,6 +73,38 @@ def test_generate_dsa_crosses_topk_dense_then_sparse():
     assert COUNTERS["stats"]["unique_graphs"] == 2
 
 
+def test_optimize_generate_default_mode_cpp_wrapper_matches_eager():
+    """`optimize_generate(model, mode="default", cpp_wrapper=True)` (README: the no-CUDA-graph road with the step's
+    launches from Inductor's C++ wrapper): our ops are reached through the dispatcher from the generated C++, and the
+    tokens equal eager generate's; the graph is rewritten and really built by the C++ wrapper (CPU here; the CUDA
+    wrapper and a DSA model in tests/gpu/test_hf_generate_cuda.py)."""
+    from torch._inductor.codegen import cpp_wrapper_cpu
+
+    from mla_compile.integrations.hf import optimize_generate
+
+    model = M.deepseek_v3(num_layers=2)
+    ids, mask = M.batch(B=2, T=6, L=6, pad=2)
+    ref = _generate(model, ids, mask, 8, compiled=False, do_sample=False)
+    M.fresh(model)
+    optimize_generate(model, mode="default", cpp_wrapper=True)
+    built, orig = [], cpp_wrapper_cpu.CppWrapperCpu.__init__
+
+    def counting(self, *a, **k):
+        built.append(type(self).__name__)
+        orig(self, *a, **k)
+
+    cpp_wrapper_cpu.CppWrapperCpu.__init__ = counting
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                 pad_token_id=0)
+    finally:
+        cpp_wrapper_cpu.CppWrapperCpu.__init__ = orig
+    assert torch.equal(out, ref)
+    assert built, "no graph was built by Inductor's C++ wrapper"
+    assert COUNTERS["mla_compile"][mla_attention.COUNTER] >= 1, dict(COUNTERS["mla_compile"])
+
+
 def test_prefill_graphs_compile_without_cudagraphs():
     """The README's older recipe compiles model.forward, prefill included: the backend keeps CUDA graphs off for
     the multi-token step (passes/step_kind.py: a lazily allocated HF cache would live in the graph's pool)."""
