@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -199,3 +200,24 @@ def fresh(model) -> None:
     for attr in ("_compiled_call", "_last_compile_config"):
         if hasattr(model, attr):
             delattr(model, attr)
+
+
+@contextlib.contextmanager
+def constructions(cls):
+    """Within the block, the class names of every `cls` (or subclass) instance constructed, in a list."""
+    built, own = [], "__init__" in vars(cls)
+    init = cls.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = counting
+    try:
+        yield built
+    finally:
+        if own:
+            cls.__init__ = init
+        else:
+            del cls.__init__
+

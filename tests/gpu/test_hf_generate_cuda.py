@@ -130,22 +130,12 @@ def test_optimize_generate_deferred_stop_tokens_equal_eager(attn, eos):
         ref = model.generate(ids, attention_mask=mask, cache_implementation="static", disable_compile=True, **kw)
     M.fresh(model)
     optimize_generate(model)
-    built = []
-    orig_init = gen_utils.DeferredStopCheck.__init__
-
-    def counting_init(self, *a, **k):
-        built.append(1)
-        orig_init(self, *a, **k)
-
-    gen_utils.DeferredStopCheck.__init__ = counting_init
-    try:
+    with M.constructions(gen_utils.DeferredStopCheck) as built:
         for _ in range(2):
             with torch.no_grad():
                 out = model.generate(ids, attention_mask=mask, **kw)
             assert torch.equal(out, ref)
-    finally:
-        gen_utils.DeferredStopCheck.__init__ = orig_init
-    assert built == [1, 1]
+    assert len(built) == 2, built
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] == 2
 
 
@@ -208,24 +198,16 @@ def test_optimize_generate_default_mode_cpp_wrapper_tokens_equal_eager(family):
     ref = _generate(model, ids, mask, 20, compiled=False, cache=make())
     M.fresh(model)
     optimize_generate(model, mode="default", cpp_wrapper=True)
-    built, orig = [], cpp_wrapper_gpu.CppWrapperGpu.__init__
-
-    def counting(self, *a, **k):
-        built.append(1)
-        orig(self, *a, **k)
-
-    cpp_wrapper_gpu.CppWrapperGpu.__init__ = counting
-    try:
+    # no cache hit may stand in for the build (an earlier run's FX graph / AOT autograd cache entry)
+    no_caches = torch._inductor.config.patch(force_disable_caches=True)
+    with M.constructions(cpp_wrapper_gpu.CppWrapperGpu) as built, no_caches:
         for _ in range(2):
             cache = make()
             kw = {} if cache is None else cache_kwargs(model, cache)
-            # no cache hit may stand in for the build (an earlier run's FX graph / AOT autograd cache entry)
-            with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+            with torch.no_grad():
                 out = model.generate(ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
                                      pad_token_id=0, **kw)
             assert torch.equal(out, ref)
-    finally:
-        cpp_wrapper_gpu.CppWrapperGpu.__init__ = orig
     assert built, "no graph was built by Inductor's C++ wrapper"
     c = COUNTERS["mla_compile"]
     if dsa:

@@ -87,19 +87,11 @@ def test_optimize_generate_default_mode_cpp_wrapper_matches_eager():
     ref = _generate(model, ids, mask, 8, compiled=False, do_sample=False)
     M.fresh(model)
     optimize_generate(model, mode="default", cpp_wrapper=True)
-    built, orig = [], cpp_wrapper_cpu.CppWrapperCpu.__init__
-
-    def counting(self, *a, **k):
-        built.append(type(self).__name__)
-        orig(self, *a, **k)
-
-    cpp_wrapper_cpu.CppWrapperCpu.__init__ = counting
-    try:  # no cache hit may stand in for the build (an earlier run's FX graph / AOT autograd cache entry)
-        with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                                 pad_token_id=0)
-    finally:
-        cpp_wrapper_cpu.CppWrapperCpu.__init__ = orig
+    # no cache hit may stand in for the build (an earlier run's FX graph / AOT autograd cache entry)
+    with M.constructions(cpp_wrapper_cpu.CppWrapperCpu) as built, torch.no_grad(), \
+            torch._inductor.config.patch(force_disable_caches=True):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                             pad_token_id=0)
     assert torch.equal(out, ref)
     assert built, "no graph was built by Inductor's C++ wrapper"
     assert COUNTERS["mla_compile"][mla_attention.COUNTER] >= 1, dict(COUNTERS["mla_compile"])
