@@ -220,4 +220,3 @@ def constructions(cls):
             cls.__init__ = init
         else:
             del cls.__init__
-
