@@ -239,24 +239,36 @@ _FIXES = {
 _warned: set = set()
 
 
-def _log_skip(node: fx.Node, e: NoMatch) -> None:
+def _new_fix(e: NoMatch) -> str | None:
+    """The fix a user can apply for `e`, the first time it comes up in this process (a WARNING then); else None."""
     fix = next((f for kind, f in _FIXES.items() if isinstance(e, kind)), None)
-    if fix is not None and fix not in _warned:
-        _warned.add(fix)
+    if fix is None or fix in _warned:
+        return None
+    _warned.add(fix)
+    return fix
+
+
+def _log_skip(node: fx.Node, e: NoMatch) -> None:
+    fix = _new_fix(e)
+    if fix is not None:
         log.warning("mla_attention: not rewritten: attention at %s: %s. To rewrite it: %s", node.name, e, fix)
     else:
         log.info("mla_attention: not rewritten: attention at %s: %s", node.name, e)
 
 
+def _log_internal_error(node: fx.Node, e: Exception, context: str = "") -> None:
+    log.warning("mla_attention: not rewritten: attention at %s: %sinternal error %s: %s (site left unchanged; please "
+                "report)", node.name, context, type(e).__name__, e, exc_info=True)
+
+
 def _log_dense(node: fx.Node, site: Site, e: NoMatch) -> None:
     """A site taken as absorbed attention with HF's mask: INFO; and a WARNING the first time when the user can get
     the decode ops for it (the fix named)."""
-    fix = next((f for kind, f in _FIXES.items() if isinstance(e, kind)), None)
     how = (f"rewrote {site.impl} attention at {node.name} (H={site.heads}, S={site.tokens}, "
            f"R={_shape(site.latent)[-1]}, rope={site.rope}) -> absorbed attention with HF's mask (the decode ops "
            f"could not take it: {e})")
-    if fix is not None and fix not in _warned:
-        _warned.add(fix)
+    fix = _new_fix(e)
+    if fix is not None:
         log.warning("mla_attention: %s. For the decode kernels: %s", how, fix)
     else:
         log.info("mla_attention: %s", how)
@@ -335,17 +347,14 @@ def rewrite_mla_attention(gm: fx.GraphModule | fx.Graph, example_inputs=None) ->
                 continue
             except Exception as e2:  # noqa: BLE001 - as below
                 counters[SKIP_COUNTER] += 1
-                log.warning("mla_attention: not rewritten: attention at %s: %s; the absorbed form with HF's mask: "
-                            "internal error %s: %s (site left unchanged; please report)", node.name, e,
-                            type(e2).__name__, e2, exc_info=True)
+                _log_internal_error(node, e2, f"{e}; the absorbed form with HF's mask: ")
                 continue
             dense += 1
             _log_dense(node, site, e)
             continue
         except Exception as e:  # noqa: BLE001 - a bug in the pass must not break the user's model
             counters[SKIP_COUNTER] += 1
-            log.warning("mla_attention: not rewritten: attention at %s: internal error %s: %s (site left "
-                        "unchanged; please report)", node.name, type(e).__name__, e, exc_info=True)
+            _log_internal_error(node, e)
             continue
         rewritten += 1
         if site.sparse is not None:
