@@ -9,6 +9,7 @@
 #           eagersplits (lab probe: split counts for eager decode calls)
 #           swapab (lab probe: the few-head swap-AB Gluon decode over a bf16 cache, beside auto's kernel and the peers)
 #           linearsum (lab bench: split-K fused_linear summed in its split launch vs a second launch)
+#           decodemerge (lab bench: split-KV decode merged in its stage-1 launch vs a second launch)
 #           seesaw (lab probe: the many-head seesaw kernel with 32-token tiles in two slot sets, beside the peers)
 #           partials (lab probe: split-KV partial outs in bf16 vs float32, beside the peers)
 #           cb (HF continuous batching, generate_batch, with and without mla_dcp)
@@ -97,6 +98,8 @@ stage_profile() { TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "${T_PROFILE:-300
 stage_linear() { timeout "${T_LINEAR:-300}" python3 benchmarks/linear_sweep.py "$OUT/linear_sweep.json" ${LINEAR_ARGS:-}; }
 # linearsum: the lab bench of split-K fused_linear summed in its split launch (counters) vs a second launch
 stage_linearsum() { timeout "${T_LINEARSUM:-200}" python3 benchmarks/lab/linear_sum_in_kernel.py "$OUT/linear_sum_in_kernel.json"; }
+# decodemerge: the lab bench of split-KV decode merged in its stage-1 launch (ticketed merge programs) vs a second launch
+stage_decodemerge() { timeout "${T_DECODEMERGE:-240}" python3 benchmarks/lab/decode_merge_in_kernel.py "$OUT/decode_merge_in_kernel.json"; }
 # where the Gluon many-head decode kernel spends its time (phases dropped one at a time)
 stage_wgmma() { echo "wgmma: the phase probe is retired (benchmarks/lab/README.md)"; }
 stage_bench() { timeout "${T_BENCH:-400}" python3 benchmarks/bench_ops.py "$OUT/bench_ops.json" ${BENCH_ARGS:-}; }

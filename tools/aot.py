@@ -73,15 +73,21 @@ def compile_sm90(kernel, constexprs: dict, descriptors: dict, num_warps: int, nu
 
 
 def stage1_sm90(cfg: D.DecodeConfig, R: int = 512, P: int = 64, page_size: int = 64, sparse: bool = False,
-                pdl: bool = False) -> dict:
+                pdl: bool = False, merged: bool = False) -> dict:
     """The stage-1 kernel `decode` would launch for this config and cache layout (bf16, row-contiguous caches),
-    compiled for sm_90a (`pdl`: as launched with programmatic dependent launch); adds "kernel" ("tma" /
-    "pointer") and "instructions" (PTX instruction count)."""
+    compiled for sm_90a (`pdl`: as launched with programmatic dependent launch; `merged`: the pointer kernel's build
+    that merges its own splits, `_stage1_merged_kernel`, at B 1's merge tiling); adds "kernel" ("tma" / "pointer")
+    and "instructions" (PTX instruction count)."""
     tma = not sparse and D.tma_tiles_fit(cfg, page_size, R, P)
     if tma:
         desc = {"CkvDesc": f"tensordesc<bf16[{cfg.block_n}, {R // 2}]>", "KpeDesc": f"tensordesc<bf16[{cfg.block_n}, {P}]>"}
         out = compile_sm90(D._stage1_tma_kernel, dict(D.tma_constexprs(cfg, R, P, torch.bfloat16), PDL=pdl), desc,
                            cfg.num_warps, cfg.num_stages)
+    elif merged:
+        out = compile_sm90(D._stage1_merged_kernel, dict(D.pointer_constexprs(cfg, R, P, page_size, sparse,
+                                                                              torch.bfloat16), PDL=pdl, MERGE_N=16,
+                                                         MERGE_R=64, MERGE_ONE_PASS=True),
+                           {"C": "*i32", "Out": "*bf16", "Lse": "*fp32"}, cfg.num_warps, cfg.num_stages)
     else:
         out = compile_sm90(D._stage1_kernel, dict(D.pointer_constexprs(cfg, R, P, page_size, sparse, torch.bfloat16),
                                                   PDL=pdl), {}, cfg.num_warps, cfg.num_stages)
@@ -153,9 +159,11 @@ def per_head_linear_sm90(transposed: bool, block_n: int = 16, K: int = 512, pdl:
 
 
 
-def swapab_sm90(tiling=None, H: int = 16, page_size: int = 64, dtype: str = "bf16", pdl: bool = False) -> dict:
+def swapab_sm90(tiling=None, H: int = 16, page_size: int = 64, dtype: str = "bf16", pdl: bool = False,
+                merged: bool = False) -> dict:
     """kernels/decode_swapab.py's few-head stage-1 kernel over a bf16 / fp16 cache at `tiling` (default: the one `H`
-    heads get), compiled for sm_90a (`compile_sm90`'s answer)."""
+    heads get), compiled for sm_90a (`compile_sm90`'s answer); `merged`: the build that merges its own splits
+    (`_swapab_merged_kernel`, at B 1's merge tiling)."""
     from triton.experimental.gluon import language as gl
 
     from mla_compile.kernels import decode_swapab as S
@@ -167,7 +175,11 @@ def swapab_sm90(tiling=None, H: int = 16, page_size: int = 64, dtype: str = "bf1
             for name, width in (("CkvDesc", S.R // 2), ("KpeDesc", S.P))}
     desc.update({name: f"*{dtype}" for name in ("Qn", "Qp", "Ckv", "Kpe")})
     extra = {"PDL": pdl}  # a constexpr: left out, the compile would take it as a runtime argument
-    return compile_sm90(S._swapab_kernel, {**t.constexprs(page_size), **extra}, desc, t.warps, 1, gluon=True)
+    if merged:
+        desc.update(C="*i32", Out=f"*{dtype}", Lse="*fp32")
+        extra.update(MERGE_N=16, MERGE_R=64, MERGE_ONE_PASS=True)
+    return compile_sm90(S._swapab_merged_kernel if merged else S._swapab_kernel, {**t.constexprs(page_size), **extra},
+                        desc, t.warps, 1, gluon=True)
 
 
 def fp8_swapab_sm90(tiling=None, H: int = 16, page_size: int = 64, gather: bool = False,

@@ -142,16 +142,63 @@ if gluon is not None:
         return lo, lo == hi
 
     @gluon.jit
-    def swapab_program(Lens, H, n_splits, N: gl.constexpr, BT: gl.constexpr):
-        """A swap-AB kernel's program (grid (B * ceil(H / N), n_splits), request-major: a request's head blocks are
-        neighbours, sharing its tiles in L2): (b int64, head block, split, its tokens [start, end), whole tiles,
-        tiles)."""
-        pid = gl.program_id(0)
+    def swapab_program(Lens, H, n_splits, pid, split, N: gl.constexpr, BT: gl.constexpr):
+        """A swap-AB kernel's program (pid, split) of grid (B * ceil(H / N), n_splits), request-major: a request's
+        head blocks are neighbours, sharing its tiles in L2): (b int64, head block, split, its tokens [start, end),
+        whole tiles, tiles)."""
         n_hb = gl.cdiv(H, N)
         b = (pid // n_hb).to(gl.int64)
-        split = gl.program_id(1)
         start, end, n_full = split_bounds(gl.load(Lens + b), split, n_splits, BT)
         return b, pid % n_hb, split, start, end, n_full, gl.cdiv(gl.maximum(end - start, 0), BT)
+
+    @gluon.jit
+    def merge_row_block(O, L, Out, Lse, bh, rb, N, H, R,
+                        s_on, s_ob, s_oh, s_ln, s_lb, s_lh, s_outb, s_outh, s_lseb, s_lseh,
+                        BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr, ONE_PASS: gl.constexpr):
+        """kernels/merge.py's `merge_row_block` in Gluon, the same arithmetic in the same order (a Gluon stage-1
+        kernel's merge programs: "a split launch that merges itself" there)."""
+        LM: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, gl.num_warps()], [1, 0])
+        b = (bh // H).to(gl.int64)
+        h = (bh % H).to(gl.int64)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LM))
+        offs_r = rb * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, LM))
+        mask_r = offs_r < R
+        l_base = L + b * s_lb + h * s_lh
+        o_base = O + b * s_ob + h * s_oh
+        if ONE_PASS:
+            lse = gl.load(l_base + offs_n * s_ln, mask=offs_n < N, other=float("-inf"))
+            o = gl.load(o_base + offs_n[:, None].to(gl.int64) * s_on + offs_r[None, :],
+                        mask=(offs_n < N)[:, None] & mask_r[None, :], other=0.0)
+            ok = gl.abs(lse) < float("inf")
+            m = gl.max(gl.where(ok, lse, float("-inf")), 0)
+            m = gl.where(m == float("-inf"), 0.0, m)
+            w = gl.where(ok, gl.exp(lse - m), 0.0)
+            acc = gl.sum(gl.where(ok[:, None], w[:, None] * o, 0.0), 0)
+            total = gl.sum(w, 0)
+        else:
+            m_vec = gl.full([BLOCK_N], float("-inf"), gl.float32, layout=gl.SliceLayout(1, LM))
+            for n0 in range(0, N, BLOCK_N):
+                n = n0 + offs_n
+                lse = gl.load(l_base + n * s_ln, mask=n < N, other=float("-inf"))
+                m_vec = gl.maximum(m_vec, gl.where(gl.abs(lse) < float("inf"), lse, float("-inf")))
+            m = gl.max(m_vec, 0)
+            m = gl.where(m == float("-inf"), 0.0, m)
+            tot_vec = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(1, LM))
+            acc = gl.zeros([BLOCK_R], gl.float32, layout=gl.SliceLayout(0, LM))
+            for n0 in range(0, N, BLOCK_N):
+                n = n0 + offs_n
+                lse = gl.load(l_base + n * s_ln, mask=n < N, other=float("-inf"))
+                ok = gl.abs(lse) < float("inf")
+                w = gl.where(ok, gl.exp(lse - m), 0.0)
+                o = gl.load(o_base + n[:, None].to(gl.int64) * s_on + offs_r[None, :],
+                            mask=ok[:, None] & mask_r[None, :], other=0.0)
+                acc += gl.sum(w[:, None] * o, 0)
+                tot_vec += w
+            total = gl.sum(tot_vec, 0)
+        out = acc / gl.where(total > 0, total, 1.0)
+        gl.store(Out + b * s_outb + h * s_outh + offs_r, out.to(Out.dtype.element_ty), mask=mask_r)
+        if rb == 0:
+            gl.store(Lse + b * s_lseb + h * s_lseh, gl.where(total > 0, m + gl.log(total), float("-inf")))
 
     @gluon.jit
     def column_softmax(s, m_i, l_i):

@@ -22,7 +22,7 @@ import torch
 from ._util import (block, box_width, caches_view_as_slots, cdiv, dot_mode, has_tma, pdl_launch,
                     query_limit_args, slot_stride, sm_count)
 from ._launch import bind, templated_at, without_bases
-from .decode_stage1 import _stage1_kernel, _stage1_tma_kernel
+from .decode_stage1 import _stage1_kernel, _stage1_merged_kernel, _stage1_tma_kernel
 from ..fp8 import GROUP as FP8_GROUP
 from . import decode_fp8 as _fp8
 from . import decode_fp8_swapab as _fp8_swapab
@@ -30,7 +30,7 @@ from . import decode_seesaw as _seesaw
 from . import decode_swapab as _swapab
 from . import decode_wgmma as _wgmma
 from .scratch import Scratch, empty_maker
-from .merge import merge_bound, merge_into, one_pass_parts  # noqa: F401 (merge_into: benchmarks time the stages apart)
+from .merge import merge_bound, merge_into, merge_work, merged_counters, one_pass_parts  # noqa: F401 (merge_into: benchmarks time the stages apart)
 
 _LOG2E = 1.4426950408889634
 
@@ -219,11 +219,16 @@ def _tma_stage1(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l,
 
 
 def _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, sparse: bool, seq_lens, sm_scale, o, l, s_on, s_ln,
-                    ns, cfg: DecodeConfig, n_query: int = 1, ckv_scale=None):
+                    ns, cfg: DecodeConfig, n_query: int = 1, ckv_scale=None, merged_into=None):
     """(`_stage1_kernel`, or over an FP8 cache with bf16 / fp16 q `decode_fp8._stage1_fp8_kernel` (the same
-    arguments), bound to its grid and compile-time arguments, the numbers after its nine tensor arguments).
+    arguments), bound to its grid and compile-time arguments, the numbers after its nine tensor arguments, the
+    self-merging launch or None).
     Launch: `bound(q_nope, q_pe, ckv_cache, kpe_cache, table, table if sparse else seq_lens, o, l,
-    ckv_scale if FP8 else o, *numbers)` (o: an unread placeholder pointer without FP8)."""
+    ckv_scale if FP8 else o, *numbers)` (o: an unread placeholder pointer without FP8).
+    `merged_into` (out, lse), final outputs (meta tensors: their strides) of a split call (ns > 1): also
+    `_stage1_merged_kernel` bound, as (bound, merge numbers, counter slots); launch `bound(<stage 1's arguments>,
+    counters, out, lse, *merge numbers)` (kernels/merge.py, "a split launch that merges itself"). None for the FP8
+    kernel and where that launch would not fit one wave (`merge_work`)."""
     B, H, R = q_nope.shape
     P = q_pe.shape[2]
     fp8 = ckv_scale is not None
@@ -243,7 +248,16 @@ def _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, sparse: bool, seq
                table.stride(0), s_sp, s_ss,
                s_on, so[-3], so[-2], s_ln, sl[-2], sl[-1],
                ns, *query_limit_args(seq_lens, n_query, H))
-    return bound, numbers
+    merged, groups = None, B * cdiv(H, cfg.block_h)
+    work = merge_work(ns, B * H, R, q_nope.device, groups * ns) if merged_into is not None and ns > 1 else None
+    if work is not None and kernel is _stage1_kernel:
+        out, lse = merged_into
+        work, n_merge = work
+        merged_bound = bind(_stage1_merged_kernel, (groups * ns + n_merge,), **constexprs, **work,
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q_nope.device))
+        merged = (merged_bound, (out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), B, n_merge),
+                  merged_counters(groups))
+    return bound, numbers, merged
 
 
 def _launch_tma(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l, s_on, s_ln, ns,
@@ -258,8 +272,8 @@ def _launch_pointer(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, i
     """One launch of the Triton pointer stage-1 kernel (benchmarks time it alone); returns the compiled kernel."""
     sparse = indices is not None
     table = indices if sparse else block_table
-    bound, numbers = _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, sparse, seq_lens, sm_scale, o, l,
-                                     s_on, s_ln, ns, cfg, n_query, ckv_scale)
+    bound, numbers, _ = _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, sparse, seq_lens, sm_scale, o, l,
+                                        s_on, s_ln, ns, cfg, n_query, ckv_scale)
     return bound(q_nope, q_pe, ckv_cache, kpe_cache, table, table if sparse else seq_lens, o, l,
                  ckv_scale if ckv_scale is not None else o, *numbers)
 
@@ -275,14 +289,23 @@ class AttendPlan:
 
     The signature: the shapes, strides, dtypes and device of every tensor argument, whether each is 16-byte aligned
     (Triton specializes on it), the scalars, and the config asked for (the op's impl keys its plans on it,
-    ops/attention.py; any other caller builds a plan per call, which costs what the unplanned path did)."""
+    ops/attention.py; any other caller builds a plan per call, which costs what the unplanned path did).
+
+    `merge_in_kernel`: a split call of the Triton pointer kernel or the swap-AB Gluon kernel merges its splits in the
+    stage-1 launch itself (`_stage1_merged_kernel`, `decode_swapab._swapab_merged_kernel`: one launch, not two;
+    kernels/merge.py) where zeroed counters are at hand (None: on the legacy default stream, kernels/scratch.py, so
+    eager calls and default-mode compiled graphs; CUDA-graph capture and side streams keep the two launches, so graph
+    replays are unchanged), always (True: zeroed counters allocated per call) or never (False). The other stage-1
+    kernels always take two launches."""
 
     def __init__(self, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, capacity,
-                 cfg: DecodeConfig | None, splits: int | None, n_query: int = 1, ckv_scale=None, outer=None):
+                 cfg: DecodeConfig | None, splits: int | None, n_query: int = 1, ckv_scale=None, outer=None,
+                 merge_in_kernel: bool | None = None):
         B, H, R = q_nope.shape  # H: rows per request (n_query * heads)
         self.device, self.out_shape, self.lse_shape = q_nope.device, q_nope.shape, (B, H)
         self.sparse, self.n_query = indices is not None, n_query
         self.empty = B * H == 0
+        self.merged, self.merge_in_kernel = None, merge_in_kernel
         # the outputs: contiguous out in q's dtype, float32 lse (`scratch.empty_maker`: a template's empty_like), in
         # the caller's shape where q is a row-folded view (`outer`, [B, S, heads, R]: the same bytes, no view a call)
         out_shape = q_nope.shape if outer is None else outer
@@ -331,15 +354,22 @@ class AttendPlan:
                                       cfg)
         elif self.kind == "pointer":
             table = indices if self.sparse else block_table
-            self.stage1, self.numbers = _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, self.sparse,
-                                                        seq_lens, sm_scale, o, l, s_on, s_ln, ns, cfg, n_query,
-                                                        ckv_scale)
+            merged_into = None if merge_in_kernel is False or ns == 1 else (
+                torch.empty(self.out_shape, device=meta), torch.empty(self.lse_shape, device=meta))
+            self.stage1, self.numbers, self.merged = _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table,
+                                                                     self.sparse, seq_lens, sm_scale, o, l, s_on,
+                                                                     s_ln, ns, cfg, n_query, ckv_scale, merged_into)
         elif self.kind == "fp8_swapab":
             self.stage1 = _fp8_swapab.stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, block_table, sm_scale,
                                                   o, l, s_on, s_ln, ns)
         elif self.kind == "swapab":
+            tiling = _swapab.Tiling(cfg.block_h, cfg.num_warps)
             self.stage1 = _swapab.stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l, s_on,
-                                              s_ln, ns, _swapab.Tiling(cfg.block_h, cfg.num_warps))
+                                              s_ln, ns, tiling)
+            if ns > 1 and merge_in_kernel is not False:
+                self.merged = _swapab.merged_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l,
+                                                  s_on, s_ln, ns, torch.empty(self.out_shape, device=meta),
+                                                  torch.empty(self.lse_shape, device=meta), tiling)
         elif self.kind == "seesaw":
             self.stage1 = _seesaw.stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o,
                                               l, s_on, s_ln, ns, n_query)
@@ -352,7 +382,8 @@ class AttendPlan:
             # float32 partial outs: q's half precision halves their bytes but was slower at short split shapes and
             # no faster elsewhere (H200 2026-12-03, two runs whose peers agreed within 2% there: H 16 B 32 1K 20.9
             # -> 28.9 us, H 128 B 32 1K 40.5 -> 58.8, H 128 B 8 1K 19.0 -> 25.7)
-            self.partials = Scratch(self.partial_shapes, q_nope.device)
+            counters = self.merged[2] if self.merged is not None and merge_in_kernel is None else 0
+            self.partials = Scratch(self.partial_shapes, q_nope.device, counters=counters)
         self.run = self._runner()
 
     def __call__(self, q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens=None, ckv_scale=None):
@@ -398,6 +429,8 @@ class AttendPlan:
             return run
         # the default stream's scratch where it is safe, else fresh buffers (kernels/scratch.py)
         partials, (merge, merge_numbers) = self.partials.get, self.merge
+        if self.merged is not None:
+            return self._merged_runner(launch)
 
         def run_split(qn, qp, ckv, kpe, table, lens=None, scale=None):
             out, lse = fresh_out(), fresh_lse()
@@ -410,20 +443,63 @@ class AttendPlan:
 
         return run_split
 
+    def _merged_runner(self, launch):
+        """`_runner`'s split call where stage 1 merges its splits itself (`merge_in_kernel`): one launch; with
+        counters from the scratch (None) two launches where it hands none out."""
+        fresh_out, fresh_lse, copies, partials = self.fresh_out, self.fresh_lse, self.copies, self.partials.get
+        merge, merge_numbers = self.merge
+        merged, merged_numbers, slots = self.merged
+        numbers, sparse = self.stage1[2] if self.kind == "swapab" else self.numbers, self.sparse
+        if self.kind == "swapab":  # the Gluon kernel: the caches twice (its descriptors' bases, then pointers)
+            def launch_merged(qn, qp, ckv, kpe, table, lens, scale, o, l, counters, out, lse):
+                merged(qn, qp, ckv, kpe, ckv, kpe, table, lens, o, l, *numbers, counters, out, lse, *merged_numbers)
+        else:  # the Triton pointer kernel (a sparse call's indices stand in for the lengths, as in stage 1)
+            def launch_merged(qn, qp, ckv, kpe, table, lens, scale, o, l, counters, out, lse):
+                merged(qn, qp, ckv, kpe, table, table if sparse else lens, o, l, o if scale is None else scale,
+                       *numbers, counters, out, lse, *merged_numbers)
+
+        if self.merge_in_kernel:  # always: zeroed counters of its own per call (a memset, which graphs capture)
+            zeroed = functools.partial(torch.zeros, slots, dtype=torch.int32, device=self.device)
+
+            def run_merged(qn, qp, ckv, kpe, table, lens=None, scale=None):
+                out, lse = fresh_out(), fresh_lse()
+                if copies:
+                    qn, qp, lens, table = map(_unit_inner_stride, (qn, qp, lens, table))
+                o, l = partials()
+                launch_merged(qn, qp, ckv, kpe, table, lens, scale, o, l, zeroed(), out, lse)
+                return out, lse
+
+            return run_merged
+
+        def run_auto(qn, qp, ckv, kpe, table, lens=None, scale=None):
+            out, lse = fresh_out(), fresh_lse()
+            if copies:
+                qn, qp, lens, table = map(_unit_inner_stride, (qn, qp, lens, table))
+            o, l, counters = partials()
+            if counters is None:
+                launch(qn, qp, ckv, kpe, table, lens, scale, o, l)
+                merge(o, l, out, lse, *merge_numbers)
+            else:
+                launch_merged(qn, qp, ckv, kpe, table, lens, scale, o, l, counters, out, lse)
+            return out, lse
+
+        return run_auto
+
 
 def decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, *, cfg=None, splits=None,
-                n_query: int = 1, ckv_scale=None, outer=None) -> AttendPlan:
+                n_query: int = 1, ckv_scale=None, outer=None, merge_in_kernel: bool | None = None) -> AttendPlan:
     """`decode`'s plan for these tensors' signature: `plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table,
     seq_lens, ckv_scale)` runs it on any tensors of that signature. `outer`: q's own shape [B, S, heads, R] where
     q_nope / q_pe here are row-folded views of it; the plan then takes q in that shape (the kernels read q by data
-    pointer and the strides fixed here) and returns out [B, S, heads, R] / lse [B, S, heads]."""
+    pointer and the strides fixed here) and returns out [B, S, heads, R] / lse [B, S, heads]. `merge_in_kernel`:
+    `AttendPlan`'s."""
     capacity = block_table.shape[1] * ckv_cache.shape[1]  # the longest a request can be: shape-only
     return AttendPlan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, None, sm_scale, capacity, cfg, splits,
-                      n_query, ckv_scale, outer)
+                      n_query, ckv_scale, outer, merge_in_kernel)
 
 
 def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, *, cfg=None, splits=None,
-           n_query: int = 1, ckv_scale=None):
+           n_query: int = 1, ckv_scale=None, merge_in_kernel: bool | None = None):
     """`mla::decode` on the GPU (or under TRITON_INTERPRET=1): (out [B, H, R] q dtype, lse float32 [B, H]).
 
     n_query = S > 1: S query tokens per request folded into the rows, q [B, S * H, R] with row j * H + h = head h
@@ -432,23 +508,25 @@ def decode(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, 
     limit itself (DCP's per-rank counts). The pointer kernel, each KV tile loaded once for all S tokens.
     ckv_scale: an FP8 ckv_cache's scales (mla_compile/fp8.py): bf16 / fp16 q take decode_fp8.py's kernel (scales
     folded into the products), fp32 q the pointer kernel dequantizing its tiles in registers."""
-    return decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, cfg=cfg, splits=splits,
-                       n_query=n_query, ckv_scale=ckv_scale)(q_nope, q_pe, ckv_cache, kpe_cache, block_table,
-                                                             seq_lens, ckv_scale)
+    plan = decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, cfg=cfg, splits=splits,
+                       n_query=n_query, ckv_scale=ckv_scale, merge_in_kernel=merge_in_kernel)
+    return plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, ckv_scale)
 
 
 def sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, *, cfg=None, splits=None,
-                       ckv_scale=None, outer=None) -> AttendPlan:
+                       ckv_scale=None, outer=None, merge_in_kernel: bool | None = None) -> AttendPlan:
     """`sparse_decode`'s plan: `plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, None, ckv_scale)`; `outer` as in
     `decode_plan` (q [B, S, H, R] and indices [B, S, K] folded to B*S requests by views)."""
     return AttendPlan(q_nope, q_pe, ckv_cache, kpe_cache, None, None, indices, sm_scale, indices.shape[1], cfg, splits,
-                      ckv_scale=ckv_scale, outer=outer)
+                      ckv_scale=ckv_scale, outer=outer, merge_in_kernel=merge_in_kernel)
 
 
-def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, *, cfg=None, splits=None, ckv_scale=None):
+def sparse_decode(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, *, cfg=None, splits=None, ckv_scale=None,
+                  merge_in_kernel: bool | None = None):
     """`mla::sparse_decode`: attention over the physical slots in indices [B, K] (-1 ignored)."""
-    return sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, cfg=cfg, splits=splits,
-                              ckv_scale=ckv_scale)(q_nope, q_pe, ckv_cache, kpe_cache, indices, None, ckv_scale)
+    plan = sparse_decode_plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, sm_scale, cfg=cfg, splits=splits,
+                              ckv_scale=ckv_scale, merge_in_kernel=merge_in_kernel)
+    return plan(q_nope, q_pe, ckv_cache, kpe_cache, indices, None, ckv_scale)
 
 
 def flops(batch: int, heads: int, kv_len: int, R: int, P: int) -> float:

@@ -113,8 +113,9 @@ def _stage1_fp8_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale,
     in q's dtype (bf16 / fp16)."""
     pdl_enter(PDL)
     b, offs_h, mask_h, split, limit, start, end = _program_tokens(Lens, H, n_sparse, n_query, heads_per_query, s_lenb,
-                                                                  s_lenq, causal, n_splits, SPARSE, MULTI, BLOCK_H,
-                                                                  BLOCK_N)
+                                                                  s_lenq, causal, n_splits, tl.program_id(0),
+                                                                  tl.program_id(1), tl.program_id(2), SPARSE, MULTI,
+                                                                  BLOCK_H, BLOCK_N)
     offs_p = tl.arange(0, BLOCK_P)[None, :]
     qp = tl.load(Qp + b * s_qpb + offs_h[:, None] * s_qph + offs_p, mask=mask_h[:, None] & (offs_p < P), other=0.0)
     unscale, prescale = _q_prescale(Qn, b, offs_h, mask_h, s_qnb, s_qnh, G)

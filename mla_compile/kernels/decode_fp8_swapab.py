@@ -191,7 +191,8 @@ if G.gluon is not None:
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4 * WG, 1], [1, 0])  # q: 16-byte global loads
         dt: gl.constexpr = Qn.dtype.element_ty
 
-        b, hb, split, start, end, n_full, n_tiles = G.swapab_program(Lens, H, n_splits, N, BT)
+        b, hb, split, start, end, n_full, n_tiles = G.swapab_program(Lens, H, n_splits, gl.program_id(0),
+                                                                            gl.program_id(1), N, BT)
 
         # q of this head block, once, as the B operands: [N, 128] per scale group and [N, 64] rope (heads >= H: 0)
         offs_h = hb * N + gl.arange(0, N, layout=gl.SliceLayout(1, LD))

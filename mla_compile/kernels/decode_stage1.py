@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ._util import mma, pdl_enter
+from .merge import arrive, merge_when_arrived, take_ticket
 
 
 @triton.jit
@@ -23,14 +24,13 @@ def _split_range(n, split, n_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _program_tokens(Lens, H, n_sparse, n_query, heads_per_query, s_lenb, s_lenq, causal, n_splits,
+def _program_tokens(Lens, H, n_sparse, n_query, heads_per_query, s_lenb, s_lenq, causal, n_splits, b, hb, split,
                     SPARSE: tl.constexpr, MULTI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This program's (request b int64, its head rows offs_h [BLOCK_H], mask_h, split, limit, start, end): the
-    tokens [start, end) of its split of the head block's range, and with MULTI each row's own causal limit
-    [BLOCK_H] (`_stage1_kernel`'s docstring; without MULTI, limit is an unused placeholder)."""
-    b = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    split = tl.program_id(2)
+    """The (request b int64, its head rows offs_h [BLOCK_H], mask_h, split, limit, start, end) of program (b, head
+    block hb, split): the tokens [start, end) of its split of the head block's range, and with MULTI each row's own
+    causal limit [BLOCK_H] (`_stage1_kernel`'s docstring; without MULTI, limit is an unused placeholder)."""
+    b = b.to(tl.int64)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     limit = n_sparse
     if SPARSE:
@@ -39,7 +39,7 @@ def _program_tokens(Lens, H, n_sparse, n_query, heads_per_query, s_lenb, s_lenq,
         tok = offs_h // heads_per_query
         limit = tl.load(Lens + b * s_lenb + tok * s_lenq, mask=mask_h, other=0) + causal * (tok - n_query + 1)
         # limits grow with the query token, so the block's last row has the largest: the block's token range
-        last = (tl.minimum(tl.program_id(1) * BLOCK_H + BLOCK_H, H) - 1) // heads_per_query
+        last = (tl.minimum(hb * BLOCK_H + BLOCK_H, H) - 1) // heads_per_query
         n = tl.maximum(tl.load(Lens + b * s_lenb + last * s_lenq) + causal * (last - n_query + 1), 0)
     else:
         n = tl.load(Lens + b)
@@ -186,9 +186,57 @@ def _stage1_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale,
     128 channels: mla_compile/fp8.py); each tile is dequantized in registers (float32 value * scale, rounded once
     to q's dtype) before the MMAs, which run in q's dtype as for a bf16 cache."""
     pdl_enter(PDL)
+    _stage1_program(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale, scale_log2, H, n_sparse, s_qnb, s_qnh, s_qpb, s_qph,
+                    s_cp, s_cs, s_kp, s_ks, s_tb, s_sp, s_ss, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, n_splits, n_query,
+                    heads_per_query, s_lenb, s_lenq, causal, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                    SPARSE, PS, R, P, BLOCK_H, BLOCK_N, RH, BLOCK_P, DOT_PREC, DOT_UPCAST, MULTI, FP8)
+
+
+@triton.jit
+def _stage1_merged_kernel(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale,
+                          scale_log2, H, n_sparse,
+                          s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb, s_sp, s_ss,
+                          s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
+                          n_splits, n_query, heads_per_query, s_lenb, s_lenq, causal,
+                          C, Out, Lse, s_outb, s_outh, s_lseb, s_lseh, B, n_merge,
+                          SPARSE: tl.constexpr, PS: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
+                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, RH: tl.constexpr, BLOCK_P: tl.constexpr,
+                          DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, MULTI: tl.constexpr,
+                          FP8: tl.constexpr, MERGE_N: tl.constexpr, MERGE_R: tl.constexpr,
+                          MERGE_ONE_PASS: tl.constexpr, PDL: tl.constexpr = False):
+    """`_stage1_kernel` and the merge of its splits in one launch (kernels/merge.py, "a split launch that merges
+    itself"): grid (B * ceil(H / BLOCK_H) * n_splits + n_merge,), the first tickets stage-1 programs (request fastest,
+    as `_stage1_kernel`'s grid), the rest `merge_when_arrived`'s items; O / L the partials, Out / Lse the final
+    out and lse, C the zeroed counters."""
+    pdl_enter(PDL)
+    n_hb = tl.cdiv(H, BLOCK_H)
+    ticket, is_split = take_ticket(C, B * n_hb * n_splits)
+    if is_split:
+        b = ticket % B
+        hb = (ticket // B) % n_hb
+        _stage1_program(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale, scale_log2, H, n_sparse, s_qnb, s_qnh, s_qpb,
+                        s_qph, s_cp, s_cs, s_kp, s_ks, s_tb, s_sp, s_ss, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, n_splits,
+                        n_query, heads_per_query, s_lenb, s_lenq, causal, b, hb, ticket // (B * n_hb), SPARSE, PS, R,
+                        P, BLOCK_H, BLOCK_N, RH, BLOCK_P, DOT_PREC, DOT_UPCAST, MULTI, FP8)
+        arrive(C, b * n_hb + hb)
+    else:
+        merge_when_arrived(C, ticket - B * n_hb * n_splits, n_merge, B, O, L, Out, Lse, n_splits, H, R,
+                           s_on, s_ob, s_oh, s_ln, s_lb, s_lh, s_outb, s_outh, s_lseb, s_lseh, BLOCK_H, MERGE_N,
+                           MERGE_R, MERGE_ONE_PASS)
+
+
+@triton.jit
+def _stage1_program(Qn, Qp, Ckv, Kpe, Table, Lens, O, L, Scale, scale_log2, H, n_sparse,
+                    s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb, s_sp, s_ss,
+                    s_on, s_ob, s_oh, s_ln, s_lb, s_lh, n_splits, n_query, heads_per_query, s_lenb, s_lenq, causal,
+                    pid_b, pid_h, pid_split,
+                    SPARSE: tl.constexpr, PS: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, RH: tl.constexpr, BLOCK_P: tl.constexpr,
+                    DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, MULTI: tl.constexpr, FP8: tl.constexpr):
+    """One `_stage1_kernel` program: request pid_b, head block pid_h, split pid_split."""
     b, offs_h, mask_h, split, limit, start, end = _program_tokens(Lens, H, n_sparse, n_query, heads_per_query, s_lenb,
-                                                                  s_lenq, causal, n_splits, SPARSE, MULTI, BLOCK_H,
-                                                                  BLOCK_N)
+                                                                  s_lenq, causal, n_splits, pid_b, pid_h, pid_split,
+                                                                  SPARSE, MULTI, BLOCK_H, BLOCK_N)
     m_i, l_i, acc0, acc1 = _attend_range(Qn, Qp, Ckv, Kpe, Table, Scale, scale_log2, b, offs_h, mask_h, limit, start,
                                          end, s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb, s_sp, s_ss,
                                          SPARSE, PS, R, P, BLOCK_H, BLOCK_N, RH, BLOCK_P, DOT_PREC, DOT_UPCAST, MULTI,

@@ -49,6 +49,7 @@ import functools
 from . import _gluon as G
 from ._launch import bind, templated_at
 from ._util import cdiv
+from .merge import arrive, leave_group, merge_work, merged_counters, take_ticket, wait_for_group
 
 if G.gluon is not None:
     from triton.experimental import gluon
@@ -227,6 +228,43 @@ if G.gluon is not None:
         int32 [B]; O fp32 [n_splits, B, H, 512] and L fp32 [n_splits, B, H] (normalised partial out, natural-log lse;
         with one split the final out in q's dtype and lse, s_on = s_ln = 0). N heads per program, WG warpgroups."""
         G.pdl_enter(PDL)
+        _swapab_program(Qn, Qp, CkvDesc, KpeDesc, Ckv, Kpe, Table, Lens, O, L, scale_log2, H, s_qnb, s_qnh, s_qpb,
+                        s_qph, s_cp, s_cs, s_kp, s_ks, s_tb, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, n_splits,
+                        gl.program_id(0), gl.program_id(1), PS, N, WG)
+
+    @gluon.jit
+    def _swapab_merged_kernel(Qn, Qp, CkvDesc, KpeDesc, Ckv, Kpe, Table, Lens, O, L,
+                              scale_log2, H,
+                              s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
+                              s_on, s_ob, s_oh, s_ln, s_lb, s_lh, n_splits,
+                              C, Out, Lse, s_outb, s_outh, s_lseb, s_lseh, B, n_merge,
+                              PS: gl.constexpr, N: gl.constexpr, WG: gl.constexpr, MERGE_N: gl.constexpr,
+                              MERGE_R: gl.constexpr, MERGE_ONE_PASS: gl.constexpr, PDL: gl.constexpr = False):
+        """`_swapab_kernel` and the merge of its splits in one launch (kernels/merge.py, "a split launch that merges
+        itself"): grid (B * ceil(H / N) * n_splits + n_merge,), the first tickets stage-1 programs (in
+        `_swapab_kernel`'s grid order), the rest merge items; O / L the partials, Out / Lse the final out and lse, C
+        the zeroed counters."""
+        G.pdl_enter(PDL)
+        groups = B * gl.cdiv(H, N)
+        ticket, is_split = take_ticket(C, groups * n_splits)
+        if is_split:
+            _swapab_program(Qn, Qp, CkvDesc, KpeDesc, Ckv, Kpe, Table, Lens, O, L, scale_log2, H, s_qnb, s_qnh, s_qpb,
+                            s_qph, s_cp, s_cs, s_kp, s_ks, s_tb, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, n_splits,
+                            ticket % groups, ticket // groups, PS, N, WG)
+            arrive(C, ticket % groups)
+        else:
+            item = ticket - groups * n_splits
+            bh, rb = wait_for_group(C, item, B, H, n_splits, N)
+            G.merge_row_block(O, L, Out, Lse, bh, rb, n_splits, H, 2 * CkvDesc.block_type.shape[1], s_on, s_ob, s_oh,
+                              s_ln, s_lb, s_lh, s_outb, s_outh, s_lseb, s_lseh, MERGE_N, MERGE_R, MERGE_ONE_PASS)
+            leave_group(C, item, n_merge, B, H, n_splits, N)
+
+    @gluon.jit
+    def _swapab_program(Qn, Qp, CkvDesc, KpeDesc, Ckv, Kpe, Table, Lens, O, L, scale_log2, H,
+                        s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cs, s_kp, s_ks, s_tb,
+                        s_on, s_ob, s_oh, s_ln, s_lb, s_lh, n_splits, pid, split,
+                        PS: gl.constexpr, N: gl.constexpr, WG: gl.constexpr):
+        """One `_swapab_kernel` program: (pid, split) of its grid."""
         gl.static_assert(gl.num_warps() == 4 * WG, "WG warpgroups")
         BT: gl.constexpr = CkvDesc.block_type.shape[0]
         RH: gl.constexpr = CkvDesc.block_type.shape[1]
@@ -243,7 +281,8 @@ if G.gluon is not None:
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4 * WG, 1], [1, 0])  # 16-byte loads and stores
         CK: gl.constexpr = G.run_layout(4 * WG)  # TOKENS: a tile's 64 table entries, for `_gluon.run_start`
 
-        b, hb, split, start, end, n_full, n_tiles = G.swapab_program(Lens, H, n_splits, N, BT)
+        b, hb, split, start, end, n_full, n_tiles = G.swapab_program(Lens, H, n_splits, pid, split, N,
+                                                                            BT)
 
         q0_s, q1_s, qp_s = G.q_to_smem(Qn, Qp, b, hb, H, s_qnb, s_qnh, s_qpb, s_qph, dt, RH, P, N, LD)
         c0_s = gl.allocate_shared_memory(dt, [STAGES, BT, RH], CkvDesc.layout)
@@ -343,3 +382,22 @@ def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l,
     numbers = (sm_scale * G.LOG2E, H, *G.strides(q_nope, q_pe, ckv_cache, kpe_cache, block_table, o, l, s_on, s_ln,
                                                   ns))
     return bound, templates, numbers
+
+
+def merged_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l, s_on, s_ln, ns, out, lse,
+                tiling: Tiling | None = None):
+    """`stage1_plan`'s kernel merging its own splits in the same launch (`_swapab_merged_kernel`; kernels/merge.py,
+    "a split launch that merges itself"): (bound, merge numbers, counter slots), or None where it would not fit one
+    wave (`merge.merge_work`). Launch `bound(<run_stage1's arguments>, counters, out, lse, *merge numbers)`; out
+    [B, H, 512] / lse [B, H] may be meta tensors."""
+    B, H, _ = q_nope.shape
+    t = tiling or default_tiling(H)
+    groups = B * cdiv(H, t.N)
+    work = merge_work(ns, B * H, R, q_nope.device, groups * ns)
+    if work is None:
+        return None
+    work, n_merge = work
+    bound = bind(_swapab_merged_kernel, (groups * ns + n_merge,),
+                 templated_at(2, G.descriptor_templates(ckv_cache, kpe_cache)), **t.constexprs(ckv_cache.shape[1]),
+                 **work, num_warps=t.warps, **G.pdl_launch(q_nope.device))
+    return bound, (out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), B, n_merge), merged_counters(groups)

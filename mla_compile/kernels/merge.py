@@ -23,8 +23,16 @@ def _merge_kernel(O, L, Out, Lse, N, H, R,
                   s_on, s_ob, s_oh, s_ln, s_lb, s_lh, s_outb, s_outh, s_lseb, s_lseh,
                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
-    bh = tl.program_id(0)
-    rb = tl.program_id(1)
+    merge_row_block(O, L, Out, Lse, tl.program_id(0), tl.program_id(1), N, H, R, s_on, s_ob, s_oh, s_ln, s_lb, s_lh,
+                    s_outb, s_outh, s_lseb, s_lseh, BLOCK_N, BLOCK_R, ONE_PASS)
+
+
+@triton.jit
+def merge_row_block(O, L, Out, Lse, bh, rb, N, H, R,
+                    s_on, s_ob, s_oh, s_ln, s_lb, s_lh, s_outb, s_outh, s_lseb, s_lseh,
+                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ONE_PASS: tl.constexpr):
+    """Row bh (= b * H + h) of the merge, columns [rb * BLOCK_R, (rb + 1) * BLOCK_R): out from the N parts O [N, B,
+    H, R] weighted by their lses L [N, B, H]; the lse itself from column block 0."""
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
@@ -70,6 +78,111 @@ def _merge_kernel(O, L, Out, Lse, N, H, R,
     tl.store(Out + b * s_outb + h * s_outh + offs_r, out, mask=mask_r)
     if rb == 0:
         tl.store(Lse + b * s_lseb + h * s_lseh, tl.where(total > 0, m + tl.log(total), float("-inf")))
+
+
+# ---- a split launch that merges itself --------------------------------------------------------------------------
+# Where an eager split-KV call's host time is the bottleneck (default-mode compile, eager decode: the GPU work of a
+# short call hides behind ~6 us of host per launch), stage 1 and this merge run as ONE launch: its programs take work
+# in ticket order (an atomic counter), the first tickets the stage-1 programs, the rest the merge's items (row,
+# column block: `_merge_kernel`'s grid). A merge program waits until its group's (request, head block's) splits have
+# all arrived, then merges as `_merge_kernel` would (bitwise: the same code). Tickets, not program ids, make the wait
+# safe: a merge ticket is handed out only after every stage-1 ticket, i.e. to a program that starts after every
+# stage-1 program it may wait for is already running, so no co-residency is assumed (the order in which the GPU
+# schedules programs is not). Counters (int32, zero before and after the launch; kernels/scratch.py hands them out
+# where launches are ordered): C[0] tickets, C[1] merge items done, C[2 + group] the group's arrived splits, then its
+# merge items done; the last merge item of a group puts its slot back to 0, the last of all C[0] and C[1].
+# The helpers are scalar code, so the Gluon stage-1 kernels call them too (`_gluon.merge_row_block` is this file's
+# `merge_row_block` in Gluon).
+
+
+@triton.jit
+def take_ticket(C, n_split_programs):
+    """(this program's ticket, whether it is a stage-1 program: ticket < n_split_programs)."""
+    ticket = tl.atomic_add(C, 1, sem="relaxed", scope="gpu")
+    return ticket, ticket < n_split_programs
+
+
+@triton.jit
+def arrive(C, group):
+    """A stage-1 program's partial is written: every thread's stores ordered (CTA barrier) before one release add
+    at GPU scope (CUTLASS's semaphore), which the group's merge programs acquire."""
+    tl.debug_barrier()
+    tl.atomic_add(C + 2 + group, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _merge_group(item, B, H, GROUP_H):
+    """(row bh = b * H + h, column block, group b * ceil(H / GROUP_H) + h // GROUP_H) of merge item `item`."""
+    rows = B * H
+    bh = item % rows
+    return bh, item // rows, (bh // H) * tl.cdiv(H, GROUP_H) + (bh % H) // GROUP_H
+
+
+@triton.jit
+def wait_for_group(C, item, B, H, N, GROUP_H):
+    """(row, column block) of merge item `item` once the N splits of its group have arrived."""
+    bh, rb, group = _merge_group(item, B, H, GROUP_H)
+    seen = tl.atomic_add(C + 2 + group, 0, sem="acquire", scope="gpu")
+    while seen < N:
+        seen = tl.atomic_add(C + 2 + group, 0, sem="acquire", scope="gpu")
+    return bh, rb
+
+
+@triton.jit
+def leave_group(C, item, n_items, B, H, N, GROUP_H):
+    """Merge item `item` (of n_items) is done: the last of its group zeroes the group's slot, the last of all C[0]
+    and C[1]."""
+    bh, rb, group = _merge_group(item, B, H, GROUP_H)
+    hb = (bh % H) // GROUP_H
+    in_group = tl.minimum(GROUP_H, H - hb * GROUP_H) * (n_items // (B * H))
+    left = tl.atomic_add(C + 2 + group, 1, sem="acq_rel", scope="gpu")
+    if left == N + in_group - 1:
+        tl.store(C + 2 + group, 0)
+    done = tl.atomic_add(C + 1, 1, sem="acq_rel", scope="gpu")
+    if done == n_items - 1:
+        tl.store(C, 0)
+        tl.store(C + 1, 0)
+
+
+@triton.jit
+def merge_when_arrived(C, item, n_items, B, O, L, Out, Lse, N, H, R,
+                       s_on, s_ob, s_oh, s_ln, s_lb, s_lh, s_outb, s_outh, s_lseb, s_lseh, GROUP_H: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ONE_PASS: tl.constexpr):
+    """Merge item `item` of n_items once the N splits of its group (request b, rows of head block h // GROUP_H)
+    have arrived (a Triton stage-1 kernel's merge programs)."""
+    bh, rb = wait_for_group(C, item, B, H, N, GROUP_H)
+    merge_row_block(O, L, Out, Lse, bh, rb, N, H, R, s_on, s_ob, s_oh, s_ln, s_lb, s_lh, s_outb, s_outh, s_lseb,
+                    s_lseh, BLOCK_N, BLOCK_R, ONE_PASS)
+    leave_group(C, item, n_items, B, H, N, GROUP_H)
+
+
+def merge_work(N: int, rows: int, R: int, device, split_programs: int) -> tuple[dict, int] | None:
+    """(the self-merging kernels' constexprs MERGE_N, MERGE_R, MERGE_ONE_PASS: `merge_when_arrived`'s BLOCK_N,
+    BLOCK_R, ONE_PASS; its number of items) for N parts of `rows` rows of width R behind `split_programs` stage-1
+    programs, or None where that launch would not fit one wave.
+
+    One wave: on a GPU the stage-1 programs and every merge item must fit one program per SM (the swap-AB kernel's
+    shared memory allows no more), column blocks widened from `_merge_kernel`'s tiling until they do. A merge program
+    holds the stage-1 kernel's shared memory, so one that must wait for a free SM costs a second wave of big
+    programs: H200 2026-12-07 (benchmarks/RESULTS.md), queued GPU us per call H 16 B 4 4K 10.0 with two launches vs
+    60.0 in one launch of 132 stage-1 + 256 merge programs, B 1 1K 6.3 vs 10.3 at 16 + 128. Under the interpreter
+    (CPU tensors) `_merge_kernel`'s tiling as it is."""
+    device = torch.device(device)
+    sms = sm_count(device)
+    block_n, block_r, grid = _tiles(N, rows, R, sms)
+    if device.type == "cuda":
+        while split_programs + rows * cdiv(R, block_r) > sms and block_r < next_power_of_2(max(R, 1)):
+            block_r *= 2
+        if split_programs + rows * cdiv(R, block_r) > sms:
+            return None
+        block_n = min(next_power_of_2(N), _parts_per_tile(block_r))
+    items = rows * max(1, cdiv(R, block_r))
+    return dict(MERGE_N=block_n, MERGE_R=block_r, MERGE_ONE_PASS=N <= block_n), items
+
+
+def merged_counters(groups: int) -> int:
+    """Counter slots a self-merging split launch of `groups` (request, head block) groups takes."""
+    return 2 + groups
 
 
 _TILE = 8192  # elements of one [parts, R] tile per program (keeps it in registers)

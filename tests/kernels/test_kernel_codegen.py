@@ -146,7 +146,7 @@ def test_per_head_linear_compiles_to_tensor_core_mma_without_spills(transposed):
 
 @pytest.mark.parametrize("kernel", ["stage1 page 1", "stage1 page 64", "stage1 H=128 tma", "linear split-K",
                                     "per-head linear", "gluon swapab tokens", "gluon fp8 swapab gather",
-                                    "gluon wgmma gather"])
+                                    "gluon wgmma gather", "stage1 merged page 1", "gluon swapab merged"])
 def test_pdl_kernels_wait_for_the_previous_kernel_before_any_memory_access(kernel):
     """Launched with programmatic dependent launch (on by default on sm_90+; MLA_COMPILE_PDL=0 /
     MLA_COMPILE_GLUON_PDL=0 turn it off), a kernel may start while its predecessor still runs: `griddepcontrol.wait` must come before every global load /
@@ -161,7 +161,12 @@ def test_pdl_kernels_wait_for_the_previous_kernel_before_any_memory_access(kerne
              "per-head linear": lambda pdl: aot.per_head_linear_sm90(True, K=128, pdl=pdl),
              "gluon swapab tokens": lambda pdl: aot.swapab_sm90(H=16, page_size=1, pdl=pdl),
              "gluon fp8 swapab gather": lambda pdl: aot.fp8_swapab_sm90(H=16, page_size=1, gather=True, pdl=pdl),
-             "gluon wgmma gather": lambda pdl: aot.wgmma_stage1_sm90(page_size=1, kernel="gather", pdl=pdl)}[kernel]
+             "gluon wgmma gather": lambda pdl: aot.wgmma_stage1_sm90(page_size=1, kernel="gather", pdl=pdl),
+             # the self-merging builds: the ticket's atomic is a memory access too (the previous launch's last merge
+             # program may still be zeroing the same counters)
+             "stage1 merged page 1": lambda pdl: aot.stage1_sm90(D.default_config(16, 512, 1), page_size=1, pdl=pdl,
+                                                                 merged=True),
+             "gluon swapab merged": lambda pdl: aot.swapab_sm90(H=16, pdl=pdl, merged=True)}[kernel]
     ptx = build(True)["ptx"]
     wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     first_access = _MEMORY_OP.search(ptx)
@@ -308,3 +313,34 @@ def test_swap_ab_kernel_over_a_token_table_takes_tma_boxes_or_row_copies(H):
     assert out["spill_bytes"] == 0, out["registers"]
     assert out["shared_bytes"] <= G.SMEM_LIMIT
     assert "C7514" not in out["advisories"] and "C7515" not in out["advisories"], out["advisories"]
+
+
+@pytest.mark.parametrize("page_size,sparse", [(1, True), (64, False)])
+def test_self_merging_pointer_kernel_keeps_the_stage1_code(page_size, sparse):
+    """The Triton pointer kernel's build that merges its own splits (kernels/merge.py, `_stage1_merged_kernel`):
+    the stage-1 part as in `_stage1_kernel` (16-byte async copies of the cache, MMAs), no spills; the protocol is one
+    relaxed ticket, one release arrival, acquire polls of the group's counter and acq_rel departures."""
+    out = aot.stage1_sm90(D.default_config(16, 512, page_size), page_size=page_size, sparse=sparse, merged=True)
+    ptx = out["ptx"]
+    assert re.search(r"cp\.async\.cg\.shared\.global[^;]*, 0x10,", ptx), "cache tiles are not 16-byte async copies"
+    assert "mma.sync" in ptx and out["spill_bytes"] == 0, out["registers"]
+    atomics = re.findall(r"atom\.global\.gpu\.(\w+)\.add", ptx)
+    assert sorted(set(atomics)) == ["acq_rel", "relaxed", "release"], atomics
+    assert "ld.global.gpu.acquire" in ptx
+
+
+@pytest.mark.parametrize("page_size", [64, 1])
+def test_self_merging_swapab_kernel_keeps_its_mmas(page_size):
+    """The swap-AB Gluon kernel's self-merging build: TMA tiles into the same warpgroup MMAs, shared memory as the
+    plain build's, ptxas does not serialise the MMAs; no spills in the paged form (the TOKENS form, at 252 registers
+    without the merge, spills a few bytes with it: benchmarks/RESULTS.md times it)."""
+    pytest.importorskip("triton.experimental.gluon")
+    plain, merged = aot.swapab_sm90(H=16, page_size=page_size), aot.swapab_sm90(H=16, page_size=page_size,
+                                                                                merged=True)
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", merged["ptx"]))
+    assert shapes == set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", plain["ptx"]))
+    assert "cp.async.bulk.tensor" in merged["ptx"]
+    assert merged["shared_bytes"] == plain["shared_bytes"]
+    assert "C7514" not in merged["advisories"] and "C7515" not in merged["advisories"], merged["advisories"]
+    if page_size == 64:
+        assert merged["spill_bytes"] == 0, merged["registers"]

@@ -459,7 +459,8 @@ def test_decode_runs_exactly_the_configured_stage1_kernel(kernel, monkeypatch):
         monkeypatch.setattr(getattr(D, "_" + name), "stage1_plan",
                             lambda *a, name=name, **k: (lambda *x: launched.append(name), (), ()))
     monkeypatch.setattr(D, "_tma_stage1", lambda *a, **k: (lambda *x: launched.append("triton-tma"), (), ()))
-    monkeypatch.setattr(D, "_pointer_stage1", lambda *a, **k: (lambda *x: launched.append("triton-pointer"), ()))
+    monkeypatch.setattr(D, "_pointer_stage1", lambda *a, **k: (lambda *x: launched.append("triton-pointer"), (),
+                                                                 None))
     q_nope, q_pe, ckv, kpe = _cpu_call()
     table, lens = torch.zeros(2, 2, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32)
     cfg = D.default_config(128, 512, 64)

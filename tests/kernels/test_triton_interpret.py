@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, rea
               pytest.mark.xdist_group("test_triton_interpret")]
 
 CHECKS = ["decode", "decode_tma", "decode_strided_q", "decode_fp32_odd_dims", "decode_multi_token", "sparse_decode",
+          "split_launch_merging_itself",
           "merge_states", "flashmla_empty_rows", "flashmla_fp8_slots", "cache_write", "fp8_write", "indexer_topk",
           "k_only_indices", "fused_linear", "linear_partials", "per_head_linear"]
 
@@ -169,6 +170,79 @@ def check_decode_strided_q():
         assert lens.stride(0) != 1 and table.stride(-1) != 1
         out, lse = K.decode(qn, qp, bt.ckv_cache, bt.kpe_cache, table, lens, 0.1, cfg=cfg, splits=2)
         _check_attention(out, lse, *want, 1e-5)
+
+
+def check_split_launch_merging_itself():
+    """The Triton pointer kernel merging its own splits in one launch (kernels/merge.py; what eager calls on the
+    default stream take): bitwise the two-launch result (the same merge code), float64's within tolerance, for
+    paged decode (two head blocks, a 0-length request, page 1 and 16), several query tokens (a limits table) and
+    sparse index lists (a row with no valid slot), with counters allocated per call (True) and from the default
+    stream's scratch (None, the scratch made to think it is on that stream): those counters are all zero after
+    every call, and a second call on the same buffer is right again."""
+    import torch
+
+    import reference as ref
+    from mla_compile.kernels import _launch, scratch
+    from mla_compile.kernels import decode as K
+    from mla_compile.ops.attention import token_slots
+
+    scratch._stream = lambda index: 0  # the default stream: Scratch hands out its buffer and counters
+    made = scratch.Scratch.__init__
+
+    def on_device_0(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        self.index = 0
+
+    scratch.Scratch.__init__ = on_device_0
+    launched, bound_call = [], _launch.Bound.__call__
+
+    def recording(self, *args):
+        launched.append(self.fast.jit_function.fn.__name__)
+        return bound_call(self, *args)
+
+    _launch.Bound.__call__ = recording
+    try:
+        gen = torch.Generator().manual_seed(11)
+        cfg = K.DecodeConfig(block_h=16, block_n=16)
+        cases = []
+        for PS, dtype, tol in ((1, torch.float32, 1e-5), (16, torch.bfloat16, 2e-2)):
+            bt, qn, qp = _batch([37, 0, 50], 20, 32, 16, PS, dtype, gen)
+            want = ref.ref_decode(qn, qp, bt.ckv_cache, bt.kpe_cache, bt.block_table, bt.seq_lens, 0.2)
+            cases.append((lambda m, bt=bt, qn=qn, qp=qp: K.decode(qn, qp, bt.ckv_cache, bt.kpe_cache, bt.block_table,
+                                                                   bt.seq_lens, 0.2, cfg=cfg, splits=3,
+                                                                   merge_in_kernel=m), want, tol, lambda o: o))
+        S, H = 2, 8
+        bt, qn, qp = _batch([41, 2, 30], S * H, 32, 16, 4, torch.float32, gen)
+        lim = torch.tensor([[20, 41], [0, 2], [30, 30]], dtype=torch.int32)
+        q4, p4 = qn.view(3, S, H, 32), qp.view(3, S, H, 16)
+        want = ref.ref_decode_multi(q4, p4, bt.ckv_cache, bt.kpe_cache, bt.block_table, lim, 0.2)
+        cases.append((lambda m: K.decode(qn, qp, bt.ckv_cache, bt.kpe_cache, bt.block_table, lim, 0.2, splits=3,
+                                         n_query=S, merge_in_kernel=m), want, 1e-5, lambda o: o.view(q4.shape[:-1] +
+                                                                                                     o.shape[-1:])
+                      if o.dim() == 3 else o.view(q4.shape[:-1])))
+        bt2, qn2, qp2 = _batch([40, 30], 4, 32, 16, 8, torch.float32, gen)
+        idx = torch.full((2, 24), -1, dtype=torch.int32)
+        idx[0, ::2] = token_slots(bt2.block_table, 8, 40)[0, torch.randperm(40, generator=gen)[:12]].int()
+        want = ref.ref_sparse_decode(qn2, qp2, bt2.ckv_cache, bt2.kpe_cache, idx, 0.2)
+        cases.append((lambda m: K.sparse_decode(qn2, qp2, bt2.ckv_cache, bt2.kpe_cache, idx, 0.2, cfg=cfg, splits=2,
+                                                merge_in_kernel=m), want, 1e-5, lambda o: o))
+        for call, want, tol, shaped in cases:
+            launched.clear()
+            two = call(False)
+            assert launched[-1] == "_merge_kernel" and len(launched) == 2, launched
+            for mode in (True, None, None):
+                launched.clear()
+                out, lse = call(mode)
+                assert launched == ["_stage1_merged_kernel"], launched
+                assert torch.equal(out, two[0]) and torch.equal(lse, two[1]), f"merge_in_kernel={mode}: not bitwise"
+                _check_attention(shaped(out), shaped(lse), *want, tol)
+                if mode is None:
+                    counters = scratch._local.buffers[0].counters
+                    assert counters is not None and not counters.any(), "counters left non-zero"
+    finally:
+        _launch.Bound.__call__ = bound_call
+        scratch.Scratch.__init__ = made
+        scratch._stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def check_decode_fp32_odd_dims():
