@@ -23,6 +23,7 @@ from mla_compile.kernels import decode_seesaw as S  # noqa: E402
 from mla_compile.kernels import decode_swapab as SW  # noqa: E402
 from mla_compile.kernels import decode_wgmma as W  # noqa: E402
 from mla_compile.kernels import dispatch as D_  # noqa: E402
+from mla_compile.kernels._util import slot_stride  # noqa: E402
 
 
 def caches(NP=4, PS=64, R=512, P=64, dtype=torch.bfloat16):
@@ -99,7 +100,7 @@ def test_gluon_kernels_choose_tma_boxes_only_for_whole_tile_pages():
     # (FlashMLA's K layout; vLLM's and SGLang's MLA caches), rows 1152 bytes apart
     fused = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
     assert G.tma_layout(fused[..., :512], fused[..., 512:], sparse=False)
-    assert D.slot_stride(fused[..., :512]) == 576 and D.slot_stride(fused[:, :1, :512]) == 64 * 576
+    assert slot_stride(fused[..., :512]) == 576 and slot_stride(fused[:, :1, :512]) == 64 * 576
     odd = torch.zeros(4, 64, 516, dtype=torch.bfloat16)  # rows 1032 bytes apart: no TMA stride
     assert not G.tma_layout(odd[..., :512], torch.zeros(4, 64, 64, dtype=torch.bfloat16), sparse=False)
     gaps = torch.zeros(4, 128, 512, dtype=torch.bfloat16)[:, :64]  # pages with a gap between them

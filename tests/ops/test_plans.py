@@ -61,8 +61,9 @@ def test_a_cuda_plan_is_made_and_checked_once_per_signature(monkeypatch):
 
 
 def test_a_decode_plan_sizes_its_merge_for_the_call_device(monkeypatch):
-    """AttendPlan takes the partials' strides from meta tensors; the merge launch's SM count and PDL switch must
-    still come from the call's device (a meta device reads as "not a GPU": 4 SMs, no PDL)."""
+    """AttendPlan takes the partials' strides from meta tensors; the merge launch's SM count and PDL switch (and the
+    self-merging launch's merge tiling, `merge_work`) must still come from the call's device (a meta device reads as
+    "not a GPU": 4 SMs, no PDL)."""
     from mla_compile.kernels import decode as D
     from mla_compile.kernels import merge as M
 
@@ -73,7 +74,7 @@ def test_a_decode_plan_sizes_its_merge_for_the_call_device(monkeypatch):
     ckv, kpe = torch.randn(4, 64, 512, dtype=torch.bfloat16), torch.randn(4, 64, 64, dtype=torch.bfloat16)
     table, lens = torch.arange(4, dtype=torch.int32).view(2, 2), torch.full((2,), 100, dtype=torch.int32)
     plan = D.decode_plan(qn, qp, ckv, kpe, table, lens, 0.1, splits=3)
-    assert plan.ns == 3 and len(seen) == 2 and all(d == qn.device for d in seen)
+    assert plan.ns == 3 and len(seen) == 3 and all(d == qn.device for d in seen)
 
 
 # ================================================================================ recent signatures (C++ check)
