@@ -304,17 +304,23 @@ def bench_glue(device: str, calls: int) -> dict:
     from mla_compile.kernels import decode as D
     from mla_compile.kernels import dispatch
     from mla_compile.kernels import merge as M
+    from mla_compile.kernels import stage1_launch as S1
 
     t = tensors(device)
     a = (t["qn"], t["qp"], t["ckv"], t["kpe"], t["table"], t["lens"], 0.1)
-    saved = D._stage1_kernel, D._stage1_tma_kernel, M._merge_kernel
-    D._stage1_kernel, D._stage1_tma_kernel, M._merge_kernel = _NoLaunch(), _NoLaunch(), _NoLaunch()
+    names = ("_stage1_kernel", "_stage1_merged_kernel", "_stage1_tma_kernel")
+    saved = [getattr(S1, n) for n in names], M._merge_kernel
+    for n in names:  # where the plans bind them
+        setattr(S1, n, _NoLaunch())
+    M._merge_kernel = _NoLaunch()
     try:
         return {"unplanned cuda entry (dispatch.decode), launches stubbed": host_us(lambda: dispatch.decode(*a), calls),
                 "kernels.decode.decode, launches stubbed": host_us(lambda: D.decode(*a), calls),
                 "kernel choice (dispatch.decode_kernel)": host_us(lambda: dispatch.decode_kernel(*a[:4]), calls)}
     finally:
-        D._stage1_kernel, D._stage1_tma_kernel, M._merge_kernel = saved
+        for n, k in zip(names, saved[0]):
+            setattr(S1, n, k)
+        M._merge_kernel = saved[1]
 
 
 PROFILED = ("mla.decode", "mla.sparse_decode", "mla.merge_states", "mla.fused_linear", "dsa.indexer_topk")

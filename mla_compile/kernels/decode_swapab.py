@@ -65,6 +65,11 @@ BLOCK_T = G.BLOCK_N  # tokens per tile: the MMA's M
 # over a token table (H100, benchmarks/RESULTS.md 2026-12-06); at 16 heads N 16 stays faster (107.7 vs 113.3 us)
 BLOCK_HS = (16, 32, 64)
 TILINGS = ((16, 4), (32, 8), (64, 8))  # every build a config may ask for
+# the most splits a launch that merges its own splits takes (`merged_plan`); more take the merge launch. H100
+# 2026-12-07 (benchmarks/RESULTS.md, twenty-second session), H 16 B 1, GPU us per eager call queued / wall us of
+# back-to-back eager calls, two launches -> one: 16 splits (1K) 6.7 / 32.9 -> 10.4 / 16.0, 32 (2K) 7.2 / 23.0 ->
+# 12.1 / 22.2, 64 (4K) 7.5 / 30.7 -> 19.1 / 19.2: from 64 the GPU pays what the host saves
+MERGED_MAX_SPLITS = 32
 STAGES = 2  # staging slots: a 64-token tile is 72 KB, a third slot passes Hopper's 227 KB
 # The TOKENS form (page-size-1 token tables: the HF pass's) is auto's: alone it beats the Triton kernel on the HF
 # layout (H100, H 16 B 8 32K 107.3 vs 116.1 us; B 1 16.7 vs 30.4), and the HF step with it (H 16 B 8 32K, hf_profile
@@ -387,12 +392,14 @@ def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l,
 def merged_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l, s_on, s_ln, ns, out, lse,
                 tiling: Tiling | None = None):
     """`stage1_plan`'s kernel merging its own splits in the same launch (`_swapab_merged_kernel`; kernels/merge.py,
-    "a split launch that merges itself"): (bound, merge numbers, counter slots), or None where it would not fit one
-    wave (`merge.merge_work`). Launch `bound(<run_stage1's arguments>, counters, out, lse, *merge numbers)`; out
-    [B, H, 512] / lse [B, H] may be meta tensors."""
+    "a split launch that merges itself"): (bound, merge numbers, counter slots), or None over MERGED_MAX_SPLITS splits
+    or where it would not fit one wave (`merge.merge_work`). Launch `bound(<run_stage1's arguments>, counters, out,
+    lse, *merge numbers)`; out [B, H, 512] / lse [B, H] may be meta tensors."""
     B, H, _ = q_nope.shape
     t = tiling or default_tiling(H)
     groups = B * cdiv(H, t.N)
+    if ns > MERGED_MAX_SPLITS:
+        return None
     work = merge_work(ns, B * H, R, q_nope.device, groups * ns)
     if work is None:
         return None

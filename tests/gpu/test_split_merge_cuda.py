@@ -139,10 +139,14 @@ def test_eager_call_merges_its_splits_in_one_launch(case, launched):
 
 @pytest.mark.skipif(not SM90, reason="the swap-AB kernel is sm_90's")
 def test_one_request_on_sm90_takes_the_swapab_merged_kernel(launched):
-    b, qn, qp = _paged([4000], 16, 64, seed=5)
+    b, qn, qp = _paged([1000], 16, 64, seed=5)  # 16 splits
     launched.clear()
     torch.ops.mla.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.1)
     assert launched == ["_swapab_merged_kernel"]
+    b, qn, qp = _paged([4000], 16, 64, seed=5)  # 64 splits: over decode_swapab.MERGED_MAX_SPLITS
+    launched.clear()
+    torch.ops.mla.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.1)
+    assert launched == ["_swapab_kernel", "_merge_kernel"]
     b, qn, qp = _paged([4000] * 4, 16, 64, seed=5)  # 132 stage-1 programs: no room for merge items in one wave
     launched.clear()
     torch.ops.mla.decode(qn, qp, b.ckv_cache, b.kpe_cache, b.block_table, b.seq_lens, 0.1)
