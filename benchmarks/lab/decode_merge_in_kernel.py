@@ -25,6 +25,7 @@ from triton.testing import do_bench_cudagraph
 from mla_compile import paged
 from mla_compile.kernels import decode as D
 from mla_compile.kernels import dispatch
+from linear_sum_in_kernel import queued_us  # this folder's: GPU us per call queued behind a sleep kernel
 
 BF16 = torch.bfloat16
 SHAPES = {  # name: (H, lens, page size, sparse top-k or 0)
@@ -42,21 +43,6 @@ SHAPES = {  # name: (H, lens, page size, sparse top-k or 0)
     "H32 B2 2K page 16": (32, [2048] * 2, 16, 0),
 }
 MODES = {"two launches": False, "one launch (scratch counters)": None, "one launch (memset)": True}
-
-
-def queued_us(fn, calls: int = 200) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(calls * 100e-6 * 2e9))
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def wall_us(fn, calls: int = 300) -> float:
