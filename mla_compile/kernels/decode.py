@@ -184,8 +184,9 @@ class AttendPlan:
     stage-1 launch itself (`_stage1_merged_kernel`, `decode_swapab._swapab_merged_kernel`: one launch, not two;
     kernels/merge.py) where zeroed counters are at hand (None: on the legacy default stream, kernels/scratch.py, so
     eager calls and default-mode compiled graphs; CUDA-graph capture and side streams keep the two launches, so graph
-    replays are unchanged), always (True: zeroed counters allocated per call) or never (False). The other stage-1
-    kernels always take two launches."""
+    replays are unchanged), always (True: zeroed counters allocated per call) or never (False). Either way only where
+    the kernel has that build and the launch fits one wave (`merge.merge_work`, `decode_swapab.merged_plan`); the
+    other stage-1 kernels, and calls past one wave, take two launches."""
 
     def __init__(self, q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, indices, sm_scale, capacity,
                  cfg: DecodeConfig | None, splits: int | None, n_query: int = 1, ckv_scale=None, outer=None,
