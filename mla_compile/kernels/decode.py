@@ -224,9 +224,11 @@ class AttendPlan:
         self.partial_shapes = ((ns, B, H, R), (ns, B, H))
         # strides of what the kernels write: the final out / lse with one split, else the partials
         meta = torch.device("meta")
-        o, l = ((torch.empty(self.out_shape, device=meta), torch.empty(self.lse_shape, device=meta)) if ns == 1 else
-                (torch.empty(self.partial_shapes[0], device=meta), torch.empty(self.partial_shapes[1], device=meta)))
+        final = torch.empty(self.out_shape, device=meta), torch.empty(self.lse_shape, device=meta)
+        o, l = final if ns == 1 else (torch.empty(self.partial_shapes[0], device=meta),
+                                      torch.empty(self.partial_shapes[1], device=meta))
         s_on, s_ln = (0, 0) if ns == 1 else (o.stride(0), l.stride(0))
+        wants_merged = ns > 1 and merge_in_kernel is not False  # a build that merges its own splits, if it has one
         # several query tokens: the pointer kernel or a Gluon one (their rows carry per-token limits; the Triton TMA
         # kernel takes one limit per request)
         if fp8:  # the FP8 Gluon kernel (decode_fp8_swapab.py) or the pointer kernels' FP8 paths (`_pointer_stage1`)
@@ -244,11 +246,10 @@ class AttendPlan:
                                       cfg)
         elif self.kind == "pointer":
             table = indices if self.sparse else block_table
-            merged_into = None if merge_in_kernel is False or ns == 1 else (
-                torch.empty(self.out_shape, device=meta), torch.empty(self.lse_shape, device=meta))
             self.stage1, self.numbers, self.merged = _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table,
                                                                      self.sparse, seq_lens, sm_scale, o, l, s_on,
-                                                                     s_ln, ns, cfg, n_query, ckv_scale, merged_into)
+                                                                     s_ln, ns, cfg, n_query, ckv_scale,
+                                                                     final if wants_merged else None)
         elif self.kind == "fp8_swapab":
             self.stage1 = _fp8_swapab.stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, ckv_scale, block_table, sm_scale,
                                                   o, l, s_on, s_ln, ns)
@@ -256,10 +257,8 @@ class AttendPlan:
             tiling = _swapab.Tiling(cfg.block_h, cfg.num_warps)
             self.stage1 = _swapab.stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l, s_on,
                                               s_ln, ns, tiling)
-            if ns > 1 and merge_in_kernel is not False:
-                self.merged = _swapab.merged_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l,
-                                                  s_on, s_ln, ns, torch.empty(self.out_shape, device=meta),
-                                                  torch.empty(self.lse_shape, device=meta), tiling)
+            if wants_merged:
+                self.merged = _swapab.merged_plan(self.stage1, q_nope, ckv_cache, ns, *final, tiling)
         elif self.kind == "seesaw":
             self.stage1 = _seesaw.stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o,
                                               l, s_on, s_ln, ns, n_query)
@@ -267,8 +266,7 @@ class AttendPlan:
             self.stage1 = _wgmma.stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, seq_lens, sm_scale, o, l,
                                              s_on, s_ln, ns, indices, n_query)
         if ns > 1:
-            out = torch.empty(self.out_shape, device=meta)
-            self.merge = merge_bound(o, l, out, torch.empty(self.lse_shape, device=meta), q_nope.device)
+            self.merge = merge_bound(o, l, *final, q_nope.device)
             # float32 partial outs: q's half precision halves their bytes but was slower at short split shapes and
             # no faster elsewhere (H200 2026-12-03, two runs whose peers agreed within 2% there: H 16 B 32 1K 20.9
             # -> 28.9 us, H 128 B 32 1K 40.5 -> 58.8, H 128 B 8 1K 19.0 -> 25.7)
@@ -333,20 +331,26 @@ class AttendPlan:
 
         return run_split
 
+    def _merged_launch(self):
+        """`launch(q_nope, q_pe, ckv_cache, kpe_cache, table, seq_lens, ckv_scale, o, l, counters, out, lse)`: the
+        build that merges its own splits (`self.merged`), launched as `_stage1_launch`'s stage 1 with the counters,
+        the final out / lse and the merge's numbers after stage 1's arguments."""
+        merged, tail, _ = self.merged
+        if self.kind == "swapab":  # run_stage1's order: the caches twice (the descriptors' bases, then pointers)
+            numbers = self.stage1[2]
+            return lambda qn, qp, ckv, kpe, table, lens, scale, o, l, counters, out, lse: merged(
+                qn, qp, ckv, kpe, ckv, kpe, table, lens, o, l, *numbers, counters, out, lse, *tail)
+        numbers, sparse = self.numbers, self.sparse  # the pointer kernel, in `_stage1_launch`'s order
+        return lambda qn, qp, ckv, kpe, table, lens, scale, o, l, counters, out, lse: merged(
+            qn, qp, ckv, kpe, table, table if sparse else lens, o, l, o if scale is None else scale, *numbers,
+            counters, out, lse, *tail)
+
     def _merged_runner(self, launch):
         """`_runner`'s split call where stage 1 merges its splits itself (`merge_in_kernel`): one launch; with
         counters from the scratch (None) two launches where it hands none out."""
         fresh_out, fresh_lse, copies, partials = self.fresh_out, self.fresh_lse, self.copies, self.partials.get
         merge, merge_numbers = self.merge
-        merged, merged_numbers, slots = self.merged
-        numbers, sparse = self.stage1[2] if self.kind == "swapab" else self.numbers, self.sparse
-        if self.kind == "swapab":  # the Gluon kernel: the caches twice (its descriptors' bases, then pointers)
-            def launch_merged(qn, qp, ckv, kpe, table, lens, scale, o, l, counters, out, lse):
-                merged(qn, qp, ckv, kpe, ckv, kpe, table, lens, o, l, *numbers, counters, out, lse, *merged_numbers)
-        else:  # the Triton pointer kernel (a sparse call's indices stand in for the lengths, as in stage 1)
-            def launch_merged(qn, qp, ckv, kpe, table, lens, scale, o, l, counters, out, lse):
-                merged(qn, qp, ckv, kpe, table, table if sparse else lens, o, l, o if scale is None else scale,
-                       *numbers, counters, out, lse, *merged_numbers)
+        launch_merged, slots = self._merged_launch(), self.merged[2]
 
         if self.merge_in_kernel:  # always: zeroed counters of its own per call (a memset, which graphs capture)
             zeroed = functools.partial(torch.zeros, slots, dtype=torch.int32, device=self.device)

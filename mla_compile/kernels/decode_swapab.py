@@ -49,7 +49,7 @@ import functools
 from . import _gluon as G
 from ._launch import bind, templated_at
 from ._util import cdiv
-from .merge import arrive, leave_group, merge_work, merged_counters, take_ticket, wait_for_group
+from .merge import arrive, leave_group, merge_work, take_ticket, wait_for_group
 
 if G.gluon is not None:
     from triton.experimental import gluon
@@ -389,22 +389,18 @@ def stage1_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l,
     return bound, templates, numbers
 
 
-def merged_plan(q_nope, q_pe, ckv_cache, kpe_cache, block_table, sm_scale, o, l, s_on, s_ln, ns, out, lse,
-                tiling: Tiling | None = None):
-    """`stage1_plan`'s kernel merging its own splits in the same launch (`_swapab_merged_kernel`; kernels/merge.py,
-    "a split launch that merges itself"): (bound, merge numbers, counter slots), or None over MERGED_MAX_SPLITS splits
-    or where it would not fit one wave (`merge.merge_work`). Launch `bound(<run_stage1's arguments>, counters, out,
-    lse, *merge numbers)`; out [B, H, 512] / lse [B, H] may be meta tensors."""
+def merged_plan(plan, q_nope, ckv_cache, ns, out, lse, tiling: Tiling | None = None):
+    """`stage1_plan`'s kernel (`plan`: its answer for this call) merging its own splits in the same launch
+    (`_swapab_merged_kernel`; kernels/merge.py, "a split launch that merges itself"): (bound, merge numbers, counter
+    slots), or None over MERGED_MAX_SPLITS splits or where it would not fit one wave (`merge.merge_work`). Launch
+    `bound(<run_stage1's arguments>, counters, out, lse, *merge numbers)`; out [B, H, 512] / lse [B, H] may be meta
+    tensors. The same descriptor templates and numbers as `plan`."""
     B, H, _ = q_nope.shape
     t = tiling or default_tiling(H)
-    groups = B * cdiv(H, t.N)
-    if ns > MERGED_MAX_SPLITS:
-        return None
-    work = merge_work(ns, B * H, R, q_nope.device, groups * ns)
+    work = merge_work(ns, out, lse, B * cdiv(H, t.N), q_nope.device) if ns <= MERGED_MAX_SPLITS else None
     if work is None:
         return None
-    work, n_merge = work
-    bound = bind(_swapab_merged_kernel, (groups * ns + n_merge,),
-                 templated_at(2, G.descriptor_templates(ckv_cache, kpe_cache)), **t.constexprs(ckv_cache.shape[1]),
+    work, tail, slots, programs = work
+    bound = bind(_swapab_merged_kernel, (programs,), templated_at(2, plan[1]), **t.constexprs(ckv_cache.shape[1]),
                  **work, num_warps=t.warps, **G.pdl_launch(q_nope.device))
-    return bound, (out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), B, n_merge), merged_counters(groups)
+    return bound, tail, slots

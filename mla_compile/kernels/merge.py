@@ -156,10 +156,12 @@ def merge_when_arrived(C, item, n_items, B, O, L, Out, Lse, N, H, R,
     leave_group(C, item, n_items, B, H, N, GROUP_H)
 
 
-def merge_work(N: int, rows: int, R: int, device, split_programs: int) -> tuple[dict, int] | None:
-    """(the self-merging kernels' constexprs MERGE_N, MERGE_R, MERGE_ONE_PASS: `merge_when_arrived`'s BLOCK_N,
-    BLOCK_R, ONE_PASS; its number of items) for N parts of `rows` rows of width R behind `split_programs` stage-1
-    programs, or None where that launch would not fit one wave.
+def merge_work(N: int, out, lse, groups: int, device) -> tuple[dict, tuple, int, int] | None:
+    """What a self-merging stage-1 launch of N splits over `groups` (request, head block) groups takes beside its
+    stage-1 arguments, writing out [B, H, R] / lse [B, H] (meta tensors will do: their strides are read): (the
+    constexprs MERGE_N, MERGE_R, MERGE_ONE_PASS: `merge_when_arrived`'s BLOCK_N, BLOCK_R, ONE_PASS; the numbers after
+    C, Out, Lse: out's and lse's strides, B, the merge items; the counter slots; the grid), or None where that launch
+    would not fit one wave.
 
     One wave: on a GPU the stage-1 programs and every merge item must fit one program per SM (the swap-AB kernel's
     shared memory allows no more), column blocks widened from `_merge_kernel`'s tiling until they do. A merge program
@@ -168,8 +170,9 @@ def merge_work(N: int, rows: int, R: int, device, split_programs: int) -> tuple[
     60.0 in one launch of 132 stage-1 + 256 merge programs, B 1 1K 6.3 vs 10.3 at 16 + 128. Under the interpreter
     (CPU tensors) `_merge_kernel`'s tiling as it is."""
     device = torch.device(device)
-    sms = sm_count(device)
-    block_n, block_r, grid = _tiles(N, rows, R, sms)
+    B, H, R = out.shape
+    rows, split_programs, sms = B * H, groups * N, sm_count(device)
+    block_n, block_r, _ = _tiles(N, rows, R, sms)
     if device.type == "cuda":
         while split_programs + rows * cdiv(R, block_r) > sms and block_r < next_power_of_2(max(R, 1)):
             block_r *= 2
@@ -177,12 +180,8 @@ def merge_work(N: int, rows: int, R: int, device, split_programs: int) -> tuple[
             return None
         block_n = min(next_power_of_2(N), _parts_per_tile(block_r))
     items = rows * max(1, cdiv(R, block_r))
-    return dict(MERGE_N=block_n, MERGE_R=block_r, MERGE_ONE_PASS=N <= block_n), items
-
-
-def merged_counters(groups: int) -> int:
-    """Counter slots a self-merging split launch of `groups` (request, head block) groups takes."""
-    return 2 + groups
+    return (dict(MERGE_N=block_n, MERGE_R=block_r, MERGE_ONE_PASS=N <= block_n),
+            (out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), B, items), 2 + groups, split_programs + items)
 
 
 _TILE = 8192  # elements of one [parts, R] tile per program (keeps it in registers)

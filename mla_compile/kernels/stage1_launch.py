@@ -13,7 +13,7 @@ from ._util import block, cdiv, dot_mode, pdl_launch, query_limit_args, slot_str
 from . import decode_fp8 as _fp8
 from . import decode_wgmma as _wgmma
 from .decode_stage1 import _stage1_kernel, _stage1_merged_kernel, _stage1_tma_kernel
-from .merge import merge_work, merged_counters
+from .merge import merge_work
 from ..fp8 import GROUP as FP8_GROUP
 
 if TYPE_CHECKING:
@@ -99,15 +99,12 @@ def _pointer_stage1(q_nope, q_pe, ckv_cache, kpe_cache, table, sparse: bool, seq
                table.stride(0), s_sp, s_ss,
                s_on, so[-3], so[-2], s_ln, sl[-2], sl[-1],
                ns, *query_limit_args(seq_lens, n_query, H))
-    merged, groups = None, B * cdiv(H, cfg.block_h)
-    work = merge_work(ns, B * H, R, q_nope.device, groups * ns) if merged_into is not None and ns > 1 else None
+    merged = None
+    work = merge_work(ns, *merged_into, B * cdiv(H, cfg.block_h), q_nope.device) if merged_into and ns > 1 else None
     if work is not None and kernel is _stage1_kernel:
-        out, lse = merged_into
-        work, n_merge = work
-        merged_bound = bind(_stage1_merged_kernel, (groups * ns + n_merge,), **constexprs, **work,
-                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(q_nope.device))
-        merged = (merged_bound, (out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), B, n_merge),
-                  merged_counters(groups))
+        work, tail, slots, programs = work
+        merged = (bind(_stage1_merged_kernel, (programs,), **constexprs, **work, num_warps=cfg.num_warps,
+                       num_stages=cfg.num_stages, **pdl_launch(q_nope.device)), tail, slots)
     return bound, numbers, merged
 
 
